@@ -1,0 +1,47 @@
+"""Engine configuration: one frozen object, validated at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "tiny-granite-hybrid"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the in-process engine needs to start.
+
+    max_model_len: longest prompt + output in tokens; None takes the model's
+        max_position_embeddings.
+    block_size: tokens per KV block.
+    max_num_batched_tokens: token budget of one step (prefill chunks plus decode tokens).
+    max_num_seqs: most requests running at once (also the number of recurrent state slots).
+    kv_cache_bytes / state_cache_bytes: memory budgets; the block count and the state slot
+        count are derived from them (state slots are also capped by max_num_seqs).
+    """
+
+    model_dir: str = str(DEFAULT_MODEL_DIR)
+    max_model_len: int | None = None
+    block_size: int = 16
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 16
+    kv_cache_bytes: int = 64 * 1024 * 1024
+    state_cache_bytes: int = 64 * 1024 * 1024
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.kv_cache_bytes <= 0 or self.state_cache_bytes <= 0:
+            raise ValueError("kv_cache_bytes and state_cache_bytes must be positive")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")

@@ -1,0 +1,73 @@
+"""What one model forward pass sees: a flat batch of token chunks plus the cache tensors.
+
+The runner builds a ForwardBatch from the scheduler's output; the model reads it and writes
+the caches in place. Chunks are concatenated in order: chunk i covers rows
+cu_seqlens[i]:cu_seqlens[i+1] of input_ids, positions and slot_mapping.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SequenceChunk:
+    """One request's slice of the step.
+
+    start_position: tokens of this sequence already held in its KV blocks and state slot.
+    num_tokens: tokens fed in this step (1 for decode).
+    block_table: KV block ids covering positions [0, start_position + num_tokens).
+    state_slot: row of the recurrent state tensors owned by this request.
+    reset_state: start the recurrence from zero (the first chunk of a prefill that restored
+        nothing); otherwise continue from what the state slot holds.
+    """
+
+    state_slot: int
+    start_position: int
+    num_tokens: int
+    block_table: tuple[int, ...]
+    reset_state: bool
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    input_ids: torch.Tensor  # (T,) int64
+    positions: torch.Tensor  # (T,) int64, absolute position of every token in its sequence
+    slot_mapping: torch.Tensor  # (T,) int64, block_id * block_size + offset where K/V are written
+    chunks: tuple[SequenceChunk, ...]
+    cu_seqlens: tuple[int, ...]  # (S + 1,) chunk boundaries in the flat token axis
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+@dataclass
+class ModelCaches:
+    """The tensors that outlive a step, indexed by decoder layer index.
+
+    key_cache[l], value_cache[l]: (num_blocks, block_size, num_kv_heads, head_dim), attention layers.
+    conv_state[l]: (num_state_slots, conv_dim, conv_kernel - 1), the last conv inputs, Mamba layers.
+    ssm_state[l]: (num_state_slots, num_heads, head_dim, state_size), fp32, Mamba layers.
+    """
+
+    block_size: int
+    key_cache: dict[int, torch.Tensor]
+    value_cache: dict[int, torch.Tensor]
+    conv_state: dict[int, torch.Tensor]
+    ssm_state: dict[int, torch.Tensor]
+
+    def copy_state_slot(self, src_slot: int, dst_slot: int) -> None:
+        """Copy one request's recurrent state (every Mamba layer) into another slot."""
+        for layer, conv in self.conv_state.items():
+            conv[dst_slot].copy_(conv[src_slot])
+            self.ssm_state[layer][dst_slot].copy_(self.ssm_state[layer][src_slot])
+
+    def read_state_slot(self, slot: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """A detached copy of one slot's state: layer -> (conv_state, ssm_state)."""
+        return {
+            layer: (conv[slot].clone(), self.ssm_state[layer][slot].clone())
+            for layer, conv in self.conv_state.items()
+        }
