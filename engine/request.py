@@ -1,0 +1,95 @@
+"""A request as the scheduler tracks it: its tokens, its progress and the cache it holds."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the model's context length
+    ABORT = "abort"  # cancelled by the client
+    ERROR = "error"  # the engine failed while running it
+
+
+@dataclass
+class Request:
+    """One generation request.
+
+    Progress rule: num_computed_tokens chases num_tokens. Prefill, chunked prefill and decode
+    are the same rule; a request whose computed count reaches num_tokens gets a sampled token,
+    which makes num_tokens one larger.
+
+    block_ids cover positions [0, num_computed_tokens + scheduled tokens); state_slot is the
+    recurrent state row, None while the request holds no cache (waiting or preempted).
+    pause_positions: positions at which a prefill chunk must end (sorted, ascending), so the
+    request's recurrent state and last hidden row can be read exactly there.
+    """
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    arrival_index: int
+    pause_positions: tuple[int, ...] = ()
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    block_ids: list[int] = field(default_factory=list)
+    state_slot: int | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_slice(self, start: int, end: int) -> tuple[int, ...]:
+        """Token ids at positions [start, end) of prompt + output."""
+        prompt_len = len(self.prompt_token_ids)
+        if end <= prompt_len:
+            return self.prompt_token_ids[start:end]
+        head = self.prompt_token_ids[start:prompt_len] if start < prompt_len else ()
+        tail = self.output_token_ids[max(start - prompt_len, 0) : end - prompt_len]
+        return tuple(head) + tuple(tail)
+
+    def next_pause_after(self, position: int) -> int | None:
+        """The first pause position strictly after `position`, or None."""
+        for pause in self.pause_positions:
+            if pause > position:
+                return pause
+        return None
+
+
+def token_stop_reason(request: Request, max_model_len: int) -> FinishReason | None:
+    """Why the request must stop after its latest output token, judged on token ids alone.
+
+    EOS (unless ignore_eos) and stop token ids count only once min_tokens were generated.
+    Stop strings are judged on text by the output processor, not here.
+    """
+    params = request.sampling
+    last = request.output_token_ids[-1]
+    if request.num_output_tokens >= params.min_tokens:
+        if not params.ignore_eos and last in params.eos_token_ids:
+            return FinishReason.STOP
+        if last in params.stop_token_ids:
+            return FinishReason.STOP
+    if request.num_output_tokens >= params.max_tokens or request.num_tokens >= max_model_len:
+        return FinishReason.LENGTH
+    return None

@@ -1,0 +1,74 @@
+"""Turn logits rows into tokens, one row per sampling request.
+
+Greedy rows take the argmax. Random rows apply temperature, then top-k, then top-p, and draw
+from the request's own torch.Generator, so a seeded request gets the same tokens whatever else
+shares its batch. min_tokens is enforced by masking EOS and stop token ids.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+class Sampler:
+    def __init__(self, seed: int = 0, device: str | torch.device = "cpu") -> None:
+        self.device = torch.device(device)
+        self._default_generator = torch.Generator(device=self.device)
+        self._default_generator.manual_seed(seed)
+        self._request_generators: dict[str, torch.Generator] = {}
+
+    def forget(self, request_ids: tuple[str, ...] | list[str]) -> None:
+        """Drop the per-request RNGs of requests that ended."""
+        for request_id in request_ids:
+            self._request_generators.pop(request_id, None)
+
+    def sample(
+        self,
+        logits: torch.Tensor,  # (n, V) fp32
+        request_ids: list[str],
+        params: list[SamplingParams],
+        num_output_tokens: list[int],
+    ) -> list[int]:
+        """One token per row. `logits` is masked in place for min_tokens."""
+        for row, (sampling, generated) in enumerate(zip(params, num_output_tokens)):
+            if generated < sampling.min_tokens:
+                banned = list(sampling.stop_token_ids)
+                if not sampling.ignore_eos:
+                    banned += list(sampling.eos_token_ids)
+                if banned:
+                    logits[row, banned] = float("-inf")
+
+        tokens = torch.argmax(logits, dim=-1).tolist()
+        for row, sampling in enumerate(params):
+            if not sampling.greedy:
+                generator = self._generator_for(request_ids[row], sampling)
+                tokens[row] = sample_row(logits[row], sampling, generator)
+        return tokens
+
+    def _generator_for(self, request_id: str, sampling: SamplingParams) -> torch.Generator:
+        if sampling.seed is None:
+            return self._default_generator
+        generator = self._request_generators.get(request_id)
+        if generator is None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(sampling.seed)
+            self._request_generators[request_id] = generator
+        return generator
+
+
+def sample_row(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator) -> int:
+    """Draw one token from a (V,) logits row with temperature, top-k and top-p."""
+    scaled = logits / sampling.temperature
+    if 0 < sampling.top_k < scaled.shape[-1]:
+        kth_value = torch.topk(scaled, sampling.top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth_value, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if sampling.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        sorted_probs = sorted_probs.masked_fill(mass_before >= sampling.top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=generator).item())
