@@ -1,0 +1,137 @@
+"""An asyncio face for LLMEngine: a background thread runs the step loop.
+
+Callers on an event loop `generate()` and iterate outputs. Commands (add, abort) reach the
+step thread through a queue and are applied between steps, so the engine is only ever touched
+by one thread. Closing or cancelling a generate() iterator aborts its request, which frees its
+blocks and state slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+
+from cache.cache_manager import PoolUsage
+from engine.llm_engine import LLMEngine
+from engine.output_processor import RequestOutput
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run_loop, name="engine-step-loop", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ public API
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling: SamplingParams,
+        pause_positions: Sequence[int] = (),
+    ) -> AsyncIterator[RequestOutput]:
+        """Add a request and yield its outputs until the finished one.
+
+        Raises InvalidRequestError (before yielding anything) if the engine refuses it.
+        """
+        loop = asyncio.get_running_loop()
+        stream = _Stream(loop)
+        accepted: asyncio.Future[None] = loop.create_future()
+
+        def add() -> None:
+            try:
+                self.engine.add_request(request_id, prompt_token_ids, sampling, pause_positions)
+            except Exception as exc:  # handed back to the caller, who raises it
+                loop.call_soon_threadsafe(_settle, accepted, exc)
+                return
+            self._streams[request_id] = stream
+            loop.call_soon_threadsafe(_settle, accepted, None)
+
+        self._submit(add)
+        try:
+            await accepted  # a refused request raises here
+        except asyncio.CancelledError:
+            self.abort(request_id)  # the add may still have gone through
+            raise
+        finished = False
+        try:
+            while not finished:
+                output = await stream.outputs.get()
+                finished = output.finished
+                yield output
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request (no-op if unknown or already finished)."""
+        self._submit(lambda: self.engine.abort_request(request_id))
+
+    def pool_usage(self) -> PoolUsage:
+        return self.engine.pool_usage()
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._wakeup.set()
+        self._thread.join(timeout=10)
+
+    # ------------------------------------------------------------------ step thread
+
+    def _submit(self, command: Callable[[], None]) -> None:
+        self._commands.put(command)
+        self._wakeup.set()
+
+    def _run_loop(self) -> None:
+        while not self._stopped:
+            while not self._commands.empty():
+                self._commands.get()()
+            if not self.engine.has_unfinished_requests():
+                self._wakeup.wait()
+                self._wakeup.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # a failed step fails its requests, never the loop
+                logger.exception("engine step failed")
+                self.engine.fail_all(f"engine step failed: {exc!r}")
+                continue
+            for output in outputs:
+                self._deliver(output)
+
+    def _deliver(self, output: RequestOutput) -> None:
+        stream = self._streams.get(output.request_id)
+        if stream is None:
+            return
+        if output.finished:
+            del self._streams[output.request_id]
+        stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, output)
+
+
+def _settle(future: asyncio.Future, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)

@@ -1,0 +1,149 @@
+"""The in-process engine: one object that takes requests and yields outputs.
+
+Tests, benchmarks and the GPU machine use it directly; the Ray scheduler actor wraps it (with
+an executor that forwards steps to worker actors) rather than re-implementing it.
+
+    engine = LLMEngine(EngineConfig())
+    engine.add_request("r1", prompt_token_ids, SamplingParams(max_tokens=8, temperature=0))
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            print(output.new_text, end="")
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+from transformers import AutoTokenizer
+
+from cache.cache_manager import CacheManager, PoolUsage
+from engine.config import EngineConfig
+from engine.model_config import load_model_config
+from engine.output_processor import OutputProcessor, RequestOutput
+from engine.request import FinishReason, Request
+from engine.sampling_params import InvalidRequestError, SamplingParams
+from engine.scheduler import Scheduler
+from engine.step_io import RunnerOutput, SchedulerOutput
+from engine.worker import CacheCapacity, Worker
+
+__all__ = ["LLMEngine", "ModelExecutor", "RequestOutput", "PoolUsage"]
+
+
+class ModelExecutor(Protocol):
+    """Runs steps on the model: a Worker in process, or an adapter to worker actors."""
+
+    def cache_capacity(self) -> CacheCapacity: ...
+
+    def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput: ...
+
+
+@dataclass(frozen=True)
+class StepTrace:
+    """What the last step ran and returned (for tests and diagnostics)."""
+
+    scheduler_output: SchedulerOutput
+    runner_output: RunnerOutput
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, executor: ModelExecutor | None = None) -> None:
+        self.config = config
+        self.executor: ModelExecutor = executor if executor is not None else Worker(config)
+        capacity = self.executor.cache_capacity()
+        self.max_model_len = capacity.max_model_len
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model_dir)
+        model_config = load_model_config(config.model_dir)
+        self.vocab_size = model_config.vocab_size
+        self.eos_token_ids = _eos_token_ids(model_config.eos_token_ids, self.tokenizer.eos_token_id)
+        self.scheduler = Scheduler(
+            CacheManager(capacity.num_blocks, capacity.num_state_slots, capacity.block_size),
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=capacity.max_model_len,
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.last_step: StepTrace | None = None
+        self._arrival_counter = itertools.count()
+        self._pending_outputs: list[RequestOutput] = []
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling: SamplingParams,
+        pause_positions: Sequence[int] = (),
+    ) -> None:
+        """Queue a request. Raises InvalidRequestError if it can never run.
+
+        pause_positions: prompt positions at which a prefill chunk must end (see Request).
+        """
+        prompt = tuple(int(t) for t in prompt_token_ids)
+        if not prompt:
+            raise InvalidRequestError("the prompt is empty")
+        if any(t < 0 or t >= self.vocab_size for t in prompt):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})")
+        if len(prompt) + sampling.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but the "
+                f"request asks for {len(prompt)} prompt tokens plus {sampling.max_tokens} "
+                "output tokens; shorten the prompt or lower max_tokens"
+            )
+        if request_id in self.scheduler.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if any(not 0 < p <= len(prompt) for p in pause_positions):
+            raise InvalidRequestError(f"pause positions must lie in [1, {len(prompt)}]")
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            sampling=replace(sampling, eos_token_ids=self.eos_token_ids),
+            arrival_index=next(self._arrival_counter),
+            pause_positions=tuple(sorted(set(pause_positions))),
+        )
+        self.scheduler.add_request(request)
+        self.output_processor.add_request(request)
+
+    def abort_request(self, request_id: str) -> None:
+        """Cancel a request; its blocks and state slot are freed now and it yields a final
+        output with finish_reason "abort" from the next step(). Unknown ids are ignored."""
+        self._finish(request_id, FinishReason.ABORT)
+
+    def fail_all(self, message: str) -> None:
+        """End every request with finish_reason "error" (the executor failed)."""
+        for request_id in list(self.scheduler.requests):
+            self._finish(request_id, FinishReason.ERROR, message)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self._pending_outputs)
+
+    def pool_usage(self) -> PoolUsage:
+        return self.scheduler.usage()
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, execute, update, emit: one step of every running request."""
+        scheduler_output = self.scheduler.schedule()
+        runner_output = RunnerOutput()
+        if scheduler_output.chunks or scheduler_output.finished_request_ids:
+            runner_output = self.executor.execute(scheduler_output)
+        self.last_step = StepTrace(scheduler_output, runner_output)
+        updated = self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs = self.output_processor.process(updated, runner_output)
+        for output in outputs:
+            if output.finished and output.request_id in self.scheduler.requests:
+                self.scheduler.finish_request(output.request_id, FinishReason.STOP)  # stop string
+        pending, self._pending_outputs = self._pending_outputs, []
+        return pending + outputs
+
+    def _finish(self, request_id: str, reason: FinishReason, error: str | None = None) -> None:
+        request = self.scheduler.finish_request(request_id, reason)
+        if request is not None:
+            self._pending_outputs.append(self.output_processor.finish(request, error))
+
+
+def _eos_token_ids(config_eos: Sequence[int], tokenizer_eos: int | None) -> tuple[int, ...]:
+    ids = list(config_eos)
+    if tokenizer_eos is not None and tokenizer_eos not in ids:
+        ids.append(tokenizer_eos)
+    return tuple(ids)

@@ -1,0 +1,131 @@
+"""Turn the scheduler's per-token progress into client-facing outputs: text deltas and stops.
+
+Per request it keeps an incremental detokenizer and a stop-string filter. Stop strings are
+matched on text; the filter holds back the last (longest stop - 1) characters while streaming so
+a stop string split across tokens is never partly emitted, and releases them when the request
+ends for another reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.request import FinishReason, Request, RequestStatus
+from engine.step_io import RunnerOutput
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one step produced for one request.
+
+    new_text is a valid UTF-8 delta with stop strings cut; finish_reason is "stop", "length",
+    "abort" or "error" on the last output, None before. logits holds the fp32 logits row of the
+    new token when SamplingParams.return_logits is set.
+    """
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int = 0
+    error: str | None = None
+    logits: torch.Tensor | None = None
+
+
+class StopStringFilter:
+    """Emits text deltas, cutting at the first stop string and holding back a possible prefix."""
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self.stops = stops
+        self._hold = max((len(s) for s in stops), default=1) - 1
+        self._pending = ""
+
+    def feed(self, delta: str, final: bool) -> tuple[str, bool]:
+        """Returns (text to emit now, whether a stop string was found)."""
+        buffer = self._pending + delta
+        hits = [i for i in (buffer.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self._pending = ""
+            return buffer[: min(hits)], True
+        if final or self._hold == 0:
+            self._pending = ""
+            return buffer, False
+        cut = max(len(buffer) - self._hold, 0)
+        self._pending = buffer[cut:]
+        return buffer[:cut], False
+
+
+@dataclass
+class _TextState:
+    detokenizer: IncrementalDetokenizer
+    stop_filter: StopStringFilter
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._states: dict[str, _TextState] = {}
+
+    def add_request(self, request: Request) -> None:
+        self._states[request.request_id] = _TextState(
+            IncrementalDetokenizer(self.tokenizer, list(request.prompt_token_ids)),
+            StopStringFilter(request.sampling.stop),
+        )
+
+    def process(self, updated: list[Request], runner_output: RunnerOutput) -> list[RequestOutput]:
+        """One output per request that received a token. An output whose text hit a stop
+        string is marked finished with reason "stop"; the caller ends that request."""
+        outputs = []
+        for request in updated:
+            state = self._states[request.request_id]
+            token = request.output_token_ids[-1]
+            finished = request.status is RequestStatus.FINISHED
+            reason = request.finish_reason.value if finished else None
+            delta = "" if _is_stop_token(request, token) else state.detokenizer.add_token(token)
+            text, hit_stop_string = state.stop_filter.feed(delta, final=finished)
+            if hit_stop_string:
+                finished, reason = True, FinishReason.STOP.value
+            if finished:
+                del self._states[request.request_id]
+            outputs.append(
+                RequestOutput(
+                    request_id=request.request_id,
+                    new_token_ids=(token,),
+                    new_text=text,
+                    finished=finished,
+                    finish_reason=reason,
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    num_output_tokens=request.num_output_tokens,
+                    logits=runner_output.logits.get(request.request_id),
+                )
+            )
+        return outputs
+
+    def finish(self, request: Request, error: str | None = None) -> RequestOutput:
+        """The final output of a request ended from outside (abort or error): no new tokens."""
+        self._states.pop(request.request_id, None)
+        assert request.finish_reason is not None
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=(),
+            new_text="",
+            finished=True,
+            finish_reason=request.finish_reason.value,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            error=error,
+        )
+
+
+def _is_stop_token(request: Request, token: int) -> bool:
+    """A finishing EOS or stop token id produces no text."""
+    if request.finish_reason is not FinishReason.STOP:
+        return False
+    params = request.sampling
+    return token in params.stop_token_ids or (not params.ignore_eos and token in params.eos_token_ids)
