@@ -1,0 +1,298 @@
+"""OpenAI-compatible request, response and error models: the typed edge of the API.
+
+Requests validate shape and ranges here (pydantic); the FastAPI ingress turns every validation
+error into an OpenAI error body with HTTP 400. The same objects are the Python handle API:
+`await handle.chat.remote(ChatCompletionRequest(...))` returns a ChatCompletionResponse.
+
+Supported beyond OpenAI (as in vLLM): top_k, stop_token_ids, ignore_eos, min_tokens.
+Unknown fields are ignored; known OpenAI features this server does not implement (n > 1,
+logprobs, tools, non-text response formats, echo, suffix, best_of > 1) are rejected with 400
+rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
+
+# ----- requests
+
+
+class TextContentPart(BaseModel):
+    """One part of a list-valued message content; only text parts are supported."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """A conversation message. Roles are the ones the chat template knows."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextContentPart]
+    name: str | None = None
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    """Sampling fields shared by chat and completions (ranges checked here, before the engine)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    n: int = Field(1, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: bool | int | None = None
+
+    @field_validator(
+        "temperature", "top_p", "top_k", "min_tokens", "n", "presence_penalty", "frequency_penalty",
+        mode="before",
+    )
+    @classmethod
+    def _null_means_default(cls, value: Any, info) -> Any:
+        """OpenAI clients send explicit nulls for unset fields; treat them as the default."""
+        if value is None:
+            return cls.model_fields[info.field_name].default
+        return value
+
+    @field_validator("n")
+    @classmethod
+    def _single_choice(cls, value: int) -> int:
+        if value != 1:
+            raise ValueError("only n=1 is supported")
+        return value
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalties(cls, value: float) -> float:
+        if value != 0:
+            raise ValueError("presence and frequency penalties are not supported")
+        return value
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, value: bool | int | None) -> bool | int | None:
+        if value not in (None, False, 0):
+            raise ValueError("logprobs are not supported")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _non_empty_stops(cls, value: str | list[str] | None) -> str | list[str] | None:
+        stops = [value] if isinstance(value, str) else (value or [])
+        if any(s == "" for s in stops):
+            raise ValueError("stop strings must be non-empty")
+        return value
+
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(SamplingFields):
+    """POST /v1/chat/completions. `max_completion_tokens` wins over the legacy `max_tokens`."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> ChatCompletionRequest:
+        if self.tools:
+            raise ValueError("tools are not supported")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise ValueError("only the text response_format is supported")
+        return self
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(SamplingFields):
+    """POST /v1/completions. `prompt` is one string or one list of token ids (no batches)."""
+
+    prompt: str | list[int]
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1, le=1)
+
+    @field_validator("prompt")
+    @classmethod
+    def _non_empty_prompt(cls, value: str | list[int]) -> str | list[int]:
+        if len(value) == 0:
+            raise ValueError("prompt must not be empty")
+        if isinstance(value, list) and any(t < 0 for t in value):
+            raise ValueError("token ids must be non-negative")
+        return value
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> CompletionRequest:
+        if self.echo:
+            raise ValueError("echo is not supported")
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        return self
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+
+# ----- responses
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+FinishReason = Literal["stop", "length"]
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: FinishReason | None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class DeltaMessage(BaseModel):
+    """A streamed message delta; unset fields are left out of the JSON (as OpenAI does)."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: DeltaMessage
+    logprobs: None = None
+    finish_reason: FinishReason | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One SSE event. The usage-only final chunk has no choices."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: FinishReason | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class CompletionChunk(BaseModel):
+    """One SSE event of a streamed completion (same object name as the full response)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "hybrid-serve"
+    root: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# ----- errors
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    """The OpenAI error body: {"error": {"message", "type", "param", "code"}}."""
+
+    error: ErrorInfo
