@@ -1,0 +1,37 @@
+"""Application builder: `import_path: deployments.app:build_app` in serve_config.yaml.
+
+    OpenAIIngress (HTTP + handle API)
+      -> Renderer   (chat template, tokenizer)
+      -> LLMServer  (scheduler actor + worker actor)
+
+`build_app(args)` validates the args (unknown keys rejected, see deployments.config) and
+returns the bound Application; `serve.run(build_app({...}))` runs it from Python.
+"""
+
+from __future__ import annotations
+
+from ray.serve import Application
+
+from deployments.config import AppConfig, parse_app_config
+from deployments.ingress import OpenAIIngress
+from deployments.llm_server import LLMServer
+from deployments.renderer import Renderer
+
+
+def build_app(args: dict) -> Application:
+    """Build the application from serve_config.yaml `args` (a dict) or an AppConfig.
+
+    Raises ValueError naming every unknown or invalid key.
+    """
+    config: AppConfig = parse_app_config(args)
+    config.engine_config()  # fail at build time on values the engine refuses
+    serve_options = {"max_ongoing_requests": config.max_ongoing_requests}
+    renderer = Renderer.options(
+        ray_actor_options={"num_cpus": config.renderer_num_cpus}, **serve_options
+    ).bind(config.model_dir)
+    llm_server = LLMServer.options(
+        ray_actor_options={"num_cpus": config.llm_server_num_cpus}, **serve_options
+    ).bind(config)
+    return OpenAIIngress.options(
+        ray_actor_options={"num_cpus": config.ingress_num_cpus}, **serve_options
+    ).bind(renderer, llm_server, config.served_model_name)

@@ -1,0 +1,194 @@
+"""Ingress deployment: the OpenAI HTTP routes and the Python handle API, over one code path.
+
+HTTP:   POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health.
+Handle: `serve.get_app_handle(name)` returns a handle to this deployment; call the typed methods
+
+    handle = serve.get_app_handle("hybrid-serve")
+    response = await handle.chat.remote(ChatCompletionRequest(messages=[...], max_tokens=16))
+    async for chunk in handle.options(stream=True).chat_stream.remote(request):
+        ...                                   # ChatCompletionChunk objects
+    (likewise completions / completions_stream, models, pool_usage)
+
+Each request: check the model name -> render (renderer deployment) -> SamplingParams ->
+stream RequestOutputs from the LLM server -> OpenAI objects. Streams are cancelled when the
+consumer goes away, which aborts the request in the engine.
+"""
+
+from collections.abc import AsyncGenerator, AsyncIterator
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from deployments.errors import APIError, as_api_error, error_json, install_error_handlers
+from deployments.http_stream import first_output_ready, json_response, sse_response
+from deployments.openai_format import (
+    ResponseMeta,
+    chat_chunks,
+    chat_response,
+    collect,
+    completion_chunks,
+    completion_response,
+    raise_if_failed,
+    to_sampling_params,
+)
+from deployments.protocol import (
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChunk,
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+    SamplingFields,
+    new_request_id,
+    now,
+)
+from deployments.llm_server import ModelInfo
+from deployments.renderer import RenderedPrompt
+from engine.llm_engine import PoolUsage, RequestOutput
+from engine.sampling_params import SamplingParams
+
+_Started = tuple[ResponseMeta, AsyncGenerator[RequestOutput, None]]
+
+app = FastAPI(title="hybrid-serve", summary="OpenAI-compatible API for hybrid Mamba2+attention LLMs")
+install_error_handlers(app)
+
+
+@serve.deployment
+@serve.ingress(app)
+class OpenAIIngress:
+    """Routes and handle methods. Holds no model state: only handles and the model's name/limits."""
+
+    async def __init__(
+        self, renderer: DeploymentHandle, llm_server: DeploymentHandle, served_model_name: str
+    ) -> None:
+        self._renderer = renderer
+        self._llm = llm_server
+        self._model_name = served_model_name
+        self._info: ModelInfo = await llm_server.model_info.remote()
+        self._created = now()
+
+    # ----- Python handle API (typed request in, typed response or chunks out)
+
+    async def chat(self, request: ChatCompletionRequest) -> ChatCompletionResponse:
+        """Full chat completion. Raises APIError (status_code 400/404/500) on failure."""
+        meta, outputs = await self._start_chat(request)
+        return chat_response(meta, await collect(outputs))
+
+    async def chat_stream(self, request: ChatCompletionRequest) -> AsyncIterator[ChatCompletionChunk]:
+        """Streamed chat completion (call with handle.options(stream=True))."""
+        meta, outputs = await self._start_chat(request)
+        async for chunk in chat_chunks(meta, outputs, request.include_usage):
+            yield chunk
+
+    async def completions(self, request: CompletionRequest) -> CompletionResponse:
+        """Full text completion. Raises APIError on failure."""
+        meta, outputs = await self._start_completion(request)
+        return completion_response(meta, await collect(outputs))
+
+    async def completions_stream(self, request: CompletionRequest) -> AsyncIterator[CompletionChunk]:
+        """Streamed text completion (call with handle.options(stream=True))."""
+        meta, outputs = await self._start_completion(request)
+        async for chunk in completion_chunks(meta, outputs, request.include_usage):
+            yield chunk
+
+    def models(self) -> ModelList:
+        return ModelList(data=[ModelCard(id=self._model_name, created=self._created,
+                                         root=self._info.model_dir,
+                                         max_model_len=self._info.max_model_len)])
+
+    async def pool_usage(self) -> PoolUsage:
+        """The engine's block/state pool occupancy (debugging and tests)."""
+        return await self._llm.pool_usage.remote()
+
+    async def num_aborted_requests(self) -> int:
+        """Requests whose stream ended before their final output (e.g. client disconnects)."""
+        return await self._llm.num_aborted_requests.remote()
+
+    # ----- HTTP routes
+
+    @app.post("/v1/chat/completions")
+    async def http_chat(self, body: ChatCompletionRequest):
+        try:
+            meta, outputs = await self._start_chat(body)
+            if not body.stream:
+                return json_response(chat_response(meta, await collect(outputs)))
+            outputs = await first_output_ready(outputs)
+        except Exception as exc:
+            return error_json(as_api_error(exc))
+        return sse_response(chat_chunks(meta, outputs, body.include_usage))
+
+    @app.post("/v1/completions")
+    async def http_completions(self, body: CompletionRequest):
+        try:
+            meta, outputs = await self._start_completion(body)
+            if not body.stream:
+                return json_response(completion_response(meta, await collect(outputs)))
+            outputs = await first_output_ready(outputs)
+        except Exception as exc:
+            return error_json(as_api_error(exc))
+        return sse_response(completion_chunks(meta, outputs, body.include_usage))
+
+    @app.get("/v1/models")
+    def http_models(self):
+        return json_response(self.models())
+
+    @app.get("/health")
+    async def http_health(self):
+        """200 when the LLM server's actors answer; 503 otherwise."""
+        try:
+            await self._llm.check_health.remote()
+        except Exception as exc:
+            return error_json(APIError(503, f"unhealthy: {type(exc).__name__}", "server_error"))
+        return JSONResponse({"status": "ok"})
+
+    # ----- one code path for both APIs
+
+    async def _start_chat(self, request: ChatCompletionRequest) -> _Started:
+        self._check_model(request.model)
+        try:
+            prompt: RenderedPrompt = await self._renderer.render_chat.remote(request.messages)
+        except Exception as exc:
+            raise as_api_error(exc) from None
+        return self._start(new_request_id("chatcmpl"), prompt, request, request.requested_max_tokens())
+
+    async def _start_completion(self, request: CompletionRequest) -> _Started:
+        self._check_model(request.model)
+        try:
+            prompt: RenderedPrompt = await self._renderer.tokenize_prompt.remote(request.prompt)
+        except Exception as exc:
+            raise as_api_error(exc) from None
+        return self._start(new_request_id("cmpl"), prompt, request, request.requested_max_tokens())
+
+    def _start(
+        self, request_id: str, prompt: RenderedPrompt, request: SamplingFields, max_tokens: int | None
+    ) -> _Started:
+        """Validate sampling against the context and open (lazily) the LLM server stream."""
+        sampling = to_sampling_params(request, max_tokens, len(prompt.token_ids),
+                                      self._info.max_model_len)
+        meta = ResponseMeta(id=request_id, created=now(), model=self._model_name)
+        return meta, self._generate(request_id, prompt.token_ids, sampling)
+
+    async def _generate(
+        self, request_id: str, prompt_token_ids: tuple[int, ...], sampling: SamplingParams
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """The LLM server's stream; cancelled (request aborted) if not drained to the end."""
+        stream = self._llm.options(stream=True).generate.remote(request_id, prompt_token_ids, sampling)
+        finished = False
+        try:
+            async for out in stream:
+                finished = out.finished
+                raise_if_failed(out)
+                yield out
+        except Exception as exc:
+            raise as_api_error(exc) from None
+        finally:
+            if not finished:
+                stream.cancel()
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self._model_name:
+            raise APIError.model_not_found(model)

@@ -1,0 +1,176 @@
+"""LLM server deployment and the two Ray actors it owns.
+
+    LLMServer (Serve replica)         streams RequestOutputs to the ingress, aborts on disconnect
+      -> SchedulerActor (Ray actor)   AsyncLLMEngine: queues, block pool, state pool, step loop
+           -> worker actor            ray.remote(engine.worker.Worker): the model and its caches
+
+The scheduler reaches the worker through RayWorkerExecutor: exactly one actor call per step.
+Tensor parallelism later replaces the single worker with one actor per rank behind the same
+executor interface.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+import ray
+from ray import serve
+from ray.actor import ActorHandle
+
+from deployments.config import AppConfig
+from deployments.errors import as_api_error
+from engine.async_engine import AsyncLLMEngine
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine, PoolUsage, RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.step_io import RunnerOutput, SchedulerOutput
+from engine.worker import Worker
+
+logger = logging.getLogger("ray.serve")
+
+HEALTH_CHECK_TIMEOUT_S = 20.0
+
+
+class RayWorkerExecutor:
+    """The engine's ModelExecutor, backed by the worker actor.
+
+    Called from the engine's step thread (never from an event loop), so the blocking ray.get
+    is intended: the step cannot proceed without the worker's output.
+    """
+
+    def __init__(self, worker: ActorHandle) -> None:
+        self._worker = worker
+
+    def cache_capacity(self):
+        return ray.get(self._worker.cache_capacity.remote())
+
+    def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        return ray.get(self._worker.execute.remote(scheduler_output))
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the API layer needs to know about the loaded model."""
+
+    max_model_len: int
+    model_dir: str
+
+
+@ray.remote
+class SchedulerActor:
+    """Runs AsyncLLMEngine (step loop in a background thread) over the worker actor.
+
+    Async actor: each `generate` call is a streaming generator running concurrently with the
+    others on the actor's event loop. Closing or cancelling the stream aborts the request in
+    the engine, which frees its KV blocks and state slot.
+    """
+
+    def __init__(self, config: EngineConfig, worker: ActorHandle) -> None:
+        self._worker = worker
+        engine = LLMEngine(config, executor=RayWorkerExecutor(worker))
+        self._info = ModelInfo(max_model_len=engine.max_model_len, model_dir=config.model_dir)
+        self._engine = AsyncLLMEngine(engine)
+        self._num_aborted = 0
+
+    def model_info(self) -> ModelInfo:
+        return self._info
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs; the last one has finished=True.
+
+        Raises InvalidRequestError (first item) when the engine refuses the request.
+        """
+        finished = False
+        try:
+            async for out in self._engine.generate(request_id, prompt_token_ids, sampling):
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self._num_aborted += 1
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request if it is still running (no-op for unknown or finished ids)."""
+        self._engine.abort(request_id)
+
+    def pool_usage(self) -> PoolUsage:
+        return self._engine.pool_usage()
+
+    def num_aborted_requests(self) -> int:
+        """Streams that ended before their final output (client gone, cancelled, error)."""
+        return self._num_aborted
+
+    async def check_health(self) -> None:
+        """Raise if the step loop died or the worker actor is gone (RayActorError)."""
+        if not self._engine.is_alive():
+            raise RuntimeError("the engine step loop is not running")
+        await self._worker.cache_capacity.remote()
+
+    def shutdown(self) -> None:
+        self._engine.shutdown()
+
+
+@serve.deployment
+class LLMServer:
+    """One model replica: creates its scheduler and worker actors and streams generations.
+
+    The actors are owned by this replica, so they die with it; `check_health` fails when either
+    is dead, and Serve then replaces the replica (and with it, both actors).
+    """
+
+    async def __init__(self, config: AppConfig) -> None:
+        engine_config = config.engine_config()
+        self._worker = ray.remote(Worker).options(num_cpus=config.worker_num_cpus).remote(engine_config)
+        self._scheduler = SchedulerActor.options(num_cpus=config.scheduler_num_cpus).remote(
+            engine_config, self._worker)
+        self._info: ModelInfo = await self._scheduler.model_info.remote()
+
+    def model_info(self) -> ModelInfo:
+        return self._info
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream the request's RequestOutputs (call with handle.options(stream=True)).
+
+        Raises APIError (400 for requests the engine refuses, 500 otherwise). If the caller
+        stops iterating (client disconnect, cancellation) the request is aborted in the engine.
+        """
+        stream = self._scheduler.generate.options(num_returns="streaming").remote(
+            request_id, tuple(prompt_token_ids), sampling)
+        finished = False
+        try:
+            async for ref in stream:
+                out: RequestOutput = await ref
+                finished = out.finished
+                yield out
+        except (GeneratorExit, asyncio.CancelledError):
+            raise
+        except Exception as exc:
+            raise as_api_error(exc) from None
+        finally:
+            if not finished:
+                ray.cancel(stream)
+                self._scheduler.abort.remote(request_id)
+
+    async def pool_usage(self) -> PoolUsage:
+        return await self._scheduler.pool_usage.remote()
+
+    async def num_aborted_requests(self) -> int:
+        return await self._scheduler.num_aborted_requests.remote()
+
+    async def check_health(self) -> None:
+        """Serve's health probe: raises if the scheduler or the worker actor is dead or stuck."""
+        await asyncio.wait_for(self._scheduler.check_health.remote(), HEALTH_CHECK_TIMEOUT_S)
+
+    def __del__(self) -> None:
+        try:
+            ray.kill(self._scheduler)
+            ray.kill(self._worker)
+        except Exception:  # interpreter shutdown, actors already gone
+            pass

@@ -1,0 +1,68 @@
+"""Renderer deployment: chat template + tokenizer, CPU only, scales independently of the model.
+
+It turns API input into the exact token ids the engine will see. It never touches the engine,
+so prompt counts in `usage` are by construction the ids that were rendered here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ray import serve
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from deployments.errors import APIError
+from deployments.protocol import ChatMessage
+
+
+@dataclass(frozen=True)
+class RenderedPrompt:
+    """What the LLM server receives: the prompt's token ids (and, later, derived metadata).
+
+    token_ids: the full prompt, chat template and generation prompt included.
+    """
+
+    token_ids: tuple[int, ...]
+
+
+def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[ChatMessage]) -> RenderedPrompt:
+    """Apply the model's chat template with the assistant generation prompt and tokenize.
+
+    Raises APIError(400) when the template refuses the conversation (templates raise on roles
+    or shapes they do not support).
+    """
+    conversation = [m.model_dump(exclude_none=True) for m in messages]
+    try:
+        ids = tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+    except Exception as exc:  # jinja2 TemplateError, or a template's raise_exception(...)
+        raise APIError.bad_request(f"The chat template rejected the messages: {exc}", "messages")
+    return RenderedPrompt(token_ids=tuple(int(t) for t in ids))
+
+
+def tokenize_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str | list[int]) -> RenderedPrompt:
+    """A raw completion prompt: text is tokenized without special tokens, ids pass through."""
+    if isinstance(prompt, str):
+        ids = tokenizer.encode(prompt, add_special_tokens=False)
+        if not ids:
+            raise APIError.bad_request("prompt must not be empty", "prompt")
+        return RenderedPrompt(token_ids=tuple(ids))
+    vocab_size = len(tokenizer)
+    if any(t >= vocab_size for t in prompt):
+        raise APIError.bad_request(f"token ids must be < vocabulary size {vocab_size}", "prompt")
+    return RenderedPrompt(token_ids=tuple(prompt))
+
+
+@serve.deployment
+class Renderer:
+    """Holds one tokenizer per replica. Methods are called through a DeploymentHandle."""
+
+    def __init__(self, model_dir: str) -> None:
+        self._tokenizer = AutoTokenizer.from_pretrained(model_dir)
+
+    def render_chat(self, messages: list[ChatMessage]) -> RenderedPrompt:
+        return render_chat(self._tokenizer, messages)
+
+    def tokenize_prompt(self, prompt: str | list[int]) -> RenderedPrompt:
+        return tokenize_prompt(self._tokenizer, prompt)
