@@ -1,9 +1,8 @@
 """Turn the scheduler's per-token progress into client-facing outputs: text deltas and stops.
 
-Per request it keeps an incremental detokenizer and a stop-string filter. Stop strings are
-matched on text; the filter holds back the last (longest stop - 1) characters while streaming so
-a stop string split across tokens is never partly emitted, and releases them when the request
-ends for another reason.
+Per request it keeps an incremental detokenizer and a stop-string matcher (engine.detokenizer):
+text that could still begin a stop string is held back while streaming and released when the
+request ends for another reason.
 """
 
 from __future__ import annotations
@@ -12,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.detokenizer import IncrementalDetokenizer
+from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from engine.request import FinishReason, Request, RequestStatus
 from engine.step_io import RunnerOutput
 
@@ -38,33 +37,10 @@ class RequestOutput:
     logits: torch.Tensor | None = None
 
 
-class StopStringFilter:
-    """Emits text deltas, cutting at the first stop string and holding back a possible prefix."""
-
-    def __init__(self, stops: tuple[str, ...]) -> None:
-        self.stops = stops
-        self._hold = max((len(s) for s in stops), default=1) - 1
-        self._pending = ""
-
-    def feed(self, delta: str, final: bool) -> tuple[str, bool]:
-        """Returns (text to emit now, whether a stop string was found)."""
-        buffer = self._pending + delta
-        hits = [i for i in (buffer.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            self._pending = ""
-            return buffer[: min(hits)], True
-        if final or self._hold == 0:
-            self._pending = ""
-            return buffer, False
-        cut = max(len(buffer) - self._hold, 0)
-        self._pending = buffer[cut:]
-        return buffer[:cut], False
-
-
 @dataclass
 class _TextState:
     detokenizer: IncrementalDetokenizer
-    stop_filter: StopStringFilter
+    stop_matcher: StopStringMatcher
 
 
 class OutputProcessor:
@@ -75,7 +51,7 @@ class OutputProcessor:
     def add_request(self, request: Request) -> None:
         self._states[request.request_id] = _TextState(
             IncrementalDetokenizer(self.tokenizer, list(request.prompt_token_ids)),
-            StopStringFilter(request.sampling.stop),
+            StopStringMatcher(request.sampling.stop),
         )
 
     def process(self, updated: list[Request], runner_output: RunnerOutput) -> list[RequestOutput]:
@@ -88,9 +64,13 @@ class OutputProcessor:
             finished = request.status is RequestStatus.FINISHED
             reason = request.finish_reason.value if finished else None
             delta = "" if _is_stop_token(request, token) else state.detokenizer.add_token(token)
-            text, hit_stop_string = state.stop_filter.feed(delta, final=finished)
+            if finished:
+                delta += state.detokenizer.flush()
+            text, hit_stop_string = state.stop_matcher.feed(delta)
             if hit_stop_string:
                 finished, reason = True, FinishReason.STOP.value
+            elif finished:
+                text += state.stop_matcher.flush()
             if finished:
                 del self._states[request.request_id]
             outputs.append(

@@ -35,6 +35,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._finished_since_last_step: list[str] = []
+        self.num_preemptions = 0  # since start, for metrics
 
     # ----------------------------------------------------------------- requests in and out
 
@@ -184,6 +185,7 @@ class Scheduler:
         self._release_cache(request)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        self.num_preemptions += 1
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
 

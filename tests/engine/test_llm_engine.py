@@ -1,0 +1,163 @@
+"""The in-process engine on the embedded model: batching, chunking, preemption, pauses and
+stops never change what a request produces."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+import torch
+
+from engine.async_engine import AsyncLLMEngine
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import InvalidRequestError, SamplingParams
+from engine.worker import CacheBudgetError
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, return_logits=True)
+
+
+@pytest.fixture(scope="module")
+def engine() -> LLMEngine:
+    return LLMEngine(EngineConfig(max_num_batched_tokens=512, max_num_seqs=8))
+
+
+def prompts(engine: LLMEngine, count: int, seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(3, 70, (count,), generator=generator).tolist()
+    return [torch.randint(5, engine.vocab_size, (n,), generator=generator).tolist() for n in lengths]
+
+
+def run_all(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]], pauses=None):
+    """Run requests to completion; returns id -> (token ids, text, logits rows, finish reason)."""
+    for request_id, (prompt, params) in requests.items():
+        engine.add_request(request_id, prompt, params, (pauses or {}).get(request_id, ()))
+    results = {rid: ([], [], [], None) for rid in requests}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens, text, logits, _ = results[out.request_id]
+            tokens += out.new_token_ids
+            text.append(out.new_text)
+            if out.logits is not None:
+                logits.append(out.logits)
+            if out.finished:
+                results[out.request_id] = (tokens, text, logits, out.finish_reason)
+    return {rid: (t, "".join(x), lg, r) for rid, (t, x, lg, r) in results.items()}
+
+
+def assert_same_run(actual, expected):
+    assert actual[0] == expected[0]
+    for got, want in zip(actual[2], expected[2]):
+        assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+
+
+def test_batched_and_chunked_runs_match_each_request_alone(engine):
+    batch = prompts(engine, 6)
+    alone = {f"a{i}": run_all(engine, {f"a{i}": (p, GREEDY)})[f"a{i}"] for i, p in enumerate(batch)}
+    small_budget = LLMEngine(EngineConfig(max_num_batched_tokens=13, max_num_seqs=4))
+    together = run_all(small_budget, {f"a{i}": (p, GREEDY) for i, p in enumerate(batch)})
+    for request_id, result in alone.items():
+        assert_same_run(together[request_id], result)
+        assert result[3] == "length" and len(result[0]) == GREEDY.max_tokens
+
+
+def test_preemption_does_not_change_outputs(engine):
+    batch = prompts(engine, 5, seed=1)
+    expected = run_all(engine, {f"p{i}": (p, GREEDY) for i, p in enumerate(batch)})
+    # 12 blocks of 16 tokens for five requests of up to ~80 tokens forces preemption.
+    per_block = engine.executor.model.kv_bytes_per_block(16)
+    tight = LLMEngine(EngineConfig(kv_cache_bytes=12 * per_block, max_model_len=160, max_num_seqs=5))
+    actual = run_all(tight, {f"p{i}": (p, GREEDY) for i, p in enumerate(batch)})
+    for request_id in expected:
+        assert_same_run(actual[request_id], expected[request_id])
+    usage = tight.pool_usage()
+    assert usage.free_blocks == usage.total_blocks and usage.free_state_slots == usage.total_state_slots
+    assert tight.scheduler.num_preemptions > 0
+
+
+def test_a_pause_position_ends_a_chunk_and_captures_the_hidden_row_there(engine):
+    prompt = prompts(engine, 1, seed=2)[0] + prompts(engine, 1, seed=3)[0]
+    pause = len(prompt) // 2 + 1
+    engine.add_request("paused", prompt, GREEDY, pause_positions=(pause,))
+    first = engine.step()
+    trace = engine.last_step
+    chunk = trace.scheduler_output.chunks[0]
+    assert (chunk.start_position, len(chunk.token_ids), chunk.sample) == (0, pause, False)
+    assert first == []
+    hidden_at_pause = trace.runner_output.hidden_rows["paused"]
+    while engine.has_unfinished_requests():
+        engine.step()
+    # The hidden row after `pause` tokens equals the last row of a forward over just them.
+    prefix_engine_run = run_all(engine, {"prefix": (prompt[:pause], dataclasses.replace(GREEDY, max_tokens=1))})
+    model = engine.executor.model
+    expected_logits = prefix_engine_run["prefix"][2][0]
+    got_logits = model.compute_logits(hidden_at_pause[None].to(next(model.parameters()).dtype))[0]
+    assert (got_logits - expected_logits).abs().max() <= 1e-4 * expected_logits.abs().max()
+    # And pausing did not change what the request produced.
+    paused = run_all(engine, {"p2": (prompt, GREEDY)}, pauses={"p2": (pause,)})["p2"]
+    plain = run_all(engine, {"p3": (prompt, GREEDY)})["p3"]
+    assert_same_run(paused, plain)
+
+
+def test_stop_strings_and_stop_tokens_end_requests(engine):
+    prompt = prompts(engine, 1, seed=4)[0]
+    free = run_all(engine, {"free": (prompt, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))})["free"]
+    tokens, text = free[0], free[1]
+    stop_token = tokens[5]
+    by_token = run_all(
+        engine,
+        {"tok": (prompt, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop_token_ids=(stop_token,)))},
+    )["tok"]
+    first = tokens.index(stop_token)
+    assert by_token[0] == tokens[: first + 1] and by_token[3] == "stop"
+    visible = text.strip()
+    if len(visible) >= 6:
+        stop_string = visible[len(visible) // 2 : len(visible) // 2 + 3]
+        by_string = run_all(
+            engine,
+            {"str": (prompt, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop=(stop_string,)))},
+        )["str"]
+        assert by_string[3] == "stop"
+        assert by_string[1] == text[: text.index(stop_string)]
+
+
+def test_requests_that_cannot_run_are_refused_clearly(engine):
+    with pytest.raises(InvalidRequestError, match="maximum context length"):
+        engine.add_request("long", [5] * 10, SamplingParams(max_tokens=engine.max_model_len))
+    with pytest.raises(InvalidRequestError, match="empty"):
+        engine.add_request("empty", [], SamplingParams())
+    with pytest.raises(InvalidRequestError):
+        engine.add_request("oov", [engine.vocab_size + 3], SamplingParams())
+    with pytest.raises(CacheBudgetError, match="kv_cache_bytes"):
+        LLMEngine(EngineConfig(kv_cache_bytes=1024))
+    assert not engine.has_unfinished_requests()
+
+
+def test_async_engine_streams_and_aborts_free_the_pools(engine):
+    async_engine = AsyncLLMEngine(engine)
+    prompt = prompts(engine, 1, seed=5)[0]
+
+    async def scenario():
+        outputs = [o async for o in async_engine.generate("s1", prompt, GREEDY)]
+        stream = async_engine.generate("s2", prompt, SamplingParams(max_tokens=500, temperature=0, ignore_eos=True))
+        async for _ in stream:
+            break
+        await stream.aclose()
+        with pytest.raises(InvalidRequestError):
+            async for _ in async_engine.generate("bad", [], GREEDY):
+                pass
+        for _ in range(200):
+            if engine.pool_usage().num_requests == 0:
+                break
+            await asyncio.sleep(0.01)
+        return outputs
+
+    try:
+        outputs = asyncio.run(scenario())
+    finally:
+        async_engine.shutdown()
+    assert outputs[-1].finished and sum(len(o.new_token_ids) for o in outputs) == GREEDY.max_tokens
+    usage = engine.pool_usage()
+    assert usage.num_requests == 0
+    assert (usage.free_blocks, usage.free_state_slots) == (usage.total_blocks, usage.total_state_slots)

@@ -1,0 +1,74 @@
+"""Sampler: pure torch, no model."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
+
+
+def random_logits(rows=4, vocab=50, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, vocab, generator=generator)
+
+
+def test_greedy_takes_the_argmax():
+    logits = random_logits()
+    params = [SamplingParams(temperature=0)] * 4
+    tokens = Sampler().sample(logits.clone(), ["a", "b", "c", "d"], params, [0] * 4)
+    assert tokens == logits.argmax(-1).tolist()
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy():
+    logits = random_logits()
+    params = [SamplingParams(temperature=1.0, top_k=1), SamplingParams(temperature=1.0, top_p=1e-6)] * 2
+    for trial in range(5):
+        tokens = Sampler(seed=trial).sample(logits.clone(), ["a", "b", "c", "d"], params, [0] * 4)
+        assert tokens == logits.argmax(-1).tolist()
+
+
+def test_a_seeded_request_repeats_whatever_shares_its_batch():
+    logits = random_logits(rows=1, vocab=200)
+    seeded = SamplingParams(temperature=1.0, seed=1234)
+
+    def draw(sampler, batch_rows):
+        draws = []
+        for _ in range(10):
+            batch = torch.cat([logits, random_logits(batch_rows, 200, seed=len(draws))]) if batch_rows else logits
+            params = [seeded] + [SamplingParams(temperature=1.0)] * batch_rows
+            ids = ["seeded"] + [f"other{i}" for i in range(batch_rows)]
+            draws.append(sampler.sample(batch.clone(), ids, params, [0] * (1 + batch_rows))[0])
+        return draws
+
+    alone = draw(Sampler(seed=0), 0)
+    crowded = draw(Sampler(seed=99), 3)
+    assert alone == crowded
+    assert len(set(alone)) > 1  # it really samples
+
+
+def test_temperature_sampling_follows_the_distribution():
+    logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]]))
+    sampler = Sampler(seed=0)
+    params = [SamplingParams(temperature=1.0)]
+    counts = [0, 0, 0]
+    for _ in range(3000):
+        counts[sampler.sample(logits.clone(), ["r"], params, [0])[0]] += 1
+    assert abs(counts[0] / 3000 - 0.7) < 0.04 and abs(counts[2] / 3000 - 0.1) < 0.03
+
+
+def test_top_p_removes_the_tail():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    sampler = Sampler(seed=0)
+    params = [SamplingParams(temperature=1.0, top_p=0.8)]
+    seen = {sampler.sample(logits.clone(), ["r"], params, [0])[0] for _ in range(500)}
+    assert seen == {0, 1}
+
+
+def test_min_tokens_masks_eos_and_stop_ids_until_reached():
+    logits = torch.zeros(1, 10)
+    logits[0, 3] = 10.0  # eos
+    logits[0, 4] = 9.0  # stop token id
+    params = [SamplingParams(temperature=0, min_tokens=2, stop_token_ids=(4,), eos_token_ids=(3,))]
+    assert Sampler().sample(logits.clone(), ["r"], params, [1]) not in ([3], [4])
+    assert Sampler().sample(logits.clone(), ["r"], params, [2]) == [3]
