@@ -1,0 +1,327 @@
+"""What the scheduler-side cache knows about each checkpoint bundle (pure Python).
+
+A bundle is the saved state of one request at one token position (DESIGN.md section 2). The tensors
+(conv and SSM states, attention tail, hidden row) live in the workers under the bundle id; the
+ledger records what the scheduler needs to decide about them: namespace, token ids, kind, bytes
+held, the full KV blocks referenced, pins and recency.
+
+Life of a bundle:
+  reserve -> PENDING: holds one BlockPool reference per full KV block and its bytes; invisible.
+  publish -> PUBLISHED (every rank confirmed, endpoint new): visible to lookup, in the radix index.
+          -> dropped (a rank missing, duplicate endpoint, or invalidated while pending).
+  discard -> dropped (capture failed or was abandoned).
+  lookup pins a published bundle until unpin; evict_* and on_block_evicted drop published ones.
+Dropping a bundle releases its block references and its bytes; the workers may then free its
+tensors. The block references are taken at reserve, not at publish: the capturing request may
+finish and release its own blocks before the ranks confirm, and a block must not be reused while
+a bundle might still become visible over it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+from cache.block_pool import BlockPool
+from cache.radix_index import BundleId, Namespace, RadixIndex
+
+
+class CheckpointKind(str, Enum):
+    PROMPT = "prompt"
+    RESPONSE = "response"
+    INSTRUCTION = "instruction"
+
+
+class BundleState(Enum):
+    PENDING = "pending"  # reserved, capture not yet confirmed; invisible
+    PUBLISHED = "published"  # visible to lookups
+    INVALIDATED = "invalidated"  # pending, but lost a block; publish/discard will drop it
+
+
+class PublishOutcome(Enum):
+    PUBLISHED = "published"  # visible from now on
+    UNCONFIRMED = "unconfirmed"  # some rank did not confirm: dropped
+    DUPLICATE = "duplicate"  # the endpoint was already published: dropped, the existing one kept
+    INVALIDATED = "invalidated"  # a block it references was evicted while pending: dropped
+
+    @property
+    def visible(self) -> bool:
+        return self is PublishOutcome.PUBLISHED
+
+
+@dataclass
+class Bundle:
+    """The ledger's record of one bundle. Read it; only the ledger changes it."""
+
+    bundle_id: BundleId
+    namespace: Namespace
+    token_ids: tuple[int, ...]
+    kind: CheckpointKind
+    num_bytes: int  # everything held for it outside shared KV blocks: states, attention tail, hidden row
+    block_ids: tuple[int, ...]  # full KV blocks of tokens [0, p - p mod B); one reference each
+    state: BundleState = BundleState.PENDING
+    pin_count: int = 0
+    last_used: int = 0  # ledger tick of the last publish / lookup / duplicate
+
+
+@dataclass(frozen=True)
+class Hit:
+    """A pinned bundle to restore: share `block_ids`, copy tail and state, then unpin."""
+
+    bundle_id: BundleId
+    num_tokens: int
+    kind: CheckpointKind
+    block_ids: tuple[int, ...]
+
+
+@dataclass
+class KindCounters:
+    captured: int = 0  # published
+    hit: int = 0  # returned by lookup
+    evicted: int = 0  # dropped by evict_lru / evict_until
+    invalidated: int = 0  # lost a KV block (published or pending)
+    deduplicated: int = 0  # dropped at publish, endpoint already present
+    dropped: int = 0  # never published: a rank did not confirm, or discarded
+
+
+class CheckpointLedger:
+    def __init__(self, blocks: BlockPool, block_size: int, budget_bytes: int) -> None:
+        if block_size < 1 or budget_bytes < 0:
+            raise ValueError(f"bad block_size {block_size} or budget_bytes {budget_bytes}")
+        self.blocks = blocks
+        self.block_size = block_size
+        self.budget_bytes = budget_bytes
+        self.index = RadixIndex()
+        self.counters = {kind: KindCounters() for kind in CheckpointKind}
+        self._bundles: dict[BundleId, Bundle] = {}
+        self._lru: OrderedDict[BundleId, None] = OrderedDict()  # published; least recent first
+        self._bundles_by_block: dict[int, set[BundleId]] = {}
+        self._next_id = 0
+        self._tick = 0
+        self._bytes_held = 0
+
+    # ---- reading (changes nothing) -----------------------------------------------------------
+
+    @property
+    def bytes_held(self) -> int:
+        """Bytes of pending, invalidated-pending and published bundles."""
+        return self._bytes_held
+
+    @property
+    def free_bytes(self) -> int:
+        return self.budget_bytes - self._bytes_held
+
+    def __len__(self) -> int:
+        """Number of bundles the ledger knows, pending ones included."""
+        return len(self._bundles)
+
+    def get(self, bundle_id: BundleId) -> Bundle | None:
+        return self._bundles.get(bundle_id)
+
+    def bundles_for_block(self, block_id: int) -> frozenset[BundleId]:
+        """Ids of the bundles (pending or published) holding a reference to `block_id`."""
+        return frozenset(self._bundles_by_block.get(block_id, ()))
+
+    def block_is_pinned(self, block_id: int) -> bool:
+        """Whether a pinned bundle references `block_id` (then it must not be evicted)."""
+        return any(self._bundles[b].pin_count for b in self._bundles_by_block.get(block_id, ()))
+
+    def has_checkpoint(self, namespace: Namespace, token_ids: Sequence[int]) -> bool:
+        """Whether a published bundle sits at exactly `token_ids` (capturing it again is wasted)."""
+        return self.index.get(namespace, token_ids) is not None
+
+    # ---- two-phase publication ---------------------------------------------------------------
+
+    def reserve(
+        self,
+        namespace: Namespace,
+        token_ids: Sequence[int],
+        kind: CheckpointKind,
+        num_bytes: int,
+        block_ids: Sequence[int],
+    ) -> BundleId | None:
+        """A new PENDING bundle id, invisible to lookups, or None if `num_bytes` does not fit.
+
+        `block_ids` are the full KV blocks of the first len(token_ids) // block_size tokens, all
+        allocated; each gets one BlockPool reference now. Call evict_until(num_bytes) first to
+        make room. On None or ValueError nothing changed.
+        """
+        tokens = tuple(token_ids)
+        blocks = tuple(block_ids)
+        if not tokens or num_bytes < 0:
+            raise ValueError("a bundle covers at least one token and holds >= 0 bytes")
+        if len(blocks) != len(tokens) // self.block_size or len(set(blocks)) != len(blocks):
+            need = len(tokens) // self.block_size
+            raise ValueError(f"{len(tokens)} tokens need exactly {need} distinct full blocks")
+        if any(self.blocks.ref_count(b) <= 0 for b in blocks):
+            raise ValueError("a bundle can only reference allocated blocks")
+        if num_bytes > self.free_bytes:
+            return None
+        self.blocks.share(list(blocks))
+        bundle = Bundle(self._next_id, namespace, tokens, CheckpointKind(kind), num_bytes, blocks)
+        self._next_id += 1
+        self._bundles[bundle.bundle_id] = bundle
+        for block in blocks:
+            self._bundles_by_block.setdefault(block, set()).add(bundle.bundle_id)
+        self._bytes_held += num_bytes
+        return bundle.bundle_id
+
+    def publish(self, bundle_id: BundleId, confirmed_ranks: set[int], world_size: int) -> PublishOutcome:
+        """Make a pending bundle visible if and only if ranks 0 .. world_size-1 all confirmed it.
+
+        Fails closed: a missing (or unknown) rank, an endpoint that is already published (that
+        one is kept and touched), or a block lost while pending drops the bundle and releases its
+        references; the outcome says which. Raises ValueError if `bundle_id` is not pending.
+        """
+        bundle = self._pending(bundle_id)
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        counters = self.counters[bundle.kind]
+        if bundle.state is BundleState.INVALIDATED:
+            self._drop(bundle)
+            return PublishOutcome.INVALIDATED
+        if set(confirmed_ranks) != set(range(world_size)):
+            self._drop(bundle)
+            counters.dropped += 1
+            return PublishOutcome.UNCONFIRMED
+        existing = self.index.insert(bundle.namespace, bundle.token_ids, bundle_id)
+        if existing is not None:
+            self._drop(bundle)
+            self._touch(self._bundles[existing])
+            counters.deduplicated += 1
+            return PublishOutcome.DUPLICATE
+        bundle.state = BundleState.PUBLISHED
+        self._lru[bundle_id] = None
+        self._touch(bundle)
+        counters.captured += 1
+        return PublishOutcome.PUBLISHED
+
+    def discard(self, bundle_id: BundleId) -> None:
+        """Drop a pending bundle (capture failed or abandoned), releasing its references."""
+        bundle = self._pending(bundle_id)
+        if bundle.state is BundleState.PENDING:
+            self.counters[bundle.kind].dropped += 1
+        self._drop(bundle)
+
+    # ---- lookup and pinning --------------------------------------------------------------------
+
+    def lookup(self, namespace: Namespace, prompt_ids: Sequence[int]) -> Hit | None:
+        """The published bundle with the longest exact token prefix of `prompt_ids`, pinned.
+
+        A bundle covering the whole prompt is returned too. On a hit the bundle (and therefore
+        its blocks) cannot be evicted until unpin(bundle_id); it becomes most recently used and
+        is counted as a hit. None changes nothing.
+        """
+        match = self.index.longest_prefix(namespace, prompt_ids)
+        if match is None:
+            return None
+        bundle = self._bundles[match.bundle_id]
+        bundle.pin_count += 1
+        self._touch(bundle)
+        self.counters[bundle.kind].hit += 1
+        return Hit(bundle.bundle_id, match.num_tokens, bundle.kind, bundle.block_ids)
+
+    def unpin(self, bundle_id: BundleId) -> None:
+        """Release one pin taken by lookup (once the restore copied what it needed)."""
+        bundle = self._bundles.get(bundle_id)
+        if bundle is None or bundle.pin_count <= 0:
+            raise ValueError(f"bundle {bundle_id} is not pinned")
+        bundle.pin_count -= 1
+
+    # ---- eviction --------------------------------------------------------------------------------
+
+    def evict_lru(self) -> BundleId | None:
+        """Drop the least recently used unpinned published bundle; its id, or None if there is none.
+
+        Releases its block references (the caller may then find blocks freed in the BlockPool).
+        """
+        for bundle_id in self._lru:
+            bundle = self._bundles[bundle_id]
+            if bundle.pin_count == 0:
+                self._evict(bundle)
+                return bundle_id
+        return None
+
+    def evict_until(self, bytes_needed: int) -> list[BundleId] | None:
+        """Evict least recently used unpinned bundles until free_bytes >= bytes_needed.
+
+        Returns the evicted ids, least recent first (empty if there was room already), or None
+        when even evicting every unpinned published bundle would not make room: then nothing
+        was evicted. Pinned and pending bundles are never evicted.
+        """
+        shortfall = bytes_needed - self.free_bytes
+        if shortfall <= 0:
+            return []
+        victims: list[Bundle] = []
+        for bundle_id in self._lru:
+            if shortfall <= 0:
+                break
+            bundle = self._bundles[bundle_id]
+            if bundle.pin_count == 0:
+                victims.append(bundle)
+                shortfall -= bundle.num_bytes
+        if shortfall > 0:
+            return None
+        for bundle in victims:
+            self._evict(bundle)
+        return [bundle.bundle_id for bundle in victims]
+
+    def on_block_evicted(self, block_id: int) -> list[BundleId]:
+        """The KV block `block_id` is being reclaimed: no bundle may keep depending on it.
+
+        Published bundles referencing it are dropped; pending ones are marked INVALIDATED (their
+        references released now, their bytes held until publish/discard reports it). Returns
+        the ids of both, ascending. Raises ValueError, changing nothing, if a pinned bundle
+        references the block (check block_is_pinned first).
+        """
+        if self.block_is_pinned(block_id):
+            raise ValueError(f"block {block_id} is referenced by a pinned bundle")
+        affected = sorted(self._bundles_by_block.get(block_id, ()))
+        for bundle_id in affected:
+            bundle = self._bundles[bundle_id]
+            self.counters[bundle.kind].invalidated += 1
+            if bundle.state is BundleState.PUBLISHED:
+                self._drop(bundle)
+            else:
+                self._release_blocks(bundle)
+                bundle.state = BundleState.INVALIDATED
+        return affected
+
+    # ---- internals -------------------------------------------------------------------------------
+
+    def _pending(self, bundle_id: BundleId) -> Bundle:
+        bundle = self._bundles.get(bundle_id)
+        if bundle is None or bundle.state is BundleState.PUBLISHED:
+            raise ValueError(f"bundle {bundle_id} is not pending")
+        return bundle
+
+    def _touch(self, bundle: Bundle) -> None:
+        self._tick += 1
+        bundle.last_used = self._tick
+        self._lru.move_to_end(bundle.bundle_id)
+
+    def _evict(self, bundle: Bundle) -> None:
+        assert bundle.pin_count == 0 and bundle.state is BundleState.PUBLISHED
+        self.counters[bundle.kind].evicted += 1
+        self._drop(bundle)
+
+    def _release_blocks(self, bundle: Bundle) -> None:
+        for block in bundle.block_ids:
+            holders = self._bundles_by_block[block]
+            holders.discard(bundle.bundle_id)
+            if not holders:
+                del self._bundles_by_block[block]
+        self.blocks.release(list(bundle.block_ids))
+        bundle.block_ids = ()
+
+    def _drop(self, bundle: Bundle) -> None:
+        """Forget `bundle`: out of the index and LRU, block references and bytes released."""
+        assert bundle.pin_count == 0
+        if bundle.state is BundleState.PUBLISHED:
+            self.index.remove(bundle.namespace, bundle.bundle_id)
+            del self._lru[bundle.bundle_id]
+        self._release_blocks(bundle)
+        self._bytes_held -= bundle.num_bytes
+        del self._bundles[bundle.bundle_id]
