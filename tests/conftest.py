@@ -1,0 +1,32 @@
+"""Session-wide fixtures shared by every test directory.
+
+`ray_session` starts Ray once per pytest session (only for tests that ask for it, so unit and
+numerics tests never pay for it) and shuts it down at the end. It is sized for a 2-core CI box:
+4 logical CPUs so fractional actors fit, a 256 MiB object store, no dashboard.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+RAY_NUM_CPUS = 4
+RAY_OBJECT_STORE_BYTES = 256 * 1024 * 1024
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """A local Ray instance for the whole session (reuses one a caller already started)."""
+    import ray
+
+    started_here = not ray.is_initialized()
+    if started_here:
+        ray.init(
+            num_cpus=RAY_NUM_CPUS,
+            object_store_memory=RAY_OBJECT_STORE_BYTES,
+            include_dashboard=False,
+            log_to_driver=False,
+            namespace="hybrid-serve-tests",
+        )
+    yield ray
+    if started_here:
+        ray.shutdown()

@@ -1,0 +1,102 @@
+"""Every bad input gets its HTTP status and an OpenAI error body, and the server keeps serving."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+MODEL_NAME = "hybrid-serve-tiny"
+USER = [{"role": "user", "content": "Hello"}]
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+
+
+def chat(**fields):
+    return {"model": MODEL_NAME, "messages": USER, "max_tokens": 4, **fields}
+
+
+def completion(**fields):
+    return {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 4, **fields}
+
+
+BAD_REQUESTS = [
+    # (id, path, body (dict or raw str), status, param or None when unchecked)
+    ("malformed-json", CHAT, '{"messages": [', 400, None),
+    ("body-not-an-object", CHAT, "[1, 2]", 400, None),
+    ("missing-messages", CHAT, {"model": MODEL_NAME}, 400, "messages"),
+    ("empty-messages", CHAT, chat(messages=[]), 400, "messages"),
+    ("unknown-role", CHAT, chat(messages=[{"role": "tool", "content": "x"}]), 400, "messages[0].role"),
+    ("non-string-content", CHAT, chat(messages=[{"role": "user", "content": 42}]), 400,
+     "messages[0].content"),
+    ("image-part", CHAT, chat(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]), 400, None),
+    ("missing-content", CHAT, chat(messages=[{"role": "user"}]), 400, "messages[0].content"),
+    ("unknown-model", CHAT, chat(model="gpt-4o"), 404, "model"),
+    ("max-tokens-zero", CHAT, chat(max_tokens=0), 400, "max_tokens"),
+    ("max-tokens-negative", CHAT, chat(max_tokens=-3), 400, "max_tokens"),
+    ("max-completion-tokens-zero", CHAT, chat(max_completion_tokens=0), 400, "max_completion_tokens"),
+    ("beyond-context", CHAT, chat(max_tokens=600), 400, "max_tokens"),
+    ("temperature-negative", CHAT, chat(temperature=-0.5), 400, "temperature"),
+    ("top-p-zero", CHAT, chat(top_p=0), 400, "top_p"),
+    ("top-p-above-one", CHAT, chat(top_p=1.5), 400, "top_p"),
+    ("n-two", CHAT, chat(n=2), 400, "n"),
+    ("min-tokens-above-max", CHAT, chat(min_tokens=9), 400, None),
+    ("empty-stop", CHAT, chat(stop=[""]), 400, "stop"),
+    ("stream-beyond-context", CHAT, chat(max_tokens=600, stream=True), 400, "max_tokens"),
+    ("completion-missing-prompt", COMPLETIONS, {"model": MODEL_NAME}, 400, "prompt"),
+    ("completion-empty-prompt", COMPLETIONS, completion(prompt=""), 400, "prompt"),
+    ("completion-empty-ids", COMPLETIONS, completion(prompt=[]), 400, "prompt"),
+    ("completion-id-out-of-vocab", COMPLETIONS, completion(prompt=[10**9]), 400, "prompt"),
+    ("completion-prompt-too-long", COMPLETIONS, completion(prompt=[5] * 600, max_tokens=None), 400, None),
+    ("completion-unknown-model", COMPLETIONS, completion(model="nope"), 404, "model"),
+    ("completion-temperature-negative", COMPLETIONS, completion(temperature=-1), 400, "temperature"),
+]
+
+
+def assert_openai_error(response, status: int, param: str | None):
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"}
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    assert isinstance(error["type"], str) and error["type"]
+    if param is not None:
+        assert error["param"] == param, error
+
+
+def assert_still_serving(http):
+    ok = http.post(CHAT, json=chat(temperature=0, max_tokens=1))
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["choices"][0]["message"]["role"] == "assistant"
+
+
+@pytest.mark.parametrize("path,body,status,param", [r[1:] for r in BAD_REQUESTS],
+                         ids=[r[0] for r in BAD_REQUESTS])
+def test_bad_request_gets_openai_error_and_server_keeps_serving(http, path, body, status, param):
+    if isinstance(body, str):
+        response = http.post(path, content=body, headers={"content-type": "application/json"})
+    else:
+        response = http.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
+    assert_openai_error(response, status, param)
+    assert_still_serving(http)
+
+
+def test_unknown_route_and_wrong_method_get_openai_errors(http):
+    assert_openai_error(http.get("/v1/nothing-here"), 404, None)
+    assert_openai_error(http.get(CHAT), 405, None)
+    assert_still_serving(http)
+
+
+def test_openai_client_raises_typed_errors(client):
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model=MODEL_NAME, messages=USER, temperature=-1)
+    assert bad.value.status_code == 400
+    assert bad.value.body["param"] == "temperature"
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.chat.completions.create(model="not-served", messages=USER)
+    assert missing.value.body["code"] == "model_not_found"
+    ok = client.chat.completions.create(model=MODEL_NAME, messages=USER, max_tokens=2)
+    assert ok.choices[0].message.role == "assistant"
