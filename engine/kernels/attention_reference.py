@@ -1,0 +1,56 @@
+"""Paged causal attention in pure PyTorch: K/V live in fixed-size blocks addressed by a table.
+
+key_cache / value_cache: (num_blocks, block_size, num_kv_heads, head_dim). A token at position p
+of a sequence lives at block_table[p // block_size], offset p % block_size; its flat slot is
+block * block_size + offset. Query head h reads KV head h // (num_heads / num_kv_heads) (GQA).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def write_kv(
+    key_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D), written in place
+    value_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D), written in place
+    slot_mapping: torch.Tensor,  # (T,) int64 flat slots
+    key: torch.Tensor,  # (T, Hkv, D)
+    value: torch.Tensor,  # (T, Hkv, D)
+) -> None:
+    """Store each token's K/V at its slot."""
+    num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+    flat_shape = (num_blocks * block_size, num_kv_heads, head_dim)
+    key_cache.view(flat_shape).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
+    value_cache.view(flat_shape).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
+
+
+def paged_attention(
+    query: torch.Tensor,  # (n, H, D), the tokens at positions start_position .. start_position+n-1
+    key_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D)
+    value_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D)
+    block_table: torch.Tensor,  # (>= ceil((start_position + n) / block_size),) int64
+    start_position: int,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of n new queries over the sequence's first start_position + n keys.
+
+    The new tokens' K/V must already be written. Scores are computed in the query dtype and the
+    softmax in fp32 (as transformers' eager attention does). Returns (n, H, D).
+    """
+    num_queries, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    num_keys = start_position + num_queries
+    blocks = block_table[: -(-num_keys // block_size)]
+    keys = key_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:num_keys]  # (S, Hkv, D)
+    values = value_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:num_keys]  # (S, Hkv, D)
+    group = num_heads // num_kv_heads
+    keys = keys.repeat_interleave(group, dim=1)  # (S, H, D)
+    values = values.repeat_interleave(group, dim=1)  # (S, H, D)
+
+    scores = torch.einsum("qhd,khd->hqk", query, keys) * scale  # (H, n, S)
+    query_positions = torch.arange(start_position, num_keys, device=query.device)
+    key_positions = torch.arange(num_keys, device=query.device)
+    future = key_positions[None, :] > query_positions[:, None]  # (n, S)
+    scores = scores.masked_fill(future, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    return torch.einsum("hqk,khd->qhd", probs, values)  # (n, H, D)

@@ -1,0 +1,33 @@
+"""Depthwise causal conv1d over one sequence with a carried conv state, in pure PyTorch.
+
+The conv state holds the last K-1 inputs of the sequence so far (zeros for a fresh sequence),
+so running a sequence in pieces gives exactly the outputs of running it whole.
+Shapes: T tokens, C channels, K kernel width.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def causal_conv1d(
+    x: torch.Tensor,  # (T, C)
+    conv_state: torch.Tensor,  # (C, K - 1), not modified
+    weight: torch.Tensor,  # (C, K)
+    bias: torch.Tensor | None,  # (C,)
+    apply_silu: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (out (T, C), new_conv_state (C, K - 1)).
+
+    out[t, c] = bias[c] + sum_k weight[c, k] * window[c, t + k], where window is the conv state
+    followed by x; new_conv_state is the last K - 1 columns of that window.
+    """
+    num_tokens, channels = x.shape
+    state_len = weight.shape[1] - 1
+    window = torch.cat([conv_state.to(x.dtype), x.transpose(0, 1)], dim=1)  # (C, K-1+T)
+    out = F.conv1d(window[None], weight[:, None, :], bias, groups=channels)[0]  # (C, T)
+    if apply_silu:
+        out = F.silu(out)
+    new_state = window[:, window.shape[1] - state_len :]  # (C, K-1)
+    return out.transpose(0, 1), new_state

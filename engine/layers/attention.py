@@ -1,0 +1,57 @@
+"""Self-attention over paged KV blocks, for a flat batch of chunks from different requests."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.forward_batch import ForwardBatch
+from engine.kernels.attention_reference import paged_attention, write_kv
+from engine.layers.rotary import apply_rotary
+from engine.model_config import HybridModelConfig
+
+
+class PagedAttention(nn.Module):
+    """q/k/v projections, optional RoPE, causal GQA attention over the KV cache, o projection.
+
+    The softmax scale is config.attention_multiplier (GraniteMoeHybrid's replacement for
+    1/sqrt(head_dim)).
+    """
+
+    def __init__(self, config: HybridModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = config.attention_multiplier
+        hidden, bias = config.hidden_size, config.attention_bias
+        q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(hidden, q_width, bias=bias, dtype=dtype)
+        self.k_proj = nn.Linear(hidden, kv_width, bias=bias, dtype=dtype)
+        self.v_proj = nn.Linear(hidden, kv_width, bias=bias, dtype=dtype)
+        self.o_proj = nn.Linear(q_width, hidden, bias=bias, dtype=dtype)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # (T, D)
+        batch: ForwardBatch,
+        key_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, Dh), written at batch.slot_mapping
+        value_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, Dh), written at batch.slot_mapping
+        rope: tuple[torch.Tensor, torch.Tensor] | None,  # (cos, sin), each (T, Dh); None = NoPE
+    ) -> torch.Tensor:
+        """Writes every token's K/V to its slot, then attends each chunk over its own sequence."""
+        num_tokens = hidden.shape[0]
+        query = self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim)
+        key = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+        value = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+        if rope is not None:
+            query, key = apply_rotary(query, *rope), apply_rotary(key, *rope)
+        write_kv(key_cache, value_cache, batch.slot_mapping, key, value)
+
+        output = torch.empty_like(query)  # (T, H, Dh)
+        for chunk, start, end in zip(batch.chunks, batch.cu_seqlens[:-1], batch.cu_seqlens[1:]):
+            block_table = torch.tensor(chunk.block_table, dtype=torch.int64, device=hidden.device)
+            output[start:end] = paged_attention(
+                query[start:end], key_cache, value_cache, block_table, chunk.start_position, self.scale
+            )
+        return self.o_proj(output.view(num_tokens, self.num_heads * self.head_dim))

@@ -1,0 +1,112 @@
+"""The Mamba2 mixer: projections, causal conv and SSD scan with per-request state slots."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.forward_batch import ForwardBatch
+from engine.kernels.conv_reference import causal_conv1d
+from engine.kernels.ssd_reference import ssd_chunk_scan, ssd_step
+from engine.layers.norm import GatedRMSNorm
+from engine.model_config import HybridModelConfig
+
+
+class DepthwiseConv1dWeights(nn.Module):
+    """The weights of the depthwise causal conv, in the checkpoint's nn.Conv1d layout."""
+
+    def __init__(self, channels: int, kernel_size: int, bias: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(channels, dtype=dtype)) if bias else None
+
+
+class Mamba2Mixer(nn.Module):
+    """in_proj -> [z | xBC | dt]; xBC -> causal conv + silu -> [x | B | C]; SSD scan over x with
+    dt = clamp(softplus(dt + dt_bias), time_step_limit), A = -exp(A_log) and skip D;
+    y -> gated RMSNorm with z -> out_proj.
+
+    Shapes: T tokens, H heads, P head dim, G groups, N state size, I = H * P.
+    A_log, D and dt_bias are kept in fp32 whatever the model dtype.
+    """
+
+    def __init__(self, config: HybridModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads = config.mamba_n_heads
+        self.head_dim = config.mamba_d_head
+        self.num_groups = config.mamba_n_groups
+        self.state_size = config.mamba_d_state
+        self.chunk_size = config.mamba_chunk_size
+        self.time_step_limit = config.time_step_limit
+        self.intermediate_size = config.mamba_intermediate_size
+        self.conv_dim = config.mamba_conv_dim
+        hidden, bias = config.hidden_size, config.mamba_proj_bias
+        projection_size = self.intermediate_size + self.conv_dim + self.num_heads
+        self.in_proj = nn.Linear(hidden, projection_size, bias=bias, dtype=dtype)
+        self.conv1d = DepthwiseConv1dWeights(
+            self.conv_dim, config.mamba_d_conv, config.mamba_conv_bias, dtype
+        )
+        self.dt_bias = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32))
+        self.A_log = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32))
+        self.D = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32))
+        self.norm = GatedRMSNorm(
+            self.intermediate_size,
+            group_size=self.intermediate_size // self.num_groups,
+            eps=config.rms_norm_eps,
+            dtype=dtype,
+        )
+        self.out_proj = nn.Linear(self.intermediate_size, hidden, bias=bias, dtype=dtype)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # (T, D)
+        batch: ForwardBatch,
+        conv_state: torch.Tensor,  # (num_slots, conv_dim, K-1), chunk slots updated in place
+        ssm_state: torch.Tensor,  # (num_slots, H, P, N) fp32, chunk slots updated in place
+    ) -> torch.Tensor:
+        """Each chunk continues from its state slot (or from zeros if reset_state) and leaves
+        the state after its last token in the same slot."""
+        num_tokens = hidden.shape[0]
+        projected = self.in_proj(hidden)
+        gate, xBC, dt_raw = projected.split(
+            [self.intermediate_size, self.conv_dim, self.num_heads], dim=-1
+        )
+        y = hidden.new_empty(num_tokens, self.num_heads, self.head_dim, dtype=torch.float32)
+        for chunk, start, end in zip(batch.chunks, batch.cu_seqlens[:-1], batch.cu_seqlens[1:]):
+            slot = chunk.state_slot
+            conv_in = torch.zeros_like(conv_state[slot]) if chunk.reset_state else conv_state[slot]
+            ssm_in = torch.zeros_like(ssm_state[slot]) if chunk.reset_state else ssm_state[slot]
+            y_chunk, conv_out, ssm_out = self.mix_sequence(
+                xBC[start:end], dt_raw[start:end], conv_in, ssm_in
+            )
+            y[start:end] = y_chunk
+            conv_state[slot].copy_(conv_out)
+            ssm_state[slot].copy_(ssm_out)
+        normed = self.norm(y.view(num_tokens, self.intermediate_size), gate, out_dtype=hidden.dtype)
+        return self.out_proj(normed)
+
+    def mix_sequence(
+        self,
+        xBC: torch.Tensor,  # (n, conv_dim), pre-conv
+        dt_raw: torch.Tensor,  # (n, H)
+        conv_state: torch.Tensor,  # (conv_dim, K-1), not modified
+        ssm_state: torch.Tensor,  # (H, P, N) fp32, not modified
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One request's tokens: returns (y (n, H, P) fp32, new conv_state, new ssm_state)."""
+        n = xBC.shape[0]
+        weight = self.conv1d.weight[:, 0, :]  # (conv_dim, K)
+        xBC, new_conv_state = causal_conv1d(xBC, conv_state, weight, self.conv1d.bias, apply_silu=True)
+        group_width = self.num_groups * self.state_size
+        x, B, C = xBC.split([self.intermediate_size, group_width, group_width], dim=-1)
+        x = x.reshape(n, self.num_heads, self.head_dim)
+        B = B.reshape(n, self.num_groups, self.state_size)
+        C = C.reshape(n, self.num_groups, self.state_size)
+        dt = F.softplus(dt_raw.float() + self.dt_bias.float())  # (n, H)
+        dt = dt.clamp(min=self.time_step_limit[0], max=self.time_step_limit[1])
+        A = -torch.exp(self.A_log.float())  # (H,)
+        if n == 1:
+            y, new_ssm_state = ssd_step(x[0], dt[0], A, B[0], C[0], self.D, ssm_state)
+            return y[None], new_conv_state, new_ssm_state
+        y, new_ssm_state = ssd_chunk_scan(x, dt, A, B, C, self.D, ssm_state, self.chunk_size)
+        return y, new_conv_state, new_ssm_state
