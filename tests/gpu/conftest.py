@@ -1,0 +1,27 @@
+"""Device tests: run on a CUDA device; on CPU they are skipped with the reason printed.
+
+With TRITON_INTERPRET=1 (and triton installed) our own Triton kernels also run on the CPU
+through Triton's interpreter, for debugging without a GPU; fla-core's kernels are skipped there.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+HAS_DEVICE = torch.cuda.is_available() or INTERPRETED
+needs_device = pytest.mark.skipif(not HAS_DEVICE, reason="needs a CUDA device")
+
+
+@pytest.fixture
+def device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """||actual - expected|| / ||expected||, in fp64; NaN anywhere gives NaN."""
+    actual, expected = actual.double(), expected.double()
+    return float((actual - expected).norm() / expected.norm().clamp_min(1e-30))
