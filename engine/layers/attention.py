@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from engine.forward_batch import ForwardBatch
+from engine.kernels.dispatch import GpuBatchPlan
 from engine.kernels.attention_reference import paged_attention, write_kv
 from engine.layers.rotary import apply_rotary
 from engine.model_config import HybridModelConfig
@@ -38,8 +39,12 @@ class PagedAttention(nn.Module):
         key_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, Dh), written at batch.slot_mapping
         value_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, Dh), written at batch.slot_mapping
         rope: tuple[torch.Tensor, torch.Tensor] | None,  # (cos, sin), each (T, Dh); None = NoPE
+        gpu_plan: GpuBatchPlan | None = None,
     ) -> torch.Tensor:
-        """Writes every token's K/V to its slot, then attends each chunk over its own sequence."""
+        """Writes every token's K/V to its slot, then attends each chunk over its own sequence.
+
+        gpu_plan: given on CUDA; all decode chunks then go through one Triton launch and each
+        prefill chunk through SDPA (attend_gpu)."""
         num_tokens = hidden.shape[0]
         query = self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim)
         key = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -48,6 +53,9 @@ class PagedAttention(nn.Module):
             query, key = apply_rotary(query, *rope), apply_rotary(key, *rope)
         write_kv(key_cache, value_cache, batch.slot_mapping, key, value)
 
+        if gpu_plan is not None:
+            output = self.attend_gpu(query, key_cache, value_cache, gpu_plan)
+            return self.o_proj(output.view(num_tokens, self.num_heads * self.head_dim))
         output = torch.empty_like(query)  # (T, H, Dh)
         for chunk, start, end in zip(batch.chunks, batch.cu_seqlens[:-1], batch.cu_seqlens[1:]):
             block_table = torch.tensor(chunk.block_table, dtype=torch.int64, device=hidden.device)
@@ -55,3 +63,25 @@ class PagedAttention(nn.Module):
                 query[start:end], key_cache, value_cache, block_table, chunk.start_position, self.scale
             )
         return self.o_proj(output.view(num_tokens, self.num_heads * self.head_dim))
+
+    def attend_gpu(
+        self,
+        query: torch.Tensor,  # (T, H, Dh)
+        key_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, Dh), this step's K/V written
+        value_cache: torch.Tensor,
+        plan: GpuBatchPlan,
+    ) -> torch.Tensor:
+        """Attention output (T, H, Dh) for every chunk of the batch, on CUDA."""
+        from engine.kernels.gpu.paged_attention import paged_attention_decode, paged_attention_prefill
+
+        output = torch.empty_like(query)
+        paged_attention_decode(
+            query, key_cache, value_cache, output, plan.decode_rows, plan.decode_seq_lens,
+            plan.decode_block_table, self.scale,
+        )
+        for chunk in plan.prefill_chunks:
+            output[chunk.start : chunk.end] = paged_attention_prefill(
+                query[chunk.start : chunk.end], key_cache, value_cache, chunk.block_table,
+                chunk.start_position, self.scale,
+            )
+        return output

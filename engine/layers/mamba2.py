@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.forward_batch import ForwardBatch
+from engine.kernels.dispatch import GpuBatchPlan
 from engine.kernels.conv_reference import causal_conv1d
 from engine.kernels.ssd_reference import ssd_chunk_scan, ssd_step
 from engine.layers.norm import GatedRMSNorm
@@ -64,14 +65,22 @@ class Mamba2Mixer(nn.Module):
         batch: ForwardBatch,
         conv_state: torch.Tensor,  # (num_slots, conv_dim, K-1), chunk slots updated in place
         ssm_state: torch.Tensor,  # (num_slots, H, P, N) fp32, chunk slots updated in place
+        gpu_plan: GpuBatchPlan | None = None,
     ) -> torch.Tensor:
         """Each chunk continues from its state slot (or from zeros if reset_state) and leaves
-        the state after its last token in the same slot."""
+        the state after its last token in the same slot.
+
+        gpu_plan: given on CUDA; selects the Triton path (mix_batch_gpu) over the per-chunk
+        PyTorch path."""
         num_tokens = hidden.shape[0]
         projected = self.in_proj(hidden)
         gate, xBC, dt_raw = projected.split(
             [self.intermediate_size, self.conv_dim, self.num_heads], dim=-1
         )
+        if gpu_plan is not None:
+            y = self.mix_batch_gpu(xBC, dt_raw, conv_state, ssm_state, gpu_plan)
+            normed = self.norm(y.view(num_tokens, self.intermediate_size), gate, out_dtype=hidden.dtype)
+            return self.out_proj(normed)
         y = hidden.new_empty(num_tokens, self.num_heads, self.head_dim, dtype=torch.float32)
         for chunk, start, end in zip(batch.chunks, batch.cu_seqlens[:-1], batch.cu_seqlens[1:]):
             slot = chunk.state_slot
@@ -110,3 +119,54 @@ class Mamba2Mixer(nn.Module):
             return y[None], new_conv_state, new_ssm_state
         y, new_ssm_state = ssd_chunk_scan(x, dt, A, B, C, self.D, ssm_state, self.chunk_size)
         return y, new_conv_state, new_ssm_state
+
+    def mix_batch_gpu(
+        self,
+        xBC: torch.Tensor,  # (T, conv_dim), pre-conv
+        dt_raw: torch.Tensor,  # (T, H)
+        conv_state: torch.Tensor,  # (num_slots, conv_dim, K-1), chunk slots updated in place
+        ssm_state: torch.Tensor,  # (num_slots, H, P, N) fp32, chunk slots updated in place
+        plan: GpuBatchPlan,
+    ) -> torch.Tensor:
+        """Every chunk at once on CUDA: one conv launch pair for all chunks, one decode launch
+        for all 1-token chunks, one varlen chunked scan for the rest. Returns y (T, H, P) fp32."""
+        from engine.kernels.gpu.conv import causal_conv1d_varlen
+        from engine.kernels.gpu.ssd import ssd_chunk_scan_varlen, ssd_decode_update
+
+        T = xBC.shape[0]
+        weight = self.conv1d.weight[:, 0, :]  # (conv_dim, K)
+        xBC = causal_conv1d_varlen(
+            xBC, conv_state, weight, self.conv1d.bias, plan.cu_seqlens, plan.chunk_slot,
+            plan.chunk_reset, plan.token_chunk, apply_silu=True,
+        )
+        group_width = self.num_groups * self.state_size
+        x, B, C = xBC.split([self.intermediate_size, group_width, group_width], dim=-1)
+        x = x.view(T, self.num_heads, self.head_dim)
+        B = B.view(T, self.num_groups, self.state_size)
+        C = C.view(T, self.num_groups, self.state_size)
+        dt = F.softplus(dt_raw.float() + self.dt_bias.float())  # (T, H)
+        dt = dt.clamp(min=self.time_step_limit[0], max=self.time_step_limit[1])
+        A = -torch.exp(self.A_log.float())  # (H,)
+        y = xBC.new_empty(T, self.num_heads, self.head_dim, dtype=torch.float32)
+        if plan.num_decode:
+            ssd_decode_update(
+                x, dt, A, B, C, self.D, ssm_state, y,
+                plan.decode_rows, plan.decode_slots, plan.decode_reset,
+            )
+        if plan.num_prefill:
+            rows = plan.prefill_rows
+            pick = (lambda t: t) if rows is None else (lambda t: t.index_select(0, rows))
+            slots = plan.prefill_slots
+            keep = (plan.prefill_reset == 0).view(-1, 1, 1, 1)
+            # (Sp, H, P, N); a reset slot may hold anything (NaN too): read as zeros
+            initial = torch.where(keep, ssm_state.index_select(0, slots), 0.0)
+            y_prefill, final = ssd_chunk_scan_varlen(
+                pick(x), pick(dt), A, pick(B), pick(C), self.D, initial,
+                plan.prefill_cu_seqlens, plan.prefill_cu_seqlens_host,
+            )
+            ssm_state.index_copy_(0, slots, final)
+            if rows is None:
+                y = y_prefill
+            else:
+                y.index_copy_(0, rows, y_prefill)
+        return y

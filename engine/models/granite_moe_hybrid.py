@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.forward_batch import ForwardBatch, ModelCaches
+from engine.kernels.dispatch import GpuBatchPlan, plan_for_device
 from engine.layers.attention import PagedAttention
 from engine.layers.mamba2 import Mamba2Mixer
 from engine.layers.mlp import GatedMLP
@@ -49,14 +50,19 @@ class DecoderLayer(nn.Module):
         batch: ForwardBatch,
         caches: ModelCaches,
         rope: tuple[torch.Tensor, torch.Tensor] | None,
+        gpu_plan: GpuBatchPlan | None = None,
     ) -> torch.Tensor:
-        """Returns the new hidden (T, D); writes this layer's KV or state slots in `caches`."""
+        """Returns the new hidden (T, D); writes this layer's KV or state slots in `caches`.
+
+        gpu_plan (CUDA only) routes the mixer to its Triton kernels; None keeps the PyTorch path."""
         i = self.layer_index
         mixer_in = self.input_layernorm(hidden)
         if self.self_attn is not None:
-            mixed = self.self_attn(mixer_in, batch, caches.key_cache[i], caches.value_cache[i], rope)
+            mixed = self.self_attn(
+                mixer_in, batch, caches.key_cache[i], caches.value_cache[i], rope, gpu_plan
+            )
         else:
-            mixed = self.mamba(mixer_in, batch, caches.conv_state[i], caches.ssm_state[i])
+            mixed = self.mamba(mixer_in, batch, caches.conv_state[i], caches.ssm_state[i], gpu_plan)
         hidden = hidden + mixed * self.residual_multiplier
         mlp_out = self.shared_mlp(self.post_attention_layernorm(hidden))
         return hidden + mlp_out * self.residual_multiplier
@@ -90,11 +96,16 @@ class GraniteMoeHybridModel(nn.Module):
         Mutates `caches`: K/V of every token at batch.slot_mapping (attention layers) and the
         conv/SSM state slot of every chunk (Mamba layers: state in -> state out; a chunk with
         reset_state starts from zeros).
+
+        The kernel backend follows the weights' device: on CUDA the batch's chunk metadata is
+        copied to the device once here and every layer runs its Triton kernels; elsewhere the
+        layers run their pure-PyTorch path.
         """
         hidden = self.embed_tokens(batch.input_ids) * self.config.embedding_multiplier  # (T, D)
         rope = self.rotary(batch.positions) if self.rotary is not None else None
+        gpu_plan = plan_for_device(batch, caches.block_size, hidden.device)
         for layer in self.layers:
-            hidden = layer(hidden, batch, caches, rope)
+            hidden = layer(hidden, batch, caches, rope, gpu_plan)
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
