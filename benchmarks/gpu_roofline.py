@@ -1,0 +1,306 @@
+"""Roofline benchmark of the engine's GPU path on one device, in one process (no Ray).
+
+Measures, in the same run: device-to-device copy bandwidth and the bf16 matmul rate (the
+floors), then drives engine.worker.Worker on a ~1.5B dense GraniteMoeHybrid with random bf16
+weights (written as config.json + safetensors to a temp dir) and reports each result as a ratio
+to its floor:
+
+  * numerics: bf16 GPU logits vs the fp32 CPU reference path on a short prompt + greedy tokens;
+  * cold prefill of 8,192 tokens (time to first token) vs model FLOPs / matmul rate;
+  * decode tokens/s at batch 1, 16, 64 with 1,024 tokens of context vs the bytes a step must
+    move (weights + SSM/conv state read and written + KV read) / copy bandwidth.
+
+    python benchmarks/gpu_roofline.py --out benchmarks/results/gpu_roofline.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from engine.config import EngineConfig
+from engine.loader import load_model
+from engine.sampling_params import SamplingParams
+from engine.step_io import ScheduledChunk, SchedulerOutput
+from engine.worker import Worker, build_forward_batch
+
+BLOCK_SIZE = 16
+CONFIG_1P5B = {
+    "architectures": ["GraniteMoeHybridForCausalLM"], "model_type": "granitemoehybrid",
+    "hidden_size": 2048, "num_hidden_layers": 24,
+    "layer_types": ["attention" if i % 6 == 5 else "mamba" for i in range(24)],
+    "num_attention_heads": 16, "num_key_value_heads": 4, "attention_bias": False,
+    "attention_multiplier": 0.0078125, "attention_dropout": 0.0,
+    "mamba_n_heads": 64, "mamba_d_head": 64, "mamba_d_state": 128, "mamba_n_groups": 1,
+    "mamba_d_conv": 4, "mamba_expand": 2, "mamba_chunk_size": 256, "mamba_conv_bias": True,
+    "mamba_proj_bias": False, "shared_intermediate_size": 5632, "intermediate_size": 5632,
+    "num_local_experts": 0, "num_experts_per_tok": 0, "vocab_size": 49152,
+    "max_position_embeddings": 16384, "position_embedding_type": "nope",
+    "embedding_multiplier": 12.0, "residual_multiplier": 0.22, "logits_scaling": 8.0,
+    "rms_norm_eps": 1e-5, "tie_word_embeddings": True, "hidden_act": "silu",
+    "eos_token_id": 0, "pad_token_id": 1, "bos_token_id": None, "torch_dtype": "bfloat16",
+}
+
+
+def measure_copy_bandwidth(num_bytes: int = 2 << 30) -> float:
+    """Bytes/s of a device-to-device copy, counting bytes read plus bytes written."""
+    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    return 2 * num_bytes / _cuda_time(lambda: dst.copy_(src), repeats=10)
+
+
+def measure_matmul_rate(n: int = 8192) -> float:
+    """FLOP/s of an n x n x n bf16 matmul on random data."""
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    return 2 * n**3 / _cuda_time(lambda: a @ b, repeats=10)
+
+
+def _cuda_time(fn, repeats: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / repeats
+
+
+def write_random_checkpoint(model_dir: Path) -> None:
+    """config.json + one safetensors file of random bf16 weights (fp32 for A_log, D, dt_bias)."""
+    from safetensors.torch import save_file
+
+    from engine.model_config import HybridModelConfig, load_model_config
+    from engine.models.granite_moe_hybrid import GraniteMoeHybridModel
+
+    model_dir.mkdir(parents=True, exist_ok=True)
+    (model_dir / "config.json").write_text(json.dumps(CONFIG_1P5B))
+    config: HybridModelConfig = load_model_config(model_dir)
+    with torch.device("meta"):
+        shapes = GraniteMoeHybridModel(config, dtype=torch.bfloat16)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    tensors = {}
+    for name, p in shapes.named_parameters():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf == "A_log":
+            t = torch.log(torch.empty(p.shape, device="cuda").uniform_(1, 16, generator=g))
+        elif leaf == "dt_bias":
+            dt = torch.exp(torch.empty(p.shape, device="cuda").uniform_(math.log(1e-3), math.log(1e-1), generator=g))
+            t = dt + torch.log(-torch.expm1(-dt))  # inverse softplus
+        elif leaf == "D" or "norm" in name:
+            t = torch.ones(p.shape, device="cuda")
+        elif leaf == "bias":
+            t = torch.zeros(p.shape, device="cuda")
+        else:
+            t = torch.randn(p.shape, device="cuda", generator=g) * 0.02
+        tensors["model." + name] = t.to(p.dtype).cpu().contiguous()
+    save_file(tensors, str(model_dir / "model.safetensors"))
+
+
+def parameter_counts(worker: Worker) -> dict[str, int]:
+    total = sum(p.numel() for p in worker.model.parameters())
+    embed = worker.model.embed_tokens.weight.numel()
+    return {"total": total, "embedding": embed, "body": total - embed}
+
+
+def chunk(request: int, tokens, start: int, blocks_per_seq: int, reset: bool, sample: bool = True):
+    first = request * blocks_per_seq
+    return ScheduledChunk(
+        request_id=f"r{request}", token_ids=tuple(int(t) for t in tokens), start_position=start,
+        block_table=tuple(range(first, first + blocks_per_seq)), state_slot=request,
+        reset_state=reset, sample=sample, sampling=SamplingParams(temperature=0.0, max_tokens=4096),
+    )
+
+
+def numerics_check(worker: Worker, model_dir: Path, prompt_len: int = 32, new_tokens: int = 8) -> dict:
+    """Greedy tokens on the GPU (prefill + decode steps) vs the fp32 CPU reference, teacher-forced."""
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(2, CONFIG_1P5B["vocab_size"], (prompt_len,), generator=g).tolist()
+    blocks = 4
+    request, tokens, gpu_logits = 0, list(prompt), []
+    step = SchedulerOutput((chunk(request, prompt, 0, blocks, True),))
+    for i in range(new_tokens):
+        batch = build_forward_batch(step, BLOCK_SIZE, worker.device)
+        with torch.inference_mode():
+            hidden = worker.model(batch, worker.caches)
+            gpu_logits.append(worker.model.compute_logits(hidden[-1:]).cpu()[0])
+        tokens.append(int(gpu_logits[-1].argmax()))
+        step = SchedulerOutput((chunk(request, tokens[-1:], len(tokens) - 1, blocks, False),))
+    gpu_logits = torch.stack(gpu_logits)  # (new_tokens, V)
+
+    ref_model, _ = load_model(model_dir, dtype=torch.float32, device="cpu")
+    ref_caches = ref_model.allocate_caches(num_blocks=blocks, block_size=BLOCK_SIZE, num_state_slots=1)
+    ref_step = SchedulerOutput((chunk(0, tokens[:-1], 0, blocks, True),))
+    with torch.inference_mode():
+        hidden = ref_model(build_forward_batch(ref_step, BLOCK_SIZE, torch.device("cpu")), ref_caches)
+        ref_logits = ref_model.compute_logits(hidden[prompt_len - 1 :])  # (new_tokens, V)
+    del ref_model, ref_caches
+    err = (gpu_logits - ref_logits).abs().max(dim=-1).values
+    top2 = ref_logits.topk(2, dim=-1).values
+    near_tie = (top2[:, 0] - top2[:, 1]) <= 2 * err
+    agree = gpu_logits.argmax(-1) == ref_logits.argmax(-1)
+    rel = float((gpu_logits - ref_logits).norm() / ref_logits.norm())
+    return {
+        "prompt_tokens": prompt_len, "greedy_tokens": new_tokens,
+        "logits_relative_error": rel,
+        "greedy_agree": int(agree.sum()), "disagree_near_tie": int((~agree & near_tie).sum()),
+        "disagree_not_tie": int((~agree & ~near_tie).sum()),
+        "passed": rel < 5e-2 and int((~agree & ~near_tie).sum()) == 0,
+    }
+
+
+def bench_prefill(worker: Worker, num_tokens: int, slot: int, blocks_per_seq: int, repeats: int = 3) -> float:
+    """Seconds for one cold prefill step of num_tokens (sampling included), best of repeats."""
+    tokens = torch.randint(2, 49152, (num_tokens,)).tolist()
+    step = SchedulerOutput((chunk(slot, tokens, 0, blocks_per_seq, True),))
+    worker.execute(step)  # compile / autotune
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        worker.execute(step)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def prefill_flops(config: dict, params_body: int, num_tokens: int) -> float:
+    """Matmul FLOPs of a cold prefill: linear layers, causal attention, SSD chunk scan, one LM row."""
+    hidden, vocab = config["hidden_size"], config["vocab_size"]
+    n_attn = sum(t == "attention" for t in config["layer_types"])
+    n_mamba = len(config["layer_types"]) - n_attn
+    heads_dim = config["num_attention_heads"] * (hidden // config["num_attention_heads"])
+    linear = 2 * num_tokens * params_body
+    attention = n_attn * 2 * num_tokens**2 * heads_dim  # QK^T and PV, causal half each
+    H, P, N, L = config["mamba_n_heads"], config["mamba_d_head"], config["mamba_d_state"], 64
+    ssd = n_mamba * num_tokens * H * (2 * L * (N + P) + 4 * P * N)
+    return linear + attention + ssd + 2 * hidden * vocab
+
+
+def decode_bytes(worker: Worker, batch: int, context: int) -> float:
+    """Bytes one decode step must move: every weight once, each sequence's state read and
+    written, its KV read."""
+    weights = sum(p.numel() * p.element_size() for p in worker.model.parameters())
+    state = 2 * worker.model.state_bytes_per_slot()
+    kv = worker.model.kv_bytes_per_block(BLOCK_SIZE) / BLOCK_SIZE * context
+    return weights + batch * (state + kv)
+
+
+def bench_decode(worker: Worker, first_request: int, batch: int, context: int, blocks_per_seq: int,
+                 warmup: int = 3, steps: int = 20) -> float:
+    """Decode steps/s of `batch` sequences prefilled to `context` tokens (8K-token prefill steps)."""
+    requests = list(range(first_request, first_request + batch))
+    per_step = max(1, 8192 // context)
+    for i in range(0, batch, per_step):
+        chunks = tuple(
+            chunk(r, torch.randint(2, 49152, (context,)).tolist(), 0, blocks_per_seq, True, sample=False)
+            for r in requests[i : i + per_step]
+        )
+        worker.execute(SchedulerOutput(chunks))
+    position, last = context, {r: 5 for r in requests}
+    times = []
+    for s in range(warmup + steps):
+        out = SchedulerOutput(tuple(chunk(r, (last[r],), position, blocks_per_seq, False) for r in requests))
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        result = worker.execute(out)
+        torch.cuda.synchronize()
+        if s >= warmup:
+            times.append(time.perf_counter() - t0)
+        last = {r: result.sampled_token_ids[f"r{r}"] for r in requests}
+        position += 1
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="benchmarks/results/gpu_roofline.json")
+    parser.add_argument("--prefill-tokens", type=int, default=8192)
+    parser.add_argument("--context", type=int, default=1024)
+    args = parser.parse_args()
+    t_start = time.perf_counter()
+    report: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    try:
+        import fla
+        import triton
+
+        report.update(triton=triton.__version__, fla=getattr(fla, "__version__", "?"))
+    except ImportError as e:
+        report["import_error"] = str(e)
+    copy_bw, matmul = measure_copy_bandwidth(), measure_matmul_rate()
+    report["floors"] = {"copy_bytes_per_s": copy_bw, "matmul_flop_per_s": matmul}
+    print(f"copy {copy_bw / 1e12:.2f} TB/s (read+write)  matmul {matmul / 1e12:.0f} TFLOP/s", flush=True)
+
+    batches = (1, 16, 64)
+    num_requests = 1 + sum(batches)
+    blocks_per_seq = -(-max(args.prefill_tokens, args.context + 64) // BLOCK_SIZE)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(tmp) / "granite-hybrid-1p5b-random"
+        write_random_checkpoint(model_dir)
+        print(f"checkpoint written ({time.perf_counter() - t_start:.0f}s)", flush=True)
+        probe = EngineConfig(model_dir=str(model_dir), dtype="bfloat16", device="cuda")
+        worker = Worker(_sized(probe, num_requests, blocks_per_seq))
+        counts = parameter_counts(worker)
+        report["parameters"] = counts
+        report["numerics"] = numerics_check(worker, model_dir)
+        print(f"numerics {report['numerics']}  ({time.perf_counter() - t_start:.0f}s)", flush=True)
+
+        ttft = bench_prefill(worker, args.prefill_tokens, slot=0, blocks_per_seq=blocks_per_seq)
+        flops = prefill_flops(CONFIG_1P5B, counts["body"], args.prefill_tokens)
+        floor = flops / matmul
+        rows = [{"name": f"cold prefill {args.prefill_tokens} (TTFT)", "seconds": ttft,
+                 "floor_seconds": floor, "ratio_to_floor": floor / ttft, "flops": flops,
+                 "tokens_per_s": args.prefill_tokens / ttft, "target": 0.40}]
+        first = 1
+        for b in batches:
+            step_s = bench_decode(worker, first, b, args.context, blocks_per_seq)
+            moved = decode_bytes(worker, b, args.context)
+            floor = moved / copy_bw
+            rows.append({"name": f"decode batch {b} ctx {args.context}", "seconds": step_s,
+                         "floor_seconds": floor, "ratio_to_floor": floor / step_s, "bytes": moved,
+                         "tokens_per_s": b / step_s, "target": 0.60 if b == 1 else 0.50})
+            first += b
+            print(f"decode batch {b}: {b / step_s:.0f} tok/s ({time.perf_counter() - t_start:.0f}s)", flush=True)
+        report["rows"] = rows
+    report["wall_seconds"] = time.perf_counter() - t_start
+
+    print(f"\n{'row':<30}{'time ms':>10}{'floor ms':>10}{'ratio':>8}{'target':>8}{'tok/s':>12}")
+    for r in rows:
+        print(f"{r['name']:<30}{r['seconds'] * 1e3:>10.2f}{r['floor_seconds'] * 1e3:>10.2f}"
+              f"{r['ratio_to_floor']:>8.2f}{r['target']:>8.2f}{r['tokens_per_s']:>12.0f}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    print(f"wrote {args.out}")
+
+
+def _sized(config: EngineConfig, num_requests: int, blocks_per_seq: int) -> EngineConfig:
+    """The engine config with KV and state budgets for num_requests sequences."""
+    from dataclasses import replace
+
+    from engine.model_config import load_model_config
+    from engine.models.granite_moe_hybrid import GraniteMoeHybridModel
+
+    with torch.device("meta"):
+        model = GraniteMoeHybridModel(load_model_config(config.model_dir), dtype=torch.bfloat16)
+    return replace(
+        config,
+        max_num_seqs=num_requests,
+        max_num_batched_tokens=8192,
+        kv_cache_bytes=model.kv_bytes_per_block(BLOCK_SIZE) * blocks_per_seq * num_requests,
+        state_cache_bytes=model.state_bytes_per_slot() * num_requests,
+    )
+
+
+if __name__ == "__main__":
+    main()
