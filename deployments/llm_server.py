@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from dataclasses import dataclass, replace
 
 import ray
 from ray import serve
@@ -32,6 +32,9 @@ from engine.worker import Worker
 logger = logging.getLogger("ray.serve")
 
 HEALTH_CHECK_TIMEOUT_S = 20.0
+# Outputs the scheduler actor may stream ahead of this replica; beyond that it waits and
+# coalesces (see `coalesce`), so a lagging consumer receives fewer, larger deltas.
+STREAM_BACKPRESSURE_OBJECTS = 2
 
 
 class RayWorkerExecutor:
@@ -49,6 +52,53 @@ class RayWorkerExecutor:
 
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         return ray.get(self._worker.execute.remote(scheduler_output))
+
+
+def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
+    """Consecutive deltas of one request as one delta (token ids and text concatenated; the
+    counters, finish state and logits are the last output's; the API never asks for logits)."""
+    if len(outputs) == 1:
+        return outputs[0]
+    return replace(outputs[-1],
+                   new_token_ids=tuple(t for out in outputs for t in out.new_token_ids),
+                   new_text="".join(out.new_text for out in outputs))
+
+
+async def coalesce(outputs: AsyncGenerator[RequestOutput, None]) -> AsyncGenerator[RequestOutput, None]:
+    """Re-yield `outputs`, merging all outputs already waiting into one delta.
+
+    A consumer that keeps up gets one output per engine step; one that lags (a busy event loop,
+    a slow hop downstream) gets fewer, larger deltas instead of a growing backlog of messages.
+    The first output is never delayed. Errors from `outputs` are raised after the outputs that
+    preceded them. Closing this generator cancels the reader, which closes `outputs`.
+    """
+    ready: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
+
+    async def read() -> None:
+        try:
+            async for out in outputs:
+                ready.put_nowait(out)
+        except Exception as exc:  # e.g. InvalidRequestError: hand it to the consumer
+            ready.put_nowait(exc)
+
+    reader = asyncio.create_task(read())
+    try:
+        while True:
+            batch = [await ready.get()]
+            while not ready.empty():
+                batch.append(ready.get_nowait())
+            outs = [item for item in batch if not isinstance(item, Exception)]
+            if outs:
+                merged = merge_outputs(outs)
+                yield merged
+                if merged.finished:
+                    return
+            for item in batch:
+                if isinstance(item, Exception):
+                    raise item
+    finally:
+        reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
 
 
 @dataclass(frozen=True)
@@ -87,7 +137,7 @@ class SchedulerActor:
         """
         finished = False
         try:
-            async for out in self._engine.generate(request_id, prompt_token_ids, sampling):
+            async for out in coalesce(self._engine.generate(request_id, prompt_token_ids, sampling)):
                 finished = out.finished
                 yield out
         finally:
@@ -141,8 +191,9 @@ class LLMServer:
         Raises APIError (400 for requests the engine refuses, 500 otherwise). If the caller
         stops iterating (client disconnect, cancellation) the request is aborted in the engine.
         """
-        stream = self._scheduler.generate.options(num_returns="streaming").remote(
-            request_id, tuple(prompt_token_ids), sampling)
+        stream = self._scheduler.generate.options(
+            num_returns="streaming", _generator_backpressure_num_objects=STREAM_BACKPRESSURE_OBJECTS,
+        ).remote(request_id, tuple(prompt_token_ids), sampling)
         finished = False
         try:
             async for ref in stream:

@@ -1,0 +1,80 @@
+"""The scheduler actor's stream merging (pure asyncio, no Ray): deltas that are already waiting
+are merged, nothing is lost or reordered, errors surface, and closing the stream closes its
+source (which is what aborts the request in the engine)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from deployments.llm_server import coalesce, merge_outputs
+from engine.llm_engine import RequestOutput
+
+
+def output(i: int, finished: bool = False) -> RequestOutput:
+    return RequestOutput(request_id="r", new_token_ids=(i,), new_text=f"<{i}>", finished=finished,
+                         finish_reason="length" if finished else None, num_prompt_tokens=3,
+                         num_output_tokens=i + 1)
+
+
+def test_merge_concatenates_and_keeps_the_last_counters():
+    merged = merge_outputs([output(0), output(1), output(2, finished=True)])
+    assert merged.new_token_ids == (0, 1, 2)
+    assert merged.new_text == "<0><1><2>"
+    assert merged.finished and merged.finish_reason == "length" and merged.num_output_tokens == 3
+
+
+def test_waiting_outputs_are_merged_without_loss():
+    async def burst():
+        for i in range(5):
+            yield output(i, finished=i == 4)
+
+    async def main():
+        got = []
+        async for out in coalesce(burst()):
+            got.append(out)
+            await asyncio.sleep(0.01)  # a slow consumer
+        return got
+
+    got = asyncio.run(main())
+    assert len(got) < 5
+    assert tuple(t for out in got for t in out.new_token_ids) == (0, 1, 2, 3, 4)
+    assert got[-1].finished
+
+
+def test_error_after_outputs_is_raised_after_them():
+    async def failing():
+        yield output(0)
+        raise ValueError("refused")
+
+    async def main():
+        seen = []
+        with pytest.raises(ValueError, match="refused"):
+            async for out in coalesce(failing()):
+                seen.append(out)
+        return seen
+
+    assert [o.new_token_ids for o in asyncio.run(main())] == [(0,)]
+
+
+def test_closing_the_stream_closes_its_source():
+    closed = asyncio.Event()
+
+    async def endless():
+        try:
+            i = 0
+            while True:
+                yield output(i)
+                i += 1
+                await asyncio.sleep(0.001)
+        finally:
+            closed.set()
+
+    async def main():
+        stream = coalesce(endless())
+        await anext(stream)
+        await stream.aclose()
+        await asyncio.wait_for(closed.wait(), 1)
+
+    asyncio.run(main())
