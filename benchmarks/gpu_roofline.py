@@ -8,7 +8,8 @@ to its floor:
   * numerics: bf16 GPU logits vs the fp32 CPU reference path on a short prompt + greedy tokens;
   * cold prefill of 8,192 tokens (time to first token) vs model FLOPs / matmul rate;
   * decode tokens/s at batch 1, 16, 64 with 1,024 tokens of context vs the bytes a step must
-    move (weights + SSM/conv state read and written + KV read) / copy bandwidth.
+    move (weights + SSM/conv state read and written + KV read) / copy bandwidth;
+  * for each row, one step under torch.profiler: GPU kernel time vs wall time (what dominates).
 
     python benchmarks/gpu_roofline.py --out benchmarks/results/gpu_roofline.json
 """
@@ -172,7 +173,31 @@ def bench_prefill(worker: Worker, num_tokens: int, slot: int, blocks_per_seq: in
         worker.execute(step)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    return min(times)
+    return min(times), profile_step(worker, step)
+
+
+def profile_step(worker: Worker, step: SchedulerOutput, top: int = 8) -> dict:
+    """One step under torch.profiler: wall time, summed GPU kernel time, the top kernels.
+
+    gpu/wall near 1 means the GPU is the bottleneck; far below 1, host time and launches are."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        worker.execute(step)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    kernels = [
+        (e.key, getattr(e, "self_device_time_total", 0) / 1e6, e.count)
+        for e in prof.key_averages()
+        if str(getattr(e, "device_type", "")).endswith("CUDA") and getattr(e, "self_device_time_total", 0) > 0
+    ]
+    kernels.sort(key=lambda k: -k[1])
+    gpu = sum(k[1] for k in kernels)
+    launches = sum(k[2] for k in kernels)
+    return {"wall_s": wall, "gpu_kernel_s": gpu, "gpu_share": gpu / wall, "kernel_launches": launches,
+            "top": [{"kernel": k[0][:90], "seconds": k[1], "count": k[2]} for k in kernels[:top]]}
 
 
 def prefill_flops(config: dict, params_body: int, num_tokens: int) -> float:
@@ -220,7 +245,8 @@ def bench_decode(worker: Worker, first_request: int, batch: int, context: int, b
             times.append(time.perf_counter() - t0)
         last = {r: result.sampled_token_ids[f"r{r}"] for r in requests}
         position += 1
-    return sorted(times)[len(times) // 2]
+    out = SchedulerOutput(tuple(chunk(r, (last[r],), position, blocks_per_seq, False) for r in requests))
+    return sorted(times)[len(times) // 2], profile_step(worker, out)
 
 
 def main() -> None:
@@ -256,20 +282,21 @@ def main() -> None:
         report["numerics"] = numerics_check(worker, model_dir)
         print(f"numerics {report['numerics']}  ({time.perf_counter() - t_start:.0f}s)", flush=True)
 
-        ttft = bench_prefill(worker, args.prefill_tokens, slot=0, blocks_per_seq=blocks_per_seq)
+        ttft, prefill_profile = bench_prefill(worker, args.prefill_tokens, slot=0, blocks_per_seq=blocks_per_seq)
         flops = prefill_flops(CONFIG_1P5B, counts["body"], args.prefill_tokens)
         floor = flops / matmul
         rows = [{"name": f"cold prefill {args.prefill_tokens} (TTFT)", "seconds": ttft,
                  "floor_seconds": floor, "ratio_to_floor": floor / ttft, "flops": flops,
-                 "tokens_per_s": args.prefill_tokens / ttft, "target": 0.40}]
+                 "tokens_per_s": args.prefill_tokens / ttft, "target": 0.40, "profile": prefill_profile}]
         first = 1
         for b in batches:
-            step_s = bench_decode(worker, first, b, args.context, blocks_per_seq)
+            step_s, decode_profile = bench_decode(worker, first, b, args.context, blocks_per_seq)
             moved = decode_bytes(worker, b, args.context)
             floor = moved / copy_bw
             rows.append({"name": f"decode batch {b} ctx {args.context}", "seconds": step_s,
                          "floor_seconds": floor, "ratio_to_floor": floor / step_s, "bytes": moved,
-                         "tokens_per_s": b / step_s, "target": 0.60 if b == 1 else 0.50})
+                         "tokens_per_s": b / step_s, "target": 0.60 if b == 1 else 0.50,
+                         "profile": decode_profile})
             first += b
             print(f"decode batch {b}: {b / step_s:.0f} tok/s ({time.perf_counter() - t_start:.0f}s)", flush=True)
         report["rows"] = rows
@@ -279,6 +306,12 @@ def main() -> None:
     for r in rows:
         print(f"{r['name']:<30}{r['seconds'] * 1e3:>10.2f}{r['floor_seconds'] * 1e3:>10.2f}"
               f"{r['ratio_to_floor']:>8.2f}{r['target']:>8.2f}{r['tokens_per_s']:>12.0f}")
+    for r in rows:
+        prof = r["profile"]
+        print(f"\n{r['name']}: wall {prof['wall_s'] * 1e3:.2f} ms, GPU kernels {prof['gpu_kernel_s'] * 1e3:.2f} ms "
+              f"({prof['gpu_share']:.0%}), {prof['kernel_launches']} launches")
+        for k in prof["top"]:
+            print(f"  {k['seconds'] * 1e3:8.3f} ms {k['count']:5d}x  {k['kernel']}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(f"wrote {args.out}")
