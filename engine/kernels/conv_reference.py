@@ -31,3 +31,21 @@ def causal_conv1d(
         out = F.silu(out)
     new_state = window[:, window.shape[1] - state_len :]  # (C, K-1)
     return out.transpose(0, 1), new_state
+
+
+def causal_conv1d_step(
+    x: torch.Tensor,  # (S, C), one new input per sequence
+    conv_state: torch.Tensor,  # (S, C, K - 1), not modified
+    weight: torch.Tensor,  # (C, K)
+    bias: torch.Tensor | None,  # (C,)
+    apply_silu: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token for each of S sequences (causal_conv1d with T = 1 over a batch): returns
+    (out (S, C), new_conv_state (S, C, K - 1))."""
+    window = torch.cat([conv_state.to(x.dtype), x[:, :, None]], dim=2)  # (S, C, K)
+    out = (window * weight[None]).sum(dim=2)
+    if bias is not None:
+        out = out + bias
+    if apply_silu:
+        out = F.silu(out)
+    return out, window[:, :, 1:]

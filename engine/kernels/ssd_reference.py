@@ -41,6 +41,29 @@ def ssd_step(
     return y, new_state
 
 
+def ssd_step_batched(
+    x: torch.Tensor,  # (S, H, P)
+    dt: torch.Tensor,  # (S, H)
+    A: torch.Tensor,  # (H,) negative
+    B: torch.Tensor,  # (S, G, N)
+    C: torch.Tensor,  # (S, G, N)
+    D: torch.Tensor | None,  # (H,)
+    state: torch.Tensor,  # (S, H, P, N) fp32, not modified
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token for each of S sequences (ssd_step over a batch): returns
+    (y (S, H, P) fp32, new_state (S, H, P, N) fp32)."""
+    heads_per_group = x.shape[1] // B.shape[1]
+    x, dt = x.float(), dt.float()
+    B_h = B.float().repeat_interleave(heads_per_group, dim=1)  # (S, H, N)
+    C_h = C.float().repeat_interleave(heads_per_group, dim=1)  # (S, H, N)
+    decay = torch.exp(dt * A.float())  # (S, H)
+    new_state = state * decay[:, :, None, None] + (dt[:, :, None] * x)[:, :, :, None] * B_h[:, :, None, :]
+    y = torch.einsum("shpn,shn->shp", new_state, C_h)
+    if D is not None:
+        y = y + D.float()[None, :, None] * x
+    return y, new_state
+
+
 def ssd_recurrent(
     x: torch.Tensor,  # (T, H, P)
     dt: torch.Tensor,  # (T, H)

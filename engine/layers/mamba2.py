@@ -8,8 +8,8 @@ from torch import nn
 
 from engine.forward_batch import ForwardBatch
 from engine.kernels.dispatch import GpuBatchPlan
-from engine.kernels.conv_reference import causal_conv1d
-from engine.kernels.ssd_reference import ssd_chunk_scan, ssd_step
+from engine.kernels.conv_reference import causal_conv1d, causal_conv1d_step
+from engine.kernels.ssd_reference import ssd_chunk_scan, ssd_step_batched
 from engine.layers.norm import GatedRMSNorm
 from engine.model_config import HybridModelConfig
 
@@ -82,7 +82,13 @@ class Mamba2Mixer(nn.Module):
             normed = self.norm(y.view(num_tokens, self.intermediate_size), gate, out_dtype=hidden.dtype)
             return self.out_proj(normed)
         y = hidden.new_empty(num_tokens, self.num_heads, self.head_dim, dtype=torch.float32)
+        decode_rows, decode_slots, decode_resets = [], [], []
         for chunk, start, end in zip(batch.chunks, batch.cu_seqlens[:-1], batch.cu_seqlens[1:]):
+            if end - start == 1:
+                decode_rows.append(start)
+                decode_slots.append(chunk.state_slot)
+                decode_resets.append(chunk.reset_state)
+                continue
             slot = chunk.state_slot
             conv_in = torch.zeros_like(conv_state[slot]) if chunk.reset_state else conv_state[slot]
             ssm_in = torch.zeros_like(ssm_state[slot]) if chunk.reset_state else ssm_state[slot]
@@ -92,6 +98,16 @@ class Mamba2Mixer(nn.Module):
             y[start:end] = y_chunk
             conv_state[slot].copy_(conv_out)
             ssm_state[slot].copy_(ssm_out)
+        if decode_rows:
+            rows = torch.tensor(decode_rows, device=hidden.device)
+            slots = torch.tensor(decode_slots, device=hidden.device)
+            keep = ~torch.tensor(decode_resets, device=hidden.device)
+            conv_in = conv_state.index_select(0, slots) * keep[:, None, None]
+            ssm_in = ssm_state.index_select(0, slots) * keep[:, None, None, None]
+            y_rows, conv_out, ssm_out = self.mix_decode(xBC[rows], dt_raw[rows], conv_in, ssm_in)
+            y[rows] = y_rows
+            conv_state.index_copy_(0, slots, conv_out)
+            ssm_state.index_copy_(0, slots, ssm_out)
         normed = self.norm(y.view(num_tokens, self.intermediate_size), gate, out_dtype=hidden.dtype)
         return self.out_proj(normed)
 
@@ -106,6 +122,31 @@ class Mamba2Mixer(nn.Module):
         n = xBC.shape[0]
         weight = self.conv1d.weight[:, 0, :]  # (conv_dim, K)
         xBC, new_conv_state = causal_conv1d(xBC, conv_state, weight, self.conv1d.bias, apply_silu=True)
+        x, B, C, dt, A = self._scan_inputs(xBC, dt_raw)
+        y, new_ssm_state = ssd_chunk_scan(x, dt, A, B, C, self.D, ssm_state, self.chunk_size)
+        return y, new_conv_state, new_ssm_state
+
+    def mix_decode(
+        self,
+        xBC: torch.Tensor,  # (S, conv_dim), one pre-conv token per sequence
+        dt_raw: torch.Tensor,  # (S, H)
+        conv_state: torch.Tensor,  # (S, conv_dim, K-1), not modified
+        ssm_state: torch.Tensor,  # (S, H, P, N) fp32, not modified
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One token of each of S requests at once: returns (y (S, H, P) fp32, new conv
+        states (S, conv_dim, K-1), new SSM states (S, H, P, N))."""
+        weight = self.conv1d.weight[:, 0, :]  # (conv_dim, K)
+        xBC, new_conv_state = causal_conv1d_step(xBC, conv_state, weight, self.conv1d.bias, apply_silu=True)
+        x, B, C, dt, A = self._scan_inputs(xBC, dt_raw)
+        y, new_ssm_state = ssd_step_batched(x, dt, A, B, C, self.D, ssm_state)
+        return y, new_conv_state, new_ssm_state
+
+    def _scan_inputs(
+        self, xBC: torch.Tensor, dt_raw: torch.Tensor  # (n, conv_dim) post-conv, (n, H)
+    ) -> tuple[torch.Tensor, ...]:
+        """Split the conv output and discretise dt: x (n, H, P), B and C (n, G, N),
+        dt (n, H) fp32 clamped, A (H,) fp32."""
+        n = xBC.shape[0]
         group_width = self.num_groups * self.state_size
         x, B, C = xBC.split([self.intermediate_size, group_width, group_width], dim=-1)
         x = x.reshape(n, self.num_heads, self.head_dim)
@@ -114,11 +155,7 @@ class Mamba2Mixer(nn.Module):
         dt = F.softplus(dt_raw.float() + self.dt_bias.float())  # (n, H)
         dt = dt.clamp(min=self.time_step_limit[0], max=self.time_step_limit[1])
         A = -torch.exp(self.A_log.float())  # (H,)
-        if n == 1:
-            y, new_ssm_state = ssd_step(x[0], dt[0], A, B[0], C[0], self.D, ssm_state)
-            return y[None], new_conv_state, new_ssm_state
-        y, new_ssm_state = ssd_chunk_scan(x, dt, A, B, C, self.D, ssm_state, self.chunk_size)
-        return y, new_conv_state, new_ssm_state
+        return x, B, C, dt, A
 
     def mix_batch_gpu(
         self,
