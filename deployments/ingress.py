@@ -101,7 +101,8 @@ class OpenAIIngress:
                                          max_model_len=self._info.max_model_len)])
 
     async def pool_usage(self) -> PoolUsage:
-        """The engine's block/state pool occupancy (debugging and tests)."""
+        """Block/state pool occupancy of the LLM server replica the call is routed to (with one
+        replica, the engine's); for debugging and tests."""
         return await self._llm.pool_usage.remote()
 
     async def num_aborted_requests(self) -> int:
