@@ -96,10 +96,12 @@ def ssd_chunk_scan(
 
     The sequence is zero-padded to whole chunks; padded steps have dt = 0, so they neither
     decay nor feed the state, and the final state is the state after the last real token.
+    A sequence shorter than chunk_size is one chunk of its own length (no padding: the
+    (L, L) intra-chunk terms are the cost that matters for short prefill chunks).
     """
     T, H, P = x.shape
     heads_per_group = H // B.shape[1]
-    L = chunk_size
+    L = min(chunk_size, T)
     num_chunks = max(1, -(-T // L))
     pad = num_chunks * L - T
 
