@@ -1,14 +1,20 @@
-"""What the scheduler asks of the cache: blocks for tokens, a state slot per request.
+"""What the scheduler asks of the cache: blocks for tokens, a state slot per request, and
+checkpoints (lookup, reserve, publish).
 
-The scheduler sees only return values (new block ids, a slot, or None when it does not fit),
-never the pools themselves.
+The scheduler sees only return values (new block ids, a slot, a Hit, a bundle id, or None when
+something does not fit), never the pools or the ledger themselves. When KV blocks run out, the
+least recently used unpinned checkpoints are evicted first (their blocks come back); the ids of
+every bundle the ledger forgot are collected for the workers to free.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cache.block_pool import BlockPool
+from cache.checkpoint_ledger import CheckpointKind, CheckpointLedger, Hit, PublishOutcome
+from cache.radix_index import Namespace
 from cache.state_pool import StatePool
 
 
@@ -19,6 +25,29 @@ class PoolUsage:
     free_state_slots: int
     total_state_slots: int
     num_requests: int = 0
+    checkpoint_only_blocks: int = 0  # referenced by checkpoints alone (evictable)
+    num_checkpoints: int = 0
+    checkpoint_bytes: int = 0
+
+    @property
+    def idle(self) -> bool:
+        """No request holds a block or a slot (checkpoints may still hold blocks)."""
+        return (
+            self.free_blocks + self.checkpoint_only_blocks == self.total_blocks
+            and self.free_state_slots == self.total_state_slots
+        )
+
+
+@dataclass(frozen=True)
+class BundleSizing:
+    """Bytes a bundle holds outside the shared KV blocks: state + attention tail + hidden row."""
+
+    state_bytes: int
+    kv_bytes_per_token: int
+    hidden_row_bytes: int
+
+    def bundle_bytes(self, tail_tokens: int) -> int:
+        return self.state_bytes + tail_tokens * self.kv_bytes_per_token + self.hidden_row_bytes
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
@@ -26,43 +55,107 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
 
 
 class CacheManager:
-    def __init__(self, num_blocks: int, num_state_slots: int, block_size: int) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        num_state_slots: int,
+        block_size: int,
+        checkpoint_bytes: int = 0,
+        sizing: BundleSizing | None = None,
+    ) -> None:
         self.block_size = block_size
         self.blocks = BlockPool(num_blocks)
         self.state_slots = StatePool(num_state_slots)
+        self.ledger = CheckpointLedger(self.blocks, block_size, checkpoint_bytes)
+        self.sizing = sizing or BundleSizing(0, 0, 0)
+        self._dropped_bundles: list[int] = []
+
+    # ------------------------------------------------------------------ blocks and slots
 
     def allocate_blocks(self, num_blocks_held: int, num_tokens: int) -> list[int] | None:
         """New blocks so that a request holding `num_blocks_held` covers `num_tokens` positions.
 
-        Returns the new block ids (possibly empty), or None if they do not fit; on None
-        nothing was allocated.
+        Evicts unpinned checkpoints (least recently used first) while blocks are short. Returns
+        the new block ids (possibly empty), or None if they still do not fit; on None no block
+        was allocated (checkpoints may have been evicted).
         """
         missing = blocks_needed(num_tokens, self.block_size) - num_blocks_held
         if missing <= 0:
             return []
+        while self.blocks.num_free < missing:
+            evicted = self.ledger.evict_lru()
+            if evicted is None:
+                return None
+            self._dropped_bundles.append(evicted)
         return self.blocks.allocate(missing)
 
-    def can_admit(self, num_tokens: int) -> bool:
-        """Whether a new request needing `num_tokens` positions now fits (a slot and blocks)."""
-        return (
-            self.state_slots.num_free > 0
-            and self.blocks.num_free >= blocks_needed(num_tokens, self.block_size)
-        )
+    def share_blocks(self, block_ids: Sequence[int]) -> None:
+        """Take one more reference to blocks a restored request reads but never writes."""
+        self.blocks.share(list(block_ids))
 
     def acquire_state_slot(self) -> int | None:
         return self.state_slots.allocate()
 
     def release(self, block_ids: list[int], state_slot: int | None) -> None:
-        """Give back a request's blocks and state slot."""
+        """Give back a request's block references and state slot."""
         self.blocks.release(block_ids)
         if state_slot is not None:
             self.state_slots.release(state_slot)
 
+    # ------------------------------------------------------------------ checkpoints
+
+    def lookup(self, namespace: Namespace, token_ids: Sequence[int]) -> Hit | None:
+        """The longest published checkpoint that is an exact prefix of token_ids, pinned until
+        unpin(hit.bundle_id); None when there is none."""
+        return self.ledger.lookup(namespace, token_ids)
+
+    def unpin(self, bundle_id: int) -> None:
+        self.ledger.unpin(bundle_id)
+
+    def reserve_checkpoint(
+        self,
+        namespace: Namespace,
+        token_ids: Sequence[int],
+        kind: CheckpointKind,
+        block_ids: Sequence[int],
+    ) -> int | None:
+        """A pending bundle id for a capture of token_ids by a request holding block_ids, or None
+        when it is not worth it (already published there) or does not fit the byte budget even
+        after evicting unpinned checkpoints."""
+        if self.ledger.has_checkpoint(namespace, token_ids):
+            return None
+        num_bytes = self.sizing.bundle_bytes(len(token_ids) % self.block_size)
+        evicted = self.ledger.evict_until(num_bytes)
+        if evicted is None:
+            return None
+        self._dropped_bundles.extend(evicted)
+        full_blocks = block_ids[: len(token_ids) // self.block_size]
+        return self.ledger.reserve(namespace, token_ids, kind, num_bytes, full_blocks)
+
+    def publish(self, bundle_id: int, confirmed_ranks: set[int], world_size: int) -> bool:
+        """Make a captured bundle visible if every rank confirmed; False means it was dropped
+        (and its worker copies must be freed)."""
+        outcome = self.ledger.publish(bundle_id, confirmed_ranks, world_size)
+        if outcome is not PublishOutcome.PUBLISHED:
+            self._dropped_bundles.append(bundle_id)
+            return False
+        return True
+
+    def take_dropped_bundles(self) -> tuple[int, ...]:
+        """Ids of bundles forgotten since the last call (the workers free their tensors)."""
+        dropped, self._dropped_bundles = self._dropped_bundles, []
+        return tuple(dropped)
+
     def usage(self, num_requests: int = 0) -> PoolUsage:
+        """Free blocks count blocks held by nobody; blocks referenced only by checkpoints are
+        in use until those checkpoints are evicted."""
         return PoolUsage(
             free_blocks=self.blocks.num_free,
             total_blocks=self.blocks.num_blocks,
             free_state_slots=self.state_slots.num_free,
             total_state_slots=self.state_slots.num_slots,
             num_requests=num_requests,
+            checkpoint_only_blocks=self.ledger.num_blocks_held_alone(),
+            num_checkpoints=len(self.ledger),
+            checkpoint_bytes=self.ledger.bytes_held,
         )

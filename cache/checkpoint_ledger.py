@@ -124,6 +124,13 @@ class CheckpointLedger:
         """Ids of the bundles (pending or published) holding a reference to `block_id`."""
         return frozenset(self._bundles_by_block.get(block_id, ()))
 
+    def num_blocks_held_alone(self) -> int:
+        """Blocks whose every reference belongs to a bundle (freed if those are dropped)."""
+        return sum(
+            1 for block, holders in self._bundles_by_block.items()
+            if self.blocks.ref_count(block) == len(holders)
+        )
+
     def block_is_pinned(self, block_id: int) -> bool:
         """Whether a pinned bundle references `block_id` (then it must not be evicted)."""
         return any(self._bundles[b].pin_count for b in self._bundles_by_block.get(block_id, ()))

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "tiny-granite-hybrid"
+CHECKPOINT_SLOTS = ("prompt", "response", "instruction")
 
 
 @dataclass(frozen=True)
@@ -19,6 +20,11 @@ class EngineConfig:
     max_num_seqs: most requests running at once (also the number of recurrent state slots).
     kv_cache_bytes / state_cache_bytes: memory budgets; the block count and the state slot
         count are derived from them (state slots are also capped by max_num_seqs).
+    checkpoint_slots: which request-boundary checkpoints to capture, any subset of
+        ("prompt", "response", "instruction"); empty turns checkpoint caching off.
+    checkpoint_cache_bytes: budget for checkpoint tensors held outside the KV blocks (recurrent
+        state, attention tail, hidden row); the KV blocks they reference count against
+        kv_cache_bytes.
     """
 
     model_dir: str = str(DEFAULT_MODEL_DIR)
@@ -28,6 +34,8 @@ class EngineConfig:
     max_num_seqs: int = 16
     kv_cache_bytes: int = 64 * 1024 * 1024
     state_cache_bytes: int = 64 * 1024 * 1024
+    checkpoint_slots: tuple[str, ...] = CHECKPOINT_SLOTS
+    checkpoint_cache_bytes: int = 64 * 1024 * 1024
     dtype: str = "float32"
     device: str = "cpu"
     seed: int = 0
@@ -43,5 +51,12 @@ class EngineConfig:
             raise ValueError("kv_cache_bytes and state_cache_bytes must be positive")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        unknown = set(self.checkpoint_slots) - set(CHECKPOINT_SLOTS)
+        if unknown:
+            raise ValueError(
+                f"checkpoint_slots may hold only {list(CHECKPOINT_SLOTS)}, got {sorted(unknown)}"
+            )
+        if self.checkpoint_cache_bytes < 0:
+            raise ValueError("checkpoint_cache_bytes must be >= 0")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")

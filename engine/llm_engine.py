@@ -20,12 +20,13 @@ from typing import Protocol
 from transformers import AutoTokenizer
 
 from cache.cache_manager import CacheManager, PoolUsage
+from cache.checkpoint_ledger import CheckpointKind, KindCounters
 from engine.config import EngineConfig
 from engine.model_config import load_model_config
 from engine.output_processor import OutputProcessor, RequestOutput
 from engine.request import FinishReason, Request
 from engine.sampling_params import InvalidRequestError, SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SchedulerStats
 from engine.step_io import RunnerOutput, SchedulerOutput
 from engine.worker import CacheCapacity, Worker
 
@@ -38,6 +39,16 @@ class ModelExecutor(Protocol):
     def cache_capacity(self) -> CacheCapacity: ...
 
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput: ...
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's counters (the app exports them as metrics)."""
+
+    scheduler: SchedulerStats
+    checkpoints: dict[str, KindCounters]
+    checkpoint_bytes: int
+    num_checkpoints: int
 
 
 @dataclass(frozen=True)
@@ -59,10 +70,17 @@ class LLMEngine:
         self.vocab_size = model_config.vocab_size
         self.eos_token_ids = _eos_token_ids(model_config.eos_token_ids, self.tokenizer.eos_token_id)
         self.scheduler = Scheduler(
-            CacheManager(capacity.num_blocks, capacity.num_state_slots, capacity.block_size),
+            CacheManager(
+                capacity.num_blocks,
+                capacity.num_state_slots,
+                capacity.block_size,
+                checkpoint_bytes=config.checkpoint_cache_bytes,
+                sizing=capacity.bundle_sizing,
+            ),
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs,
             max_model_len=capacity.max_model_len,
+            checkpoint_kinds=frozenset(CheckpointKind(kind) for kind in config.checkpoint_slots),
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.last_step: StepTrace | None = None
@@ -75,10 +93,15 @@ class LLMEngine:
         prompt_token_ids: Sequence[int],
         sampling: SamplingParams,
         pause_positions: Sequence[int] = (),
+        cache_salt: str | None = None,
+        instruction_boundary: int | None = None,
     ) -> None:
         """Queue a request. Raises InvalidRequestError if it can never run.
 
         pause_positions: prompt positions at which a prefill chunk must end (see Request).
+        cache_salt: checkpoints are shared only between requests with the same salt.
+        instruction_boundary: the renderer-verified end of the leading system/developer
+            messages (0 < boundary < len(prompt)), where an instruction checkpoint is captured.
         """
         prompt = tuple(int(t) for t in prompt_token_ids)
         if not prompt:
@@ -95,12 +118,19 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if any(not 0 < p <= len(prompt) for p in pause_positions):
             raise InvalidRequestError(f"pause positions must lie in [1, {len(prompt)}]")
+        if instruction_boundary is not None and not 0 < instruction_boundary < len(prompt):
+            raise InvalidRequestError(f"instruction_boundary must lie in [1, {len(prompt) - 1}]")
+        pauses = set(pause_positions)
+        if instruction_boundary is not None and CheckpointKind.INSTRUCTION in self.scheduler.checkpoint_kinds:
+            pauses.add(instruction_boundary)
         request = Request(
             request_id=request_id,
             prompt_token_ids=prompt,
             sampling=replace(sampling, eos_token_ids=self.eos_token_ids),
             arrival_index=next(self._arrival_counter),
-            pause_positions=tuple(sorted(set(pause_positions))),
+            pause_positions=tuple(sorted(pauses)),
+            namespace=(self.config.model_dir, cache_salt or ""),
+            instruction_boundary=instruction_boundary,
         )
         self.scheduler.add_request(request)
         self.output_processor.add_request(request)
@@ -116,16 +146,26 @@ class LLMEngine:
             self._finish(request_id, FinishReason.ERROR, message)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._pending_outputs)
+        """Requests to run or outputs to emit, or checkpoint work the runner has not done yet."""
+        return self.scheduler.has_pending_work() or bool(self._pending_outputs)
 
     def pool_usage(self) -> PoolUsage:
         return self.scheduler.usage()
+
+    def stats(self) -> EngineStats:
+        ledger = self.scheduler.cache.ledger
+        return EngineStats(
+            scheduler=replace(self.scheduler.stats),
+            checkpoints={kind.value: replace(c) for kind, c in ledger.counters.items()},
+            checkpoint_bytes=ledger.bytes_held,
+            num_checkpoints=len(ledger),
+        )
 
     def step(self) -> list[RequestOutput]:
         """Schedule, execute, update, emit: one step of every running request."""
         scheduler_output = self.scheduler.schedule()
         runner_output = RunnerOutput()
-        if scheduler_output.chunks or scheduler_output.finished_request_ids:
+        if scheduler_output.has_work:
             runner_output = self.executor.execute(scheduler_output)
         self.last_step = StepTrace(scheduler_output, runner_output)
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)

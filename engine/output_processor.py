@@ -82,6 +82,7 @@ class OutputProcessor:
                     finish_reason=reason,
                     num_prompt_tokens=request.num_prompt_tokens,
                     num_output_tokens=request.num_output_tokens,
+                    num_cached_tokens=request.num_cached_tokens or 0,
                     logits=runner_output.logits.get(request.request_id),
                 )
             )
@@ -99,6 +100,7 @@ class OutputProcessor:
             finish_reason=request.finish_reason.value,
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
+                    num_cached_tokens=request.num_cached_tokens or 0,
             error=error,
         )
 

@@ -33,6 +33,10 @@ class Request:
     recurrent state row, None while the request holds no cache (waiting or preempted).
     pause_positions: positions at which a prefill chunk must end (sorted, ascending), so the
     request's recurrent state and last hidden row can be read exactly there.
+    namespace: checkpoints are shared only within one namespace (model id, cache_salt).
+    instruction_boundary: prompt position after the leading system/developer messages, as
+    verified by the renderer; None when there is none.
+    num_cached_tokens: prompt tokens restored from a checkpoint at first admission.
     """
 
     request_id: str
@@ -40,6 +44,9 @@ class Request:
     sampling: SamplingParams
     arrival_index: int
     pause_positions: tuple[int, ...] = ()
+    namespace: tuple[str, str] = ("", "")
+    instruction_boundary: int | None = None
+    num_cached_tokens: int | None = None
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
@@ -59,6 +66,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> tuple[int, ...]:
+        return self.prompt_token_ids + tuple(self.output_token_ids)
 
     def token_slice(self, start: int, end: int) -> tuple[int, ...]:
         """Token ids at positions [start, end) of prompt + output."""

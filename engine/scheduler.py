@@ -7,6 +7,12 @@ slot and KV blocks are available. When a running request cannot get a block, the
 recently arrived running request is preempted: its cache is freed and it is requeued to be
 recomputed from scratch.
 
+Checkpoints (DESIGN.md sections 2 and 5): admission restores the longest checkpoint that is an
+exact prefix of the request's tokens; a request that stands exactly at its instruction boundary
+or at the end of its prompt after a step, or that finishes by stop or length, reserves a
+checkpoint there. The capture is taken by the runner at the start of the next step (before any
+restore or forward can overwrite what it copies) and published once the runner confirms it.
+
 Pure Python: the scheduler sees the cache only through CacheManager's return values.
 """
 
@@ -14,9 +20,21 @@ from __future__ import annotations
 
 from collections import deque
 
+from dataclasses import dataclass
+
 from cache.cache_manager import CacheManager, PoolUsage
+from cache.checkpoint_ledger import CheckpointKind
 from engine.request import FinishReason, Request, RequestStatus, token_stop_reason
-from engine.step_io import RunnerOutput, ScheduledChunk, SchedulerOutput
+from engine.step_io import CaptureOp, RestoreOp, RunnerOutput, ScheduledChunk, SchedulerOutput
+
+
+@dataclass
+class SchedulerStats:
+    """Counters since start (exported as metrics)."""
+
+    preemptions: int = 0
+    prompt_tokens_restored: int = 0  # at first admission, from checkpoints
+    prompt_tokens_computed: int = 0  # at first admission, left to prefill
 
 
 class Scheduler:
@@ -26,8 +44,12 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_num_seqs: int,
         max_model_len: int,
+        checkpoint_kinds: frozenset[CheckpointKind] = frozenset(),
+        world_size: int = 1,
     ) -> None:
         self.cache = cache
+        self.checkpoint_kinds = checkpoint_kinds
+        self.world_size = world_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
@@ -35,7 +57,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._finished_since_last_step: list[str] = []
-        self.num_preemptions = 0  # since start, for metrics
+        self._captures: list[CaptureOp] = []  # reserved; taken at the start of the next step
+        self._pending_endpoints: dict[int, tuple] = {}  # bundle id -> (namespace, tokens) until published
+        self.stats = SchedulerStats()
 
     # ----------------------------------------------------------------- requests in and out
 
@@ -48,12 +72,16 @@ class Scheduler:
     def finish_request(self, request_id: str, reason: FinishReason) -> Request | None:
         """End a request (stop, length, abort or error) and free its cache.
 
-        Returns the request, or None if it was unknown or already finished.
+        A running request that ends by stop or length reserves its response checkpoint first
+        (never on abort or error). Returns the request, or None if it was unknown or already
+        finished.
         """
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
         if request.status is RequestStatus.RUNNING:
+            if reason in (FinishReason.STOP, FinishReason.LENGTH):
+                self._reserve_capture(request, CheckpointKind.RESPONSE)
             self.running.remove(request)
         elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
@@ -65,6 +93,10 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def has_pending_work(self) -> bool:
+        """Requests to run, or checkpoint captures and drops the runner has not seen yet."""
+        return bool(self.requests or self._captures or self._finished_since_last_step)
 
     def usage(self) -> PoolUsage:
         return self.cache.usage(num_requests=len(self.requests))
@@ -86,16 +118,23 @@ class Scheduler:
             budget -= num_new
             index += 1
 
+        restores: list[RestoreOp] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
-            num_new = self._chunk_length(request, budget)
-            if not self._admit(request, num_new):
+            chunk = self._admit(self.waiting[0], budget, restores)
+            if chunk is None:
                 break  # first come, first served: nothing overtakes the head of the queue
-            chunks.append(self._make_chunk(request, num_new))
-            budget -= num_new
+            chunks.append(chunk)
+            budget -= len(chunk.token_ids)
 
         finished, self._finished_since_last_step = self._finished_since_last_step, []
-        return SchedulerOutput(chunks=tuple(chunks), finished_request_ids=tuple(finished))
+        captures, self._captures = self._captures, []
+        return SchedulerOutput(
+            chunks=tuple(chunks),
+            finished_request_ids=tuple(finished),
+            captures=tuple(captures),
+            restores=tuple(restores),
+            dropped_bundle_ids=self.cache.take_dropped_bundles(),
+        )
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput
@@ -105,12 +144,21 @@ class Scheduler:
         Returns the requests that received a new token this step (finished ones included,
         with status FINISHED and their finish_reason set).
         """
+        for capture in scheduler_output.captures:
+            confirmed = {0} if capture.bundle_id in runner_output.captured_bundles else set()
+            self.cache.publish(capture.bundle_id, confirmed, self.world_size)
+            del self._pending_endpoints[capture.bundle_id]
+        for restore in scheduler_output.restores:
+            self.cache.unpin(restore.bundle_id)
+
         updated: list[Request] = []
         for chunk in scheduler_output.chunks:
             request = self.requests.get(chunk.request_id)
             if request is None:
                 continue  # finished while the step ran
             request.num_computed_tokens += len(chunk.token_ids)
+            if chunk.token_ids:
+                self._reserve_boundary_captures(request)
             if not chunk.sample:
                 continue
             request.output_token_ids.append(runner_output.sampled_token_ids[chunk.request_id])
@@ -122,10 +170,10 @@ class Scheduler:
 
     # ----------------------------------------------------------------- helpers
 
-    def _chunk_length(self, request: Request, budget: int) -> int:
-        """Tokens to compute now: the rest of the request, cut by the budget and by the next
-        pause position so that a chunk never crosses it."""
-        start = request.num_computed_tokens
+    def _chunk_length(self, request: Request, budget: int, start: int | None = None) -> int:
+        """Tokens to compute now from `start` (default: what is computed): the rest of the
+        request, cut by the budget and by the next pause position so no chunk crosses it."""
+        start = request.num_computed_tokens if start is None else start
         length = min(request.num_tokens - start, budget)
         pause = request.next_pause_after(start)
         if pause is not None and pause < start + length:
@@ -163,21 +211,70 @@ class Scheduler:
             if victim is request:
                 return False
 
-    def _admit(self, request: Request, num_new: int) -> bool:
-        """Move the head of the waiting queue to running if a slot and blocks fit."""
+    def _admit(
+        self, request: Request, budget: int, restores: list[RestoreOp]
+    ) -> ScheduledChunk | None:
+        """Move the head of the waiting queue to running if a slot and blocks fit, restoring
+        the longest checkpoint of its tokens first. Returns its first chunk, or None (nothing
+        changed but possibly evicted checkpoints) when it does not fit."""
         slot = self.cache.acquire_state_slot()
         if slot is None:
-            return False
-        blocks = self.cache.allocate_blocks(0, request.num_computed_tokens + num_new)
-        if blocks is None:
+            return None
+        hit = self.cache.lookup(request.namespace, request.all_token_ids) if self.checkpoint_kinds else None
+        restored = hit.num_tokens if hit is not None else 0
+        shared_blocks = list(hit.block_ids) if hit is not None else []
+        num_new = self._chunk_length(request, budget, start=restored)
+        fresh_blocks = self.cache.allocate_blocks(len(shared_blocks), restored + num_new)
+        if fresh_blocks is None:
+            if hit is not None:
+                self.cache.unpin(hit.bundle_id)
             self.cache.release([], slot)
-            return False
+            return None
+        self.cache.share_blocks(shared_blocks)
         self.waiting.popleft()
         request.state_slot = slot
-        request.block_ids = blocks
+        request.block_ids = shared_blocks + fresh_blocks
+        request.num_computed_tokens = restored
         request.status = RequestStatus.RUNNING
         self.running.append(request)
-        return True
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = min(restored, request.num_prompt_tokens)
+            self.stats.prompt_tokens_restored += request.num_cached_tokens
+            self.stats.prompt_tokens_computed += request.num_prompt_tokens - request.num_cached_tokens
+        if hit is not None:
+            tail_block = fresh_blocks[0] if restored % self.cache.block_size else None
+            restores.append(RestoreOp(hit.bundle_id, request.request_id, slot, tail_block))
+        return self._make_chunk(request, num_new)
+
+    def _reserve_boundary_captures(self, request: Request) -> None:
+        """After a chunk: capture where the request now stands if that is its instruction
+        boundary or the end of its prompt."""
+        position = request.num_computed_tokens
+        if position == request.instruction_boundary:
+            self._reserve_capture(request, CheckpointKind.INSTRUCTION)
+        if position == request.num_prompt_tokens:
+            self._reserve_capture(request, CheckpointKind.PROMPT)
+
+    def _reserve_capture(self, request: Request, kind: CheckpointKind) -> None:
+        """Reserve a checkpoint of `request` at num_computed_tokens, to be taken at the start of
+        the next step. Skipped when the kind is off, nothing is computed, the endpoint is
+        already published or pending, or it does not fit the checkpoint budget."""
+        position = request.num_computed_tokens
+        if kind not in self.checkpoint_kinds or position == 0 or request.state_slot is None:
+            return
+        tokens = request.token_slice(0, position)
+        endpoint = (request.namespace, tokens)
+        if endpoint in self._pending_endpoints.values():
+            return
+        bundle_id = self.cache.reserve_checkpoint(request.namespace, tokens, kind, request.block_ids)
+        if bundle_id is None:
+            return
+        self._pending_endpoints[bundle_id] = endpoint
+        block_size = self.cache.block_size
+        tail_block = request.block_ids[position // block_size] if position % block_size else None
+        self._captures.append(
+            CaptureOp(bundle_id, request.request_id, request.state_slot, position, tail_block)
+        )
 
     def _preempt(self, request: Request) -> None:
         """Free a running request's cache and put it first in line to be recomputed."""
@@ -185,7 +282,7 @@ class Scheduler:
         self._release_cache(request)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
-        self.num_preemptions += 1
+        self.stats.preemptions += 1
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
 

@@ -22,7 +22,8 @@ class ScheduledChunk:
 
     sample: the chunk reaches the end of the request's known tokens, so a token is sampled
         from its last row. A prefill chunk that stops short (budget, or a requested stop
-        position) does not sample.
+        position) does not sample. A chunk with no tokens (a restore covered everything)
+        samples from the restored hidden row.
     num_output_tokens: tokens generated so far (for min_tokens).
     capture_hidden: return the final hidden row of this chunk (a stop at a requested position).
     """
@@ -40,10 +41,48 @@ class ScheduledChunk:
 
 
 @dataclass(frozen=True)
+class CaptureOp:
+    """Save the state of a request that stands exactly at num_tokens into bundle `bundle_id`.
+
+    Taken at the start of the step, before restores and the forward pass, from what the
+    previous step left: the state slot, the K/V of positions num_tokens - num_tokens % B ..
+    num_tokens - 1 in tail_block (None when num_tokens % B == 0), and the last hidden row the
+    previous step computed for request_id.
+    """
+
+    bundle_id: int
+    request_id: str
+    state_slot: int
+    num_tokens: int
+    tail_block: int | None
+
+
+@dataclass(frozen=True)
+class RestoreOp:
+    """Copy bundle `bundle_id` into a newly admitted request: its recurrent state into
+    state_slot and its attention tail into the fresh tail_block (None: no tail). Runs after the
+    step's captures and before its forward pass. The bundle's hidden row becomes the request's
+    last hidden row, so a chunk of zero tokens can sample from it."""
+
+    bundle_id: int
+    request_id: str
+    state_slot: int
+    tail_block: int | None
+
+
+@dataclass(frozen=True)
 class SchedulerOutput:
     chunks: tuple[ScheduledChunk, ...]
     # Requests that ended since the last step: the runner drops their per-request state (RNGs).
     finished_request_ids: tuple[str, ...] = ()
+    captures: tuple[CaptureOp, ...] = ()
+    restores: tuple[RestoreOp, ...] = ()
+    # Bundles the scheduler forgot (evicted, invalidated, unconfirmed): the runner frees them.
+    dropped_bundle_ids: tuple[int, ...] = ()
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.chunks or self.finished_request_ids or self.captures or self.dropped_bundle_ids)
 
     @property
     def num_tokens(self) -> int:
@@ -55,6 +94,8 @@ class RunnerOutput:
     """Per request id: the sampled token (only for chunks with sample=True)."""
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    # Bundle id -> bytes held, for every CaptureOp this rank completed (its confirmation).
+    captured_bundles: dict[int, int] = field(default_factory=dict)
     # Only for requests whose SamplingParams.return_logits is set: the fp32 logits row used.
     logits: dict[str, "torch.Tensor"] = field(default_factory=dict)
     # Only for chunks with capture_hidden: the final hidden row (after the final norm).

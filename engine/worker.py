@@ -11,11 +11,13 @@ from dataclasses import dataclass
 
 import torch
 
+from cache.cache_manager import BundleSizing
+from engine.checkpoint_store import CheckpointStore
 from engine.config import EngineConfig
 from engine.forward_batch import ForwardBatch, SequenceChunk
 from engine.loader import load_model
 from engine.sampler import Sampler
-from engine.step_io import RunnerOutput, SchedulerOutput
+from engine.step_io import RunnerOutput, ScheduledChunk, SchedulerOutput
 
 
 class CacheBudgetError(ValueError):
@@ -30,6 +32,7 @@ class CacheCapacity:
     num_state_slots: int
     block_size: int
     max_model_len: int
+    bundle_sizing: BundleSizing
 
 
 class Worker:
@@ -47,41 +50,64 @@ class Worker:
             device=self.device,
         )
         self.sampler = Sampler(seed=config.seed, device=self.device)
+        self.checkpoints = CheckpointStore(self.caches)
+        # Last hidden row of every request the previous step touched: what a capture saves.
+        self._last_hidden: dict[str, torch.Tensor] = {}
 
     def cache_capacity(self) -> CacheCapacity:
         return self.capacity
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
-        """Run one step: forward every chunk, sample where asked, return tokens."""
+        """Run one step, in this order: free dropped bundles, take captures (from what the
+        previous step left), restore bundles into new requests, forward every chunk that has
+        tokens, sample where asked. Returns sampled tokens and capture confirmations."""
         self.sampler.forget(scheduler_output.finished_request_ids)
-        chunks = scheduler_output.chunks
-        if not chunks:
-            return RunnerOutput()
-        batch = build_forward_batch(scheduler_output, self.capacity.block_size, self.device)
-        hidden = self.model(batch, self.caches)  # (T, D)
-        last_rows = [end - 1 for end in batch.cu_seqlens[1:]]
-
+        self.checkpoints.drop(scheduler_output.dropped_bundle_ids)
         output = RunnerOutput()
-        for chunk, row in zip(chunks, last_rows):
-            if chunk.capture_hidden:
-                output.hidden_rows[chunk.request_id] = hidden[row].float().cpu()
+        for capture in scheduler_output.captures:
+            hidden_row = self._last_hidden.get(capture.request_id)
+            if hidden_row is None:
+                continue  # unconfirmed: the scheduler drops the bundle (fail closed)
+            output.captured_bundles[capture.bundle_id] = self.checkpoints.capture(
+                capture.bundle_id, capture.state_slot, capture.num_tokens, capture.tail_block, hidden_row
+            )
+        last_hidden: dict[str, torch.Tensor] = {}
+        for restore in scheduler_output.restores:
+            last_hidden[restore.request_id] = self.checkpoints.restore(
+                restore.bundle_id, restore.state_slot, restore.tail_block
+            )
+        computed = [chunk for chunk in scheduler_output.chunks if chunk.token_ids]
+        if computed:
+            batch = build_forward_batch(computed, self.capacity.block_size, self.device)
+            hidden = self.model(batch, self.caches)  # (T, D)
+            for chunk, end in zip(computed, batch.cu_seqlens[1:]):
+                last_hidden[chunk.request_id] = hidden[end - 1]
+        self._last_hidden = last_hidden
 
-        sampled = [(chunk, row) for chunk, row in zip(chunks, last_rows) if chunk.sample]
-        if not sampled:
-            return output
-        logits = self.model.compute_logits(hidden[[row for _, row in sampled]])  # (n, V) fp32
-        for (chunk, _), logits_row in zip(sampled, logits):
+        for chunk in scheduler_output.chunks:
+            if chunk.capture_hidden:
+                output.hidden_rows[chunk.request_id] = last_hidden[chunk.request_id].float().cpu()
+        sampled = [chunk for chunk in scheduler_output.chunks if chunk.sample]
+        if sampled:
+            rows = torch.stack([last_hidden[chunk.request_id] for chunk in sampled])
+            output.sampled_token_ids = self._sample(sampled, self.model.compute_logits(rows), output)
+        return output
+
+    def _sample(
+        self, chunks: list[ScheduledChunk], logits: torch.Tensor, output: RunnerOutput
+    ) -> dict[str, int]:
+        """One token per chunk from its (V,) logits row; records rows asked for."""
+        for chunk, logits_row in zip(chunks, logits):
             if chunk.sampling.return_logits:
                 output.logits[chunk.request_id] = logits_row.clone().cpu()
         tokens = self.sampler.sample(
             logits,
-            request_ids=[chunk.request_id for chunk, _ in sampled],
-            params=[chunk.sampling for chunk, _ in sampled],
-            num_output_tokens=[chunk.num_output_tokens for chunk, _ in sampled],
+            request_ids=[chunk.request_id for chunk in chunks],
+            params=[chunk.sampling for chunk in chunks],
+            num_output_tokens=[chunk.num_output_tokens for chunk in chunks],
         )
-        output.sampled_token_ids = {chunk.request_id: t for (chunk, _), t in zip(sampled, tokens)}
-        return output
+        return {chunk.request_id: token for chunk, token in zip(chunks, tokens)}
 
     def read_state_slot(self, slot: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """A copy of one request's recurrent state: Mamba layer -> (conv_state, ssm_state)."""
@@ -95,15 +121,16 @@ class Worker:
 
 
 def build_forward_batch(
-    scheduler_output: SchedulerOutput, block_size: int, device: torch.device
+    chunks: list[ScheduledChunk], block_size: int, device: torch.device
 ) -> ForwardBatch:
-    """Flatten the scheduled chunks into one token axis with positions and KV write slots."""
+    """Flatten chunks (each with at least one token) into one token axis with positions and
+    KV write slots."""
     input_ids: list[int] = []
     positions: list[int] = []
     slot_mapping: list[int] = []
     cu_seqlens = [0]
     sequence_chunks = []
-    for chunk in scheduler_output.chunks:
+    for chunk in chunks:
         input_ids.extend(chunk.token_ids)
         for position in range(chunk.start_position, chunk.start_position + len(chunk.token_ids)):
             positions.append(position)
@@ -149,9 +176,15 @@ def _size_caches(config: EngineConfig, model, model_max_len: int) -> CacheCapaci
             f"state_cache_bytes={config.state_cache_bytes} cannot hold one recurrent state slot "
             f"({model.state_bytes_per_slot()} bytes)"
         )
+    kv_bytes_per_token = model.kv_bytes_per_block(config.block_size) // config.block_size
     return CacheCapacity(
         num_blocks=num_blocks,
         num_state_slots=num_slots,
         block_size=config.block_size,
         max_model_len=max_model_len,
+        bundle_sizing=BundleSizing(
+            state_bytes=model.state_bytes_per_slot(),
+            kv_bytes_per_token=kv_bytes_per_token,
+            hidden_row_bytes=model.config.hidden_size * model.dtype.itemsize,
+        ),
     )

@@ -1,0 +1,93 @@
+"""Worker-side checkpoint tensors: capture a request's state at a position, restore it later.
+
+A bundle (DESIGN.md section 2) holds, for a prefix of p tokens:
+- every Mamba layer's conv state and SSM state at p;
+- every attention layer's "attention tail": a private copy of the K/V of positions
+  p - p % B .. p - 1 (the partial last block), so a hit is possible at any position; the full
+  blocks before it stay in the shared block pool, referenced by the scheduler's ledger;
+- the final hidden row at p - 1, so a hit covering the whole prompt samples with no forward.
+
+The scheduler decides what to capture and restore; this store only copies tensors and knows
+bundles by id. It lives with the caches it copies from (one per tensor-parallel rank).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.forward_batch import ModelCaches
+
+
+@dataclass(frozen=True)
+class BundleTensors:
+    conv_state: dict[int, torch.Tensor]  # Mamba layer -> (conv_dim, K - 1)
+    ssm_state: dict[int, torch.Tensor]  # Mamba layer -> (H, P, N) fp32
+    tail_keys: dict[int, torch.Tensor]  # attention layer -> (p % B, Hkv, Dh)
+    tail_values: dict[int, torch.Tensor]  # attention layer -> (p % B, Hkv, Dh)
+    hidden_row: torch.Tensor  # (D,) final hidden row at p - 1
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [*self.conv_state.values(), *self.ssm_state.values(),
+                   *self.tail_keys.values(), *self.tail_values.values(), self.hidden_row]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class CheckpointStore:
+    def __init__(self, caches: ModelCaches) -> None:
+        self.caches = caches
+        self._bundles: dict[int, BundleTensors] = {}
+
+    def __contains__(self, bundle_id: int) -> bool:
+        return bundle_id in self._bundles
+
+    def __len__(self) -> int:
+        return len(self._bundles)
+
+    def capture(
+        self,
+        bundle_id: int,
+        state_slot: int,
+        num_tokens: int,
+        tail_block: int | None,
+        hidden_row: torch.Tensor,
+    ) -> int:
+        """Copy the state of `state_slot` and the tail of `tail_block` (positions
+        num_tokens - num_tokens % B .. num_tokens - 1; None when num_tokens % B == 0) into a
+        new bundle. Returns its size in bytes. Reads the caches; changes only the store."""
+        tail_len = num_tokens % self.caches.block_size
+        if (tail_block is None) != (tail_len == 0):
+            raise ValueError(f"tail_block {tail_block} does not fit a tail of {tail_len} tokens")
+        tail = slice(0, tail_len)
+        bundle = BundleTensors(
+            conv_state={l: c[state_slot].clone() for l, c in self.caches.conv_state.items()},
+            ssm_state={l: s[state_slot].clone() for l, s in self.caches.ssm_state.items()},
+            tail_keys={l: k[tail_block, tail].clone() for l, k in self.caches.key_cache.items()}
+            if tail_block is not None else {},
+            tail_values={l: v[tail_block, tail].clone() for l, v in self.caches.value_cache.items()}
+            if tail_block is not None else {},
+            hidden_row=hidden_row.detach().clone(),
+        )
+        self._bundles[bundle_id] = bundle
+        return bundle.nbytes
+
+    def restore(self, bundle_id: int, state_slot: int, tail_block: int | None) -> torch.Tensor:
+        """Copy a bundle's state into `state_slot` and its tail into offsets [0, tail) of the
+        fresh block `tail_block`. Returns the bundle's hidden row. Mutates the caches only."""
+        bundle = self._bundles[bundle_id]
+        for layer, conv in bundle.conv_state.items():
+            self.caches.conv_state[layer][state_slot].copy_(conv)
+            self.caches.ssm_state[layer][state_slot].copy_(bundle.ssm_state[layer])
+        if bundle.tail_keys:
+            if tail_block is None:
+                raise ValueError(f"bundle {bundle_id} has an attention tail but no block was given")
+            for layer, keys in bundle.tail_keys.items():
+                self.caches.key_cache[layer][tail_block, : keys.shape[0]].copy_(keys)
+                self.caches.value_cache[layer][tail_block, : keys.shape[0]].copy_(bundle.tail_values[layer])
+        return bundle.hidden_row
+
+    def drop(self, bundle_ids: tuple[int, ...] | list[int]) -> None:
+        for bundle_id in bundle_ids:
+            self._bundles.pop(bundle_id, None)
