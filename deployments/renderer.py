@@ -1,7 +1,8 @@
 """Renderer deployment: chat template + tokenizer, CPU only, scales independently of the model.
 
-It turns API input into the exact token ids the engine will see. It never touches the engine,
-so prompt counts in `usage` are by construction the ids that were rendered here.
+It turns API input into the exact token ids the engine will see, and for chat requests the
+verified instruction boundary (DESIGN.md section 3, deployments.instruction_boundary). It never
+touches the engine, so prompt counts in `usage` are by construction the ids rendered here.
 """
 
 from __future__ import annotations
@@ -12,21 +13,29 @@ from ray import serve
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from deployments.errors import APIError
+from deployments.instruction_boundary import find_instruction_boundary
 from deployments.protocol import ChatMessage
 
 
 @dataclass(frozen=True)
 class RenderedPrompt:
-    """What the LLM server receives: the prompt's token ids (and, later, derived metadata).
+    """What the LLM server receives: the prompt's token ids and where its instructions end.
 
     token_ids: the full prompt, chat template and generation prompt included.
+    instruction_boundary: tokens covered by the leading system/developer messages, verified to
+        be an exact token prefix (0 < boundary < len(token_ids)); None when there is none.
+    boundary_rejection: why a chat prompt has no boundary (a BoundaryRejection value, counted
+        by the ingress); None when it has one, and for raw completion prompts (never checked).
     """
 
     token_ids: tuple[int, ...]
+    instruction_boundary: int | None = None
+    boundary_rejection: str | None = None
 
 
 def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[ChatMessage]) -> RenderedPrompt:
-    """Apply the model's chat template with the assistant generation prompt and tokenize.
+    """Apply the model's chat template with the assistant generation prompt and tokenize, then
+    find the instruction boundary on the same conversation dicts (fails closed, never raises).
 
     Raises APIError(400) when the template refuses the conversation (templates raise on roles
     or shapes they do not support).
@@ -38,7 +47,13 @@ def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[ChatMessage])
         )
     except Exception as exc:  # jinja2 TemplateError, or a template's raise_exception(...)
         raise APIError.bad_request(f"The chat template rejected the messages: {exc}", "messages")
-    return RenderedPrompt(token_ids=tuple(int(t) for t in ids))
+    token_ids = tuple(int(t) for t in ids)
+    boundary = find_instruction_boundary(tokenizer, conversation, token_ids)
+    return RenderedPrompt(
+        token_ids=token_ids,
+        instruction_boundary=boundary.position,
+        boundary_rejection=boundary.rejection.value if boundary.rejection is not None else None,
+    )
 
 
 def tokenize_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str | list[int]) -> RenderedPrompt:
