@@ -6,9 +6,9 @@ the key instead of silently running with a default.
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from engine.config import DEFAULT_MODEL_DIR, EngineConfig
+from engine.config import CHECKPOINT_SLOTS, DEFAULT_MODEL_DIR, EngineConfig
 
 
 class AppConfig(BaseModel):
@@ -36,6 +36,16 @@ class AppConfig(BaseModel):
     device: str = "cpu"
     seed: int = 0
 
+    # Request-boundary checkpoints (DESIGN.md section 2).
+    checkpoint_slots: tuple[str, ...] = Field(
+        CHECKPOINT_SLOTS,
+        description="Checkpoints to capture: any subset of prompt, response, instruction; [] = off.",
+    )
+    checkpoint_cache_bytes: int = Field(
+        64 * 1024 * 1024, ge=0,
+        description="Budget for checkpoint tensors outside the KV blocks (state, tail, hidden row).",
+    )
+
     # Ray resources (logical CPUs) and Serve request limits.
     ingress_num_cpus: float = Field(0.1, ge=0)
     renderer_num_cpus: float = Field(0.1, ge=0)
@@ -43,6 +53,20 @@ class AppConfig(BaseModel):
     scheduler_num_cpus: float = Field(0.1, ge=0)
     worker_num_cpus: float = Field(1.0, ge=0)
     max_ongoing_requests: int = Field(256, ge=1, description="Per replica, every deployment.")
+
+    @field_validator("checkpoint_slots", mode="before")
+    @classmethod
+    def _known_slots(cls, value):
+        """A list of slot names; unknown names are refused by name, duplicates collapse."""
+        if value is None:
+            return ()
+        if isinstance(value, str) or not isinstance(value, (list, tuple)):
+            raise ValueError(f"must be a list, a subset of {list(CHECKPOINT_SLOTS)}")
+        unknown = [v for v in value if v not in CHECKPOINT_SLOTS]
+        if unknown:
+            raise ValueError(
+                f"unknown checkpoint slot(s) {unknown}; allowed: {list(CHECKPOINT_SLOTS)}")
+        return tuple(slot for slot in CHECKPOINT_SLOTS if slot in value)
 
     def engine_config(self) -> EngineConfig:
         """The engine's frozen config (raises ValueError on values the engine refuses)."""
@@ -54,6 +78,8 @@ class AppConfig(BaseModel):
             max_num_seqs=self.max_num_seqs,
             kv_cache_bytes=self.kv_cache_bytes,
             state_cache_bytes=self.state_cache_bytes,
+            checkpoint_slots=self.checkpoint_slots,
+            checkpoint_cache_bytes=self.checkpoint_cache_bytes,
             dtype=self.dtype,
             device=self.device,
             seed=self.seed,

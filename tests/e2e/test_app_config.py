@@ -30,3 +30,16 @@ def test_serve_config_yaml_args_are_valid():
     parsed = parse_app_config(app["args"])
     assert isinstance(parsed, AppConfig)
     parsed.engine_config()
+
+
+def test_checkpoint_slots_accept_any_subset_and_reject_unknown_names():
+    assert parse_app_config({}).engine_config().checkpoint_slots == ("prompt", "response", "instruction")
+    assert parse_app_config({"checkpoint_slots": []}).engine_config().checkpoint_slots == ()
+    assert parse_app_config({"checkpoint_slots": ["response", "prompt"]}).checkpoint_slots == (
+        "prompt", "response")
+    with pytest.raises(ValueError, match=r"checkpoint_slots.*unknown checkpoint slot\(s\) \['instructions'\]"):
+        build_app({"checkpoint_slots": ["prompt", "instructions"]})
+    with pytest.raises(ValueError, match="checkpoint_slots"):
+        build_app({"checkpoint_slots": "prompt"})
+    with pytest.raises(ValueError, match="checkpoint_cache_bytes"):
+        build_app({"checkpoint_cache_bytes": -1})
