@@ -1,13 +1,14 @@
 """Ingress deployment: the OpenAI HTTP routes and the Python handle API, over one code path.
 
-HTTP:   POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health.
+HTTP:   POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health,
+        GET /metrics (Prometheus text format, see deployments.metrics).
 Handle: `serve.get_app_handle(name)` returns a handle to this deployment; call the typed methods
 
     handle = serve.get_app_handle("hybrid-serve")
     response = await handle.chat.remote(ChatCompletionRequest(messages=[...], max_tokens=16))
     async for chunk in handle.options(stream=True).chat_stream.remote(request):
         ...                                   # ChatCompletionChunk objects
-    (likewise completions / completions_stream, models, pool_usage)
+    (likewise completions / completions_stream, models, pool_usage, engine_stats)
 
 Each request: check the model name -> render (renderer deployment) -> SamplingParams ->
 stream RequestOutputs from the LLM server -> OpenAI objects. Streams are cancelled when the
@@ -17,7 +18,8 @@ consumer goes away, which aborts the request in the engine.
 from collections.abc import AsyncGenerator, AsyncIterator
 
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
@@ -47,8 +49,9 @@ from deployments.protocol import (
     now,
 )
 from deployments.llm_server import ModelInfo
+from deployments.metrics import AppMetrics
 from deployments.renderer import RenderedPrompt
-from engine.llm_engine import PoolUsage, RequestOutput
+from engine.llm_engine import EngineStats, PoolUsage, RequestOutput
 from engine.sampling_params import SamplingParams
 
 _Started = tuple[ResponseMeta, AsyncGenerator[RequestOutput, None]]
@@ -70,6 +73,7 @@ class OpenAIIngress:
         self._model_name = served_model_name
         self._info: ModelInfo = await llm_server.model_info.remote()
         self._created = now()
+        self._metrics = AppMetrics()
 
     # ----- Python handle API (typed request in, typed response or chunks out)
 
@@ -104,6 +108,10 @@ class OpenAIIngress:
         """Block/state pool occupancy of the LLM server replica the call is routed to (with one
         replica, the engine's); for debugging and tests."""
         return await self._llm.pool_usage.remote()
+
+    async def engine_stats(self) -> EngineStats:
+        """The engine's checkpoint and prefill counters (the LLM server replica routed to)."""
+        return await self._llm.engine_stats.remote()
 
     async def num_aborted_requests(self) -> int:
         """Requests whose stream ended before their final output (e.g. client disconnects)."""
@@ -146,6 +154,12 @@ class OpenAIIngress:
             return error_json(APIError(503, f"unhealthy: {type(exc).__name__}", "server_error"))
         return JSONResponse({"status": "ok"})
 
+    @app.get("/metrics")
+    async def http_metrics(self):
+        """Prometheus text exposition: engine counters (fetched now) and boundary rejections."""
+        stats = await self._llm.engine_stats.remote()
+        return Response(content=self._metrics.exposition(stats), media_type=CONTENT_TYPE_LATEST)
+
     # ----- one code path for both APIs
 
     async def _start_chat(self, request: ChatCompletionRequest) -> _Started:
@@ -154,6 +168,7 @@ class OpenAIIngress:
             prompt: RenderedPrompt = await self._renderer.render_chat.remote(request.messages)
         except Exception as exc:
             raise as_api_error(exc) from None
+        self._metrics.count_boundary_rejection(prompt.boundary_rejection)
         return self._start(new_request_id("chatcmpl"), prompt, request, request.requested_max_tokens())
 
     async def _start_completion(self, request: CompletionRequest) -> _Started:
@@ -171,13 +186,15 @@ class OpenAIIngress:
         sampling = to_sampling_params(request, max_tokens, len(prompt.token_ids),
                                       self._info.max_model_len)
         meta = ResponseMeta(id=request_id, created=now(), model=self._model_name)
-        return meta, self._generate(request_id, prompt.token_ids, sampling)
+        return meta, self._generate(request_id, prompt, sampling, request.cache_salt)
 
     async def _generate(
-        self, request_id: str, prompt_token_ids: tuple[int, ...], sampling: SamplingParams
+        self, request_id: str, prompt: RenderedPrompt, sampling: SamplingParams,
+        cache_salt: str | None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """The LLM server's stream; cancelled (request aborted) if not drained to the end."""
-        stream = self._llm.options(stream=True).generate.remote(request_id, prompt_token_ids, sampling)
+        stream = self._llm.options(stream=True).generate.remote(
+            request_id, prompt.token_ids, sampling, cache_salt, prompt.instruction_boundary)
         finished = False
         try:
             async for out in stream:

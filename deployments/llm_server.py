@@ -24,7 +24,7 @@ from deployments.config import AppConfig
 from deployments.errors import as_api_error
 from engine.async_engine import AsyncLLMEngine
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine, PoolUsage, RequestOutput
+from engine.llm_engine import EngineStats, LLMEngine, PoolUsage, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.step_io import RunnerOutput, SchedulerOutput
 from engine.worker import Worker
@@ -129,15 +129,23 @@ class SchedulerActor:
         return self._info
 
     async def generate(
-        self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling: SamplingParams,
+        cache_salt: str | None = None,
+        instruction_boundary: int | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs; the last one has finished=True.
 
         Raises InvalidRequestError (first item) when the engine refuses the request.
         """
+        outputs = self._engine.generate(request_id, prompt_token_ids, sampling,
+                                        cache_salt=cache_salt,
+                                        instruction_boundary=instruction_boundary)
         finished = False
         try:
-            async for out in coalesce(self._engine.generate(request_id, prompt_token_ids, sampling)):
+            async for out in coalesce(outputs):
                 finished = out.finished
                 yield out
         finally:
@@ -150,6 +158,12 @@ class SchedulerActor:
 
     def pool_usage(self) -> PoolUsage:
         return self._engine.pool_usage()
+
+    def engine_stats(self) -> EngineStats:
+        """The engine's counters (checkpoints by kind, restored/computed prompt tokens,
+        preemptions, bytes held). Read from this thread while the step thread runs: each field
+        is consistent, the snapshot as a whole may be a step apart, which metrics tolerate."""
+        return self._engine.engine.stats()
 
     def num_aborted_requests(self) -> int:
         """Streams that ended before their final output (client gone, cancelled, error)."""
@@ -184,16 +198,23 @@ class LLMServer:
         return self._info
 
     async def generate(
-        self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling: SamplingParams,
+        cache_salt: str | None = None,
+        instruction_boundary: int | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the request's RequestOutputs (call with handle.options(stream=True)).
 
+        cache_salt: checkpoints are shared only between requests with the same salt.
+        instruction_boundary: the renderer-verified end of the leading instructions, or None.
         Raises APIError (400 for requests the engine refuses, 500 otherwise). If the caller
         stops iterating (client disconnect, cancellation) the request is aborted in the engine.
         """
         stream = self._scheduler.generate.options(
             num_returns="streaming", _generator_backpressure_num_objects=STREAM_BACKPRESSURE_OBJECTS,
-        ).remote(request_id, tuple(prompt_token_ids), sampling)
+        ).remote(request_id, tuple(prompt_token_ids), sampling, cache_salt, instruction_boundary)
         finished = False
         try:
             async for ref in stream:
@@ -214,6 +235,9 @@ class LLMServer:
 
     async def num_aborted_requests(self) -> int:
         return await self._scheduler.num_aborted_requests.remote()
+
+    async def engine_stats(self) -> EngineStats:
+        return await self._scheduler.engine_stats.remote()
 
     async def check_health(self) -> None:
         """Serve's health probe: raises if the scheduler or the worker actor is dead or stuck."""

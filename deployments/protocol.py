@@ -4,7 +4,7 @@ Requests validate shape and ranges here (pydantic); the FastAPI ingress turns ev
 error into an OpenAI error body with HTTP 400. The same objects are the Python handle API:
 `await handle.chat.remote(ChatCompletionRequest(...))` returns a ChatCompletionResponse.
 
-Supported beyond OpenAI (as in vLLM): top_k, stop_token_ids, ignore_eos, min_tokens.
+Supported beyond OpenAI (as in vLLM): top_k, stop_token_ids, ignore_eos, min_tokens, cache_salt.
 Unknown fields are ignored; known OpenAI features this server does not implement (n > 1,
 logprobs, tools, non-text response formats, echo, suffix, best_of > 1) are rejected with 400
 rather than silently ignored.
@@ -66,6 +66,10 @@ class SamplingFields(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: bool | int | None = None
+    cache_salt: str | None = Field(
+        None, min_length=1,
+        description="Checkpoints are reused only between requests with the same salt (as in vLLM).",
+    )
 
     @field_validator(
         "temperature", "top_p", "top_k", "min_tokens", "n", "presence_penalty", "frequency_penalty",

@@ -47,8 +47,11 @@ class AsyncLLMEngine:
         prompt_token_ids: Sequence[int],
         sampling: SamplingParams,
         pause_positions: Sequence[int] = (),
+        cache_salt: str | None = None,
+        instruction_boundary: int | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Add a request and yield its outputs until the finished one.
+        """Add a request and yield its outputs until the finished one (the keyword arguments are
+        LLMEngine.add_request's).
 
         Raises InvalidRequestError (before yielding anything) if the engine refuses it.
         """
@@ -58,7 +61,9 @@ class AsyncLLMEngine:
 
         def add() -> None:
             try:
-                self.engine.add_request(request_id, prompt_token_ids, sampling, pause_positions)
+                self.engine.add_request(request_id, prompt_token_ids, sampling, pause_positions,
+                                        cache_salt=cache_salt,
+                                        instruction_boundary=instruction_boundary)
             except Exception as exc:  # handed back to the caller, who raises it
                 loop.call_soon_threadsafe(_settle, accepted, exc)
                 return
