@@ -1,13 +1,16 @@
 """End-to-end fixtures: the whole application under Ray Serve, started once per session.
 
 Every test in this directory is marked `e2e`. The app runs the embedded tiny model with a small
-config (short context, 16 sequences) so the suite stays fast on a 2-core CPU box.
+config (short context, 16 sequences) so the suite stays fast on a 2-core CPU box, with all three
+checkpoint slots on. Tests that look at `cached_tokens` send their own fresh `cache_salt`
+(`new_salt`), so checkpoints left by other tests can never hit them.
 """
 
 from __future__ import annotations
 
 import os
 import time
+import uuid
 
 import httpx
 import openai
@@ -29,6 +32,8 @@ E2E_CONFIG = AppConfig(
     max_num_seqs=16,
     kv_cache_bytes=32 * 1024 * 1024,
     state_cache_bytes=32 * 1024 * 1024,
+    checkpoint_slots=("prompt", "response", "instruction"),
+    checkpoint_cache_bytes=32 * 1024 * 1024,
 )
 
 
@@ -52,6 +57,28 @@ def serve_app(ray_session):
         yield handle
     finally:
         serve.shutdown()
+
+
+@pytest.fixture(scope="session")
+def deploy_variant(serve_app):
+    """A factory: deploy E2E_CONFIG with `overrides` as another app of the same Serve instance,
+    under `route_prefix`; returns an openai client for it. Deleted at the end of the session."""
+    from ray import serve
+
+    from deployments.app import build_app
+
+    deployed: list[str] = []
+
+    def deploy(name: str, route_prefix: str, **overrides) -> openai.OpenAI:
+        serve.run(build_app(E2E_CONFIG.model_copy(update=overrides).model_dump()), name=name,
+                  route_prefix=route_prefix)
+        deployed.append(name)
+        return openai.OpenAI(base_url=f"{BASE_URL}{route_prefix}/v1", api_key="unused",
+                             max_retries=0, timeout=120)
+
+    yield deploy
+    for name in deployed:
+        serve.delete(name)
 
 
 @pytest.fixture(scope="session")
@@ -101,15 +128,25 @@ def render_ids(tokenizer):
 
 
 @pytest.fixture(scope="session")
+def new_salt():
+    """A factory of cache_salts no other request uses: each a namespace of its own, empty at first."""
+
+    def make() -> str:
+        return f"test-{uuid.uuid4().hex}"
+
+    return make
+
+
+@pytest.fixture(scope="session")
 def wait_until_idle(app_handle):
-    """Poll the engine's pools until no request holds blocks or a state slot; return the usage."""
+    """Poll the engine's pools until no request holds blocks or a state slot (checkpoints may
+    still hold blocks: `usage.idle`); return the usage."""
 
     def wait(timeout_s: float = 20.0):
         deadline = time.monotonic() + timeout_s
         while True:
             usage = app_handle.pool_usage.remote().result()
-            if (usage.num_requests == 0 and usage.free_blocks == usage.total_blocks
-                    and usage.free_state_slots == usage.total_state_slots):
+            if usage.num_requests == 0 and usage.idle:
                 return usage
             if time.monotonic() > deadline:
                 raise AssertionError(f"pools did not return to idle within {timeout_s}s: {usage}")

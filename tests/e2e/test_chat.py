@@ -12,9 +12,10 @@ MESSAGES = [
 ]
 
 
-def test_chat_usage_matches_rendered_prompt(client, render_ids):
+def test_chat_usage_matches_rendered_prompt(client, render_ids, new_salt):
     response = client.chat.completions.create(
-        model=MODEL_NAME, messages=MESSAGES, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+        model=MODEL_NAME, messages=MESSAGES, max_tokens=12, temperature=0,
+        extra_body={"ignore_eos": True, "cache_salt": new_salt()},
     )
     assert response.object == "chat.completion"
     assert response.model == MODEL_NAME
@@ -47,13 +48,17 @@ def test_text_parts_are_accepted(client, render_ids):
     assert response.choices[0].message.role == "assistant"
 
 
-def test_stream_role_first_then_content_then_usage(client, render_ids):
+def test_stream_role_first_then_content_then_usage(client, render_ids, new_salt):
+    """The stream repeats the full request in the same namespace, so its usage chunk reports the
+    whole prompt as cached (restored from the first request's prompt checkpoint)."""
+    extra = {"ignore_eos": True, "cache_salt": new_salt()}
     full = client.chat.completions.create(
-        model=MODEL_NAME, messages=MESSAGES, max_tokens=10, temperature=0, extra_body={"ignore_eos": True}
+        model=MODEL_NAME, messages=MESSAGES, max_tokens=10, temperature=0, extra_body=extra
     )
+    assert full.usage.prompt_tokens_details.cached_tokens == 0
     stream = client.chat.completions.create(
         model=MODEL_NAME, messages=MESSAGES, max_tokens=10, temperature=0, stream=True,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        stream_options={"include_usage": True}, extra_body=extra,
     )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -64,7 +69,7 @@ def test_stream_role_first_then_content_then_usage(client, render_ids):
     assert usage_chunk.choices == []
     assert usage_chunk.usage.prompt_tokens == len(render_ids(MESSAGES))
     assert usage_chunk.usage.completion_tokens == 10
-    assert usage_chunk.usage.prompt_tokens_details.cached_tokens == 0
+    assert usage_chunk.usage.prompt_tokens_details.cached_tokens == usage_chunk.usage.prompt_tokens
     streamed_text = "".join(c.choices[0].delta.content or "" for c in chunks[:-1])
     assert streamed_text == full.choices[0].message.content
 

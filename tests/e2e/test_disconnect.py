@@ -22,6 +22,8 @@ def test_disconnect_mid_stream_aborts_and_frees_pools(http, app_handle, wait_unt
                     busy = app_handle.pool_usage.remote().result()  # still streaming
                     break
         # Leaving the loop closes the unread response, and with it the TCP connection.
-    assert busy.num_requests == 1 and busy.free_blocks < idle.total_blocks
-    assert wait_until_idle(timeout_s=20) == idle
+    assert busy.num_requests == 1 and not busy.idle
+    after = wait_until_idle(timeout_s=20)  # the aborted request holds nothing any more
+    assert after.num_requests == 0 and after.idle
+    assert after.free_state_slots == idle.total_state_slots
     assert app_handle.num_aborted_requests.remote().result() == aborted_before + 1
