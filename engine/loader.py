@@ -2,8 +2,8 @@
 
 Every tensor of every *.safetensors file must map to exactly one model parameter and every
 parameter must be filled, with the exact shape; anything else is a ValueError naming the tensor.
-Loading one parameter happens in `load_parameter` only (tensor parallelism will cut each
-parameter's shard there).
+Loading one parameter happens in `load_parameter` only: under tensor parallelism it reads just
+the rank's shard of the checkpoint tensor (safetensors slices), so no rank holds the full model.
 """
 
 from __future__ import annotations
@@ -16,14 +16,19 @@ from torch import nn
 
 from engine.model_config import HybridModelConfig, load_model_config
 from engine.models.granite_moe_hybrid import GraniteMoeHybridModel
+from engine.tensor_parallel import SliceSource, TensorParallel, TensorShard
 
 _TIED_LM_HEAD = "lm_head.weight"
 
 
 def load_model(
-    model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    model_dir: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    tp: TensorParallel | None = None,
 ) -> tuple[GraniteMoeHybridModel, HybridModelConfig]:
-    """Build the model from config.json and fill it from the safetensors files.
+    """Build the model (for rank tp, default unsharded) from config.json and fill it from the
+    safetensors files, reading only this rank's shard of each sharded tensor.
 
     Parameters are cast to `dtype` except those the model keeps in fp32 (Mamba A_log, D,
     dt_bias). The returned model is in eval mode with requires_grad off.
@@ -34,8 +39,9 @@ def load_model(
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
     with torch.device("meta"):
-        model = GraniteMoeHybridModel(config, dtype=dtype)
+        model = GraniteMoeHybridModel(config, dtype=dtype, tp=tp)
     expected = dict(model.named_parameters())
+    shards = model.parameter_shards()
     loaded: set[str] = set()
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
@@ -47,7 +53,10 @@ def load_model(
                     raise ValueError(f"{file.name}: unexpected tensor {checkpoint_name!r}")
                 if name in loaded:
                     raise ValueError(f"{file.name}: tensor {checkpoint_name!r} appears twice")
-                value = load_parameter(checkpoint_name, expected[name], f.get_tensor(checkpoint_name), device)
+                value = load_parameter(
+                    checkpoint_name, expected[name], f.get_slice(checkpoint_name),
+                    shards.get(name), device,
+                )
                 _set_parameter(model, name, value)
                 loaded.add(name)
     missing = sorted(set(expected) - loaded)
@@ -62,15 +71,35 @@ def parameter_name(checkpoint_name: str) -> str:
 
 
 def load_parameter(
-    checkpoint_name: str, target: nn.Parameter, tensor: torch.Tensor, device: str | torch.device
+    checkpoint_name: str,
+    target: nn.Parameter,
+    source: SliceSource,
+    shard: TensorShard | None,
+    device: str | torch.device,
 ) -> nn.Parameter:
-    """The parameter for `target` (a meta tensor giving shape and dtype) from a checkpoint tensor."""
+    """The parameter for `target` (a meta tensor giving shape and dtype) from a checkpoint
+    tensor `source` (a safetensors slice, or a tensor): its `shard` cut while reading, or all
+    of it when shard is None (a replicated parameter)."""
+    full_shape = _full_shape(source)
+    expected_full = shard.full_shape if shard is not None else tuple(target.shape)
+    if full_shape != expected_full:
+        raise ValueError(
+            f"tensor {checkpoint_name!r} has shape {full_shape}, the model expects {expected_full}"
+        )
+    tensor = source[:] if shard is None else shard.cut(source)
     if tuple(tensor.shape) != tuple(target.shape):
         raise ValueError(
-            f"tensor {checkpoint_name!r} has shape {tuple(tensor.shape)}, "
-            f"the model expects {tuple(target.shape)}"
+            f"tensor {checkpoint_name!r}: shard {tuple(tensor.shape)} is not the parameter's "
+            f"shape {tuple(target.shape)}"
         )
     return nn.Parameter(tensor.to(device=device, dtype=target.dtype), requires_grad=False)
+
+
+def _full_shape(source: SliceSource) -> tuple[int, ...]:
+    """A safetensors slice reports get_shape(); a torch.Tensor has .shape."""
+    if isinstance(source, torch.Tensor):
+        return tuple(source.shape)
+    return tuple(source.get_shape())
 
 
 def _set_parameter(model: nn.Module, name: str, value: nn.Parameter) -> None:

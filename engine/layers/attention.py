@@ -8,8 +8,11 @@ from torch import nn
 from engine.forward_batch import ForwardBatch
 from engine.kernels.dispatch import GpuBatchPlan
 from engine.kernels.attention_reference import paged_attention, write_kv
+from engine.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from engine.layers.rotary import apply_rotary
 from engine.model_config import HybridModelConfig
+from engine.shard_layout import RankShardLayout, width
+from engine.tensor_parallel import TensorParallel, scaled
 
 
 class PagedAttention(nn.Module):
@@ -17,20 +20,31 @@ class PagedAttention(nn.Module):
 
     The softmax scale is config.attention_multiplier (GraniteMoeHybrid's replacement for
     1/sqrt(head_dim)).
+
+    Tensor parallel: this rank holds query heads layout.attention_heads and KV heads
+    layout.kv_heads (a split of the KV heads, or the one KV head its query heads read when
+    there are fewer KV heads than ranks); q/k/v are column-parallel, o_proj row-parallel.
+    num_heads and num_kv_heads are this rank's counts; its KV cache holds only its KV heads.
     """
 
-    def __init__(self, config: HybridModelConfig, dtype: torch.dtype) -> None:
+    def __init__(
+        self, config: HybridModelConfig, layout: RankShardLayout, tp: TensorParallel,
+        dtype: torch.dtype,
+    ) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.num_heads = width(layout.attention_heads)
+        self.num_kv_heads = width(layout.kv_heads)
         self.head_dim = config.head_dim
         self.scale = config.attention_multiplier
-        hidden, bias = config.hidden_size, config.attention_bias
-        q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(hidden, q_width, bias=bias, dtype=dtype)
-        self.k_proj = nn.Linear(hidden, kv_width, bias=bias, dtype=dtype)
-        self.v_proj = nn.Linear(hidden, kv_width, bias=bias, dtype=dtype)
-        self.o_proj = nn.Linear(q_width, hidden, bias=bias, dtype=dtype)
+        hidden, bias, head_dim = config.hidden_size, config.attention_bias, config.head_dim
+        q_rows = (scaled(layout.attention_heads, head_dim),)
+        kv_rows = (scaled(layout.kv_heads, head_dim),)
+        full_q = config.num_attention_heads * head_dim
+        full_kv = config.num_key_value_heads * head_dim
+        self.q_proj = ColumnParallelLinear(hidden, full_q, q_rows, bias, dtype)
+        self.k_proj = ColumnParallelLinear(hidden, full_kv, kv_rows, bias, dtype)
+        self.v_proj = ColumnParallelLinear(hidden, full_kv, kv_rows, bias, dtype)
+        self.o_proj = RowParallelLinear(full_q, hidden, q_rows, bias, dtype, tp)
 
     def forward(
         self,

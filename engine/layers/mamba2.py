@@ -10,54 +10,97 @@ from engine.forward_batch import ForwardBatch
 from engine.kernels.dispatch import GpuBatchPlan
 from engine.kernels.conv_reference import causal_conv1d, causal_conv1d_step
 from engine.kernels.ssd_reference import ssd_chunk_scan, ssd_step_batched
-from engine.layers.norm import GatedRMSNorm
+from engine.layers.norm import GroupParallelGatedRMSNorm
+from engine.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from engine.model_config import HybridModelConfig
+from engine.shard_layout import RankShardLayout, width
+from engine.tensor_parallel import IndexRange, ShardedModule, TensorParallel, TensorShard, scaled
 
 
-class DepthwiseConv1dWeights(nn.Module):
-    """The weights of the depthwise causal conv, in the checkpoint's nn.Conv1d layout."""
+class DepthwiseConv1dWeights(ShardedModule):
+    """The weights of the depthwise causal conv, in the checkpoint's nn.Conv1d layout.
 
-    def __init__(self, channels: int, kernel_size: int, bias: bool, dtype: torch.dtype) -> None:
+    Tensor parallel: this rank holds conv channels `channel_ranges` of the full_channels."""
+
+    def __init__(
+        self, full_channels: int, channel_ranges: tuple[IndexRange, ...], kernel_size: int,
+        bias: bool, dtype: torch.dtype,
+    ) -> None:
         super().__init__()
+        channels = sum(end - start for start, end in channel_ranges)
         self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(channels, dtype=dtype)) if bias else None
+        self.checkpoint_shards["weight"] = TensorShard(
+            (full_channels, 1, kernel_size), 0, channel_ranges
+        )
+        if bias:
+            self.checkpoint_shards["bias"] = TensorShard((full_channels,), 0, channel_ranges)
 
 
-class Mamba2Mixer(nn.Module):
+class Mamba2Mixer(ShardedModule):
     """in_proj -> [z | xBC | dt]; xBC -> causal conv + silu -> [x | B | C]; SSD scan over x with
     dt = clamp(softplus(dt + dt_bias), time_step_limit), A = -exp(A_log) and skip D;
     y -> gated RMSNorm with z -> out_proj.
 
-    Shapes: T tokens, H heads, P head dim, G groups, N state size, I = H * P.
+    Shapes: T tokens, H heads, P head dim, G groups, N state size, I = H * P; all of them
+    this rank's (see below), so its state slots hold only its heads and channels.
     A_log, D and dt_bias are kept in fp32 whatever the model dtype.
+
+    Tensor parallel: this rank holds heads layout.mamba_heads (their z, x and dt rows of the
+    column-parallel in_proj, their x conv channels, A_log, D, dt_bias and norm channels, and
+    their columns of the row-parallel out_proj) and B/C groups layout.mamba_groups (split, or
+    the one group its heads read).
     """
 
-    def __init__(self, config: HybridModelConfig, dtype: torch.dtype) -> None:
+    def __init__(
+        self, config: HybridModelConfig, layout: RankShardLayout, tp: TensorParallel,
+        dtype: torch.dtype,
+    ) -> None:
         super().__init__()
-        self.num_heads = config.mamba_n_heads
-        self.head_dim = config.mamba_d_head
-        self.num_groups = config.mamba_n_groups
-        self.state_size = config.mamba_d_state
+        P, N = config.mamba_d_head, config.mamba_d_state
+        full_I, full_G = config.mamba_intermediate_size, config.mamba_n_groups
+        heads, groups = layout.mamba_heads, layout.mamba_groups
+        self.num_heads = width(heads)
+        self.head_dim = P
+        self.num_groups = width(groups)
+        self.state_size = N
         self.chunk_size = config.mamba_chunk_size
         self.time_step_limit = config.time_step_limit
-        self.intermediate_size = config.mamba_intermediate_size
-        self.conv_dim = config.mamba_conv_dim
+        self.intermediate_size = self.num_heads * P
+        self.conv_dim = self.intermediate_size + 2 * self.num_groups * N
         hidden, bias = config.hidden_size, config.mamba_proj_bias
-        projection_size = self.intermediate_size + self.conv_dim + self.num_heads
-        self.in_proj = nn.Linear(hidden, projection_size, bias=bias, dtype=dtype)
+        full_GN = full_G * N
+        # full in_proj rows: [z (I) | x (I) | B (G N) | C (G N) | dt (H)]
+        in_rows = (
+            scaled(heads, P),
+            scaled(heads, P, full_I),
+            scaled(groups, N, 2 * full_I),
+            scaled(groups, N, 2 * full_I + full_GN),
+            scaled(heads, 1, 2 * full_I + 2 * full_GN),
+        )
+        full_projection = 2 * full_I + 2 * full_GN + config.mamba_n_heads
+        self.in_proj = ColumnParallelLinear(hidden, full_projection, in_rows, bias, dtype)
+        # full conv channels: [x (I) | B (G N) | C (G N)]
+        conv_channels = (
+            scaled(heads, P), scaled(groups, N, full_I), scaled(groups, N, full_I + full_GN)
+        )
         self.conv1d = DepthwiseConv1dWeights(
-            self.conv_dim, config.mamba_d_conv, config.mamba_conv_bias, dtype
+            config.mamba_conv_dim, conv_channels, config.mamba_d_conv, config.mamba_conv_bias, dtype
         )
         self.dt_bias = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32))
         self.A_log = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32))
         self.D = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32))
-        self.norm = GatedRMSNorm(
-            self.intermediate_size,
-            group_size=self.intermediate_size // self.num_groups,
+        for name in ("dt_bias", "A_log", "D"):
+            self.checkpoint_shards[name] = TensorShard((config.mamba_n_heads,), 0, (heads,))
+        self.norm = GroupParallelGatedRMSNorm(
+            full_I,
+            group_size=full_I // full_G,
+            channels=scaled(heads, P),
             eps=config.rms_norm_eps,
+            tp=tp,
             dtype=dtype,
         )
-        self.out_proj = nn.Linear(self.intermediate_size, hidden, bias=bias, dtype=dtype)
+        self.out_proj = RowParallelLinear(full_I, hidden, (scaled(heads, P),), bias, dtype, tp)
 
     def forward(
         self,

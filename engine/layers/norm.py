@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.tensor_parallel import IndexRange, ShardedModule, TensorParallel, TensorShard
+
 
 class RMSNorm(nn.Module):
     """weight * x / rms(x), the normalisation computed in fp32 and cast back to x's dtype."""
@@ -21,23 +23,44 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
-class GatedRMSNorm(nn.Module):
+class GroupParallelGatedRMSNorm(ShardedModule):
     """weight * norm_g(y * silu(gate)): the gate is applied first, then each group of group_size
-    consecutive channels is normalised by its own rms. All in fp32; returns `out_dtype`."""
+    consecutive channels is normalised by its own rms. All in fp32; returns `out_dtype`.
+
+    Tensor parallel: this rank holds channels [start, end) of the full_size channels. Either
+    they are whole groups (normalised locally, no collective) or they are part of one group
+    shared with other ranks: then each rank's sum of squares is all-reduced, written in its
+    group's column of a (T, num_groups) tensor so ranks of different groups do not mix.
+    """
 
     def __init__(
-        self, hidden_size: int, group_size: int, eps: float, dtype: torch.dtype = torch.float32
+        self, full_size: int, group_size: int, channels: IndexRange, eps: float,
+        tp: TensorParallel, dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
-        if hidden_size % group_size != 0:
-            raise ValueError(f"group_size {group_size} does not divide hidden_size {hidden_size}")
-        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
+        if full_size % group_size != 0:
+            raise ValueError(f"group_size {group_size} does not divide hidden_size {full_size}")
+        start, end = channels
+        self.whole_groups = start % group_size == 0 and (end - start) % group_size == 0
+        if not self.whole_groups and start // group_size != (end - 1) // group_size:
+            raise ValueError(f"channels {channels} straddle groups of {group_size}")
+        self.weight = nn.Parameter(torch.ones(end - start, dtype=dtype))
+        self.checkpoint_shards["weight"] = TensorShard((full_size,), 0, (channels,))
         self.group_size = group_size
+        self.num_groups = full_size // group_size
+        self.group = start // group_size  # the group this rank's channels belong to
         self.eps = eps
+        self.tp = tp
 
     def forward(self, y: torch.Tensor, gate: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        """y, gate: (T, I) -> (T, I)."""
+        """y, gate: (T, I_local) -> (T, I_local)."""
         gated = y.float() * F.silu(gate.float())
-        grouped = gated.view(*gated.shape[:-1], -1, self.group_size)  # (T, G, I/G)
-        grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * grouped.view_as(gated)).to(out_dtype)
+        if self.whole_groups:
+            grouped = gated.view(*gated.shape[:-1], -1, self.group_size)  # (T, G_local, I/G)
+            grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
+            return (self.weight.float() * grouped.view_as(gated)).to(out_dtype)
+        sum_squares = gated.new_zeros(gated.shape[0], self.num_groups)  # (T, G)
+        sum_squares[:, self.group] = gated.pow(2).sum(-1)
+        sum_squares = self.tp.all_reduce(sum_squares)[:, self.group : self.group + 1]  # (T, 1)
+        normed = gated * torch.rsqrt(sum_squares / self.group_size + self.eps)
+        return (self.weight.float() * normed).to(out_dtype)

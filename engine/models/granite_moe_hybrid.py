@@ -6,12 +6,16 @@ blocks and recurrent state in per-request slots (engine/forward_batch.py).
 
 Parameter names equal the checkpoint's with the leading "model." removed (lm_head.weight
 stays as it is); engine/loader.py relies on that.
+
+Tensor parallel: the model is built for one rank of a TensorParallel context; every layer
+holds that rank's shard (engine/shard_layout.py says which heads, groups and channels) and
+calls the context's collectives. Hidden states (T, D) are whole on every rank between layers.
+With TensorParallel.single() it is the unsharded model and calls no collective.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.forward_batch import ForwardBatch, ModelCaches
@@ -21,7 +25,14 @@ from engine.layers.mamba2 import Mamba2Mixer
 from engine.layers.mlp import GatedMLP
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
+from engine.layers.vocab_parallel import (
+    VocabParallelEmbedding,
+    VocabParallelLMHead,
+    vocab_parallel_logits,
+)
 from engine.model_config import ATTENTION, HybridModelConfig
+from engine.shard_layout import RankShardLayout, rank_shard_layout, width
+from engine.tensor_parallel import TensorParallel, TensorShard, parameter_shards
 
 
 class DecoderLayer(nn.Module):
@@ -30,7 +41,10 @@ class DecoderLayer(nn.Module):
     The mixer is `mamba` (Mamba2Mixer) or `self_attn` (PagedAttention); the other is absent.
     """
 
-    def __init__(self, config: HybridModelConfig, layer_index: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self, config: HybridModelConfig, layer_index: int, layout: RankShardLayout,
+        tp: TensorParallel, dtype: torch.dtype,
+    ) -> None:
         super().__init__()
         self.layer_index = layer_index
         self.residual_multiplier = config.residual_multiplier
@@ -39,10 +53,12 @@ class DecoderLayer(nn.Module):
         self.self_attn: PagedAttention | None = None
         self.mamba: Mamba2Mixer | None = None
         if config.layer_types[layer_index] == ATTENTION:
-            self.self_attn = PagedAttention(config, dtype)
+            self.self_attn = PagedAttention(config, layout, tp, dtype)
         else:
-            self.mamba = Mamba2Mixer(config, dtype)
-        self.shared_mlp = GatedMLP(config.hidden_size, config.shared_intermediate_size, dtype)
+            self.mamba = Mamba2Mixer(config, layout, tp, dtype)
+        self.shared_mlp = GatedMLP(
+            config.hidden_size, config.shared_intermediate_size, layout.mlp_channels, tp, dtype
+        )
 
     def forward(
         self,
@@ -72,20 +88,31 @@ class GraniteMoeHybridModel(nn.Module):
     """Embedding (times embedding_multiplier), decoder layers, final norm; lm_head for logits.
 
     With tie_word_embeddings the LM head is embed_tokens.weight and there is no lm_head module.
+    tp: the rank this model is built for; None means TensorParallel.single() (unsharded).
     """
 
-    def __init__(self, config: HybridModelConfig, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self, config: HybridModelConfig, dtype: torch.dtype = torch.float32,
+        tp: TensorParallel | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
         self.dtype = dtype
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.tp = tp if tp is not None else TensorParallel.single()
+        self.layout = rank_shard_layout(config, self.tp)
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, self.layout, self.tp, dtype
+        )
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, dtype) for i in range(config.num_hidden_layers)
+            DecoderLayer(config, i, self.layout, self.tp, dtype)
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.lm_head: nn.Linear | None = None
+        self.lm_head: VocabParallelLMHead | None = None
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+            self.lm_head = VocabParallelLMHead(
+                config.vocab_size, config.hidden_size, self.layout, dtype
+            )
         self.rotary = (
             RotaryEmbedding(config.head_dim, config.rope_theta) if config.rope_theta is not None else None
         )
@@ -109,33 +136,55 @@ class GraniteMoeHybridModel(nn.Module):
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(n, D) -> (n, vocab) fp32: lm_head(hidden) / logits_scaling, in the model dtype first."""
+        """(n, D) -> (n, vocab) fp32: lm_head(hidden) / logits_scaling, in the model dtype first.
+
+        Every rank returns the full vocabulary (gathered from the ranks' rows)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return (F.linear(hidden, weight) / self.config.logits_scaling).float()
+        logits = vocab_parallel_logits(hidden, weight, self.config.vocab_size, self.layout, self.tp)
+        return (logits / self.config.logits_scaling).float()
+
+    def parameter_shards(self) -> dict[str, TensorShard]:
+        """Parameter name -> the shard of its checkpoint tensor this rank holds; parameters
+        not listed (the RMSNorm weights, row-parallel biases) are held whole."""
+        return parameter_shards(self)
+
+    def kv_heads_per_rank(self) -> int:
+        return width(self.layout.kv_heads)
+
+    def mamba_state_shape(self) -> tuple[tuple[int, int], tuple[int, int, int]]:
+        """This rank's ((conv_dim, K-1), (H, P, N)) of one state slot of one Mamba layer."""
+        c = self.config
+        heads, groups = width(self.layout.mamba_heads), width(self.layout.mamba_groups)
+        conv_dim = heads * c.mamba_d_head + 2 * groups * c.mamba_d_state
+        return (conv_dim, c.mamba_d_conv - 1), (heads, c.mamba_d_head, c.mamba_d_state)
 
     def kv_bytes_per_block(self, block_size: int) -> int:
-        """Bytes of one KV block across all attention layers (K and V, model dtype)."""
+        """Bytes of one KV block on this rank across all attention layers (K and V of the
+        rank's KV heads, model dtype)."""
         c = self.config
-        per_layer = 2 * block_size * c.num_key_value_heads * c.head_dim * self.dtype.itemsize
+        per_layer = 2 * block_size * self.kv_heads_per_rank() * c.head_dim * self.dtype.itemsize
         return len(c.attention_layers) * per_layer
 
     def state_bytes_per_slot(self) -> int:
-        """Bytes of one recurrent state slot across all Mamba layers (conv in model dtype, SSM fp32)."""
-        c = self.config
-        conv = c.mamba_conv_dim * (c.mamba_d_conv - 1) * self.dtype.itemsize
-        ssm = c.mamba_n_heads * c.mamba_d_head * c.mamba_d_state * torch.float32.itemsize
-        return len(c.mamba_layers) * (conv + ssm)
+        """Bytes of one recurrent state slot on this rank across all Mamba layers (the rank's
+        conv channels in model dtype, its heads' SSM state in fp32)."""
+        (conv_dim, taps), (heads, head_dim, state_size) = self.mamba_state_shape()
+        conv = conv_dim * taps * self.dtype.itemsize
+        ssm = heads * head_dim * state_size * torch.float32.itemsize
+        return len(self.config.mamba_layers) * (conv + ssm)
 
     def allocate_caches(
         self, num_blocks: int, block_size: int, num_state_slots: int, device=None
     ) -> ModelCaches:
-        """Zeroed KV blocks and state slots (layouts in engine/forward_batch.py)."""
+        """Zeroed KV blocks and state slots of this rank (layouts in engine/forward_batch.py;
+        the KV heads, Mamba heads and conv channels are the rank's own)."""
         c = self.config
         if device is None:
             device = self.embed_tokens.weight.device
-        kv_shape = (num_blocks, block_size, c.num_key_value_heads, c.head_dim)
-        conv_shape = (num_state_slots, c.mamba_conv_dim, c.mamba_d_conv - 1)
-        ssm_shape = (num_state_slots, c.mamba_n_heads, c.mamba_d_head, c.mamba_d_state)
+        kv_shape = (num_blocks, block_size, self.kv_heads_per_rank(), c.head_dim)
+        conv_slot, ssm_slot = self.mamba_state_shape()
+        conv_shape = (num_state_slots, *conv_slot)
+        ssm_shape = (num_state_slots, *ssm_slot)
         zeros = lambda shape, dtype: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
         return ModelCaches(
             block_size=block_size,

@@ -1,0 +1,75 @@
+"""Linear layers split across tensor-parallel ranks.
+
+ColumnParallelLinear holds some output rows of the full weight: its output stays split (each
+rank has its own features; no collective). RowParallelLinear holds the matching input
+columns: each rank's partial product is summed over ranks (one all-reduce), then the bias,
+held whole on every rank, is added once. At world_size 1 both are exactly nn.Linear.
+Parameter names are nn.Linear's ("weight", "bias"), so checkpoint names map unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.tensor_parallel import IndexRange, ShardedModule, TensorParallel, TensorShard
+
+
+def _total(ranges: tuple[IndexRange, ...]) -> int:
+    return sum(end - start for start, end in ranges)
+
+
+class ColumnParallelLinear(ShardedModule):
+    """y_local = x @ W[rows].T + b[rows], rows = output_ranges of the full (out, in) weight
+    concatenated in order (several ranges for fused projections such as Mamba2's in_proj)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        full_out_features: int,
+        output_ranges: tuple[IndexRange, ...],
+        bias: bool,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        out_features = _total(output_ranges)
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
+        self.checkpoint_shards["weight"] = TensorShard(
+            (full_out_features, in_features), 0, output_ranges
+        )
+        if bias:
+            self.checkpoint_shards["bias"] = TensorShard((full_out_features,), 0, output_ranges)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, in) -> (T, out_local)
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(ShardedModule):
+    """y = all_reduce(x_local @ W[:, cols].T) + b, cols = input_ranges of the full (out, in)
+    weight; x_local holds exactly those input features. The bias is replicated."""
+
+    def __init__(
+        self,
+        full_in_features: int,
+        out_features: int,
+        input_ranges: tuple[IndexRange, ...],
+        bias: bool,
+        dtype: torch.dtype,
+        tp: TensorParallel,
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        in_features = _total(input_ranges)
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
+        self.checkpoint_shards["weight"] = TensorShard(
+            (out_features, full_in_features), 1, input_ranges
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, in_local) -> (T, out)
+        if self.tp.world_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
