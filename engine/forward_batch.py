@@ -71,3 +71,15 @@ class ModelCaches:
             layer: (conv[slot].clone(), self.ssm_state[layer][slot].clone())
             for layer, conv in self.conv_state.items()
         }
+
+    def write_state_slot(self, slot: int, state: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Restore a state read by read_state_slot (of this rank's shard) into `slot`.
+
+        Every Mamba layer must be present with this cache's per-slot shapes; ValueError otherwise."""
+        if set(state) != set(self.conv_state):
+            raise ValueError(f"state holds layers {sorted(state)}, caches hold {sorted(self.conv_state)}")
+        for layer, (conv, ssm) in state.items():
+            if conv.shape != self.conv_state[layer][slot].shape or ssm.shape != self.ssm_state[layer][slot].shape:
+                raise ValueError(f"layer {layer}: state shapes do not match this rank's slots")
+            self.conv_state[layer][slot].copy_(conv)
+            self.ssm_state[layer][slot].copy_(ssm)
