@@ -18,6 +18,7 @@ from engine.forward_batch import ForwardBatch, SequenceChunk
 from engine.loader import load_model
 from engine.sampler import Sampler
 from engine.step_io import RunnerOutput, ScheduledChunk, SchedulerOutput
+from engine.tensor_parallel import TensorParallel
 
 
 class CacheBudgetError(ValueError):
@@ -36,11 +37,16 @@ class CacheCapacity:
 
 
 class Worker:
-    def __init__(self, config: EngineConfig) -> None:
+    """tp: the tensor-parallel rank this worker is (None: the only one). Every rank loads only
+    its shard and allocates its own KV heads and state channels. The cache byte budgets are per
+    rank; every rank holds as many KV heads, Mamba heads and groups as the others, so the
+    capacity (blocks, slots) comes out the same on every rank."""
+
+    def __init__(self, config: EngineConfig, tp: TensorParallel | None = None) -> None:
         torch.manual_seed(config.seed)
         self.device = torch.device(config.device)
         self.model, self.model_config = load_model(
-            config.model_dir, dtype=getattr(torch, config.dtype), device=self.device
+            config.model_dir, dtype=getattr(torch, config.dtype), device=self.device, tp=tp
         )
         self.capacity = _size_caches(config, self.model, self.model_config.max_position_embeddings)
         self.caches = self.model.allocate_caches(
