@@ -77,9 +77,12 @@ class ModelCaches:
 
         Every Mamba layer must be present with this cache's per-slot shapes; ValueError otherwise."""
         if set(state) != set(self.conv_state):
-            raise ValueError(f"state holds layers {sorted(state)}, caches hold {sorted(self.conv_state)}")
+            raise ValueError(
+                f"state holds layers {sorted(state)}, caches hold {sorted(self.conv_state)}"
+            )
         for layer, (conv, ssm) in state.items():
-            if conv.shape != self.conv_state[layer][slot].shape or ssm.shape != self.ssm_state[layer][slot].shape:
+            conv_slot, ssm_slot = self.conv_state[layer][slot], self.ssm_state[layer][slot]
+            if conv.shape != conv_slot.shape or ssm.shape != ssm_slot.shape:
                 raise ValueError(f"layer {layer}: state shapes do not match this rank's slots")
             self.conv_state[layer][slot].copy_(conv)
             self.ssm_state[layer][slot].copy_(ssm)

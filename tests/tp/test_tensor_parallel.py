@@ -45,7 +45,8 @@ def model_dirs(tmp_path_factory):
 def results(model_dirs, tmp_path_factory):
     """world size -> model name -> per-rank results; tp=1 runs in process, unsharded."""
     torch.set_num_threads(1)
-    by_world = {1: {name: [run_model(path, TensorParallel.single())] for name, path in model_dirs.items()}}
+    single = TensorParallel.single()
+    by_world = {1: {name: [run_model(path, single)] for name, path in model_dirs.items()}}
     for world in WORLD_SIZES:
         by_world[world] = run_world(world, model_dirs, tmp_path_factory.mktemp(f"tp{world}"))
     return by_world
@@ -99,5 +100,6 @@ def test_continue_from_copied_or_restored_state_on_every_rank(results, model_dir
 
 
 def test_unsplittable_head_counts_are_refused(model_dirs):
-    with pytest.raises(ValueError, match="num_attention_heads=4 does not divide by tensor_parallel_size=3"):
+    message = "num_attention_heads=4 does not divide by tensor_parallel_size=3"
+    with pytest.raises(ValueError, match=message):
         load_model(model_dirs["random"], tp=TensorParallel(rank=0, world_size=3))

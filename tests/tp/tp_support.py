@@ -105,7 +105,8 @@ class PagedRunner:
     def __init__(self, model, num_blocks: int, num_slots: int) -> None:
         self.model = model
         self.caches = model.allocate_caches(num_blocks, BLOCK_SIZE, num_slots)
-        self.free_blocks = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0)).tolist()
+        generator = torch.Generator().manual_seed(0)
+        self.free_blocks = torch.randperm(num_blocks, generator=generator).tolist()
 
     @torch.no_grad()
     def step(self, work: list[tuple[Request, list[int]]]) -> list[torch.Tensor]:
@@ -120,11 +121,18 @@ class PagedRunner:
                 slot_mapping.append(block * BLOCK_SIZE + position % BLOCK_SIZE)
             input_ids += tokens
             positions += range(start, end)
-            chunks.append(SequenceChunk(request.state_slot, start, len(tokens), tuple(request.block_table), start == 0))
+            chunks.append(
+                SequenceChunk(
+                    request.state_slot, start, len(tokens), tuple(request.block_table), start == 0
+                )
+            )
             cu_seqlens.append(len(input_ids))
             request.num_computed = end
         as_tensor = lambda values: torch.tensor(values, dtype=torch.int64)  # noqa: E731
-        batch = ForwardBatch(as_tensor(input_ids), as_tensor(positions), as_tensor(slot_mapping), tuple(chunks), tuple(cu_seqlens))
+        batch = ForwardBatch(
+            as_tensor(input_ids), as_tensor(positions), as_tensor(slot_mapping),
+            tuple(chunks), tuple(cu_seqlens),
+        )
         logits = self.model.compute_logits(self.model(batch, self.caches))
         return [logits[a:b] for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:])]
 
@@ -150,7 +158,8 @@ def stop_and_continue(model, vocab_size: int, stop: int = 13) -> dict:
     """One prompt run whole; and run to `stop`, then continued from a copied slot and from a
     captured-then-restored state (this rank's shard). Returns the three (len, vocab) logits
     and the captured per-layer state shapes."""
-    prompt = torch.randint(0, vocab_size, (30,), generator=torch.Generator().manual_seed(99)).tolist()
+    generator = torch.Generator().manual_seed(99)
+    prompt = torch.randint(0, vocab_size, (30,), generator=generator).tolist()
     runner = PagedRunner(model, num_blocks=16, num_slots=4)
     whole = runner.step([(Request(state_slot=0), prompt)])[0]
     first = Request(state_slot=1)
