@@ -132,7 +132,7 @@ def numerics_check(worker: Worker, model_dir: Path, prompt_len: int = 32, new_to
     request, tokens, gpu_logits = 0, list(prompt), []
     step = SchedulerOutput((chunk(request, prompt, 0, blocks, True),))
     for i in range(new_tokens):
-        batch = build_forward_batch(step, BLOCK_SIZE, worker.device)
+        batch = build_forward_batch(list(step.chunks), BLOCK_SIZE, worker.device)
         with torch.inference_mode():
             hidden = worker.model(batch, worker.caches)
             gpu_logits.append(worker.model.compute_logits(hidden[-1:]).cpu()[0])
@@ -144,7 +144,7 @@ def numerics_check(worker: Worker, model_dir: Path, prompt_len: int = 32, new_to
     ref_caches = ref_model.allocate_caches(num_blocks=blocks, block_size=BLOCK_SIZE, num_state_slots=1)
     ref_step = SchedulerOutput((chunk(0, tokens[:-1], 0, blocks, True),))
     with torch.inference_mode():
-        hidden = ref_model(build_forward_batch(ref_step, BLOCK_SIZE, torch.device("cpu")), ref_caches)
+        hidden = ref_model(build_forward_batch(list(ref_step.chunks), BLOCK_SIZE, torch.device("cpu")), ref_caches)
         ref_logits = ref_model.compute_logits(hidden[prompt_len - 1 :])  # (new_tokens, V)
     del ref_model, ref_caches
     err = (gpu_logits - ref_logits).abs().max(dim=-1).values

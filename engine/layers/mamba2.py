@@ -144,9 +144,9 @@ class Mamba2Mixer(ShardedModule):
         if decode_rows:
             rows = torch.tensor(decode_rows, device=hidden.device)
             slots = torch.tensor(decode_slots, device=hidden.device)
-            keep = ~torch.tensor(decode_resets, device=hidden.device)
-            conv_in = conv_state.index_select(0, slots) * keep[:, None, None]
-            ssm_in = ssm_state.index_select(0, slots) * keep[:, None, None, None]
+            keep = ~torch.tensor(decode_resets, device=hidden.device)  # a reset slot may hold NaN
+            conv_in = torch.where(keep[:, None, None], conv_state.index_select(0, slots), 0.0)
+            ssm_in = torch.where(keep[:, None, None, None], ssm_state.index_select(0, slots), 0.0)
             y_rows, conv_out, ssm_out = self.mix_decode(xBC[rows], dt_raw[rows], conv_in, ssm_in)
             y[rows] = y_rows
             conv_state.index_copy_(0, slots, conv_out)

@@ -54,7 +54,7 @@ def _run(device: str, dtype: torch.dtype) -> tuple[list[torch.Tensor], torch.Ten
     hiddens = []
     with torch.inference_mode():
         for step in _steps(config.vocab_size):
-            batch = build_forward_batch(step, BLOCK_SIZE, torch.device(device))
+            batch = build_forward_batch(list(step.chunks), BLOCK_SIZE, torch.device(device))
             hiddens.append(model(batch, caches).float().cpu())
     first_mamba = min(caches.ssm_state)
     return hiddens, caches.ssm_state[first_mamba][1:4].cpu()
