@@ -29,16 +29,8 @@ def ssd_step(
     state: torch.Tensor,  # (H, P, N) fp32, not modified
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token: returns (y (H, P) fp32, new_state (H, P, N) fp32)."""
-    heads_per_group = x.shape[0] // B.shape[0]
-    x, dt = x.float(), dt.float()
-    B_h = B.float().repeat_interleave(heads_per_group, dim=0)  # (H, N)
-    C_h = C.float().repeat_interleave(heads_per_group, dim=0)  # (H, N)
-    decay = torch.exp(dt * A.float())  # (H,)
-    new_state = state * decay[:, None, None] + (dt[:, None] * x)[:, :, None] * B_h[:, None, :]
-    y = torch.einsum("hpn,hn->hp", new_state, C_h)
-    if D is not None:
-        y = y + D.float()[:, None] * x
-    return y, new_state
+    y, new_state = ssd_step_batched(x[None], dt[None], A, B[None], C[None], D, state[None])
+    return y[0], new_state[0]
 
 
 def ssd_step_batched(
