@@ -49,12 +49,28 @@ class Worker:
             config.model_dir, dtype=getattr(torch, config.dtype), device=self.device, tp=tp
         )
         self.capacity = _size_caches(config, self.model, self.model_config.max_position_embeddings)
+        # On one CUDA device decode steps replay CUDA graphs (engine/cuda_graphs.py), whose
+        # padding rows need a state slot and a KV block that the scheduler never hands out: one
+        # of each is allocated past the capacity it is told about.
+        graphs = self.device.type == "cuda" and self.model.tp.world_size == 1
         self.caches = self.model.allocate_caches(
-            num_blocks=self.capacity.num_blocks,
+            num_blocks=self.capacity.num_blocks + int(graphs),
             block_size=self.capacity.block_size,
-            num_state_slots=self.capacity.num_state_slots,
+            num_state_slots=self.capacity.num_state_slots + int(graphs),
             device=self.device,
         )
+        self.decode_graphs = None
+        if graphs:
+            from engine.cuda_graphs import DecodeGraphRunner, decode_batch_sizes
+
+            self.decode_graphs = DecodeGraphRunner(
+                self.model, self.caches,
+                batch_sizes=decode_batch_sizes(min(config.max_num_seqs, 128)),
+                max_blocks_per_seq=-(-self.capacity.max_model_len // self.capacity.block_size),
+                scratch_slot=self.capacity.num_state_slots,
+                scratch_block=self.capacity.num_blocks,
+            )
+            self.decode_graphs.capture()
         self.sampler = Sampler(seed=config.seed, device=self.device)
         self.checkpoints = CheckpointStore(self.caches)
         # Last hidden row of every request the previous step touched: what a capture saves.
@@ -84,7 +100,11 @@ class Worker:
                 restore.bundle_id, restore.state_slot, restore.tail_block
             )
         computed = [chunk for chunk in scheduler_output.chunks if chunk.token_ids]
-        if computed:
+        if computed and self.decode_graphs is not None and self.decode_graphs.accepts(computed):
+            hidden = self.decode_graphs.forward(computed)  # (n, D), row i = chunk i
+            for i, chunk in enumerate(computed):
+                last_hidden[chunk.request_id] = hidden[i]
+        elif computed:
             batch = build_forward_batch(computed, self.capacity.block_size, self.device)
             hidden = self.model(batch, self.caches)  # (T, D)
             for chunk, end in zip(computed, batch.cu_seqlens[1:]):

@@ -130,3 +130,38 @@ def _tokens_after(chunk) -> int:
 def _padded(values: tuple[int, ...], length: int) -> list[int]:
     values = list(values[:length])
     return values + [0] * (length - len(values))
+
+
+def decode_only_plan(
+    chunk_slot: torch.Tensor,  # (B,) int64 state slot of each row
+    chunk_reset: torch.Tensor,  # (B,) int64, nonzero = start from a zero state
+    seq_lens: torch.Tensor,  # (B,) int64, keys each row's query attends to
+    block_table: torch.Tensor,  # (B, max_blocks) int64
+    arange: torch.Tensor,  # (>= B + 1,) int64 holding 0, 1, 2, ...
+) -> GpuBatchPlan:
+    """The plan of a batch of B one-token chunks (row i = chunk i), built over tensors the
+    caller owns and refills in place (CUDA graph inputs): no host-to-device copy, no allocation
+    beyond two empty tensors. Equal to build_gpu_batch_plan of the same chunks."""
+    num_rows = chunk_slot.shape[0]
+    rows = arange[:num_rows]
+    empty = arange[:0]
+    return GpuBatchPlan(
+        num_chunks=num_rows,
+        cu_seqlens=arange[: num_rows + 1],
+        chunk_slot=chunk_slot,
+        chunk_reset=chunk_reset,
+        token_chunk=rows,
+        num_decode=num_rows,
+        decode_rows=rows,
+        decode_slots=chunk_slot,
+        decode_reset=chunk_reset,
+        decode_seq_lens=seq_lens,
+        decode_block_table=block_table,
+        num_prefill=0,
+        prefill_rows=None,
+        prefill_cu_seqlens=arange[:1],
+        prefill_cu_seqlens_host=torch.zeros(1, dtype=torch.int64),
+        prefill_slots=empty,
+        prefill_reset=empty,
+        prefill_chunks=(),
+    )
