@@ -8,7 +8,8 @@ to its floor:
   * numerics: bf16 GPU logits vs the fp32 CPU reference path on a short prompt + greedy tokens;
   * cold prefill of 8,192 tokens (time to first token) vs model FLOPs / matmul rate;
   * decode tokens/s at batch 1, 16, 64 with 1,024 tokens of context vs the bytes a step must
-    move (weights + SSM/conv state read and written + KV read) / copy bandwidth;
+    move (weights + SSM/conv state read and written + KV read) / copy bandwidth, replaying the
+    worker's CUDA graphs (engine/cuda_graphs.py), then the same steps eagerly for comparison;
   * for each row, one step under torch.profiler: GPU kernel time vs wall time (what dominates).
 
     python benchmarks/gpu_roofline.py --out benchmarks/results/gpu_roofline.json
@@ -288,17 +289,28 @@ def main() -> None:
         rows = [{"name": f"cold prefill {args.prefill_tokens} (TTFT)", "seconds": ttft,
                  "floor_seconds": floor, "ratio_to_floor": floor / ttft, "flops": flops,
                  "tokens_per_s": args.prefill_tokens / ttft, "target": 0.40, "profile": prefill_profile}]
-        first = 1
-        for b in batches:
-            step_s, decode_profile = bench_decode(worker, first, b, args.context, blocks_per_seq)
-            moved = decode_bytes(worker, b, args.context)
-            floor = moved / copy_bw
-            rows.append({"name": f"decode batch {b} ctx {args.context}", "seconds": step_s,
-                         "floor_seconds": floor, "ratio_to_floor": floor / step_s, "bytes": moved,
-                         "tokens_per_s": b / step_s, "target": 0.60 if b == 1 else 0.50,
-                         "profile": decode_profile})
-            first += b
-            print(f"decode batch {b}: {b / step_s:.0f} tok/s ({time.perf_counter() - t_start:.0f}s)", flush=True)
+        graphs = worker.decode_graphs
+        report["decode_graph_sizes"] = list(graphs.batch_sizes) if graphs is not None else []
+        # Decode through the worker's CUDA graphs, then the same steps eagerly (graphs detached;
+        # the same requests, prefilled again) to show what the graphs remove.
+        for mode, runner in (("graphs", graphs), ("eager", None)):
+            worker.decode_graphs = runner
+            first = 1
+            for b in batches:
+                step_s, decode_profile = bench_decode(worker, first, b, args.context, blocks_per_seq)
+                moved = decode_bytes(worker, b, args.context)
+                floor = moved / copy_bw
+                suffix = "" if mode == "graphs" else " (eager)"
+                rows.append({"name": f"decode batch {b} ctx {args.context}{suffix}", "mode": mode,
+                             "seconds": step_s, "floor_seconds": floor, "ratio_to_floor": floor / step_s,
+                             "bytes": moved, "tokens_per_s": b / step_s,
+                             "target": 0.60 if b == 1 else 0.50, "profile": decode_profile})
+                first += b
+                print(f"decode batch {b} {mode}: {b / step_s:.0f} tok/s ({time.perf_counter() - t_start:.0f}s)",
+                      flush=True)
+        worker.decode_graphs = graphs
+        if graphs is not None:
+            report["decode_graph_replays"] = graphs.replays
         report["rows"] = rows
     report["wall_seconds"] = time.perf_counter() - t_start
 
