@@ -249,8 +249,12 @@ def main() -> None:
 
     from deployments.config import AppConfig
 
+    # Every request sends the same prompt: with checkpoints on, all but the first would restore
+    # it and skip prefill, so this benchmark (the cost of the serving path) turns them off;
+    # benchmarks/checkpoint_reuse.py measures what checkpoints save.
     fields = {"max_model_len": 1024, "max_num_seqs": max(16, max(args.concurrency)),
-              "max_num_batched_tokens": 512, "worker_num_cpus": args.worker_num_cpus}
+              "max_num_batched_tokens": 512, "worker_num_cpus": args.worker_num_cpus,
+              "checkpoint_slots": []}
     if args.model_dir:
         fields["model_dir"] = args.model_dir
     config = AppConfig(**fields)
