@@ -291,6 +291,7 @@ def main() -> None:
                  "tokens_per_s": args.prefill_tokens / ttft, "target": 0.40, "profile": prefill_profile}]
         graphs = worker.decode_graphs
         report["decode_graph_sizes"] = list(graphs.batch_sizes) if graphs is not None else []
+        report["decode_graph_capture_s"] = graphs.capture_seconds if graphs is not None else None
         # Decode through the worker's CUDA graphs, then the same steps eagerly (graphs detached;
         # the same requests, prefilled again) to show what the graphs remove.
         for mode, runner in (("graphs", graphs), ("eager", None)):

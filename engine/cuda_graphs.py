@@ -17,6 +17,8 @@ Shapes: Bmax the largest captured size, M block-table width, D hidden size.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from engine.forward_batch import ForwardBatch, ModelCaches
@@ -67,6 +69,7 @@ class DecodeGraphRunner:
         self._outputs: dict[int, torch.Tensor] = {}  # size -> (b, D) hidden, in the graph pool
         self._pool = None
         self.replays = 0  # decode steps served by a graph (for tests and benchmarks)
+        self.capture_seconds = 0.0  # wall time of capture(), warm-up runs included
 
 
     def accepts(self, chunks: list[ScheduledChunk]) -> bool:
@@ -81,6 +84,7 @@ class DecodeGraphRunner:
         """Capture every batch size, largest first, into one memory pool. Each size is run
         eagerly once first (Triton JIT, cuBLAS handles) with padding only, which writes only the
         scratch slot and block."""
+        started = time.perf_counter()
         self._fill_padding(0, self.max_batch)
         self._inputs.copy_(self._host)
         torch.cuda.synchronize()
@@ -94,6 +98,7 @@ class DecodeGraphRunner:
                     self._outputs[size] = self._forward(size)
                 self._graphs[size] = graph
         torch.cuda.synchronize()
+        self.capture_seconds = time.perf_counter() - started
 
     def _views(self, size: int) -> tuple[torch.Tensor, ...]:
         """The static input buffer as (ids, positions, kv_slots, state_slots, reset, seq_lens)
