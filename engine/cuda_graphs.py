@@ -108,11 +108,8 @@ class DecodeGraphRunner:
         return (*(fields[f, :size] for f in range(self._NUM_FIELDS)), table[:size])
 
     def _forward(self, size: int) -> torch.Tensor:
-        """GraniteMoeHybridModel.forward over the static inputs of `size` rows, with a decode
-        plan built on those buffers instead of copied from the host. Returns (size, D).
-
-        It repeats the model's five-line forward (the model builds its plan from the host
-        batch); tests/gpu/test_cuda_graphs.py compares the two after every change."""
+        """The model's forward over the static inputs of `size` rows, with a decode plan built
+        on those buffers instead of copied from the host. Returns (size, D)."""
         ids, positions, kv_slots, state_slots, reset, seq_lens, table = self._views(size)
         model = self.model
         batch = ForwardBatch(
@@ -120,11 +117,7 @@ class DecodeGraphRunner:
             cu_seqlens=tuple(range(size + 1)),
         )
         plan = decode_only_plan(state_slots, reset, seq_lens, table, self._arange)
-        hidden = model.embed_tokens(ids) * model.config.embedding_multiplier  # (size, D)
-        rope = model.rotary(positions) if model.rotary is not None else None
-        for layer in model.layers:
-            hidden = layer(hidden, batch, self.caches, rope, plan)
-        return model.norm(hidden)
+        return model(batch, self.caches, gpu_plan=plan)
 
 
     def forward(self, chunks: list[ScheduledChunk]) -> torch.Tensor:

@@ -117,7 +117,9 @@ class GraniteMoeHybridModel(nn.Module):
             RotaryEmbedding(config.head_dim, config.rope_theta) if config.rope_theta is not None else None
         )
 
-    def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
+    def forward(
+        self, batch: ForwardBatch, caches: ModelCaches, gpu_plan: GpuBatchPlan | None = None
+    ) -> torch.Tensor:
         """Returns hidden states (T, D) after the final norm.
 
         Mutates `caches`: K/V of every token at batch.slot_mapping (attention layers) and the
@@ -126,11 +128,13 @@ class GraniteMoeHybridModel(nn.Module):
 
         The kernel backend follows the weights' device: on CUDA the batch's chunk metadata is
         copied to the device once here and every layer runs its Triton kernels; elsewhere the
-        layers run their pure-PyTorch path.
+        layers run their pure-PyTorch path. A caller that keeps the plan's tensors on the device
+        already (the CUDA graph runner) passes gpu_plan and the batch's chunks are not read.
         """
         hidden = self.embed_tokens(batch.input_ids) * self.config.embedding_multiplier  # (T, D)
         rope = self.rotary(batch.positions) if self.rotary is not None else None
-        gpu_plan = plan_for_device(batch, caches.block_size, hidden.device)
+        if gpu_plan is None:
+            gpu_plan = plan_for_device(batch, caches.block_size, hidden.device)
         for layer in self.layers:
             hidden = layer(hidden, batch, caches, rope, gpu_plan)
         return self.norm(hidden)
