@@ -10,6 +10,9 @@ to its floor:
   * decode tokens/s at batch 1, 16, 64 with 1,024 tokens of context vs the bytes a step must
     move (weights + SSM/conv state read and written + KV read) / copy bandwidth, replaying the
     worker's CUDA graphs (engine/cuda_graphs.py), then the same steps eagerly for comparison;
+  * checkpoint rows (benchmarks/roofline_checkpoints.py): capture and restore of an 8,192-token
+    bundle, restore + 256-token prefill vs the cold 8,448-token prefill, and the cold 8,448-token
+    prefill that captures at 8,192 (split path) vs the same prefill without capture;
   * for each row, one step under torch.profiler: GPU kernel time vs wall time (what dominates).
 
     python benchmarks/gpu_roofline.py --out benchmarks/results/gpu_roofline.json
@@ -31,6 +34,8 @@ from engine.loader import load_model
 from engine.sampling_params import SamplingParams
 from engine.step_io import ScheduledChunk, SchedulerOutput
 from engine.worker import Worker, build_forward_batch
+
+from roofline_checkpoints import checkpoint_rows  # noqa: E402  (this script's folder)
 
 BLOCK_SIZE = 16
 CONFIG_1P5B = {
@@ -271,7 +276,8 @@ def main() -> None:
 
     batches = (1, 16, 64)
     num_requests = 1 + sum(batches)
-    blocks_per_seq = -(-max(args.prefill_tokens, args.context + 64) // BLOCK_SIZE)
+    suffix = 256  # the user message after the instruction checkpoint
+    blocks_per_seq = -(-max(args.prefill_tokens + suffix, args.context + 64) // BLOCK_SIZE)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "granite-hybrid-1p5b-random"
         write_random_checkpoint(model_dir)
@@ -289,6 +295,8 @@ def main() -> None:
         rows = [{"name": f"cold prefill {args.prefill_tokens} (TTFT)", "seconds": ttft,
                  "floor_seconds": floor, "ratio_to_floor": floor / ttft, "flops": flops,
                  "tokens_per_s": args.prefill_tokens / ttft, "target": 0.40, "profile": prefill_profile}]
+        rows += checkpoint_rows(worker, blocks_per_seq, BLOCK_SIZE, args.prefill_tokens, suffix)
+        print(f"checkpoint rows done ({time.perf_counter() - t_start:.0f}s)", flush=True)
         graphs = worker.decode_graphs
         report["decode_graph_sizes"] = list(graphs.batch_sizes) if graphs is not None else []
         report["decode_graph_capture_s"] = graphs.capture_seconds if graphs is not None else None
@@ -315,11 +323,15 @@ def main() -> None:
         report["rows"] = rows
     report["wall_seconds"] = time.perf_counter() - t_start
 
-    print(f"\n{'row':<30}{'time ms':>10}{'floor ms':>10}{'ratio':>8}{'target':>8}{'tok/s':>12}")
+    print(f"\n{'row':<40}{'time ms':>10}{'floor ms':>10}{'ratio':>8}{'target':>8}{'tok/s':>12}")
     for r in rows:
-        print(f"{r['name']:<30}{r['seconds'] * 1e3:>10.2f}{r['floor_seconds'] * 1e3:>10.2f}"
-              f"{r['ratio_to_floor']:>8.2f}{r['target']:>8.2f}{r['tokens_per_s']:>12.0f}")
+        target = f"{r['target']:>8.2f}" if "target" in r else f"{'-':>8}"
+        rate = f"{r['tokens_per_s']:>12.0f}" if "tokens_per_s" in r else f"{'-':>12}"
+        print(f"{r['name']:<40}{r['seconds'] * 1e3:>10.2f}{r['floor_seconds'] * 1e3:>10.2f}"
+              f"{r['ratio_to_floor']:>8.2f}{target}{rate}")
     for r in rows:
+        if "profile" not in r:
+            continue
         prof = r["profile"]
         print(f"\n{r['name']}: wall {prof['wall_s'] * 1e3:.2f} ms, GPU kernels {prof['gpu_kernel_s'] * 1e3:.2f} ms "
               f"({prof['gpu_share']:.0%}), {prof['kernel_launches']} launches")

@@ -1,0 +1,130 @@
+"""Checkpoint rows of the GPU roofline benchmark (issue 5 item 4), driving engine.worker.Worker
+in process with hand-built SchedulerOutputs, the way the scheduler would:
+
+  * capture and restore of the bundle of a `prefix`-token prefix (recurrent state of every Mamba
+    layer, attention tail, hidden row): time, and restore as a share of the cold prefill of
+    `prefix` tokens it replaces;
+  * restore of that instruction checkpoint + prefill of a `suffix`-token user message (time to
+    first token) vs the cold prefill of all prefix + suffix tokens: the speed-up (target 15x),
+    with the two first tokens' logits compared;
+  * the cold prefix + suffix prefill that also captures the checkpoint at `prefix`, as a ratio
+    to the same prefill without capture: the split path (what the scheduler does today: the
+    chunk is cut at the boundary, two worker steps, the CaptureOp taken at the start of the
+    second).
+
+Requests 0 and 1 (state slots 0 and 1, blocks [r * blocks_per_seq, (r + 1) * blocks_per_seq))
+are used; the caller reuses them afterwards (every later chunk resets its state).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from engine.sampling_params import SamplingParams
+from engine.step_io import CaptureOp, RestoreOp, ScheduledChunk, SchedulerOutput
+from engine.worker import Worker
+
+
+def _chunk(request: int, tokens: list[int], start: int, table: tuple[int, ...], reset: bool,
+           sample: bool) -> ScheduledChunk:
+    return ScheduledChunk(
+        request_id=f"c{request}", token_ids=tuple(tokens), start_position=start, block_table=table,
+        state_slot=request, reset_state=reset, sample=sample,
+        sampling=SamplingParams(temperature=0.0, max_tokens=16, return_logits=True),
+    )
+
+
+def _timed(worker: Worker, steps: list[SchedulerOutput]):
+    """Seconds to run the steps back to back (synchronised at both ends), and the last output."""
+    _sync(worker)
+    t0 = time.perf_counter()
+    for step in steps:
+        out = worker.execute(step)
+    _sync(worker)
+    return time.perf_counter() - t0, out
+
+
+def _sync(worker: Worker) -> None:
+    if worker.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def checkpoint_rows(worker: Worker, blocks_per_seq: int, block_size: int, prefix: int = 8192,
+                    suffix: int = 256, repeats: int = 3) -> list[dict]:
+    """The rows above, each best of `repeats`; floors are the cold prefills they are compared to."""
+    total = prefix + suffix
+    assert -(-total // block_size) <= blocks_per_seq
+    tokens = torch.randint(2, worker.model.config.vocab_size, (total,), generator=torch.Generator().manual_seed(7)).tolist()
+    table_a = tuple(range(blocks_per_seq))
+    full_blocks = prefix // block_size
+    tail_block = table_a[full_blocks] if prefix % block_size else None
+    # Request 1 shares request 0's full blocks and owns the rest (its tail block included).
+    table_b = table_a[:full_blocks] + tuple(range(blocks_per_seq + full_blocks, 2 * blocks_per_seq))
+    tail_b = table_b[full_blocks] if prefix % block_size else None
+
+    cold = SchedulerOutput((_chunk(0, tokens, 0, table_a, True, True),))
+    cold_prefix = SchedulerOutput((_chunk(0, tokens[:prefix], 0, table_a, True, False),))
+    worker.execute(cold)  # compile / autotune at these lengths
+    worker.execute(cold_prefix)
+    cold_s, cold_out = min((_timed(worker, [cold]) for _ in range(repeats)), key=lambda r: r[0])
+    cold_prefix_s = min(_timed(worker, [cold_prefix])[0] for _ in range(repeats))
+
+    # Split path: chunk cut at the boundary, capture at the start of the next step.
+    bundle = 1000
+    split_s = []
+    for _ in range(repeats + 1):
+        capture = CaptureOp(bundle, "c0", 0, prefix, tail_block)
+        second = SchedulerOutput(
+            (_chunk(0, tokens[prefix:], prefix, table_a, False, True),), captures=(capture,),
+            dropped_bundle_ids=(bundle - 1,),
+        )
+        seconds, out = _timed(worker, [cold_prefix, second])
+        assert out.captured_bundles.get(bundle), "capture not confirmed"
+        split_s.append(seconds)
+        bundle += 1
+    split_s = min(split_s[1:])  # the first run warms the capture path
+    bundle -= 1  # the last bundle stays: the state at `prefix` of request 0
+
+    capture_only = []
+    for i in range(repeats):
+        worker.execute(cold_prefix)
+        seconds, out = _timed(worker, [SchedulerOutput((), captures=(CaptureOp(bundle + 1 + i, "c0", 0, prefix, tail_block),))])
+        capture_only.append(seconds)
+    worker.execute(SchedulerOutput((), dropped_bundle_ids=tuple(range(bundle + 1, bundle + 1 + repeats))))
+
+    restore_s, hit_s = [], []
+    for _ in range(repeats + 1):
+        seconds, _ = _timed(worker, [SchedulerOutput((), restores=(RestoreOp(bundle, "c1", 1, tail_b),))])
+        restore_s.append(seconds)
+        hit = SchedulerOutput(
+            (_chunk(1, tokens[prefix:], prefix, table_b, False, True),),
+            restores=(RestoreOp(bundle, "c1", 1, tail_b),),
+        )
+        seconds, hit_out = _timed(worker, [hit])
+        hit_s.append(seconds)
+    restore_s, hit_s = min(restore_s[1:]), min(hit_s[1:])
+    worker.execute(SchedulerOutput((), dropped_bundle_ids=(bundle,)))
+
+    ref, got = cold_out.logits["c0"], hit_out.logits["c1"]
+    agree = int(ref.argmax()) == int(got.argmax())
+    logits_error = float((got - ref).norm() / ref.norm())
+    nbytes = worker.model.state_bytes_per_slot() + worker.model.config.hidden_size * worker.model.dtype.itemsize
+    return [
+        {"name": f"capture {prefix}-token bundle", "seconds": min(capture_only),
+         "floor_seconds": cold_prefix_s, "ratio_to_floor": min(capture_only) / cold_prefix_s,
+         "ratio_meaning": "share of the cold prefill of the prefix", "bundle_bytes": nbytes},
+        {"name": f"restore {prefix}-token bundle", "seconds": restore_s,
+         "floor_seconds": cold_prefix_s, "ratio_to_floor": restore_s / cold_prefix_s,
+         "ratio_meaning": "share of the cold prefill it saves", "bundle_bytes": nbytes},
+        {"name": f"restore {prefix} + prefill {suffix} (TTFT)", "seconds": hit_s,
+         "floor_seconds": cold_s, "ratio_to_floor": cold_s / hit_s, "target": 15.0,
+         "ratio_meaning": f"speed-up over the cold {total}-token prefill",
+         "first_token_agrees_with_cold": agree, "logits_relative_error_vs_cold": logits_error},
+        {"name": f"cold prefill {total} (TTFT)", "seconds": cold_s, "floor_seconds": cold_s,
+         "ratio_to_floor": 1.0, "ratio_meaning": "the baseline of the rows around it"},
+        {"name": f"cold {total} + capture at {prefix}, split", "seconds": split_s,
+         "floor_seconds": cold_s, "ratio_to_floor": split_s / cold_s, "target": 1.03,
+         "ratio_meaning": f"time over the cold {total}-token prefill without capture (<= target)"},
+    ]
