@@ -295,7 +295,8 @@ def main() -> None:
         rows = [{"name": f"cold prefill {args.prefill_tokens} (TTFT)", "seconds": ttft,
                  "floor_seconds": floor, "ratio_to_floor": floor / ttft, "flops": flops,
                  "tokens_per_s": args.prefill_tokens / ttft, "target": 0.40, "profile": prefill_profile}]
-        rows += checkpoint_rows(worker, blocks_per_seq, BLOCK_SIZE, args.prefill_tokens, suffix)
+        rows += checkpoint_rows(worker, blocks_per_seq, BLOCK_SIZE, args.prefill_tokens, suffix,
+                                profile=lambda step: profile_step(worker, step, top=12))
         print(f"checkpoint rows done ({time.perf_counter() - t_start:.0f}s)", flush=True)
         graphs = worker.decode_graphs
         report["decode_graph_sizes"] = list(graphs.batch_sizes) if graphs is not None else []

@@ -52,8 +52,11 @@ def _sync(worker: Worker) -> None:
 
 
 def checkpoint_rows(worker: Worker, blocks_per_seq: int, block_size: int, prefix: int = 8192,
-                    suffix: int = 256, repeats: int = 3) -> list[dict]:
-    """The rows above, each best of `repeats`; floors are the cold prefills they are compared to."""
+                    suffix: int = 256, repeats: int = 3, profile=None) -> list[dict]:
+    """The rows above, each best of `repeats`; floors are the cold prefills they are compared to.
+
+    profile: step -> dict (one profiled execution); given, the restore + prefill row carries the
+    profile of one such step."""
     total = prefix + suffix
     assert -(-total // block_size) <= blocks_per_seq
     tokens = torch.randint(2, worker.model.config.vocab_size, (total,), generator=torch.Generator().manual_seed(7)).tolist()
@@ -105,6 +108,7 @@ def checkpoint_rows(worker: Worker, blocks_per_seq: int, block_size: int, prefix
         seconds, hit_out = _timed(worker, [hit])
         hit_s.append(seconds)
     restore_s, hit_s = min(restore_s[1:]), min(hit_s[1:])
+    hit_profile = profile(hit) if profile is not None else None
     worker.execute(SchedulerOutput((), dropped_bundle_ids=(bundle,)))
 
     ref, got = cold_out.logits["c0"], hit_out.logits["c1"]
@@ -121,7 +125,8 @@ def checkpoint_rows(worker: Worker, blocks_per_seq: int, block_size: int, prefix
         {"name": f"restore {prefix} + prefill {suffix} (TTFT)", "seconds": hit_s,
          "floor_seconds": cold_s, "ratio_to_floor": cold_s / hit_s, "target": 15.0,
          "ratio_meaning": f"speed-up over the cold {total}-token prefill",
-         "first_token_agrees_with_cold": agree, "logits_relative_error_vs_cold": logits_error},
+         "first_token_agrees_with_cold": agree, "logits_relative_error_vs_cold": logits_error,
+         **({"profile": hit_profile} if hit_profile else {})},
         {"name": f"cold prefill {total} (TTFT)", "seconds": cold_s, "floor_seconds": cold_s,
          "ratio_to_floor": 1.0, "ratio_meaning": "the baseline of the rows around it"},
         {"name": f"cold {total} + capture at {prefix}, split", "seconds": split_s,
