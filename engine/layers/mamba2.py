@@ -122,7 +122,7 @@ class Mamba2Mixer(ShardedModule):
         )
         if gpu_plan is not None:
             y = self.mix_batch_gpu(xBC, dt_raw, conv_state, ssm_state, gpu_plan)
-            normed = self.norm(y.view(num_tokens, self.intermediate_size), gate, out_dtype=hidden.dtype)
+            normed = self.norm.forward_gpu(y.view(num_tokens, self.intermediate_size), gate, hidden.dtype)
             return self.out_proj(normed)
         y = hidden.new_empty(num_tokens, self.num_heads, self.head_dim, dtype=torch.float32)
         decode_rows, decode_slots, decode_resets = [], [], []
@@ -209,9 +209,10 @@ class Mamba2Mixer(ShardedModule):
         plan: GpuBatchPlan,
     ) -> torch.Tensor:
         """Every chunk at once on CUDA: one conv launch pair for all chunks, one decode launch
-        for all 1-token chunks, one varlen chunked scan for the rest. Returns y (T, H, P) fp32."""
+        for all 1-token chunks (dt discretised inside it), one varlen chunked scan for the rest.
+        Returns y (T, H, P) fp32."""
         from engine.kernels.gpu.conv import causal_conv1d_varlen
-        from engine.kernels.gpu.ssd import ssd_chunk_scan_varlen, ssd_decode_update
+        from engine.kernels.gpu.ssd import ssd_chunk_scan_varlen, ssd_decode_update_raw_dt
 
         T = xBC.shape[0]
         weight = self.conv1d.weight[:, 0, :]  # (conv_dim, K)
@@ -224,16 +225,16 @@ class Mamba2Mixer(ShardedModule):
         x = x.view(T, self.num_heads, self.head_dim)
         B = B.view(T, self.num_groups, self.state_size)
         C = C.view(T, self.num_groups, self.state_size)
-        dt = F.softplus(dt_raw.float() + self.dt_bias.float())  # (T, H)
-        dt = dt.clamp(min=self.time_step_limit[0], max=self.time_step_limit[1])
-        A = -torch.exp(self.A_log.float())  # (H,)
         y = xBC.new_empty(T, self.num_heads, self.head_dim, dtype=torch.float32)
         if plan.num_decode:
-            ssd_decode_update(
-                x, dt, A, B, C, self.D, ssm_state, y,
-                plan.decode_rows, plan.decode_slots, plan.decode_reset,
+            ssd_decode_update_raw_dt(
+                x, dt_raw, self.dt_bias, self.A_log, self.time_step_limit, B, C, self.D,
+                ssm_state, y, plan.decode_rows, plan.decode_slots, plan.decode_reset,
             )
         if plan.num_prefill:
+            dt = F.softplus(dt_raw.float() + self.dt_bias.float())  # (T, H)
+            dt = dt.clamp(min=self.time_step_limit[0], max=self.time_step_limit[1])
+            A = -torch.exp(self.A_log.float())  # (H,)
             rows = plan.prefill_rows
             pick = (lambda t: t) if rows is None else (lambda t: t.index_select(0, rows))
             slots = plan.prefill_slots

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from engine.kernels.norm_reference import silu_and_mul
 from engine.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from engine.tensor_parallel import IndexRange, TensorParallel
 
@@ -32,5 +32,10 @@ class GatedMLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, D) -> (T, D)
-        gate, up = self.input_linear(x).chunk(2, dim=-1)  # (T, I_local) each
-        return self.output_linear(F.silu(gate) * up)
+        return self.output_linear(silu_and_mul(self.input_linear(x)))  # [gate | up]: (T, 2 I_local)
+
+    def forward_gpu(self, x: torch.Tensor) -> torch.Tensor:
+        """forward on CUDA tensors, silu(gate) * up in one Triton launch."""
+        from engine.kernels.gpu.activation import silu_and_mul as silu_and_mul_gpu
+
+        return self.output_linear(silu_and_mul_gpu(self.input_linear(x)))

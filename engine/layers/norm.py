@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kernels.norm_reference import gated_rms_norm, rms_norm
 from engine.tensor_parallel import IndexRange, ShardedModule, TensorParallel, TensorShard
 
 
@@ -18,9 +19,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, D) -> (T, D)
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class GroupParallelGatedRMSNorm(ShardedModule):
@@ -54,13 +53,20 @@ class GroupParallelGatedRMSNorm(ShardedModule):
 
     def forward(self, y: torch.Tensor, gate: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         """y, gate: (T, I_local) -> (T, I_local)."""
-        gated = y.float() * F.silu(gate.float())
         if self.whole_groups:
-            grouped = gated.view(*gated.shape[:-1], -1, self.group_size)  # (T, G_local, I/G)
-            grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
-            return (self.weight.float() * grouped.view_as(gated)).to(out_dtype)
+            return gated_rms_norm(y, gate, self.weight, self.group_size, self.eps, out_dtype)
+        gated = y.float() * F.silu(gate.float())
         sum_squares = gated.new_zeros(gated.shape[0], self.num_groups)  # (T, G)
         sum_squares[:, self.group] = gated.pow(2).sum(-1)
         sum_squares = self.tp.all_reduce(sum_squares)[:, self.group : self.group + 1]  # (T, 1)
         normed = gated * torch.rsqrt(sum_squares / self.group_size + self.eps)
         return (self.weight.float() * normed).to(out_dtype)
+
+    def forward_gpu(self, y: torch.Tensor, gate: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """forward on CUDA tensors: whole groups (always so at world_size 1) take the fused
+        Triton kernel, one launch; a group split across ranks keeps the all-reduced path."""
+        if not self.whole_groups:
+            return self.forward(y, gate, out_dtype)
+        from engine.kernels.gpu.fused_norm import gated_rms_norm as gated_rms_norm_gpu
+
+        return gated_rms_norm_gpu(y, gate, self.weight, self.group_size, self.eps, out_dtype)

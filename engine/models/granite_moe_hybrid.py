@@ -83,6 +83,33 @@ class DecoderLayer(nn.Module):
         mlp_out = self.shared_mlp(self.post_attention_layernorm(hidden))
         return hidden + mlp_out * self.residual_multiplier
 
+    def forward_gpu(
+        self,
+        hidden: torch.Tensor,  # (T, D), the residual stream before the previous layer's MLP add
+        pending: torch.Tensor | None,  # (T, D) the previous layer's MLP output; None for layer 0
+        batch: ForwardBatch,
+        caches: ModelCaches,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
+        gpu_plan: GpuBatchPlan,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same layer on CUDA with fused kernels: each residual add runs inside the RMSNorm
+        that follows it (engine/kernels/gpu/fused_norm.py), so the previous layer's MLP output
+        comes in as `pending` and this layer's goes out the same way. Returns (hidden, pending):
+        the stream is hidden + pending * residual_multiplier. Same caches contract as forward."""
+        from engine.kernels.gpu.fused_norm import add_rms_norm
+
+        i, r = self.layer_index, self.residual_multiplier
+        norm_in, norm_post = self.input_layernorm, self.post_attention_layernorm
+        hidden, mixer_in = add_rms_norm(hidden, pending, r, norm_in.weight, norm_in.eps)
+        if self.self_attn is not None:
+            mixed = self.self_attn(
+                mixer_in, batch, caches.key_cache[i], caches.value_cache[i], rope, gpu_plan
+            )
+        else:
+            mixed = self.mamba(mixer_in, batch, caches.conv_state[i], caches.ssm_state[i], gpu_plan)
+        hidden, mlp_in = add_rms_norm(hidden, mixed, r, norm_post.weight, norm_post.eps)
+        return hidden, self.shared_mlp.forward_gpu(mlp_in)
+
 
 class GraniteMoeHybridModel(nn.Module):
     """Embedding (times embedding_multiplier), decoder layers, final norm; lm_head for logits.
@@ -135,9 +162,22 @@ class GraniteMoeHybridModel(nn.Module):
         rope = self.rotary(batch.positions) if self.rotary is not None else None
         if gpu_plan is None:
             gpu_plan = plan_for_device(batch, caches.block_size, hidden.device)
+        if gpu_plan is not None:
+            return self._forward_layers_gpu(hidden, batch, caches, rope, gpu_plan)
         for layer in self.layers:
             hidden = layer(hidden, batch, caches, rope, gpu_plan)
         return self.norm(hidden)
+
+    def _forward_layers_gpu(self, hidden, batch, caches, rope, gpu_plan) -> torch.Tensor:
+        """The decoder layers and the final norm on CUDA, residual adds fused into the norms
+        (DecoderLayer.forward_gpu); the last MLP's add runs inside the final norm."""
+        from engine.kernels.gpu.fused_norm import add_rms_norm
+
+        pending = None
+        for layer in self.layers:
+            hidden, pending = layer.forward_gpu(hidden, pending, batch, caches, rope, gpu_plan)
+        r = self.layers[-1].residual_multiplier if len(self.layers) else 1.0
+        return add_rms_norm(hidden, pending, r, self.norm.weight, self.norm.eps)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(n, D) -> (n, vocab) fp32: lm_head(hidden) / logits_scaling, in the model dtype first.

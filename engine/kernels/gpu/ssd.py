@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 
 def ssd_chunk_scan_varlen(
@@ -64,15 +65,16 @@ def ssd_chunk_scan_varlen(
 @triton.jit
 def _decode_kernel(
     x_ptr, stride_xt, stride_xh,  # (T, H, P), unit P stride
-    dt_ptr, stride_dtt,  # (T, H) fp32
-    a_ptr, d_ptr,  # (H,) fp32
+    dt_ptr, stride_dtt,  # (T, H): dt fp32, or raw dt (before bias and softplus) if DT_RAW
+    a_ptr, d_ptr,  # (H,) fp32: A (negative), or A_log if DT_RAW; D
+    dt_bias_ptr, dt_min, dt_max,  # (H,) fp32 and the clamp, read only if DT_RAW
     b_ptr, stride_bt, stride_bg,  # (T, G, N), unit N stride
     c_ptr, stride_ct, stride_cg,  # (T, G, N)
     state_ptr, stride_ss, stride_sh, stride_sp,  # (slots, H, P, N) fp32, unit N stride
     y_ptr, stride_yt, stride_yh,  # (T, H, P) fp32
     rows_ptr, slots_ptr, reset_ptr,  # (Bd,)
     heads_per_group, P, N,
-    HAS_D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_D: tl.constexpr, DT_RAW: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     i, h = tl.program_id(0), tl.program_id(1)
     p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -84,8 +86,15 @@ def _decode_kernel(
     g = h // heads_per_group
 
     x = tl.load(x_ptr + row * stride_xt + h * stride_xh + p, mask=p_mask, other=0.0).to(tl.float32)
-    dt = tl.load(dt_ptr + row * stride_dtt + h)
-    decay = tl.exp(dt * tl.load(a_ptr + h))
+    dt = tl.load(dt_ptr + row * stride_dtt + h).to(tl.float32)
+    if DT_RAW:  # dt = clamp(softplus(dt_raw + dt_bias)), A = -exp(A_log), as _scan_inputs
+        dt += tl.load(dt_bias_ptr + h)
+        dt = tl.where(dt > 20.0, dt, libdevice.log1p(tl.exp(dt)))  # F.softplus, threshold 20
+        dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
+        a = -tl.exp(tl.load(a_ptr + h))
+    else:
+        a = tl.load(a_ptr + h)
+    decay = tl.exp(dt * a)
     b = tl.load(b_ptr + row * stride_bt + g * stride_bg + n, mask=n_mask, other=0.0).to(tl.float32)
     c = tl.load(c_ptr + row * stride_ct + g * stride_cg + n, mask=n_mask, other=0.0).to(tl.float32)
     tile = state_ptr + slot * stride_ss + h * stride_sh + p[:, None] * stride_sp + n[None, :]
@@ -129,11 +138,55 @@ def ssd_decode_update(
         x, x.stride(0), x.stride(1),
         dt, dt.stride(0),
         A.float().contiguous(), D.float().contiguous() if D is not None else A,
+        A, 0.0, 0.0,
         B, B.stride(0), B.stride(1),
         C, C.stride(0), C.stride(1),
         ssm_state, ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2),
         y, y.stride(0), y.stride(1),
         rows, slots, reset,
         num_heads // B.shape[1], head_dim, state_size,
-        HAS_D=D is not None, BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(state_size),
+        HAS_D=D is not None, DT_RAW=False, BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(state_size),
+    )
+
+
+def ssd_decode_update_raw_dt(
+    x: torch.Tensor,  # (T, H, P)
+    dt_raw: torch.Tensor,  # (T, H), in_proj's dt columns before bias and softplus (any float dtype)
+    dt_bias: torch.Tensor,  # (H,) fp32
+    A_log: torch.Tensor,  # (H,) fp32
+    time_step_limit: tuple[float, float],
+    B: torch.Tensor,  # (T, G, N)
+    C: torch.Tensor,  # (T, G, N)
+    D: torch.Tensor | None,  # (H,) fp32
+    ssm_state: torch.Tensor,  # (num_slots, H, P, N) fp32, rows' slots updated in place
+    y: torch.Tensor,  # (T, H, P) fp32, rows written
+    rows: torch.Tensor,  # (Bd,) int
+    slots: torch.Tensor,  # (Bd,) int, distinct
+    reset: torch.Tensor,  # (Bd,) int, nonzero = start from a zero state
+) -> None:
+    """ssd_decode_update with the discretisation folded in: dt = clamp(softplus(dt_raw +
+    dt_bias), *time_step_limit) and A = -exp(A_log) are computed inside the same launch (the
+    PyTorch path spends six kernels on them). Same contract otherwise."""
+    num_decode = rows.shape[0]
+    if num_decode == 0:
+        return
+    _, num_heads, head_dim = x.shape
+    state_size = B.shape[2]
+    assert x.stride(2) == 1 and B.stride(2) == 1 and C.stride(2) == 1 and ssm_state.stride(3) == 1
+    assert ssm_state.dtype == torch.float32 and y.dtype == torch.float32 and y.stride(2) == 1
+    assert dt_raw.stride(1) == 1 and dt_bias.dtype == A_log.dtype == torch.float32
+    block_p = min(16, triton.next_power_of_2(head_dim))
+    grid = (num_decode, num_heads, triton.cdiv(head_dim, block_p))
+    _decode_kernel[grid](
+        x, x.stride(0), x.stride(1),
+        dt_raw, dt_raw.stride(0),
+        A_log.contiguous(), D.contiguous() if D is not None else A_log,
+        dt_bias.contiguous(), float(time_step_limit[0]), float(time_step_limit[1]),
+        B, B.stride(0), B.stride(1),
+        C, C.stride(0), C.stride(1),
+        ssm_state, ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2),
+        y, y.stride(0), y.stride(1),
+        rows, slots, reset,
+        num_heads // B.shape[1], head_dim, state_size,
+        HAS_D=D is not None, DT_RAW=True, BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(state_size),
     )

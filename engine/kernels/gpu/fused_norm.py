@@ -1,0 +1,129 @@
+"""Fused RMS norms on the GPU: one launch where the PyTorch path runs six to ten elementwise and
+reduction kernels.
+
+GPU counterparts of engine/kernels/norm_reference.py:
+- `add_rms_norm`: the residual update and the next RMSNorm in one pass over the row; the
+  roundings of the reference (delta * r and the sum rounded to the model dtype, the normalised
+  row rounded before the weight multiplies) are kept, so bf16 results match it to the last bit
+  or one ulp (reduction order);
+- `gated_rms_norm`: Mamba2's norm_g(y * silu(gate)) * weight, one program per (row, group).
+
+Shapes: T tokens, D hidden, I channels, G groups.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _add_rms_norm_kernel(
+    x_ptr, stride_x,  # (T, D), unit D stride
+    delta_ptr, stride_delta,  # (T, D)
+    w_ptr,  # (D,)
+    residual_ptr, stride_r,  # (T, D) out: x + delta * r
+    out_ptr, stride_o,  # (T, D) out: rms_norm(residual) * w
+    multiplier, eps, D,
+    HAS_DELTA: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0)
+    d = tl.arange(0, BLOCK_D)
+    mask = d < D
+    x = tl.load(x_ptr + t * stride_x + d, mask=mask, other=0.0)
+    dtype = x.dtype
+    x = x.to(tl.float32)
+    if HAS_DELTA:
+        delta = tl.load(delta_ptr + t * stride_delta + d, mask=mask, other=0.0).to(tl.float32)
+        scaled = (delta * multiplier).to(dtype).to(tl.float32)
+        x = (x + scaled).to(dtype).to(tl.float32)
+        tl.store(residual_ptr + t * stride_r + d, x.to(dtype), mask=mask)
+    mean_square = tl.sum(x * x, axis=0) / D
+    normed = (x * tl.rsqrt(mean_square + eps)).to(dtype).to(tl.float32)
+    w = tl.load(w_ptr + d, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * stride_o + d, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def add_rms_norm(
+    hidden: torch.Tensor,  # (T, D)
+    delta: torch.Tensor | None,  # (T, D), hidden's dtype; None: no residual update
+    residual_multiplier: float,
+    weight: torch.Tensor,  # (D,), hidden's dtype
+    eps: float,
+    residual_out: torch.Tensor | None = None,  # (T, D); allocated when None
+    out: torch.Tensor | None = None,  # (T, D); allocated when None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (new_hidden, normed) as norm_reference.add_rms_norm; with delta None new_hidden
+    is `hidden` itself. Reads hidden and delta once, writes each output once."""
+    num_tokens, dim = hidden.shape
+    assert hidden.stride(1) == 1 and weight.is_contiguous() and weight.dtype == hidden.dtype
+    if out is None:
+        out = torch.empty(num_tokens, dim, dtype=hidden.dtype, device=hidden.device)
+    if delta is None:
+        residual_out = hidden
+    else:
+        assert delta.stride(1) == 1 and delta.dtype == hidden.dtype
+        if residual_out is None:
+            residual_out = torch.empty_like(out)
+    if num_tokens == 0:
+        return residual_out, out
+    block_d = triton.next_power_of_2(dim)
+    _add_rms_norm_kernel[(num_tokens,)](
+        hidden, hidden.stride(0),
+        delta if delta is not None else hidden, delta.stride(0) if delta is not None else 0,
+        weight,
+        residual_out, residual_out.stride(0),
+        out, out.stride(0),
+        float(residual_multiplier), float(eps), dim,
+        HAS_DELTA=delta is not None, BLOCK_D=block_d, num_warps=min(16, max(4, block_d // 512)),
+    )
+    return residual_out, out
+
+
+@triton.jit
+def _gated_rms_norm_kernel(
+    y_ptr, stride_y,  # (T, I), unit I stride
+    z_ptr, stride_z,  # (T, I) gate
+    w_ptr,  # (I,)
+    out_ptr, stride_o,  # (T, I)
+    group_size, eps,
+    BLOCK: tl.constexpr,
+):
+    t, g = tl.program_id(0), tl.program_id(1)
+    i = tl.arange(0, BLOCK)
+    mask = i < group_size
+    c = g * group_size + i
+    y = tl.load(y_ptr + t * stride_y + c, mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + t * stride_z + c, mask=mask, other=0.0).to(tl.float32)
+    gated = y * (z * tl.sigmoid(z))
+    mean_square = tl.sum(gated * gated, axis=0) / group_size
+    w = tl.load(w_ptr + c, mask=mask, other=0.0).to(tl.float32)
+    out = w * (gated * tl.rsqrt(mean_square + eps))
+    tl.store(out_ptr + t * stride_o + c, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def gated_rms_norm(
+    y: torch.Tensor,  # (T, I)
+    gate: torch.Tensor,  # (T, I)
+    weight: torch.Tensor,  # (I,)
+    group_size: int,
+    eps: float,
+    out_dtype: torch.dtype,
+    out: torch.Tensor | None = None,  # (T, I) out_dtype; allocated when None
+) -> torch.Tensor:
+    """norm_reference.gated_rms_norm in one launch of T x (I / group_size) programs."""
+    num_tokens, channels = y.shape
+    assert y.stride(1) == 1 and gate.stride(1) == 1 and weight.is_contiguous()
+    assert channels % group_size == 0
+    if out is None:
+        out = torch.empty(num_tokens, channels, dtype=out_dtype, device=y.device)
+    if num_tokens == 0:
+        return out
+    block = triton.next_power_of_2(group_size)
+    _gated_rms_norm_kernel[(num_tokens, channels // group_size)](
+        y, y.stride(0), gate, gate.stride(0), weight, out, out.stride(0),
+        group_size, float(eps),
+        BLOCK=block, num_warps=min(16, max(4, block // 512)),
+    )
+    return out

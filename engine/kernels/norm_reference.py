@@ -1,0 +1,61 @@
+"""The elementwise pieces around every block, in pure PyTorch: the CPU path runs exactly these,
+and the fused GPU kernels (engine/kernels/gpu/fused_norm.py, activation.py) are tested against
+them.
+
+- rms_norm: weight * (x / rms(x)), the normalisation in fp32, rounded to x's dtype before the
+  weight multiplies (as transformers' GraniteMoeHybridRMSNorm);
+- add_rms_norm: the residual update `hidden + delta * r` (in the model dtype, as the decoder
+  layer writes it) followed by rms_norm of the result; returns both;
+- gated_rms_norm: Mamba2's weight * norm_g(y * silu(gate)), each group of group_size
+  consecutive channels normalised by its own rms, all in fp32;
+- silu_and_mul: silu(gate) * up of the MLP, where the input is [gate | up].
+
+Shapes: T tokens, D hidden, I channels.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """(T, D) -> (T, D) in x's dtype."""
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def add_rms_norm(
+    hidden: torch.Tensor,  # (T, D)
+    delta: torch.Tensor | None,  # (T, D); None: no residual update
+    residual_multiplier: float,
+    weight: torch.Tensor,  # (D,)
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (new_hidden = hidden + delta * r, rms_norm(new_hidden)); with delta None,
+    (hidden, rms_norm(hidden))."""
+    if delta is not None:
+        hidden = hidden + delta * residual_multiplier
+    return hidden, rms_norm(hidden, weight, eps)
+
+
+def gated_rms_norm(
+    y: torch.Tensor,  # (T, I)
+    gate: torch.Tensor,  # (T, I)
+    weight: torch.Tensor,  # (I,)
+    group_size: int,
+    eps: float,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """(T, I) -> (T, I) in out_dtype; I must be whole groups of group_size."""
+    gated = y.float() * F.silu(gate.float())
+    grouped = gated.view(*gated.shape[:-1], -1, group_size)  # (T, I / group_size, group_size)
+    grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight.float() * grouped.view_as(gated)).to(out_dtype)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """(T, 2I) = [gate | up] -> silu(gate) * up (T, I), in x's dtype."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
