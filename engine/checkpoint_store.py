@@ -8,7 +8,8 @@ A bundle (DESIGN.md section 2) holds, for a prefix of p tokens:
 - the final hidden row at p - 1, so a hit covering the whole prompt samples with no forward.
 
 The scheduler decides what to capture and restore; this store only copies tensors and knows
-bundles by id. It lives with the caches it copies from (one per tensor-parallel rank).
+bundles by id. The copies move a whole bundle in three launches each way
+(engine/kernels/bundle_copy.py). It lives with the caches it copies from (one per tensor-parallel rank).
 """
 
 from __future__ import annotations
@@ -18,20 +19,23 @@ from dataclasses import dataclass
 import torch
 
 from engine.forward_batch import ModelCaches
+from engine.kernels.bundle_copy import gather_bundle, scatter_bundle
 
 
 @dataclass(frozen=True)
 class BundleTensors:
-    conv_state: dict[int, torch.Tensor]  # Mamba layer -> (conv_dim, K - 1)
-    ssm_state: dict[int, torch.Tensor]  # Mamba layer -> (H, P, N) fp32
-    tail_keys: dict[int, torch.Tensor]  # attention layer -> (p % B, Hkv, Dh)
-    tail_values: dict[int, torch.Tensor]  # attention layer -> (p % B, Hkv, Dh)
+    """Layouts of engine/kernels/bundle_copy_reference.py (layers in increasing order)."""
+
+    conv_state: torch.Tensor  # (L_mamba, conv_dim, K - 1)
+    ssm_state: torch.Tensor  # (L_mamba, H, P, N) fp32
+    tail_kv: torch.Tensor | None  # (2, L_attention, p % B, Hkv, Dh): keys, values; None if p % B == 0
     hidden_row: torch.Tensor  # (D,) final hidden row at p - 1
 
     @property
     def nbytes(self) -> int:
-        tensors = [*self.conv_state.values(), *self.ssm_state.values(),
-                   *self.tail_keys.values(), *self.tail_values.values(), self.hidden_row]
+        tensors = [self.conv_state, self.ssm_state, self.hidden_row]
+        if self.tail_kv is not None:
+            tensors.append(self.tail_kv)
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -60,16 +64,8 @@ class CheckpointStore:
         tail_len = num_tokens % self.caches.block_size
         if (tail_block is None) != (tail_len == 0):
             raise ValueError(f"tail_block {tail_block} does not fit a tail of {tail_len} tokens")
-        tail = slice(0, tail_len)
-        bundle = BundleTensors(
-            conv_state={l: c[state_slot].clone() for l, c in self.caches.conv_state.items()},
-            ssm_state={l: s[state_slot].clone() for l, s in self.caches.ssm_state.items()},
-            tail_keys={l: k[tail_block, tail].clone() for l, k in self.caches.key_cache.items()}
-            if tail_block is not None else {},
-            tail_values={l: v[tail_block, tail].clone() for l, v in self.caches.value_cache.items()}
-            if tail_block is not None else {},
-            hidden_row=hidden_row.detach().clone(),
-        )
+        conv, ssm, tail_kv = gather_bundle(self.caches, state_slot, tail_block, tail_len)
+        bundle = BundleTensors(conv, ssm, tail_kv, hidden_row.detach().clone())
         self._bundles[bundle_id] = bundle
         return bundle.nbytes
 
@@ -77,15 +73,9 @@ class CheckpointStore:
         """Copy a bundle's state into `state_slot` and its tail into offsets [0, tail) of the
         fresh block `tail_block`. Returns the bundle's hidden row. Mutates the caches only."""
         bundle = self._bundles[bundle_id]
-        for layer, conv in bundle.conv_state.items():
-            self.caches.conv_state[layer][state_slot].copy_(conv)
-            self.caches.ssm_state[layer][state_slot].copy_(bundle.ssm_state[layer])
-        if bundle.tail_keys:
-            if tail_block is None:
-                raise ValueError(f"bundle {bundle_id} has an attention tail but no block was given")
-            for layer, keys in bundle.tail_keys.items():
-                self.caches.key_cache[layer][tail_block, : keys.shape[0]].copy_(keys)
-                self.caches.value_cache[layer][tail_block, : keys.shape[0]].copy_(bundle.tail_values[layer])
+        if bundle.tail_kv is not None and tail_block is None:
+            raise ValueError(f"bundle {bundle_id} has an attention tail but no block was given")
+        scatter_bundle(self.caches, state_slot, tail_block, bundle.conv_state, bundle.ssm_state, bundle.tail_kv)
         return bundle.hidden_row
 
     def drop(self, bundle_ids: tuple[int, ...] | list[int]) -> None:

@@ -51,6 +51,14 @@ class ModelCaches:
     key_cache[l], value_cache[l]: (num_blocks, block_size, num_kv_heads, head_dim), attention layers.
     conv_state[l]: (num_state_slots, conv_dim, conv_kernel - 1), the last conv inputs, Mamba layers.
     ssm_state[l]: (num_state_slots, num_heads, head_dim, state_size), fp32, Mamba layers.
+
+    The stacks, when given, hold the same tensors stacked over layers (in increasing layer
+    order), and the dict entries are views of them, so one copy moves a state slot or a KV block
+    of every layer (engine/kernels/bundle_copy.py):
+    conv_stack: (L_mamba, num_state_slots, conv_dim, K-1); ssm_stack: (L_mamba, ...) fp32;
+    kv_stack: (2, L_attention, num_blocks, block_size, Hkv, Dh), [0] keys and [1] values.
+    If any dict entry is not the matching view of its stack (caches rebuilt per layer, as with
+    dataclasses.replace), the stacks are dropped at construction and copies go layer by layer.
     """
 
     block_size: int
@@ -58,6 +66,23 @@ class ModelCaches:
     value_cache: dict[int, torch.Tensor]
     conv_state: dict[int, torch.Tensor]
     ssm_state: dict[int, torch.Tensor]
+    conv_stack: torch.Tensor | None = None
+    ssm_stack: torch.Tensor | None = None
+    kv_stack: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        def views_of(stack, layers: dict[int, torch.Tensor]) -> bool:
+            return stack is not None and stack.shape[0] == len(layers) and all(
+                t.data_ptr() == stack[j].data_ptr() and t.shape == stack[j].shape
+                for j, (_, t) in enumerate(sorted(layers.items()))
+            )
+
+        if not (views_of(self.conv_stack, self.conv_state) and views_of(self.ssm_stack, self.ssm_state)):
+            self.conv_stack = self.ssm_stack = None
+        if self.kv_stack is None or not (
+            views_of(self.kv_stack[0], self.key_cache) and views_of(self.kv_stack[1], self.value_cache)
+        ):
+            self.kv_stack = None
 
     def copy_state_slot(self, src_slot: int, dst_slot: int) -> None:
         """Copy one request's recurrent state (every Mamba layer) into another slot."""

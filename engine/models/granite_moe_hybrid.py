@@ -230,11 +230,19 @@ class GraniteMoeHybridModel(nn.Module):
         conv_shape = (num_state_slots, *conv_slot)
         ssm_shape = (num_state_slots, *ssm_slot)
         zeros = lambda shape, dtype: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
+        # One tensor per kind, stacked over layers; each layer's cache is a view of it.
+        attention, mamba = sorted(c.attention_layers), sorted(c.mamba_layers)
+        kv = zeros((2, len(attention), *kv_shape), self.dtype)
+        conv = zeros((len(mamba), *conv_shape), self.dtype)
+        ssm = zeros((len(mamba), *ssm_shape), torch.float32)
         return ModelCaches(
             block_size=block_size,
-            key_cache={i: zeros(kv_shape, self.dtype) for i in c.attention_layers},
-            value_cache={i: zeros(kv_shape, self.dtype) for i in c.attention_layers},
-            conv_state={i: zeros(conv_shape, self.dtype) for i in c.mamba_layers},
-            ssm_state={i: zeros(ssm_shape, torch.float32) for i in c.mamba_layers},
+            key_cache={layer: kv[0, j] for j, layer in enumerate(attention)},
+            value_cache={layer: kv[1, j] for j, layer in enumerate(attention)},
+            conv_state={layer: conv[j] for j, layer in enumerate(mamba)},
+            ssm_state={layer: ssm[j] for j, layer in enumerate(mamba)},
+            conv_stack=conv,
+            ssm_stack=ssm,
+            kv_stack=kv,
         )
 
