@@ -10,7 +10,8 @@ in process with hand-built SchedulerOutputs, the way the scheduler would:
   * the cold prefix + suffix prefill that also captures the checkpoint at `prefix`, as a ratio
     to the same prefill without capture: the split path (what the scheduler does today: the
     chunk is cut at the boundary, two worker steps, the CaptureOp taken at the start of the
-    second).
+    second) and, on CUDA, the in-pass path (one uncut step, CaptureOp.in_pass), with the
+    in-pass bundle's relative difference from the split one.
 
 Requests 0 and 1 (state slots 0 and 1, blocks [r * blocks_per_seq, (r + 1) * blocks_per_seq))
 are used; the caller reuses them afterwards (every later chunk resets its state).
@@ -90,6 +91,24 @@ def checkpoint_rows(worker: Worker, blocks_per_seq: int, block_size: int, prefix
     split_s = min(split_s[1:])  # the first run warms the capture path
     bundle -= 1  # the last bundle stays: the state at `prefix` of request 0
 
+    # In-pass path (CUDA): one uncut step, the capture taken inside the forward pass.
+    in_pass_s, in_pass_error = None, None
+    if worker.device.type == "cuda":
+        in_pass_s = []
+        for i in range(repeats + 1):
+            capture = CaptureOp(bundle + 1 + i, "c0", 0, prefix, tail_block, in_pass=True)
+            seconds, out = _timed(worker, [SchedulerOutput(cold.chunks, captures=(capture,))])
+            assert out.captured_bundles.get(bundle + 1 + i), "in-pass capture not confirmed"
+            in_pass_s.append(seconds)
+        in_pass_s = min(in_pass_s[1:])
+        split_bundle, in_pass_bundle = (worker.checkpoints._bundles[b] for b in (bundle, bundle + 1))
+        in_pass_error = {
+            name: float((getattr(in_pass_bundle, name).float() - getattr(split_bundle, name).float()).norm()
+                        / getattr(split_bundle, name).float().norm())
+            for name in ("conv_state", "ssm_state", "hidden_row")
+        }
+        worker.execute(SchedulerOutput((), dropped_bundle_ids=tuple(range(bundle + 1, bundle + 2 + repeats))))
+
     capture_only = []
     for i in range(repeats):
         worker.execute(cold_prefix)
@@ -132,4 +151,9 @@ def checkpoint_rows(worker: Worker, blocks_per_seq: int, block_size: int, prefix
         {"name": f"cold {total} + capture at {prefix}, split", "seconds": split_s,
          "floor_seconds": cold_s, "ratio_to_floor": split_s / cold_s, "target": 1.03,
          "ratio_meaning": f"time over the cold {total}-token prefill without capture (<= target)"},
-    ]
+    ] + ([] if in_pass_s is None else [
+        {"name": f"cold {total} + capture at {prefix}, in-pass", "seconds": in_pass_s,
+         "floor_seconds": cold_s, "ratio_to_floor": in_pass_s / cold_s, "target": 1.03,
+         "ratio_meaning": f"time over the cold {total}-token prefill without capture (<= target)",
+         "bundle_relative_error_vs_split": in_pass_error},
+    ])

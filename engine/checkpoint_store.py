@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.forward_batch import ModelCaches
-from engine.kernels.bundle_copy import gather_bundle, scatter_bundle
+from engine.kernels.bundle_copy import gather_bundle, gather_tail, scatter_bundle
 
 
 @dataclass(frozen=True)
@@ -57,14 +57,21 @@ class CheckpointStore:
         num_tokens: int,
         tail_block: int | None,
         hidden_row: torch.Tensor,
+        state: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> int:
         """Copy the state of `state_slot` and the tail of `tail_block` (positions
         num_tokens - num_tokens % B .. num_tokens - 1; None when num_tokens % B == 0) into a
-        new bundle. Returns its size in bytes. Reads the caches; changes only the store."""
+        new bundle. Returns its size in bytes. Reads the caches; changes only the store.
+
+        state: (conv (L_m, C, K-1), ssm (L_m, H, P, N)) taken elsewhere (an in-pass capture);
+        kept as given, and the slot is not read."""
         tail_len = num_tokens % self.caches.block_size
         if (tail_block is None) != (tail_len == 0):
             raise ValueError(f"tail_block {tail_block} does not fit a tail of {tail_len} tokens")
-        conv, ssm, tail_kv = gather_bundle(self.caches, state_slot, tail_block, tail_len)
+        if state is None:
+            conv, ssm, tail_kv = gather_bundle(self.caches, state_slot, tail_block, tail_len)
+        else:
+            (conv, ssm), tail_kv = state, gather_tail(self.caches, tail_block, tail_len)
         bundle = BundleTensors(conv, ssm, tail_kv, hidden_row.detach().clone())
         self._bundles[bundle_id] = bundle
         return bundle.nbytes

@@ -48,6 +48,10 @@ class CaptureOp:
     previous step left: the state slot, the K/V of positions num_tokens - num_tokens % B ..
     num_tokens - 1 in tail_block (None when num_tokens % B == 0), and the last hidden row the
     previous step computed for request_id.
+
+    in_pass: instead, num_tokens lies strictly inside this step's chunk of request_id and the
+    state there is taken during this step's forward pass (the chunk is not cut; CUDA path only);
+    the tail and hidden row are read after the pass.
     """
 
     bundle_id: int
@@ -55,6 +59,7 @@ class CaptureOp:
     state_slot: int
     num_tokens: int
     tail_block: int | None
+    in_pass: bool = False
 
 
 @dataclass(frozen=True)

@@ -15,9 +15,10 @@ from cache.cache_manager import BundleSizing
 from engine.checkpoint_store import CheckpointStore
 from engine.config import EngineConfig
 from engine.forward_batch import ForwardBatch, SequenceChunk
+from engine.kernels.dispatch import plan_for_device
 from engine.loader import load_model
 from engine.sampler import Sampler
-from engine.step_io import RunnerOutput, ScheduledChunk, SchedulerOutput
+from engine.step_io import CaptureOp, RunnerOutput, ScheduledChunk, SchedulerOutput
 from engine.tensor_parallel import TensorParallel
 
 
@@ -88,6 +89,8 @@ class Worker:
         self.checkpoints.drop(scheduler_output.dropped_bundle_ids)
         output = RunnerOutput()
         for capture in scheduler_output.captures:
+            if capture.in_pass:
+                continue  # taken inside this step's forward pass (_forward_capturing)
             hidden_row = self._last_hidden.get(capture.request_id)
             if hidden_row is None:
                 continue  # unconfirmed: the scheduler drops the bundle (fail closed)
@@ -106,7 +109,11 @@ class Worker:
                 last_hidden[chunk.request_id] = hidden[i]
         elif computed:
             batch = build_forward_batch(computed, self.capacity.block_size, self.device)
-            hidden = self.model(batch, self.caches)  # (T, D)
+            in_pass = [capture for capture in scheduler_output.captures if capture.in_pass]
+            if in_pass:
+                hidden = self._forward_capturing(batch, computed, in_pass, output)
+            else:
+                hidden = self.model(batch, self.caches)  # (T, D)
             for chunk, end in zip(computed, batch.cu_seqlens[1:]):
                 last_hidden[chunk.request_id] = hidden[end - 1]
         self._last_hidden = last_hidden
@@ -119,6 +126,43 @@ class Worker:
             rows = torch.stack([last_hidden[chunk.request_id] for chunk in sampled])
             output.sampled_token_ids = self._sample(sampled, self.model.compute_logits(rows), output)
         return output
+
+    def _forward_capturing(
+        self, batch: ForwardBatch, computed: list[ScheduledChunk], captures: list[CaptureOp],
+        output: RunnerOutput,
+    ) -> torch.Tensor:
+        """The forward pass of `batch` that also takes the in-pass captures (at most one per
+        chunk, each strictly inside its request's chunk) and confirms them in
+        output.captured_bundles. CUDA path only (ValueError elsewhere). Returns hidden (T, D)."""
+        from engine.kernels.gpu.in_pass_capture import with_in_pass_captures
+
+        plan = plan_for_device(batch, self.capacity.block_size, self.device)
+        if plan is None:
+            raise ValueError("in-pass capture needs the CUDA path")
+        index = {chunk.request_id: i for i, chunk in enumerate(computed)}
+        splits = {index[c.request_id]: c.num_tokens - computed[index[c.request_id]].start_position
+                  for c in captures}
+        if len(splits) != len(captures):
+            raise ValueError("more than one in-pass capture in one chunk")
+        layers = sorted(self.caches.conv_state)
+        conv0, ssm0 = self.caches.conv_state[layers[0]], self.caches.ssm_state[layers[0]]
+        conv_all = conv0.new_empty(len(layers), len(captures), *conv0.shape[1:])  # (L_m, Sc, C, K-1)
+        ssm_all = ssm0.new_empty(len(layers), len(captures), *ssm0.shape[1:])  # (L_m, Sc, H, P, N)
+        plan = with_in_pass_captures(
+            plan, batch, splits, {l: conv_all[j] for j, l in enumerate(layers)},
+            {l: ssm_all[j] for j, l in enumerate(layers)},
+        )
+        hidden = self.model(batch, self.caches, gpu_plan=plan)
+        order = [split.chunk for split in plan.in_pass.splits]
+        for capture in captures:
+            i = index[capture.request_id]
+            c = order.index(i)
+            hidden_row = hidden[batch.cu_seqlens[i] + splits[i] - 1]
+            output.captured_bundles[capture.bundle_id] = self.checkpoints.capture(
+                capture.bundle_id, capture.state_slot, capture.num_tokens, capture.tail_block,
+                hidden_row, state=(conv_all[:, c].clone(), ssm_all[:, c].clone()),
+            )
+        return hidden
 
     def _sample(
         self, chunks: list[ScheduledChunk], logits: torch.Tensor, output: RunnerOutput

@@ -29,6 +29,18 @@ def gather_bundle(
     return conv, ssm, tail
 
 
+def gather_tail(caches: ModelCaches, tail_block: int | None, tail_len: int) -> torch.Tensor | None:
+    """A fresh copy (2, L_a, tail_len, Hkv, Dh) of the tail of every attention layer; None
+    when tail_block is None."""
+    if tail_block is None:
+        return None
+    if caches.kv_stack is not None:
+        return caches.kv_stack[:, :, tail_block, :tail_len].clone()
+    keys = [t[tail_block, :tail_len] for _, t in sorted(caches.key_cache.items())]
+    values = [t[tail_block, :tail_len] for _, t in sorted(caches.value_cache.items())]
+    return torch.stack([torch.stack(keys), torch.stack(values)])
+
+
 def scatter_bundle(
     caches: ModelCaches, slot: int, tail_block: int | None,
     conv: torch.Tensor, ssm: torch.Tensor, tail_kv: torch.Tensor | None,

@@ -109,19 +109,21 @@ class Mamba2Mixer(ShardedModule):
         conv_state: torch.Tensor,  # (num_slots, conv_dim, K-1), chunk slots updated in place
         ssm_state: torch.Tensor,  # (num_slots, H, P, N) fp32, chunk slots updated in place
         gpu_plan: GpuBatchPlan | None = None,
+        captures: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Each chunk continues from its state slot (or from zeros if reset_state) and leaves
         the state after its last token in the same slot.
 
         gpu_plan: given on CUDA; selects the Triton path (mix_batch_gpu) over the per-chunk
-        PyTorch path."""
+        PyTorch path. captures: with gpu_plan.in_pass, this layer's (conv (Sc, C, K-1), ssm
+        (Sc, H, P, N)) outputs for the states at the in-pass capture positions."""
         num_tokens = hidden.shape[0]
         projected = self.in_proj(hidden)
         gate, xBC, dt_raw = projected.split(
             [self.intermediate_size, self.conv_dim, self.num_heads], dim=-1
         )
         if gpu_plan is not None:
-            y = self.mix_batch_gpu(xBC, dt_raw, conv_state, ssm_state, gpu_plan)
+            y = self.mix_batch_gpu(xBC, dt_raw, conv_state, ssm_state, gpu_plan, captures)
             normed = self.norm.forward_gpu(y.view(num_tokens, self.intermediate_size), gate, hidden.dtype)
             return self.out_proj(normed)
         y = hidden.new_empty(num_tokens, self.num_heads, self.head_dim, dtype=torch.float32)
@@ -207,15 +209,19 @@ class Mamba2Mixer(ShardedModule):
         conv_state: torch.Tensor,  # (num_slots, conv_dim, K-1), chunk slots updated in place
         ssm_state: torch.Tensor,  # (num_slots, H, P, N) fp32, chunk slots updated in place
         plan: GpuBatchPlan,
+        captures: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Every chunk at once on CUDA: one conv launch pair for all chunks, one decode launch
         for all 1-token chunks (dt discretised inside it), one varlen chunked scan for the rest.
         Returns y (T, H, P) fp32."""
         from engine.kernels.gpu.conv import causal_conv1d_varlen
+        from engine.kernels.gpu.in_pass_capture import capture_conv_states, scan_with_captures
         from engine.kernels.gpu.ssd import ssd_chunk_scan_varlen, ssd_decode_update_raw_dt
 
         T = xBC.shape[0]
         weight = self.conv1d.weight[:, 0, :]  # (conv_dim, K)
+        if plan.in_pass is not None:  # before the conv kernel overwrites the old conv states
+            capture_conv_states(xBC, conv_state, plan.in_pass.splits, captures[0])
         xBC = causal_conv1d_varlen(
             xBC, conv_state, weight, self.conv1d.bias, plan.cu_seqlens, plan.chunk_slot,
             plan.chunk_reset, plan.token_chunk, apply_silu=True,
@@ -241,6 +247,12 @@ class Mamba2Mixer(ShardedModule):
             keep = (plan.prefill_reset == 0).view(-1, 1, 1, 1)
             # (Sp, H, P, N); a reset slot may hold anything (NaN too): read as zeros
             initial = torch.where(keep, ssm_state.index_select(0, slots), 0.0)
+            if plan.in_pass is not None:  # the scan split at the capture positions
+                final = scan_with_captures(
+                    ssd_chunk_scan_varlen, x, dt, A, B, C, self.D, initial, plan.in_pass, y, captures[1]
+                )
+                ssm_state.index_copy_(0, slots, final)
+                return y
             y_prefill, final = ssd_chunk_scan_varlen(
                 pick(x), pick(dt), A, pick(B), pick(C), self.D, initial,
                 plan.prefill_cu_seqlens, plan.prefill_cu_seqlens_host,

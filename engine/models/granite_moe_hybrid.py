@@ -106,7 +106,11 @@ class DecoderLayer(nn.Module):
                 mixer_in, batch, caches.key_cache[i], caches.value_cache[i], rope, gpu_plan
             )
         else:
-            mixed = self.mamba(mixer_in, batch, caches.conv_state[i], caches.ssm_state[i], gpu_plan)
+            in_pass = gpu_plan.in_pass
+            captures = None if in_pass is None else (in_pass.conv_out[i], in_pass.ssm_out[i])
+            mixed = self.mamba(
+                mixer_in, batch, caches.conv_state[i], caches.ssm_state[i], gpu_plan, captures
+            )
         hidden, mlp_in = add_rms_norm(hidden, mixed, r, norm_post.weight, norm_post.eps)
         return hidden, self.shared_mlp.forward_gpu(mlp_in)
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.forward_batch import ForwardBatch
+from engine.kernels.gpu.in_pass_capture import InPassCapturePlan
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,8 @@ class GpuBatchPlan:
     prefill_slots: torch.Tensor
     prefill_reset: torch.Tensor
     prefill_chunks: tuple[PrefillChunkView, ...]
+    # In-pass captures of this step (engine/kernels/gpu/in_pass_capture.py); None: none.
+    in_pass: InPassCapturePlan | None = None
 
 
 def build_gpu_batch_plan(batch: ForwardBatch, block_size: int, device: torch.device) -> GpuBatchPlan:
