@@ -46,8 +46,12 @@ class Scheduler:
         max_model_len: int,
         checkpoint_kinds: frozenset[CheckpointKind] = frozenset(),
         world_size: int = 1,
+        in_pass_capture: bool = False,
     ) -> None:
         self.cache = cache
+        # For workers on the CUDA path only: a prefill chunk is not cut at the instruction
+        # boundary; the worker captures there inside the chunk's forward pass (CaptureOp.in_pass).
+        self.in_pass_capture = in_pass_capture
         self.checkpoint_kinds = checkpoint_kinds
         self.world_size = world_size
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -128,6 +132,8 @@ class Scheduler:
 
         finished, self._finished_since_last_step = self._finished_since_last_step, []
         captures, self._captures = self._captures, []
+        if self.in_pass_capture:
+            captures += self._in_pass_captures(chunks)
         return SchedulerOutput(
             chunks=tuple(chunks),
             finished_request_ids=tuple(finished),
@@ -176,6 +182,8 @@ class Scheduler:
         start = request.num_computed_tokens if start is None else start
         length = min(request.num_tokens - start, budget)
         pause = request.next_pause_after(start)
+        if self.in_pass_capture and pause is not None and pause == request.instruction_boundary:
+            pause = request.next_pause_after(pause)  # captured inside the chunk instead
         if pause is not None and pause < start + length:
             length = pause - start
         return length
@@ -259,21 +267,43 @@ class Scheduler:
         """Reserve a checkpoint of `request` at num_computed_tokens, to be taken at the start of
         the next step. Skipped when the kind is off, nothing is computed, the endpoint is
         already published or pending, or it does not fit the checkpoint budget."""
-        position = request.num_computed_tokens
+        capture = self._make_capture(request, kind, request.num_computed_tokens, in_pass=False)
+        if capture is not None:
+            self._captures.append(capture)
+
+    def _in_pass_captures(self, chunks: list[ScheduledChunk]) -> list[CaptureOp]:
+        """In-pass instruction captures of this step's chunks that cross their request's
+        instruction boundary (strictly inside the chunk); same skips as _reserve_capture."""
+        captures = []
+        for chunk in chunks:
+            request = self.requests[chunk.request_id]
+            boundary = request.instruction_boundary
+            end = chunk.start_position + len(chunk.token_ids)
+            if boundary is not None and chunk.start_position < boundary < end:
+                capture = self._make_capture(request, CheckpointKind.INSTRUCTION, boundary, in_pass=True)
+                if capture is not None:
+                    captures.append(capture)
+        return captures
+
+    def _make_capture(
+        self, request: Request, kind: CheckpointKind, position: int, in_pass: bool
+    ) -> CaptureOp | None:
+        """Reserve a pending bundle for `request`'s first `position` tokens and return its
+        CaptureOp, or None (kind off, nothing computed, endpoint published or pending, budget)."""
         if kind not in self.checkpoint_kinds or position == 0 or request.state_slot is None:
-            return
+            return None
         tokens = request.token_slice(0, position)
         endpoint = (request.namespace, tokens)
         if endpoint in self._pending_endpoints.values():
-            return
+            return None
         bundle_id = self.cache.reserve_checkpoint(request.namespace, tokens, kind, request.block_ids)
         if bundle_id is None:
-            return
+            return None
         self._pending_endpoints[bundle_id] = endpoint
         block_size = self.cache.block_size
         tail_block = request.block_ids[position // block_size] if position % block_size else None
-        self._captures.append(
-            CaptureOp(bundle_id, request.request_id, request.state_slot, position, tail_block)
+        return CaptureOp(
+            bundle_id, request.request_id, request.state_slot, position, tail_block, in_pass=in_pass
         )
 
     def _preempt(self, request: Request) -> None:
