@@ -92,7 +92,7 @@ def checkpoint_rows(worker: Worker, blocks_per_seq: int, block_size: int, prefix
     bundle -= 1  # the last bundle stays: the state at `prefix` of request 0
 
     # In-pass path (CUDA): one uncut step, the capture taken inside the forward pass.
-    in_pass_s, in_pass_error = None, None
+    in_pass_s, in_pass_error, in_pass_profile = None, None, None
     if worker.device.type == "cuda":
         in_pass_s = []
         for i in range(repeats + 1):
@@ -101,13 +101,16 @@ def checkpoint_rows(worker: Worker, blocks_per_seq: int, block_size: int, prefix
             assert out.captured_bundles.get(bundle + 1 + i), "in-pass capture not confirmed"
             in_pass_s.append(seconds)
         in_pass_s = min(in_pass_s[1:])
+        if profile is not None:
+            capture = CaptureOp(bundle + 2 + repeats, "c0", 0, prefix, tail_block, in_pass=True)
+            in_pass_profile = profile(SchedulerOutput(cold.chunks, captures=(capture,)))
         split_bundle, in_pass_bundle = (worker.checkpoints._bundles[b] for b in (bundle, bundle + 1))
         in_pass_error = {
             name: float((getattr(in_pass_bundle, name).float() - getattr(split_bundle, name).float()).norm()
                         / getattr(split_bundle, name).float().norm())
             for name in ("conv_state", "ssm_state", "hidden_row")
         }
-        worker.execute(SchedulerOutput((), dropped_bundle_ids=tuple(range(bundle + 1, bundle + 2 + repeats))))
+        worker.execute(SchedulerOutput((), dropped_bundle_ids=tuple(range(bundle + 1, bundle + 3 + repeats))))
 
     capture_only = []
     for i in range(repeats):
@@ -155,5 +158,6 @@ def checkpoint_rows(worker: Worker, blocks_per_seq: int, block_size: int, prefix
         {"name": f"cold {total} + capture at {prefix}, in-pass", "seconds": in_pass_s,
          "floor_seconds": cold_s, "ratio_to_floor": in_pass_s / cold_s, "target": 1.03,
          "ratio_meaning": f"time over the cold {total}-token prefill without capture (<= target)",
-         "bundle_relative_error_vs_split": in_pass_error},
+         "bundle_relative_error_vs_split": in_pass_error,
+         **({"profile": in_pass_profile} if in_pass_profile else {})},
     ])

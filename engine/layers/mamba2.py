@@ -247,16 +247,16 @@ class Mamba2Mixer(ShardedModule):
             keep = (plan.prefill_reset == 0).view(-1, 1, 1, 1)
             # (Sp, H, P, N); a reset slot may hold anything (NaN too): read as zeros
             initial = torch.where(keep, ssm_state.index_select(0, slots), 0.0)
-            if plan.in_pass is not None:  # the scan split at the capture positions
-                final = scan_with_captures(
-                    ssd_chunk_scan_varlen, x, dt, A, B, C, self.D, initial, plan.in_pass, y, captures[1]
+            if plan.in_pass is not None:  # the states at the capture positions, same one scan
+                y_prefill, final = scan_with_captures(
+                    ssd_chunk_scan_varlen, pick(x), pick(dt), A, pick(B), pick(C), self.D, initial,
+                    plan.in_pass, captures[1],
                 )
-                ssm_state.index_copy_(0, slots, final)
-                return y
-            y_prefill, final = ssd_chunk_scan_varlen(
-                pick(x), pick(dt), A, pick(B), pick(C), self.D, initial,
-                plan.prefill_cu_seqlens, plan.prefill_cu_seqlens_host,
-            )
+            else:
+                y_prefill, final = ssd_chunk_scan_varlen(
+                    pick(x), pick(dt), A, pick(B), pick(C), self.D, initial,
+                    plan.prefill_cu_seqlens, plan.prefill_cu_seqlens_host,
+                )
             ssm_state.index_copy_(0, slots, final)
             if rows is None:
                 y = y_prefill

@@ -1,24 +1,70 @@
-"""In-pass capture bookkeeping on CPU: the scan split plan and the conv state at a split
-(engine/kernels/gpu/in_pass_capture.py; pure PyTorch, the GPU path's helpers)."""
+"""In-pass capture on CPU: the scan plan, the one-call scan with its linear correction, and the
+conv state at a split (engine/kernels/gpu/in_pass_capture.py is pure PyTorch; the GPU path
+passes fla's varlen scan where these tests pass the reference scan)."""
 
 import pytest
 import torch
 
 from engine.kernels.conv_reference import causal_conv1d
-from engine.kernels.gpu.in_pass_capture import CaptureSplit, build_in_pass_plan, capture_conv_states
+from engine.kernels.gpu.in_pass_capture import (
+    CaptureSplit,
+    build_in_pass_plan,
+    capture_conv_states,
+    scan_with_captures,
+)
+from engine.kernels.ssd_reference import ssd_chunk_scan
 
 
-def test_plan_splits_rows():
+def _varlen_reference(x, dt, A, B, C, D, initial, cu, cu_host):
+    """ssd_chunk_scan per sequence (fp32 math inside): a stand-in for ssd_chunk_scan_varlen."""
+    ys, finals = [], []
+    bounds = cu_host.tolist()
+    for i, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
+        y, final = ssd_chunk_scan(x[s:e].double(), dt[s:e].double(), A.double(), B[s:e].double(),
+                                  C[s:e].double(), D.double(), initial[i].double(), chunk_size=16)
+        ys.append(y)
+        finals.append(final)
+    return torch.cat(ys), torch.stack(finals)
+
+
+def test_plan_splits_sequences():
     prefill = [(0, 0, 10), (2, 11, 5), (3, 16, 8)]  # chunk 1 (row 10) is a decode chunk
     splits = [CaptureSplit(0, 0, 4, 0, True), CaptureSplit(3, 16, 7, 3, False)]
     plan = build_in_pass_plan(prefill, splits, {}, {}, torch.device("cpu"))
-    assert plan.first_rows.tolist() == [0, 1, 2, 3, 11, 12, 13, 14, 15, *range(16, 23)]
-    assert plan.first_cu_host.tolist() == [0, 4, 9, 16]
-    assert plan.second_rows.tolist() == [4, 5, 6, 7, 8, 9, 23]
-    assert plan.second_cu_host.tolist() == [0, 6, 7]
-    assert plan.captured_prefill.tolist() == [0, 2]
+    assert plan.scan_cu_host.tolist() == [0, 4, 10, 15, 22, 23]
+    assert plan.chunk_first_seq.tolist() == [0, 2, 3] and plan.chunk_last_seq.tolist() == [1, 2, 4]
+    assert plan.capture_rows == ((0, 0, 4, 10), (2, 3, 22, 23))
     with pytest.raises(ValueError):
         build_in_pass_plan(prefill, [CaptureSplit(2, 11, 5, 2, False)], {}, {}, torch.device("cpu"))
+
+
+def test_one_call_scan_equals_the_uncut_scan_and_the_state_at_the_split():
+    torch.manual_seed(70)
+    lengths, cuts = [70, 20, 45], {0: 37, 2: 2}
+    H, P, G, N = 4, 8, 2, 16
+    T = sum(lengths)
+    x = torch.randn(T, H, P, dtype=torch.float64)
+    dt = torch.nn.functional.softplus(torch.randn(T, H, dtype=torch.float64) - 1)
+    A = -torch.exp(torch.rand(H, dtype=torch.float64))
+    B, C = torch.randn(T, G, N, dtype=torch.float64), torch.randn(T, G, N, dtype=torch.float64)
+    D = torch.randn(H, dtype=torch.float64)
+    initial = torch.randn(len(lengths), H, P, N, dtype=torch.float64)
+    starts = [0, 70, 90]
+    prefill = [(j, starts[j], n) for j, n in enumerate(lengths)]
+    splits = [CaptureSplit(j, starts[j], k, j, False) for j, k in cuts.items()]
+    plan = build_in_pass_plan(prefill, splits, {}, {}, torch.device("cpu"))
+    ssm_out = torch.full((2, H, P, N), float("nan"), dtype=torch.float64)
+
+    y, final = scan_with_captures(_varlen_reference, x, dt, A, B, C, D, initial, plan, ssm_out)
+    cu = torch.tensor([0, 70, 90, 135])
+    want_y, want_final = _varlen_reference(x, dt, A, B, C, D, initial, cu, cu)
+    assert torch.allclose(y, want_y, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(final, want_final, rtol=1e-5, atol=1e-5)
+    for c, (j, k) in enumerate(cuts.items()):
+        s = starts[j]
+        _, at_split = ssd_chunk_scan(x[s : s + k], dt[s : s + k], A, B[s : s + k], C[s : s + k], D,
+                                     initial[j], chunk_size=16)
+        assert torch.allclose(ssm_out[c], at_split.double(), rtol=1e-5, atol=1e-5), f"capture {c}"
 
 
 @pytest.mark.parametrize("split,reset", [(1, False), (2, True), (3, False), (9, False)])

@@ -1,18 +1,22 @@
 """In-pass capture (issue 5 item 3): the recurrent state at a position p strictly inside a
 prefill chunk, read during that chunk's one forward pass instead of cutting the chunk at p.
 
-For a chunk of rows [start, end) whose first k tokens lie before p (0 < k < end - start):
-- SSM state at p: the varlen scan runs in two calls. The first covers every prefill chunk, the
-  captured ones only up to their split (rows [start, start + k)); its final state of a captured
-  chunk is the state at p. The second covers the captured chunks' remainders, starting from that
-  state; its final states are those chunks' final states. Chunks without a capture are finished
-  by the first call.
+For a chunk whose first k tokens lie before p (0 < k < its length):
+- SSM state at p: the one varlen scan call sees the chunk as two sequences, [0, k) from the
+  chunk's initial state and [k, n) from zeros; the first one's final state is the state at p.
+  The second is corrected for the state it did not start from, by linearity of the recurrence:
+  with g_t = sum of dt * A over rows k..t of the chunk,
+      y_t     += exp(g_t) * (S_p @ C_t)          (rows k .. n-1)
+      S_final += exp(g_{n-1}) * S_p
+  (a (n - k) x N x P product per head), so the scan stays one call with no extra host
+  synchronisation and no gathered copies of its inputs.
 - conv state at p: the K-1 pre-conv inputs before p, from the chunk's rows where k >= K-1,
   else completed on the left by the chunk's old conv state (zeros if it resets).
 Outputs and final states are those of the uncut chunk; the captured states are those the split
 path (two steps, the chunk cut at p) leaves in the slot, up to the scan's rounding.
 
-Shapes: T tokens, Sp prefill chunks, Sc captures, L_m Mamba layers, C conv channels.
+Shapes: T tokens, Tp prefill rows, Sp prefill chunks, Sc captures, L_m Mamba layers,
+C conv channels, H heads, P head dim, G groups, N state size.
 """
 
 from __future__ import annotations
@@ -35,22 +39,22 @@ class CaptureSplit:
 
 @dataclass(frozen=True)
 class InPassCapturePlan:
-    """Scan metadata of the two calls, and where each Mamba layer writes what it captures.
+    """The scan's sequences with the captured chunks split, and where each Mamba layer writes
+    what it captures.
 
-    first_rows (T1,) / first_cu (Sp+1,): flat rows of every prefill chunk cut at its split;
-    second_rows (T2,) / second_cu (Sc+1,): the captured chunks' remainders;
-    captured_prefill (Sc,): index among the prefill chunks of each capture (first call's order);
+    scan_cu (Sp+Sc+1,) over the prefill rows (device and host copies); chunk_first_seq and
+    chunk_last_seq (Sp,): each prefill chunk's first and last sequence of the scan;
+    capture_rows: per capture (its prefill chunk, that chunk's first sequence, first row after
+    the split, end row), rows in the prefill-row axis;
     conv_out[layer] (Sc, C, K-1) and ssm_out[layer] (Sc, H, P, N) fp32: written by the layer.
     """
 
     splits: tuple[CaptureSplit, ...]
-    first_rows: torch.Tensor
-    first_cu: torch.Tensor
-    first_cu_host: torch.Tensor
-    second_rows: torch.Tensor
-    second_cu: torch.Tensor
-    second_cu_host: torch.Tensor
-    captured_prefill: torch.Tensor
+    scan_cu: torch.Tensor
+    scan_cu_host: torch.Tensor
+    chunk_first_seq: torch.Tensor
+    chunk_last_seq: torch.Tensor
+    capture_rows: tuple[tuple[int, int, int, int], ...]
     conv_out: dict[int, torch.Tensor]
     ssm_out: dict[int, torch.Tensor]
 
@@ -78,30 +82,30 @@ def build_in_pass_plan(
     device: torch.device,
 ) -> InPassCapturePlan:
     by_chunk = {s.chunk: s for s in splits}
-    first_rows, first_cu, second_rows, second_cu, captured = [], [0], [], [0], []
-    for j, (chunk, start, num_tokens) in enumerate(prefill):
+    scan_cu, first_seq, last_seq, capture_rows = [0], [], [], []
+    for j, (chunk, _, num_tokens) in enumerate(prefill):
         split = by_chunk.get(chunk)
-        cut = num_tokens if split is None else split.split
+        first_seq.append(len(scan_cu) - 1)
+        row = scan_cu[-1]
         if split is not None:
-            if not 0 < cut < num_tokens:
-                raise ValueError(f"in-pass capture after {cut} of {num_tokens} tokens: not inside the chunk")
-            captured.append(j)
-            second_rows.extend(range(start + cut, start + num_tokens))
-            second_cu.append(len(second_rows))
-        first_rows.extend(range(start, start + cut))
-        first_cu.append(len(first_rows))
-    if len(captured) != len(splits):
+            if not 0 < split.split < num_tokens:
+                raise ValueError(
+                    f"in-pass capture after {split.split} of {num_tokens} tokens: not inside the chunk"
+                )
+            scan_cu.append(row + split.split)
+            capture_rows.append((j, first_seq[-1], row + split.split, row + num_tokens))
+        scan_cu.append(row + num_tokens)
+        last_seq.append(len(scan_cu) - 2)
+    if len(capture_rows) != len(splits):
         raise ValueError("an in-pass capture names a chunk that is not a prefill chunk")
     host = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
     return InPassCapturePlan(
         splits=tuple(splits),
-        first_rows=host(first_rows).to(device),
-        first_cu=host(first_cu).to(device),
-        first_cu_host=host(first_cu),
-        second_rows=host(second_rows).to(device),
-        second_cu=host(second_cu).to(device),
-        second_cu_host=host(second_cu),
-        captured_prefill=host(captured).to(device),
+        scan_cu=host(scan_cu).to(device),
+        scan_cu_host=host(scan_cu),
+        chunk_first_seq=host(first_seq).to(device),
+        chunk_last_seq=host(last_seq).to(device),
+        capture_rows=tuple(capture_rows),
         conv_out=conv_out,
         ssm_out=ssm_out,
     )
@@ -124,28 +128,29 @@ def capture_conv_states(
 
 
 def scan_with_captures(
-    scan,  # ssd_chunk_scan_varlen
-    x: torch.Tensor,  # (T, H, P)
-    dt: torch.Tensor,  # (T, H) fp32
-    A: torch.Tensor,  # (H,)
-    B: torch.Tensor,  # (T, G, N)
-    C: torch.Tensor,  # (T, G, N)
+    scan,  # ssd_chunk_scan_varlen, or any function with its signature
+    x: torch.Tensor,  # (Tp, H, P) prefill rows
+    dt: torch.Tensor,  # (Tp, H) fp32
+    A: torch.Tensor,  # (H,) fp32
+    B: torch.Tensor,  # (Tp, G, N)
+    C: torch.Tensor,  # (Tp, G, N)
     D: torch.Tensor | None,
     initial: torch.Tensor,  # (Sp, H, P, N) fp32
     plan: InPassCapturePlan,
-    y: torch.Tensor,  # (T, H, P) fp32: the prefill rows are written
     ssm_out: torch.Tensor,  # (Sc, H, P, N): the states at the splits, written
-) -> torch.Tensor:
-    """The two scan calls; returns every prefill chunk's final state (Sp, H, P, N)."""
-    pick = lambda t, rows: t.index_select(0, rows)  # noqa: E731
-    rows = plan.first_rows
-    y_first, final = scan(pick(x, rows), pick(dt, rows), A, pick(B, rows), pick(C, rows), D,
-                          initial, plan.first_cu, plan.first_cu_host)
-    y.index_copy_(0, rows, y_first)
-    at_split = final.index_select(0, plan.captured_prefill)  # (Sc, H, P, N)
-    ssm_out.copy_(at_split)
-    rows = plan.second_rows
-    y_second, final_second = scan(pick(x, rows), pick(dt, rows), A, pick(B, rows), pick(C, rows), D,
-                                  at_split, plan.second_cu, plan.second_cu_host)
-    y.index_copy_(0, rows, y_second)
-    return final.index_copy(0, plan.captured_prefill, final_second)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scan of the prefill chunks as if uncut, in one call: returns (y (Tp, H, P) fp32,
+    final states (Sp, H, P, N)); writes the states at the splits into ssm_out."""
+    num_seqs = plan.scan_cu_host.shape[0] - 1
+    starts = initial.new_zeros(num_seqs, *initial.shape[1:]).index_copy_(0, plan.chunk_first_seq, initial)
+    y, final_seqs = scan(x, dt, A, B, C, D, starts, plan.scan_cu, plan.scan_cu_host)
+    final = final_seqs.index_select(0, plan.chunk_last_seq)  # (Sp, H, P, N), a fresh tensor
+    heads_per_group = x.shape[1] // C.shape[1]
+    for c, (chunk, seq, begin, end) in enumerate(plan.capture_rows):
+        at_split = final_seqs[seq]  # (H, P, N), the state at p
+        ssm_out[c].copy_(at_split)
+        decay = torch.exp(torch.cumsum(dt[begin:end].float() * A.float(), dim=0))  # (n2, H)
+        C_h = C[begin:end].float().repeat_interleave(heads_per_group, dim=1)  # (n2, H, N)
+        y[begin:end] += torch.einsum("thn,hpn->thp", C_h, at_split) * decay[:, :, None]
+        final[chunk] += decay[-1][:, None, None] * at_split
+    return y, final
