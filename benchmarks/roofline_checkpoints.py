@@ -60,7 +60,8 @@ def checkpoint_rows(worker: Worker, blocks_per_seq: int, block_size: int, prefix
     profile of one such step."""
     total = prefix + suffix
     assert -(-total // block_size) <= blocks_per_seq
-    tokens = torch.randint(2, worker.model.config.vocab_size, (total,), generator=torch.Generator().manual_seed(7)).tolist()
+    vocab = worker.model.config.vocab_size
+    tokens = torch.randint(2, vocab, (total,), generator=torch.Generator().manual_seed(7)).tolist()
     table_a = tuple(range(blocks_per_seq))
     full_blocks = prefix // block_size
     tail_block = table_a[full_blocks] if prefix % block_size else None
@@ -115,7 +116,8 @@ def checkpoint_rows(worker: Worker, blocks_per_seq: int, block_size: int, prefix
     capture_only = []
     for i in range(repeats):
         worker.execute(cold_prefix)
-        seconds, out = _timed(worker, [SchedulerOutput((), captures=(CaptureOp(bundle + 1 + i, "c0", 0, prefix, tail_block),))])
+        capture = CaptureOp(bundle + 1 + i, "c0", 0, prefix, tail_block)
+        seconds, out = _timed(worker, [SchedulerOutput((), captures=(capture,))])
         capture_only.append(seconds)
     worker.execute(SchedulerOutput((), dropped_bundle_ids=tuple(range(bundle + 1, bundle + 1 + repeats))))
 
@@ -136,7 +138,8 @@ def checkpoint_rows(worker: Worker, blocks_per_seq: int, block_size: int, prefix
     ref, got = cold_out.logits["c0"], hit_out.logits["c1"]
     agree = int(ref.argmax()) == int(got.argmax())
     logits_error = float((got - ref).norm() / ref.norm())
-    nbytes = worker.model.state_bytes_per_slot() + worker.model.config.hidden_size * worker.model.dtype.itemsize
+    model = worker.model
+    nbytes = model.state_bytes_per_slot() + model.config.hidden_size * model.dtype.itemsize
     return [
         {"name": f"capture {prefix}-token bundle", "seconds": min(capture_only),
          "floor_seconds": cold_prefix_s, "ratio_to_floor": min(capture_only) / cold_prefix_s,

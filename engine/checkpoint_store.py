@@ -82,7 +82,9 @@ class CheckpointStore:
         bundle = self._bundles[bundle_id]
         if bundle.tail_kv is not None and tail_block is None:
             raise ValueError(f"bundle {bundle_id} has an attention tail but no block was given")
-        scatter_bundle(self.caches, state_slot, tail_block, bundle.conv_state, bundle.ssm_state, bundle.tail_kv)
+        scatter_bundle(
+            self.caches, state_slot, tail_block, bundle.conv_state, bundle.ssm_state, bundle.tail_kv
+        )
         return bundle.hidden_row
 
     def drop(self, bundle_ids: tuple[int, ...] | list[int]) -> None:
