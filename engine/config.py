@@ -25,6 +25,8 @@ class EngineConfig:
     checkpoint_cache_bytes: budget for checkpoint tensors held outside the KV blocks (recurrent
         state, attention tail, hidden row); the KV blocks they reference count against
         kv_cache_bytes.
+    tensor_parallel_size: ranks the model is split over (one process or Ray actor each; one
+        GPU each on CUDA). The cache budgets are per rank.
     """
 
     model_dir: str = str(DEFAULT_MODEL_DIR)
@@ -39,6 +41,7 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "cpu"
     seed: int = 0
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -58,5 +61,7 @@ class EngineConfig:
             )
         if self.checkpoint_cache_bytes < 0:
             raise ValueError("checkpoint_cache_bytes must be >= 0")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")

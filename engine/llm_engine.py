@@ -15,30 +15,22 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol
 
 from transformers import AutoTokenizer
 
 from cache.cache_manager import CacheManager, PoolUsage
 from cache.checkpoint_ledger import CheckpointKind, KindCounters
 from engine.config import EngineConfig
+from engine.executor import ModelExecutor
 from engine.model_config import load_model_config
 from engine.output_processor import OutputProcessor, RequestOutput
 from engine.request import FinishReason, Request
 from engine.sampling_params import InvalidRequestError, SamplingParams
 from engine.scheduler import Scheduler, SchedulerStats
 from engine.step_io import RunnerOutput, SchedulerOutput
-from engine.worker import CacheCapacity, Worker
+from engine.worker import Worker
 
 __all__ = ["LLMEngine", "ModelExecutor", "RequestOutput", "PoolUsage"]
-
-
-class ModelExecutor(Protocol):
-    """Runs steps on the model: a Worker in process, or an adapter to worker actors."""
-
-    def cache_capacity(self) -> CacheCapacity: ...
-
-    def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput: ...
 
 
 @dataclass(frozen=True)
@@ -62,7 +54,7 @@ class StepTrace:
 class LLMEngine:
     def __init__(self, config: EngineConfig, executor: ModelExecutor | None = None) -> None:
         self.config = config
-        self.executor: ModelExecutor = executor if executor is not None else Worker(config)
+        self.executor: ModelExecutor = executor if executor is not None else _local_executor(config)
         capacity = self.executor.cache_capacity()
         self.max_model_len = capacity.max_model_len
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_dir)
@@ -81,6 +73,7 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_model_len=capacity.max_model_len,
             checkpoint_kinds=frozenset(CheckpointKind(kind) for kind in config.checkpoint_slots),
+            world_size=capacity.world_size,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.last_step: StepTrace | None = None
@@ -149,6 +142,10 @@ class LLMEngine:
         """Requests to run or outputs to emit, or checkpoint work the runner has not done yet."""
         return self.scheduler.has_pending_work() or bool(self._pending_outputs)
 
+    def shutdown(self) -> None:
+        """Release the executor's ranks (spawned processes at tensor_parallel_size > 1)."""
+        self.executor.shutdown()
+
     def pool_usage(self) -> PoolUsage:
         return self.scheduler.usage()
 
@@ -180,6 +177,15 @@ class LLMEngine:
         request = self.scheduler.finish_request(request_id, reason)
         if request is not None:
             self._pending_outputs.append(self.output_processor.finish(request, error))
+
+
+def _local_executor(config: EngineConfig) -> ModelExecutor:
+    """The model in this process, or one spawned process per rank on this host."""
+    if config.tensor_parallel_size == 1:
+        return Worker(config)
+    from engine.multiprocess_executor import MultiprocessExecutor
+
+    return MultiprocessExecutor(config)
 
 
 def _eos_token_ids(config_eos: Sequence[int], tokenizer_eos: int | None) -> tuple[int, ...]:

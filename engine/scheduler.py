@@ -151,8 +151,8 @@ class Scheduler:
         with status FINISHED and their finish_reason set).
         """
         for capture in scheduler_output.captures:
-            confirmed = {0} if capture.bundle_id in runner_output.captured_bundles else set()
-            self.cache.publish(capture.bundle_id, confirmed, self.world_size)
+            confirmed = runner_output.confirmed_captures.get(capture.bundle_id, frozenset())
+            self.cache.publish(capture.bundle_id, set(confirmed), self.world_size)
             del self._pending_endpoints[capture.bundle_id]
         for restore in scheduler_output.restores:
             self.cache.unpin(restore.bundle_id)

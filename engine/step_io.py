@@ -99,9 +99,13 @@ class RunnerOutput:
     """Per request id: the sampled token (only for chunks with sample=True)."""
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
-    # Bundle id -> bytes held, for every CaptureOp this rank completed (its confirmation).
-    captured_bundles: dict[int, int] = field(default_factory=dict)
+    # Bundle id -> the ranks that hold their shard of it, for every CaptureOp at least one
+    # rank completed. The scheduler publishes a bundle only when every rank is listed.
+    confirmed_captures: dict[int, frozenset[int]] = field(default_factory=dict)
     # Only for requests whose SamplingParams.return_logits is set: the fp32 logits row used.
     logits: dict[str, "torch.Tensor"] = field(default_factory=dict)
     # Only for chunks with capture_hidden: the final hidden row (after the final norm).
     hidden_rows: dict[str, "torch.Tensor"] = field(default_factory=dict)
+    # Seconds rank 0 spent inside Worker.execute (captures, restores, forward, sampling): the
+    # step's model time. Everything else a step costs is overhead (scheduling, transport).
+    worker_seconds: float = 0.0

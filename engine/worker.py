@@ -7,6 +7,7 @@ SchedulerOutput.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,7 @@ class CacheCapacity:
     block_size: int
     max_model_len: int
     bundle_sizing: BundleSizing
+    world_size: int = 1  # tensor-parallel ranks that must confirm each capture
 
 
 class Worker:
@@ -49,6 +51,7 @@ class Worker:
         self.model, self.model_config = load_model(
             config.model_dir, dtype=getattr(torch, config.dtype), device=self.device, tp=tp
         )
+        self.rank = self.model.tp.rank
         self.capacity = _size_caches(config, self.model, self.model_config.max_position_embeddings)
         # On one CUDA device decode steps replay CUDA graphs (engine/cuda_graphs.py), whose
         # padding rows need a state slot and a KV block that the scheduler never hands out: one
@@ -80,11 +83,15 @@ class Worker:
     def cache_capacity(self) -> CacheCapacity:
         return self.capacity
 
+    def shutdown(self) -> None:
+        """Nothing to release in process (ModelExecutor protocol)."""
+
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         """Run one step, in this order: free dropped bundles, take captures (from what the
         previous step left), restore bundles into new requests, forward every chunk that has
-        tokens, sample where asked. Returns sampled tokens and capture confirmations."""
+        tokens, sample where asked. Returns sampled tokens and this rank's capture confirmations."""
+        started = time.perf_counter()
         self.sampler.forget(scheduler_output.finished_request_ids)
         self.checkpoints.drop(scheduler_output.dropped_bundle_ids)
         output = RunnerOutput()
@@ -94,9 +101,10 @@ class Worker:
             hidden_row = self._last_hidden.get(capture.request_id)
             if hidden_row is None:
                 continue  # unconfirmed: the scheduler drops the bundle (fail closed)
-            output.captured_bundles[capture.bundle_id] = self.checkpoints.capture(
+            self.checkpoints.capture(
                 capture.bundle_id, capture.state_slot, capture.num_tokens, capture.tail_block, hidden_row
             )
+            output.confirmed_captures[capture.bundle_id] = frozenset({self.rank})
         last_hidden: dict[str, torch.Tensor] = {}
         for restore in scheduler_output.restores:
             last_hidden[restore.request_id] = self.checkpoints.restore(
@@ -125,6 +133,7 @@ class Worker:
         if sampled:
             rows = torch.stack([last_hidden[chunk.request_id] for chunk in sampled])
             output.sampled_token_ids = self._sample(sampled, self.model.compute_logits(rows), output)
+        output.worker_seconds = time.perf_counter() - started
         return output
 
     def _forward_capturing(
@@ -252,6 +261,7 @@ def _size_caches(config: EngineConfig, model, model_max_len: int) -> CacheCapaci
         num_state_slots=num_slots,
         block_size=config.block_size,
         max_model_len=max_model_len,
+        world_size=model.tp.world_size,
         bundle_sizing=BundleSizing(
             state_bytes=model.state_bytes_per_slot(),
             kv_bytes_per_token=kv_bytes_per_token,

@@ -122,7 +122,7 @@ class DroppingConfirmations:
 
     def execute(self, scheduler_output) -> RunnerOutput:
         output = self.worker.execute(scheduler_output)
-        output.captured_bundles.clear()
+        output.confirmed_captures.clear()
         return output
 
 

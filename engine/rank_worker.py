@@ -1,0 +1,168 @@
+"""One rank of a tensor-parallel worker group: joins torch.distributed and holds its Worker shard.
+
+Rank 0 leads every step. It receives the SchedulerOutput (one Ray actor call, or one pipe
+message from the engine process), broadcasts it to ranks 1.. over the group's CPU channel
+(gloo), runs its own shard, and gathers the other ranks' capture confirmations. Ranks 1.. follow:
+`follow()` loops on that broadcast until rank 0 calls `stop()`. A step therefore costs the engine
+one round trip whatever the number of ranks.
+
+    ranks:        0                        1 .. N-1
+                  execute(step) ───bcast──▶ follow(): receive step
+                  Worker.execute ◀─coll.──▶ Worker.execute      (model collectives)
+                  gather confirmations ◀─── send confirmations  (only when the step captures)
+
+Failure is fail-fast, because ranks that stop agreeing on the step sequence would wait for each
+other in a collective forever: a rank >0 whose step fails exits its process at once (its peers'
+collectives then fail on the closed connection), and rank 0 raises ExecutorDiedError for the
+failed step and every later one. A single rank (world_size 1) never broadcasts; a failed step
+fails only that step's requests, as in process.
+
+The model's collectives use the default group (NCCL on CUDA, gloo on CPU); steps and
+confirmations always travel over gloo, so they never touch the GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from engine.config import EngineConfig
+from engine.executor import ExecutorDiedError
+from engine.step_io import RunnerOutput, SchedulerOutput
+from engine.tensor_parallel import TensorParallel
+from engine.worker import CacheCapacity, Worker
+
+logger = logging.getLogger(__name__)
+
+# How long a collective may wait for a peer. Idle followers wait in a broadcast between steps,
+# so this bounds only a hung peer, never an idle server: dead peers fail collectives at once.
+GROUP_TIMEOUT = timedelta(days=7)
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where the ranks of one group meet: rank 0's host and a port that was free there."""
+
+    host: str
+    port: int
+    world_size: int
+
+    @classmethod
+    def on_free_port(cls, host: str, world_size: int) -> Rendezvous:
+        """A rendezvous on a port the OS hands out as free on `host` (never a fixed port).
+
+        The port is released before the ranks bind it; another process could take it in
+        between, in which case joining fails with a clear error and the group is started again.
+        """
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind((host, 0))
+            port = probe.getsockname()[1]
+        return cls(host=host, port=port, world_size=world_size)
+
+
+def distributed_backend(device: str) -> str:
+    return "nccl" if device.startswith("cuda") else "gloo"
+
+
+class RankWorker:
+    """Rank `rank` of the group that `rendezvous` describes; builds its shard of the model.
+
+    The constructor blocks until all world_size ranks have joined (they must be constructed
+    concurrently). config.device is this rank's device ("cuda:3", or "cuda" where the
+    launcher already made one GPU visible, or "cpu").
+    """
+
+    def __init__(self, config: EngineConfig, rank: int, rendezvous: Rendezvous) -> None:
+        backend = distributed_backend(config.device)
+        if backend == "nccl":
+            torch.cuda.set_device(torch.device(config.device))
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{rendezvous.host}:{rendezvous.port}",
+            rank=rank,
+            world_size=rendezvous.world_size,
+            timeout=GROUP_TIMEOUT,
+        )
+        self._steps = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo")
+        self.rank = rank
+        self.world_size = rendezvous.world_size
+        self.worker = Worker(config, TensorParallel(rank=rank, world_size=self.world_size))
+        self._failure: BaseException | None = None
+
+    def cache_capacity(self) -> CacheCapacity:
+        return self.worker.cache_capacity()
+
+    def ping(self) -> int:
+        """Liveness probe (answers while a follower is inside follow())."""
+        return self.rank
+
+    def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        """Rank 0: run one step on every rank. Returns this rank's output, with
+        confirmed_captures listing, per bundle, every rank that holds its shard.
+
+        Raises ExecutorDiedError (world_size > 1) if this step or an earlier one failed.
+        """
+        if self.rank != 0:
+            raise RuntimeError(f"execute() is rank 0's; this is rank {self.rank}")
+        if self.world_size == 1:
+            return self.worker.execute(scheduler_output)
+        if self._failure is not None:
+            raise ExecutorDiedError(f"the worker group failed earlier: {self._failure!r}")
+        try:
+            dist.broadcast_object_list([scheduler_output], src=0, group=self._steps)
+            output = self.worker.execute(scheduler_output)
+            if scheduler_output.captures:
+                output.confirmed_captures = self._gather_confirmations(output.confirmed_captures)
+        except Exception as exc:
+            self._failure = exc
+            raise ExecutorDiedError(f"a tensor-parallel step failed: {exc!r}") from exc
+        return output
+
+    def follow(self) -> None:
+        """Ranks 1..: run each step rank 0 broadcasts until it broadcasts the stop message.
+
+        Any failure (the step, or rank 0 gone) ends this process: a rank that cannot take part
+        in the next collective must not leave its peers waiting for it.
+        """
+        if self.rank == 0:
+            raise RuntimeError("rank 0 leads; it does not follow")
+        try:
+            while True:
+                box: list[SchedulerOutput | None] = [None]
+                dist.broadcast_object_list(box, src=0, group=self._steps)
+                scheduler_output = box[0]
+                if scheduler_output is None:
+                    break
+                output = self.worker.execute(scheduler_output)
+                if scheduler_output.captures:
+                    self._gather_confirmations(output.confirmed_captures)
+        except BaseException:
+            logger.exception("tensor-parallel rank %d failed; exiting", self.rank)
+            os._exit(1)
+        dist.destroy_process_group()
+
+    def stop(self) -> None:
+        """Rank 0: release the followers from follow() and leave the group (idempotent)."""
+        if not dist.is_initialized():
+            return
+        if self.rank == 0 and self.world_size > 1 and self._failure is None:
+            dist.broadcast_object_list([None], src=0, group=self._steps)
+        dist.destroy_process_group()
+
+    def _gather_confirmations(self, mine: dict[int, frozenset[int]]) -> dict[int, frozenset[int]]:
+        """Every rank sends the bundle ids it captured; rank 0 returns bundle -> ranks."""
+        gathered: list[set[int] | None] | None = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(set(mine), gathered, dst=0, group=self._steps)
+        if gathered is None:
+            return mine
+        holders: dict[int, set[int]] = {}
+        for rank, bundle_ids in enumerate(gathered):
+            for bundle_id in bundle_ids or ():
+                holders.setdefault(bundle_id, set()).add(rank)
+        return {bundle_id: frozenset(ranks) for bundle_id, ranks in holders.items()}
