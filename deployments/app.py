@@ -2,7 +2,7 @@
 
     OpenAIIngress (HTTP + handle API)
       -> Renderer   (chat template, tokenizer)
-      -> LLMServer  (scheduler actor + worker actor)
+      -> LLMServer  (scheduler actor + one worker actor per tensor-parallel rank)
 
 `build_app(args)` validates the args (unknown keys rejected, see deployments.config) and
 returns the bound Application; `serve.run(build_app({...}))` runs it from Python.
@@ -30,7 +30,8 @@ def build_app(args: dict) -> Application:
         ray_actor_options={"num_cpus": config.renderer_num_cpus}, **serve_options
     ).bind(config.model_dir)
     llm_server = LLMServer.options(
-        ray_actor_options={"num_cpus": config.llm_server_num_cpus}, **serve_options
+        ray_actor_options={"num_cpus": config.llm_server_num_cpus},
+        health_check_period_s=config.health_check_period_s, **serve_options
     ).bind(config)
     return OpenAIIngress.options(
         ray_actor_options={"num_cpus": config.ingress_num_cpus}, **serve_options

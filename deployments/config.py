@@ -16,7 +16,8 @@ class AppConfig(BaseModel):
 
     Engine fields map one to one onto `engine.config.EngineConfig`. CPU fields are Ray logical
     CPUs; the defaults add up to 1.4 so the whole application fits a 2-core machine, with one
-    full CPU for the worker actor (the only process that runs the model).
+    full CPU for the worker actor (the only process that runs the model); each further
+    tensor-parallel rank asks for another worker_num_cpus.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -35,6 +36,8 @@ class AppConfig(BaseModel):
     dtype: str = "float32"
     device: str = "cpu"
     seed: int = 0
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="Ranks the model is split over: one worker actor (one GPU) each.")
 
     # Request-boundary checkpoints (DESIGN.md section 2).
     checkpoint_slots: tuple[str, ...] = Field(
@@ -51,8 +54,10 @@ class AppConfig(BaseModel):
     renderer_num_cpus: float = Field(0.1, ge=0)
     llm_server_num_cpus: float = Field(0.1, ge=0)
     scheduler_num_cpus: float = Field(0.1, ge=0)
-    worker_num_cpus: float = Field(1.0, ge=0)
+    worker_num_cpus: float = Field(1.0, gt=0, description="Per tensor-parallel rank.")
     max_ongoing_requests: int = Field(256, ge=1, description="Per replica, every deployment.")
+    health_check_period_s: float = Field(
+        10.0, gt=0, description="How often Serve probes each LLM server replica (its actors).")
 
     @field_validator("checkpoint_slots", mode="before")
     @classmethod
@@ -83,6 +88,7 @@ class AppConfig(BaseModel):
             dtype=self.dtype,
             device=self.device,
             seed=self.seed,
+            tensor_parallel_size=self.tensor_parallel_size,
         )
 
 

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.protocol import ErrorInfo, ErrorResponse
+from engine.executor import ExecutorDiedError
 from engine.sampling_params import InvalidRequestError
 
 logger = logging.getLogger("ray.serve")
@@ -51,6 +52,11 @@ class APIError(Exception):
         return cls(404, f"The model `{model}` does not exist.", "invalid_request_error", "model",
                    "model_not_found")
 
+    @classmethod
+    def unavailable(cls, detail: str) -> APIError:
+        return cls(503, "The model replica lost a worker and is being replaced; retry the "
+                   f"request. ({detail})", "server_error", None, "replica_unavailable")
+
     def to_response(self) -> ErrorResponse:
         return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type,
                                              param=self.param, code=self.code))
@@ -59,7 +65,8 @@ class APIError(Exception):
 def as_api_error(exc: BaseException) -> APIError:
     """Map any exception (possibly wrapped by Ray, several times) to an APIError.
 
-    InvalidRequestError from the engine becomes 400; anything unknown is logged and becomes 500.
+    InvalidRequestError from the engine becomes 400; a dead executor or a dead actor of the
+    replica (it is being replaced) becomes 503; anything unknown is logged and becomes 500.
     """
     root = exc
     while getattr(root, "cause", None) is not None:  # RayTaskError keeps the original here
@@ -68,9 +75,17 @@ def as_api_error(exc: BaseException) -> APIError:
         return APIError(root.status_code, root.message, root.type, root.param, root.code)
     if isinstance(root, InvalidRequestError):
         return APIError.bad_request(str(root.args[0]) if root.args else str(root))
+    if isinstance(root, ExecutorDiedError) or _is_dead_actor(root):
+        return APIError.unavailable(f"{type(root).__name__}: {root}")
     logger.exception("internal error while serving a request", exc_info=exc)
     return APIError(500, f"Internal server error ({type(root).__name__})", "server_error", None,
                     "internal_error")
+
+
+def _is_dead_actor(exc: BaseException) -> bool:
+    from ray.exceptions import RayActorError
+
+    return isinstance(exc, RayActorError)
 
 
 def error_json(error: APIError) -> JSONResponse:

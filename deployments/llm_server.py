@@ -2,11 +2,11 @@
 
     LLMServer (Serve replica)         streams RequestOutputs to the ingress, aborts on disconnect
       -> SchedulerActor (Ray actor)   AsyncLLMEngine: queues, block pool, state pool, step loop
-           -> worker actor            ray.remote(engine.worker.Worker): the model and its caches
+           -> rank actors             deployments.worker_group: one RankWorker per tensor-parallel
+                                      rank in a placement group (model shard and its caches)
 
-The scheduler reaches the worker through RayWorkerExecutor: exactly one actor call per step.
-Tensor parallelism later replaces the single worker with one actor per rank behind the same
-executor interface.
+The scheduler reaches the ranks through RayWorkerExecutor: one actor call to rank 0 per step,
+which broadcasts the step to the other ranks (engine/rank_worker.py).
 """
 
 from __future__ import annotations
@@ -22,12 +22,11 @@ from ray.actor import ActorHandle
 
 from deployments.config import AppConfig
 from deployments.errors import as_api_error
+from deployments.worker_group import RayWorkerExecutor, WorkerGroup
 from engine.async_engine import AsyncLLMEngine
 from engine.config import EngineConfig
 from engine.llm_engine import EngineStats, LLMEngine, PoolUsage, RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.step_io import RunnerOutput, SchedulerOutput
-from engine.worker import Worker
 
 logger = logging.getLogger("ray.serve")
 
@@ -35,23 +34,6 @@ HEALTH_CHECK_TIMEOUT_S = 20.0
 # Outputs the scheduler actor may stream ahead of this replica; beyond that it waits and
 # coalesces (see `coalesce`), so a lagging consumer receives fewer, larger deltas.
 STREAM_BACKPRESSURE_OBJECTS = 2
-
-
-class RayWorkerExecutor:
-    """The engine's ModelExecutor, backed by the worker actor.
-
-    Called from the engine's step thread (never from an event loop), so the blocking ray.get
-    is intended: the step cannot proceed without the worker's output.
-    """
-
-    def __init__(self, worker: ActorHandle) -> None:
-        self._worker = worker
-
-    def cache_capacity(self):
-        return ray.get(self._worker.cache_capacity.remote())
-
-    def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
-        return ray.get(self._worker.execute.remote(scheduler_output))
 
 
 def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
@@ -111,16 +93,16 @@ class ModelInfo:
 
 @ray.remote
 class SchedulerActor:
-    """Runs AsyncLLMEngine (step loop in a background thread) over the worker actor.
+    """Runs AsyncLLMEngine (step loop in a background thread) over the rank actors.
 
     Async actor: each `generate` call is a streaming generator running concurrently with the
     others on the actor's event loop. Closing or cancelling the stream aborts the request in
     the engine, which frees its KV blocks and state slot.
     """
 
-    def __init__(self, config: EngineConfig, worker: ActorHandle) -> None:
-        self._worker = worker
-        engine = LLMEngine(config, executor=RayWorkerExecutor(worker))
+    def __init__(self, config: EngineConfig, ranks: list[ActorHandle]) -> None:
+        self._executor = RayWorkerExecutor(ranks)
+        engine = LLMEngine(config, executor=self._executor)
         self._info = ModelInfo(max_model_len=engine.max_model_len, model_dir=config.model_dir)
         self._engine = AsyncLLMEngine(engine)
         self._num_aborted = 0
@@ -170,10 +152,11 @@ class SchedulerActor:
         return self._num_aborted
 
     async def check_health(self) -> None:
-        """Raise if the step loop died or the worker actor is gone (RayActorError)."""
+        """Raise if the step loop died, the executor died (a rank failed mid-step), or a rank
+        actor is gone (RayActorError) or does not answer."""
         if not self._engine.is_alive():
-            raise RuntimeError("the engine step loop is not running")
-        await self._worker.cache_capacity.remote()
+            raise RuntimeError("the engine step loop or its executor is not running")
+        await self._executor.check_health(HEALTH_CHECK_TIMEOUT_S / 2)
 
     def shutdown(self) -> None:
         self._engine.shutdown()
@@ -181,17 +164,17 @@ class SchedulerActor:
 
 @serve.deployment
 class LLMServer:
-    """One model replica: creates its scheduler and worker actors and streams generations.
+    """One model replica: creates its rank actors and scheduler actor and streams generations.
 
-    The actors are owned by this replica, so they die with it; `check_health` fails when either
-    is dead, and Serve then replaces the replica (and with it, both actors).
+    The actors and the ranks' placement group are owned by this replica, so they go with it;
+    `check_health` fails when any of them is dead, and Serve then replaces the replica.
     """
 
     async def __init__(self, config: AppConfig) -> None:
         engine_config = config.engine_config()
-        self._worker = ray.remote(Worker).options(num_cpus=config.worker_num_cpus).remote(engine_config)
+        self._workers = await WorkerGroup.start(engine_config, config.worker_num_cpus)
         self._scheduler = SchedulerActor.options(num_cpus=config.scheduler_num_cpus).remote(
-            engine_config, self._worker)
+            engine_config, self._workers.ranks)
         self._info: ModelInfo = await self._scheduler.model_info.remote()
 
     def model_info(self) -> ModelInfo:
@@ -240,12 +223,16 @@ class LLMServer:
         return await self._scheduler.engine_stats.remote()
 
     async def check_health(self) -> None:
-        """Serve's health probe: raises if the scheduler or the worker actor is dead or stuck."""
+        """Serve's health probe: raises if the scheduler or a rank actor is dead or stuck."""
         await asyncio.wait_for(self._scheduler.check_health.remote(), HEALTH_CHECK_TIMEOUT_S)
+
+    def rank_actors(self) -> list[ActorHandle]:
+        """The tensor-parallel rank actors, rank order (for operators and fault tests)."""
+        return list(self._workers.ranks)
 
     def __del__(self) -> None:
         try:
             ray.kill(self._scheduler)
-            ray.kill(self._worker)
+            self._workers.shutdown()
         except Exception:  # interpreter shutdown, actors already gone
             pass

@@ -4,6 +4,10 @@ Callers on an event loop `generate()` and iterate outputs. Commands (add, abort)
 step thread through a queue and are applied between steps, so the engine is only ever touched
 by one thread. Closing or cancelling a generate() iterator aborts its request, which frees its
 blocks and state slot.
+
+A step that fails fails its requests and the loop goes on, except when the executor died
+(ExecutorDiedError: a tensor-parallel rank is gone). Then every open stream raises that error,
+every later request is refused with it, and is_alive() turns False so the replica is replaced.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 from cache.cache_manager import PoolUsage
+from engine.executor import ExecutorDiedError
 from engine.llm_engine import LLMEngine
 from engine.output_processor import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -36,6 +41,7 @@ class AsyncLLMEngine:
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}
         self._stopped = False
+        self._dead: ExecutorDiedError | None = None
         self._thread = threading.Thread(target=self._run_loop, name="engine-step-loop", daemon=True)
         self._thread.start()
 
@@ -53,7 +59,8 @@ class AsyncLLMEngine:
         """Add a request and yield its outputs until the finished one (the keyword arguments are
         LLMEngine.add_request's).
 
-        Raises InvalidRequestError (before yielding anything) if the engine refuses it.
+        Raises InvalidRequestError (before yielding anything) if the engine refuses it, and
+        ExecutorDiedError (at any point) once the executor has died.
         """
         loop = asyncio.get_running_loop()
         stream = _Stream(loop)
@@ -61,6 +68,8 @@ class AsyncLLMEngine:
 
         def add() -> None:
             try:
+                if self._dead is not None:
+                    raise self._dead
                 self.engine.add_request(request_id, prompt_token_ids, sampling, pause_positions,
                                         cache_salt=cache_salt,
                                         instruction_boundary=instruction_boundary)
@@ -80,6 +89,8 @@ class AsyncLLMEngine:
         try:
             while not finished:
                 output = await stream.outputs.get()
+                if isinstance(output, ExecutorDiedError):
+                    raise output
                 finished = output.finished
                 yield output
         finally:
@@ -94,7 +105,8 @@ class AsyncLLMEngine:
         return self.engine.pool_usage()
 
     def is_alive(self) -> bool:
-        return self._thread.is_alive()
+        """The step loop runs and its executor has not died."""
+        return self._thread.is_alive() and self._dead is None
 
     def shutdown(self) -> None:
         self._stopped = True
@@ -111,12 +123,19 @@ class AsyncLLMEngine:
         while not self._stopped:
             while not self._commands.empty():
                 self._commands.get()()
-            if not self.engine.has_unfinished_requests():
+            if self._dead is not None or not self.engine.has_unfinished_requests():
                 self._wakeup.wait()
                 self._wakeup.clear()
                 continue
             try:
                 outputs = self.engine.step()
+            except ExecutorDiedError as exc:
+                logger.error("the executor died; failing every open request: %s", exc)
+                self._dead = exc
+                for stream in self._streams.values():
+                    stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, exc)
+                self._streams.clear()
+                continue
             except Exception as exc:  # a failed step fails its requests, never the loop
                 logger.exception("engine step failed")
                 self.engine.fail_all(f"engine step failed: {exc!r}")

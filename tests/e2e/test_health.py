@@ -1,29 +1,33 @@
-"""Health: the scheduler actor reports unhealthy once its worker actor is dead.
+"""Health: the scheduler actor reports unhealthy once one of its rank actors is dead.
 
-Exercised on a second, private pair of actors so the session's application keeps running.
+Exercised on a private worker group and scheduler actor so the session's application keeps
+running.
 """
 
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 import ray
 
 from deployments.llm_server import SchedulerActor
+from deployments.worker_group import WorkerGroup
 from engine.config import EngineConfig
-from engine.worker import Worker
 
 
-def test_scheduler_health_fails_when_worker_dies(ray_session, http):
+@pytest.mark.parametrize("world_size, killed_rank", [(1, 0), (2, 1)])
+def test_scheduler_health_fails_when_a_rank_dies(ray_session, http, world_size, killed_rank):
     assert http.get("/health").status_code == 200  # the session's app, for contrast
     config = EngineConfig(max_model_len=256, max_num_seqs=2, kv_cache_bytes=8 * 1024 * 1024,
-                          state_cache_bytes=8 * 1024 * 1024)
-    worker = ray.remote(Worker).options(num_cpus=0.5).remote(config)
-    scheduler = SchedulerActor.options(num_cpus=0.1).remote(config, worker)
+                          state_cache_bytes=8 * 1024 * 1024, tensor_parallel_size=world_size)
+    group = asyncio.run(WorkerGroup.start(config, num_cpus_per_rank=0.2))
+    scheduler = SchedulerActor.options(num_cpus=0.1).remote(config, group.ranks)
     try:
         ray.get(scheduler.check_health.remote(), timeout=60)
-        ray.kill(worker)
+        ray.kill(group.ranks[killed_rank])
         with pytest.raises(ray.exceptions.RayActorError):
             ray.get(scheduler.check_health.remote(), timeout=60)
     finally:
         ray.kill(scheduler)
-        ray.kill(worker)
+        group.shutdown()

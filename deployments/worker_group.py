@@ -1,0 +1,127 @@
+"""The tensor-parallel worker actors of one LLM server replica, and the executor over them.
+
+    WorkerGroup.start(config)        placement group (one bundle per rank, STRICT_PACK: one node),
+                                     a rendezvous on a free port of bundle 0's node, and one
+                                     RankWorker actor per bundle; ranks 1.. enter follow()
+    RayWorkerExecutor(ranks)         the engine's ModelExecutor inside the scheduler actor: one
+                                     actor call to rank 0 per step; health pings every rank
+
+The replica (LLMServer) owns the group, so the actors and the placement group go with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import ray
+from ray.actor import ActorHandle
+from ray.exceptions import GetTimeoutError, RayActorError
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from engine.config import EngineConfig
+from engine.executor import ExecutorDiedError
+from engine.rank_worker import RankWorker, Rendezvous
+from engine.step_io import RunnerOutput, SchedulerOutput
+from engine.worker import CacheCapacity
+
+# Reserving the bundles may wait for the autoscaler to add a node.
+PLACEMENT_TIMEOUT_S = 600.0
+# A threaded actor: ranks 1.. sit in follow() while health pings still get answered.
+RANK_ACTOR_CONCURRENCY = 2
+
+
+class WorkerGroupStartError(RuntimeError):
+    """The placement group could not be reserved or a rank failed to load its shard."""
+
+
+@ray.remote(num_cpus=0)
+def _rendezvous_on_this_node(world_size: int) -> Rendezvous:
+    return Rendezvous.on_free_port(ray.util.get_node_ip_address(), world_size)
+
+
+@dataclass
+class WorkerGroup:
+    """One replica's ranks: `ranks[r]` is the RankWorker actor of rank r."""
+
+    ranks: list[ActorHandle]
+    placement: PlacementGroup
+    follower_runs: list[ray.ObjectRef]  # ranks 1..'s follow() calls; they end when stopped
+
+    @classmethod
+    async def start(cls, config: EngineConfig, num_cpus_per_rank: float) -> WorkerGroup:
+        """Reserve one bundle per rank ({"CPU": n} on CPU, {"GPU": 1, "CPU": n} on CUDA), start
+        the ranks and wait until every rank has loaded its shard."""
+        world_size = config.tensor_parallel_size
+        on_gpu = config.device.startswith("cuda")
+        bundle = {"CPU": num_cpus_per_rank, **({"GPU": 1} if on_gpu else {})}
+        placement = placement_group([dict(bundle) for _ in range(world_size)], strategy="STRICT_PACK")
+        try:
+            await asyncio.wait_for(placement.ready(), PLACEMENT_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            remove_placement_group(placement)
+            raise WorkerGroupStartError(
+                f"could not reserve {world_size} x {bundle} on one node within "
+                f"{PLACEMENT_TIMEOUT_S:.0f} s (tensor_parallel_size={world_size})"
+            ) from None
+
+        def in_bundle(index: int) -> PlacementGroupSchedulingStrategy:
+            return PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=index)
+
+        rendezvous = await _rendezvous_on_this_node.options(
+            scheduling_strategy=in_bundle(0)).remote(world_size)
+        rank_actor = ray.remote(RankWorker)
+        ranks = [
+            rank_actor.options(
+                num_cpus=num_cpus_per_rank, num_gpus=1 if on_gpu else 0,
+                max_concurrency=RANK_ACTOR_CONCURRENCY, scheduling_strategy=in_bundle(rank),
+            ).remote(config, rank, rendezvous)
+            for rank in range(world_size)
+        ]
+        group = cls(ranks=ranks, placement=placement, follower_runs=[])
+        try:
+            await asyncio.gather(*(actor.ping.remote() for actor in ranks))
+        except Exception as exc:
+            group.shutdown()
+            raise WorkerGroupStartError(f"a tensor-parallel rank failed to start: {exc}") from exc
+        group.follower_runs = [actor.follow.remote() for actor in ranks[1:]]
+        return group
+
+    def shutdown(self) -> None:
+        for actor in self.ranks:
+            ray.kill(actor)
+        remove_placement_group(self.placement)
+
+
+class RayWorkerExecutor:
+    """The engine's ModelExecutor over a WorkerGroup's actors: one call to rank 0 per step.
+
+    Called from the engine's step thread (never from an event loop), so the blocking ray.get
+    is intended: the step cannot proceed without rank 0's output.
+    """
+
+    def __init__(self, ranks: list[ActorHandle]) -> None:
+        self._ranks = ranks
+
+    def cache_capacity(self) -> CacheCapacity:
+        return ray.get(self._ranks[0].cache_capacity.remote())
+
+    def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        try:
+            return ray.get(self._ranks[0].execute.remote(scheduler_output))
+        except RayActorError as exc:
+            raise ExecutorDiedError(f"tensor-parallel rank 0 died: {exc}") from None
+        except ExecutorDiedError as exc:  # raised by rank 0, wrapped by Ray
+            raise ExecutorDiedError(str(getattr(exc, "cause", exc))) from None
+
+    async def check_health(self, timeout_s: float) -> None:
+        """Raise RayActorError if any rank is dead, or TimeoutError if one does not answer."""
+        pings = [actor.ping.remote() for actor in self._ranks]
+        try:
+            await asyncio.wait_for(asyncio.gather(*pings), timeout_s)
+        except (asyncio.TimeoutError, GetTimeoutError):
+            raise TimeoutError(f"a tensor-parallel rank did not answer within {timeout_s} s") from None
+
+    def shutdown(self) -> None:
+        """The replica owns the actors (WorkerGroup.shutdown); nothing to do here."""
