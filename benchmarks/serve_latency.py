@@ -7,7 +7,7 @@ For each concurrency level the same workload runs three ways in one process, one
 other (never two at once, so they do not compete for cores):
 
   in-process  AsyncLLMEngine(LLMEngine(config)) on this event loop: the engine's own cost.
-  actor       the same engine stepping a Ray worker actor through RayWorkerExecutor (one actor
+  actor       the same engine stepping a Ray rank actor through RayWorkerExecutor (one actor
               call per step): the cost of the per-step Ray round trip alone.
   http        the Serve application (ingress -> renderer -> LLM server -> scheduler actor ->
               worker actor), driven over HTTP with streamed /v1/completions.
@@ -157,19 +157,17 @@ def bench_in_process(config, prompt_ids, args) -> list[LevelResult]:
 
 def bench_worker_actor(config, prompt_ids, args) -> list[LevelResult]:
     """The in-process engine stepping a worker actor: isolates the per-step actor call."""
-    import ray
-
-    from deployments.llm_server import RayWorkerExecutor
+    from deployments.worker_group import RayWorkerExecutor, WorkerGroup
     from engine.async_engine import AsyncLLMEngine
     from engine.llm_engine import LLMEngine
-    from engine.worker import Worker
 
-    worker = ray.remote(Worker).options(num_cpus=config.worker_num_cpus).remote(config.engine_config())
+    group = asyncio.run(WorkerGroup.start(config.engine_config(), config.worker_num_cpus))
     try:
-        engine = AsyncLLMEngine(LLMEngine(config.engine_config(), executor=RayWorkerExecutor(worker)))
+        engine = AsyncLLMEngine(LLMEngine(config.engine_config(),
+                                          executor=RayWorkerExecutor(group.ranks)))
         return bench_engine("actor", engine, prompt_ids, args)
     finally:
-        ray.kill(worker)
+        group.shutdown()
 
 
 def bench_http(config, prompt_ids, args) -> list[LevelResult]:

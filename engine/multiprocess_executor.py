@@ -6,7 +6,8 @@ GPU machine (one process per GPU). The ranks are the same RankWorker the Ray act
     engine process ──pipe──▶ rank 0 process ──torch.distributed──▶ rank 1 .. N-1 processes
 
 A step is one pipe round trip to rank 0, which broadcasts it to the others. On CUDA rank r uses
-cuda:r; on CPU each rank gets an equal share of this host's cores for its torch threads.
+cuda:r; on CPU each rank runs OMP_NUM_THREADS torch threads when that is set, else an equal
+share of this host's cores.
 """
 
 from __future__ import annotations
@@ -129,7 +130,8 @@ def run_rank(config: EngineConfig, rank: int, rendezvous, conn: Connection | Non
     from engine.rank_worker import RankWorker
 
     if config.device == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // rendezvous.world_size))
+        share = max(1, (os.cpu_count() or 1) // rendezvous.world_size)
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or share))
     try:
         rank_worker = RankWorker(config, rank, rendezvous)
     except BaseException:
