@@ -16,6 +16,18 @@ from deployments.config import AppConfig, parse_app_config
 from deployments.ingress import OpenAIIngress
 from deployments.llm_server import LLMServer
 from deployments.renderer import Renderer
+from engine.model_config import load_model_config
+from engine.shard_layout import rank_shard_layout
+from engine.tensor_parallel import TensorParallel
+
+
+def check_model_splits(config: AppConfig) -> None:
+    """Raise ValueError if the engine refuses the config or the model's head counts cannot be
+    split (or replicated) tensor_parallel_size ways, naming the count."""
+    engine_config = config.engine_config()
+    model_config = load_model_config(engine_config.model_dir)
+    for rank in range(engine_config.tensor_parallel_size):
+        rank_shard_layout(model_config, TensorParallel(rank, engine_config.tensor_parallel_size))
 
 
 def build_app(args: dict) -> Application:
@@ -24,7 +36,7 @@ def build_app(args: dict) -> Application:
     Raises ValueError naming every unknown or invalid key.
     """
     config: AppConfig = parse_app_config(args)
-    config.engine_config()  # fail at build time on values the engine refuses
+    check_model_splits(config)  # fail at build time on values the engine refuses
     serve_options = {"max_ongoing_requests": config.max_ongoing_requests}
     renderer = Renderer.options(
         ray_actor_options={"num_cpus": config.renderer_num_cpus}, **serve_options

@@ -43,3 +43,13 @@ def test_checkpoint_slots_accept_any_subset_and_reject_unknown_names():
         build_app({"checkpoint_slots": "prompt"})
     with pytest.raises(ValueError, match="checkpoint_cache_bytes"):
         build_app({"checkpoint_cache_bytes": -1})
+
+
+def test_tensor_parallel_size_is_checked_against_the_model_at_build_time():
+    build_app({"tensor_parallel_size": 4})  # the tiny model splits 4 ways
+    with pytest.raises(ValueError, match="does not divide by tensor_parallel_size=3"):
+        build_app({"tensor_parallel_size": 3})
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        build_app({"tensor_parallel_size": 0})
+    with pytest.raises(ValueError, match="worker_num_cpus"):
+        build_app({"worker_num_cpus": 0})
