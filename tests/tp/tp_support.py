@@ -1,21 +1,20 @@
 """Shared pieces of the tensor-parallel tests: a random checkpoint whose head counts do not
-divide by 4, a small paged driver (as tests/numerics drives the model), the per-rank program
-run under torch.distributed (gloo, spawned processes), and the per-rank parameter count the
-sharding rules allow, computed from the config alone."""
+divide by 4, the per-rank program run under torch.distributed (gloo, spawned processes) with
+the shared paged driver (tests/paged_runner.py), and the per-rank parameter count the sharding
+rules allow, computed from the config alone."""
 
 from __future__ import annotations
 
 import json
 import os
 import socket
-from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 
-from engine.forward_batch import ForwardBatch, SequenceChunk
 from engine.model_config import HybridModelConfig, parse_model_config
+from paged_runner import PagedRunner, Request
 
 EMBEDDED_MODEL_DIR = Path(__file__).resolve().parents[2] / "models" / "tiny-granite-hybrid"
 
@@ -91,57 +90,11 @@ def prompts(vocab_size: int) -> list[list[int]]:
     return [torch.randint(0, vocab_size, (n,), generator=generator).tolist() for n in lengths]
 
 
-@dataclass
-class Request:
-    state_slot: int
-    block_table: list[int] = field(default_factory=list)
-    num_computed: int = 0
-
-
-class PagedRunner:
-    """Feeds chunks of several requests through one ForwardBatch (KV blocks from a shuffled
-    pool, the same on every rank since the seed is)."""
-
-    def __init__(self, model, num_blocks: int, num_slots: int) -> None:
-        self.model = model
-        self.caches = model.allocate_caches(num_blocks, BLOCK_SIZE, num_slots)
-        generator = torch.Generator().manual_seed(0)
-        self.free_blocks = torch.randperm(num_blocks, generator=generator).tolist()
-
-    @torch.no_grad()
-    def step(self, work: list[tuple[Request, list[int]]]) -> list[torch.Tensor]:
-        """Each request's logits (n_i, vocab) fp32 for its next tokens."""
-        input_ids, positions, slot_mapping, chunks, cu_seqlens = [], [], [], [], [0]
-        for request, tokens in work:
-            start, end = request.num_computed, request.num_computed + len(tokens)
-            while len(request.block_table) * BLOCK_SIZE < end:
-                request.block_table.append(self.free_blocks.pop())
-            for position in range(start, end):
-                block = request.block_table[position // BLOCK_SIZE]
-                slot_mapping.append(block * BLOCK_SIZE + position % BLOCK_SIZE)
-            input_ids += tokens
-            positions += range(start, end)
-            chunks.append(
-                SequenceChunk(
-                    request.state_slot, start, len(tokens), tuple(request.block_table), start == 0
-                )
-            )
-            cu_seqlens.append(len(input_ids))
-            request.num_computed = end
-        as_tensor = lambda values: torch.tensor(values, dtype=torch.int64)  # noqa: E731
-        batch = ForwardBatch(
-            as_tensor(input_ids), as_tensor(positions), as_tensor(slot_mapping),
-            tuple(chunks), tuple(cu_seqlens),
-        )
-        logits = self.model.compute_logits(self.model(batch, self.caches))
-        return [logits[a:b] for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:])]
-
-
 def greedy(model, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """All prompts batched: one prefill step, then DECODE_STEPS decode steps, greedy.
     Returns tokens (steps, R) and the last-token logits (steps, R, vocab)."""
     batch_prompts = prompts(vocab_size)
-    runner = PagedRunner(model, num_blocks=4 * NUM_PROMPTS, num_slots=NUM_PROMPTS)
+    runner = PagedRunner(model, num_blocks=4 * NUM_PROMPTS, block_size=BLOCK_SIZE, num_slots=NUM_PROMPTS)
     requests = [Request(state_slot=i) for i in range(NUM_PROMPTS)]
     work = list(zip(requests, batch_prompts))
     all_logits, all_tokens = [], []
@@ -160,7 +113,7 @@ def stop_and_continue(model, vocab_size: int, stop: int = 13) -> dict:
     and the captured per-layer state shapes."""
     generator = torch.Generator().manual_seed(99)
     prompt = torch.randint(0, vocab_size, (30,), generator=generator).tolist()
-    runner = PagedRunner(model, num_blocks=16, num_slots=4)
+    runner = PagedRunner(model, num_blocks=16, block_size=BLOCK_SIZE, num_slots=4)
     whole = runner.step([(Request(state_slot=0), prompt)])[0]
     first = Request(state_slot=1)
     head = runner.step([(first, prompt[:stop])])[0]
