@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -35,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from engine.config import EngineConfig
+from engine.config import DEFAULT_MODEL_DIR, EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.multiprocess_executor import MultiprocessExecutor
 from engine.sampling_params import SamplingParams
@@ -228,6 +229,10 @@ def main() -> None:
         else:
             model_dir = Path(tmp) / "granite-hybrid-1p5b-random"
             write_random_checkpoint(model_dir)
+            # The engine detokenizes: borrow the embedded model's tokenizer (ids past its
+            # vocabulary decode to empty text, which the agreement check never reads).
+            for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+                shutil.copy(Path(DEFAULT_MODEL_DIR) / name, model_dir / name)
             base = EngineConfig(model_dir=str(model_dir), dtype="bfloat16", device="cuda",
                                 max_model_len=sizes.long_prefix + sizes.user_message + 64,
                                 max_num_seqs=80,

@@ -80,8 +80,8 @@ class RankWorker:
 
     def __init__(self, config: EngineConfig, rank: int, rendezvous: Rendezvous) -> None:
         backend = distributed_backend(config.device)
-        if backend == "nccl":
-            torch.cuda.set_device(torch.device(config.device))
+        if backend == "nccl":  # "cuda" alone: the one GPU the launcher made visible
+            torch.cuda.set_device(torch.device(config.device).index or 0)
         dist.init_process_group(
             backend,
             init_method=f"tcp://{rendezvous.host}:{rendezvous.port}",
