@@ -77,18 +77,22 @@ class MultiprocessExecutor:
         return self._receive(timeout_s=None)
 
     def shutdown(self) -> None:
-        if self._processes and self._processes[0].is_alive() and self._dead is None:
+        """Stop the rank processes (idempotent). Rank 0 stops on "stop" or on the pipe closing;
+        it releases the followers while the group is sound (after a rank died they have
+        exited or are exiting on their own). A process still alive after STOP_TIMEOUT_S is
+        terminated."""
+        if self._dead is None and self._processes and self._processes[0].is_alive():
             try:
                 self._conn.send(("stop", None))
             except OSError:
                 pass
+        self._conn.close()
         for process in self._processes:
             process.join(timeout=STOP_TIMEOUT_S)
             if process.is_alive():
                 process.terminate()
                 process.join(timeout=STOP_TIMEOUT_S)
         self._processes = []
-        self._conn.close()
 
     def _receive(self, timeout_s: float | None):
         """Rank 0's answer; raises when a rank process dies first or rank 0 reports failure."""
