@@ -8,12 +8,9 @@ import pytest
 from deployments.instruction_boundary import BoundaryRejection, find_instruction_boundary
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
 from engine.step_io import RunnerOutput
 from tests.engine.conversations import render
-
-GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, return_logits=True)
-SYSTEM = "You answer in riddles about rivers, mountains and the number seven. " * 3
+from tests.engine.reuse_cases import GREEDY, SYSTEM, chat, instruction_reuse, multi_turn, run
 
 
 @pytest.fixture(scope="module")
@@ -21,72 +18,42 @@ def engine() -> LLMEngine:
     return LLMEngine(EngineConfig(max_num_batched_tokens=40, max_num_seqs=8))
 
 
-def chat(system: str | None, user: str) -> list[dict]:
-    messages = [{"role": "system", "content": system}] if system else []
-    return messages + [{"role": "user", "content": user}]
-
-
-def run(engine: LLMEngine, request_id: str, conversation, salt="", params=GREEDY):
-    """Run one request alone; returns (tokens, text, cached tokens, chunk sizes it ran)."""
-    prompt = render(engine.tokenizer, conversation)
-    boundary = find_instruction_boundary(engine.tokenizer, conversation, prompt).position
-    engine.add_request(request_id, prompt, params, cache_salt=salt, instruction_boundary=boundary)
-    tokens, text, cached, chunk_sizes = [], "", 0, []
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            tokens += out.new_token_ids
-            text += out.new_text
-            cached = out.num_cached_tokens
-        chunk_sizes += [len(c.token_ids) for c in engine.last_step.scheduler_output.chunks
-                        if c.request_id == request_id]
-    return tokens, text, cached, chunk_sizes, prompt, boundary
-
-
 def test_a_new_user_message_restores_the_shared_instructions(engine):
-    salt = "instruction-reuse"
-    first = run(engine, "i1", chat(SYSTEM, "Tell me about the river."), salt)
-    second = run(engine, "i2", chat(SYSTEM, "And the mountain, briefly please?"), salt)
-    boundary = second[5]
-    assert boundary is not None and boundary % 16 != 0
-    assert first[2] == 0
-    assert second[2] == boundary
+    first, second, scratch = instruction_reuse(engine, "instruction-reuse")
+    assert second.boundary is not None and second.boundary % 16 != 0
+    assert first.cached == 0
+    assert second.cached == second.boundary
     # only the rest of the prompt was computed
-    assert sum(second[3]) == len(second[4]) - boundary + GREEDY.max_tokens - 1
-    scratch = run(engine, "i3", chat(SYSTEM, "And the mountain, briefly please?"), "other-salt")
-    assert scratch[2] == 0 and scratch[0] == second[0]
+    assert sum(second.chunk_sizes) == len(second.prompt) - second.boundary + GREEDY.max_tokens - 1
+    assert scratch.cached == 0 and scratch.tokens == second.tokens
 
 
 def test_instruction_reuse_needs_the_instruction_slot():
     engine = LLMEngine(EngineConfig(checkpoint_slots=("prompt", "response")))
     run(engine, "a", chat(SYSTEM, "Tell me about the river."))
-    assert run(engine, "b", chat(SYSTEM, "And the mountain, briefly please?"))[2] == 0
+    assert run(engine, "b", chat(SYSTEM, "And the mountain, briefly please?")).cached == 0
 
 
 def test_repeating_a_request_runs_no_prefill(engine):
     conversation = chat(SYSTEM, "Repeat after me: seven rivers.")
     first = run(engine, "r1", conversation, "repeat")
     second = run(engine, "r2", conversation, "repeat")
-    assert second[2] == len(second[4])
-    assert second[3][0] == 0  # the first step computed nothing: it sampled from the saved row
-    assert second[0] == first[0] and second[1] == first[1]
+    assert second.cached == len(second.prompt)
+    assert second.chunk_sizes[0] == 0  # the first step computed nothing: it sampled from the saved row
+    assert second.tokens == first.tokens and second.text == first.text
 
 
 def test_a_continued_conversation_restores_at_least_the_previous_prompt(engine):
-    salt = "multi-turn"
-    turn1 = chat(SYSTEM, "Name a city.")
-    first = run(engine, "m1", turn1, salt)
-    turn2 = turn1 + [{"role": "assistant", "content": first[1]}, {"role": "user", "content": "Why?"}]
-    second = run(engine, "m2", turn2, salt)
-    assert second[2] >= len(first[4])
-    scratch = run(engine, "m3", turn2, "multi-turn-scratch")
-    assert scratch[0] == second[0]
+    first, second, scratch = multi_turn(engine, "multi-turn")
+    assert second.cached >= len(first.prompt)
+    assert scratch.tokens == second.tokens
 
 
 def test_checkpoints_of_one_salt_never_serve_another(engine):
     conversation = chat(SYSTEM, "Isolated?")
     run(engine, "n1", conversation, "tenant-a")
-    assert run(engine, "n2", conversation, "tenant-b")[2] == 0
-    assert run(engine, "n3", conversation, "tenant-a")[2] > 0
+    assert run(engine, "n2", conversation, "tenant-b").cached == 0
+    assert run(engine, "n3", conversation, "tenant-a").cached > 0
 
 
 def test_no_instructions_means_no_boundary_and_no_instruction_checkpoint(engine):
@@ -132,7 +99,7 @@ def test_unconfirmed_captures_are_never_published(engine):
     run(failing, "u1", conversation)
     second = run(failing, "u2", conversation)
     stats = failing.stats()
-    assert second[2] == 0
+    assert second.cached == 0
     assert sum(c.captured for c in stats.checkpoints.values()) == 0
     assert sum(c.dropped for c in stats.checkpoints.values()) >= 2
     assert stats.num_checkpoints == 0 and failing.pool_usage().idle
