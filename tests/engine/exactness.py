@@ -74,8 +74,11 @@ def compare(shared: Outcome, scratch: Outcome, tally: Tally, label: str) -> None
     assert len(shared.token_ids) == len(scratch.token_ids), f"{label}: lengths differ"
 
 
-def run_workload(engine: LLMEngine, seed: int, num_requests: int, tally: Tally) -> None:
+def run_workload(engine: LLMEngine, seed: int, num_requests: int, tally: Tally) -> dict[str, Outcome]:
+    """Run num_requests randomized chat requests (each also from scratch) in rounds of 8 and
+    check each against its from-scratch twin. Returns the shared-namespace outcomes by id."""
     rng = random.Random(seed)
+    results: dict[str, Outcome] = {}
     systems = system_prompts(rng, 4)
     conversations: list[list[dict]] = []
     params = SamplingParams(max_tokens=rng.randint(4, 8), temperature=0, return_logits=True)
@@ -111,8 +114,10 @@ def run_workload(engine: LLMEngine, seed: int, num_requests: int, tally: Tally) 
             tally.hits += shared.cached_tokens > 0
             tally.cached_tokens += shared.cached_tokens
             conversation.append({"role": "assistant", "content": shared.text})
+            results[request_id] = shared
         issued += len(picked)
         round_index += 1
+    return results
 
 
 def tight_config(tensor_parallel_size: int = 1) -> EngineConfig:
