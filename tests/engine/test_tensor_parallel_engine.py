@@ -24,7 +24,7 @@ from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.step_io import RunnerOutput
-from tests.engine.exactness import LOGITS_RTOL, Outcome, Tally, compare, run_workload
+from tests.engine.exactness import LOGITS_RTOL, Outcome, Tally, compare, run_workload, tight_config
 from tests.engine.reuse_cases import SYSTEM, Alone, chat, instruction_reuse, multi_turn, run
 
 TP_SIZES = (2, 4)
@@ -90,6 +90,26 @@ def test_exactness_suite_passes_with_tensor_parallel_ranks(tp_engine, reference_
     for request_id, want in reference_outcomes.items():
         assert outcomes[request_id].cached_tokens == want.cached_tokens, request_id
         compare(outcomes[request_id], want, Tally(), f"{request_id} vs tp=1")
+
+
+@pytest.mark.timeout(300)
+def test_exactness_suite_passes_at_tp2_under_eviction_and_preemption():
+    """The suite's tight configuration (24 KV blocks and 24 bundle states per rank): dropped
+    bundles and preempted requests must stay in step on every rank."""
+    engine = LLMEngine(tight_config(tensor_parallel_size=2))
+    try:
+        tally = Tally()
+        run_workload(engine, seed=39, num_requests=16, tally=tally)
+        stats = engine.stats()
+        print(f"\n[tp=2 tight] requests={tally.requests} hits={tally.hits} near_ties={tally.near_ties} "
+              f"preemptions={stats.scheduler.preemptions} "
+              f"evicted={ {k: c.evicted for k, c in stats.checkpoints.items()} }")
+        assert tally.hits > 0
+        assert stats.scheduler.preemptions > 0
+        assert sum(c.evicted for c in stats.checkpoints.values()) > 0
+        assert engine.pool_usage().idle
+    finally:
+        engine.shutdown()
 
 
 # ---------------------------------------------------------------- the reuse cases, as at tp=1
