@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -243,6 +244,29 @@ def test_a_dead_rank_fails_every_later_step_and_shutdown_returns(victim):
         started = time.monotonic()
         engine.shutdown()
         assert time.monotonic() - started < 60
+    assert not any(process.is_alive() for process in processes)
+
+
+@pytest.mark.timeout(240)
+def test_a_follower_killed_during_a_step_fails_that_step():
+    """The kill lands while the ranks are inside a long prefill (about a second at tp=2)."""
+    engine = LLMEngine(EngineConfig(tensor_parallel_size=2, max_num_batched_tokens=2048))
+    processes = list(engine.executor._processes)
+    long_prompt = [int(t) for t in engine.tokenizer.encode("seven rivers and a mountain " * 300)][:1500]
+    try:
+        engine.add_request("long", long_prompt, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+        killer = threading.Timer(0.2, os.kill, (processes[1].pid, signal.SIGKILL))
+        killer.start()
+        started = time.monotonic()
+        with pytest.raises(ExecutorDiedError):
+            while engine.has_unfinished_requests():
+                engine.step()
+        assert time.monotonic() - started < 60
+        killer.join()
+        with pytest.raises(ExecutorDiedError):
+            engine.step()
+    finally:
+        engine.shutdown()
     assert not any(process.is_alive() for process in processes)
 
 
