@@ -271,10 +271,6 @@ def test_a_follower_killed_during_a_step_fails_that_step():
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.xfail(strict=True, reason=(
-    "MultiprocessExecutor.shutdown() after a follower died neither sends 'stop' nor closes the "
-    "pipe before joining, so rank 0 waits in lead()'s conn.recv() for STOP_TIMEOUT_S (10 s) "
-    "and is then SIGTERMed (exit code -15)"))
 def test_shutdown_after_a_follower_died_lets_rank_0_exit_on_its_own():
     engine = LLMEngine(EngineConfig(tensor_parallel_size=2, **CONFIG))
     processes = list(engine.executor._processes)
