@@ -86,7 +86,7 @@ def checkpoint_rows(worker: Worker, blocks_per_seq: int, block_size: int, prefix
             dropped_bundle_ids=(bundle - 1,),
         )
         seconds, out = _timed(worker, [cold_prefix, second])
-        assert out.captured_bundles.get(bundle), "capture not confirmed"
+        assert out.confirmed_captures.get(bundle), "capture not confirmed"
         split_s.append(seconds)
         bundle += 1
     split_s = min(split_s[1:])  # the first run warms the capture path
@@ -99,7 +99,7 @@ def checkpoint_rows(worker: Worker, blocks_per_seq: int, block_size: int, prefix
         for i in range(repeats + 1):
             capture = CaptureOp(bundle + 1 + i, "c0", 0, prefix, tail_block, in_pass=True)
             seconds, out = _timed(worker, [SchedulerOutput(cold.chunks, captures=(capture,))])
-            assert out.captured_bundles.get(bundle + 1 + i), "in-pass capture not confirmed"
+            assert out.confirmed_captures.get(bundle + 1 + i), "in-pass capture not confirmed"
             in_pass_s.append(seconds)
         in_pass_s = min(in_pass_s[1:])
         if profile is not None:

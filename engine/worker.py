@@ -142,7 +142,7 @@ class Worker:
     ) -> torch.Tensor:
         """The forward pass of `batch` that also takes the in-pass captures (at most one per
         chunk, each strictly inside its request's chunk) and confirms them in
-        output.captured_bundles. CUDA path only (ValueError elsewhere). Returns hidden (T, D)."""
+        output.confirmed_captures. CUDA path only (ValueError elsewhere). Returns hidden (T, D)."""
         from engine.kernels.gpu.in_pass_capture import with_in_pass_captures
 
         plan = plan_for_device(batch, self.capacity.block_size, self.device)
@@ -167,10 +167,11 @@ class Worker:
             i = index[capture.request_id]
             c = order.index(i)
             hidden_row = hidden[batch.cu_seqlens[i] + splits[i] - 1]
-            output.captured_bundles[capture.bundle_id] = self.checkpoints.capture(
+            self.checkpoints.capture(
                 capture.bundle_id, capture.state_slot, capture.num_tokens, capture.tail_block,
                 hidden_row, state=(conv_all[:, c].clone(), ssm_all[:, c].clone()),
             )
+            output.confirmed_captures[capture.bundle_id] = frozenset({self.rank})
         return hidden
 
     def _sample(

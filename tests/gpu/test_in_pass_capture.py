@@ -64,7 +64,7 @@ def _run(dtype: str, in_pass: bool, seqs: dict[int, list[int]]):
             (_cut(0, a, 37, 70, True), _cut(1, b, 32, 60, True)),
             captures=(_capture(1, 0, 37, False), _capture(2, 1, 32, False)),
         ))
-    assert set(out.captured_bundles) == {1, 2}
+    assert set(out.confirmed_captures) == {1, 2}
     bundles = {i: worker.checkpoints._bundles[i] for i in (1, 2)}
     state = {r: worker.caches.read_state_slot(r) for r in range(4)}
     kv = [t[: 4 * BLOCKS].clone() for t in (*worker.caches.key_cache.values(), *worker.caches.value_cache.values())]

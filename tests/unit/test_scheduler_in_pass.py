@@ -30,8 +30,8 @@ def _request(boundary: int, prompt_len=300, pauses=()) -> Request:
 def _step(scheduler: Scheduler, confirm=True):
     out = scheduler.schedule()
     sampled = {c.request_id: 7 for c in out.chunks if c.sample}
-    bundles = {c.bundle_id: 1 for c in out.captures} if confirm else {}
-    scheduler.update_from_output(out, RunnerOutput(sampled_token_ids=sampled, captured_bundles=bundles))
+    bundles = {c.bundle_id: frozenset({0}) for c in out.captures} if confirm else {}
+    scheduler.update_from_output(out, RunnerOutput(sampled_token_ids=sampled, confirmed_captures=bundles))
     return out
 
 
