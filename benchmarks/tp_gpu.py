@@ -3,9 +3,11 @@
     python3 benchmarks/tp_gpu.py --tp 1 2 4 --out $OUT/tp_gpu.json     # one process per GPU
 
 Runs on the GPU machine without Ray: first the reference, tp=1 in this process (engine.worker.
-Worker, no torch.distributed); then each tensor_parallel_size gets an LLMEngine over a
+Worker, no torch.distributed) with in_pass_capture off, so it cuts prefill chunks at the
+instruction boundary (the split path); then each tensor_parallel_size gets an LLMEngine over a
 MultiprocessExecutor (one spawned process per GPU, NCCL for the model's collectives, the same
-RankWorker code the Ray actors run; tp=1 also goes through NCCL, at world size 1). The model
+RankWorker code the Ray actors run; tp=1 also goes through NCCL, at world size 1, and takes
+the instruction checkpoint inside the forward pass (in-pass capture, single-rank CUDA). The model
 is the ~1.5B GraniteMoeHybrid config of gpu_roofline.py with random bf16 weights. Sizes that
 need more GPUs than the machine has are listed under "not_run".
 
@@ -240,11 +242,13 @@ def main() -> None:
                                 kv_cache_bytes=4 << 30, state_cache_bytes=4 << 30,
                                 checkpoint_cache_bytes=8 << 30)
         vocab = 200 if args.smoke else CONFIG_1P5B["vocab_size"]
-        runs = [("1-inprocess", 1)] + [(str(tp), tp) for tp in args.tp if tp <= gpus]
+        runs = [("1-inprocess-split", 1)] + [(str(tp), tp) for tp in args.tp if tp <= gpus]
         for label, tp in runs:
             started = time.perf_counter()
             config = replace(base, tensor_parallel_size=tp)
-            executor = Worker(config) if label == "1-inprocess" else MultiprocessExecutor(config)
+            if label == "1-inprocess-split":
+                config = replace(config, in_pass_capture=False)
+            executor = Worker(config) if tp == 1 and label.startswith("1-") else MultiprocessExecutor(config)
             engine = LLMEngine(config, executor=executor)
             run: dict = {"start_s": time.perf_counter() - started}
             try:
@@ -263,7 +267,7 @@ def main() -> None:
                 if not args.smoke:
                     torch.cuda.empty_cache()
             run["all_reduce_bus_bytes_per_s"] = (
-                None if args.smoke or label == "1-inprocess" else all_reduce_bandwidth(tp))
+                None if args.smoke or label.startswith("1-") else all_reduce_bandwidth(tp))
             report["runs"][label] = run
             print(f"tp={label}: {json.dumps({k: v for k, v in run.items() if k != 'cached_tokens'}, default=str)}",
                   flush=True)

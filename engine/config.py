@@ -27,6 +27,9 @@ class EngineConfig:
         kv_cache_bytes.
     tensor_parallel_size: ranks the model is split over (one process or Ray actor each; one
         GPU each on CUDA). The cache budgets are per rank.
+    in_pass_capture: where the worker supports it (one rank on CUDA), take the instruction
+        checkpoint inside the prefill chunk's forward pass instead of cutting the chunk at the
+        boundary; False always cuts (the split path).
     """
 
     model_dir: str = str(DEFAULT_MODEL_DIR)
@@ -42,6 +45,7 @@ class EngineConfig:
     device: str = "cpu"
     seed: int = 0
     tensor_parallel_size: int = 1
+    in_pass_capture: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

@@ -74,6 +74,7 @@ class LLMEngine:
             max_model_len=capacity.max_model_len,
             checkpoint_kinds=frozenset(CheckpointKind(kind) for kind in config.checkpoint_slots),
             world_size=capacity.world_size,
+            in_pass_capture=config.in_pass_capture and capacity.in_pass_capture,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.last_step: StepTrace | None = None

@@ -37,6 +37,9 @@ class CacheCapacity:
     max_model_len: int
     bundle_sizing: BundleSizing
     world_size: int = 1  # tensor-parallel ranks that must confirm each capture
+    # The worker can capture at a position inside a prefill chunk during its forward pass
+    # (CaptureOp.in_pass): the CUDA path of a single rank.
+    in_pass_capture: bool = False
 
 
 class Worker:
@@ -263,6 +266,7 @@ def _size_caches(config: EngineConfig, model, model_max_len: int) -> CacheCapaci
         block_size=config.block_size,
         max_model_len=max_model_len,
         world_size=model.tp.world_size,
+        in_pass_capture=config.device.startswith("cuda") and model.tp.world_size == 1,
         bundle_sizing=BundleSizing(
             state_bytes=model.state_bytes_per_slot(),
             kv_bytes_per_token=kv_bytes_per_token,

@@ -159,3 +159,11 @@ def test_async_engine_streams_and_aborts_free_the_pools(engine):
     assert outputs[-1].finished and sum(len(o.new_token_ids) for o in outputs) == GREEDY.max_tokens
     usage = engine.pool_usage()
     assert usage.num_requests == 0 and usage.idle
+
+
+def test_in_pass_capture_stays_off_where_the_worker_cannot_do_it():
+    """On CPU the worker reports no in-pass support, so the scheduler keeps cutting chunks at
+    the instruction boundary whatever the config asks (tests/gpu covers the CUDA side)."""
+    engine = LLMEngine(EngineConfig(max_model_len=256, in_pass_capture=True))
+    assert engine.executor.cache_capacity().in_pass_capture is False
+    assert engine.scheduler.in_pass_capture is False
