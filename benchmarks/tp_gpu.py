@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -43,6 +44,11 @@ from engine.llm_engine import LLMEngine
 from engine.multiprocess_executor import MultiprocessExecutor
 from engine.sampling_params import SamplingParams
 from engine.worker import Worker
+
+# NVLink multicast stays off on the shared GPU hosts this runs on (see the device notes); the
+# spawned rank processes inherit these.
+NVLINK_MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                        "NVSHMEM_DISABLE_NVLS": "1"}
 
 NUM_INSTRUCTIONS = 4
 USERS_PER_INSTRUCTION = 5
@@ -215,6 +221,8 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true",
                         help="tiny model on CPU (gloo), short prompts: checks the script, not speed")
     args = parser.parse_args()
+    for name, value in NVLINK_MULTICAST_OFF.items():
+        os.environ.setdefault(name, value)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from gpu_roofline import CONFIG_1P5B, write_random_checkpoint
 
