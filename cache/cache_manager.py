@@ -146,6 +146,11 @@ class CacheManager:
         dropped, self._dropped_bundles = self._dropped_bundles, []
         return tuple(dropped)
 
+    def return_dropped_bundles(self, bundle_ids: tuple[int, ...]) -> None:
+        """Bundle ids taken for a step that failed: the next take_dropped_bundles yields them
+        again, so the runner still frees their tensors."""
+        self._dropped_bundles = list(bundle_ids) + self._dropped_bundles
+
     def usage(self, num_requests: int = 0) -> PoolUsage:
         """Free blocks count blocks held by nobody; blocks referenced only by checkpoints are
         in use until those checkpoints are evicted."""

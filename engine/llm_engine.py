@@ -164,7 +164,11 @@ class LLMEngine:
         scheduler_output = self.scheduler.schedule()
         runner_output = RunnerOutput()
         if scheduler_output.has_work:
-            runner_output = self.executor.execute(scheduler_output)
+            try:
+                runner_output = self.executor.execute(scheduler_output)
+            except BaseException:
+                self.scheduler.abandon_step(scheduler_output)
+                raise
         self.last_step = StepTrace(scheduler_output, runner_output)
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
         outputs = self.output_processor.process(updated, runner_output)

@@ -142,6 +142,25 @@ class Scheduler:
             dropped_bundle_ids=self.cache.take_dropped_bundles(),
         )
 
+    def abandon_step(self, scheduler_output: SchedulerOutput) -> None:
+        """The runner failed `scheduler_output`: none of it is known to have happened. Its
+        captures are dropped (fail closed), its restores' pins released, and the bundles it
+        was to free are handed to the next step again. Requests are left as they were; the
+        caller fails them."""
+        self._settle_checkpoints(scheduler_output, {})
+        self.cache.return_dropped_bundles(scheduler_output.dropped_bundle_ids)
+
+    def _settle_checkpoints(
+        self, scheduler_output: SchedulerOutput, confirmed_captures: dict[int, frozenset[int]]
+    ) -> None:
+        """Publish each capture every rank confirmed (drop the others); unpin restores."""
+        for capture in scheduler_output.captures:
+            confirmed = confirmed_captures.get(capture.bundle_id, frozenset())
+            self.cache.publish(capture.bundle_id, set(confirmed), self.world_size)
+            del self._pending_endpoints[capture.bundle_id]
+        for restore in scheduler_output.restores:
+            self.cache.unpin(restore.bundle_id)
+
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput
     ) -> list[Request]:
@@ -150,12 +169,7 @@ class Scheduler:
         Returns the requests that received a new token this step (finished ones included,
         with status FINISHED and their finish_reason set).
         """
-        for capture in scheduler_output.captures:
-            confirmed = runner_output.confirmed_captures.get(capture.bundle_id, frozenset())
-            self.cache.publish(capture.bundle_id, set(confirmed), self.world_size)
-            del self._pending_endpoints[capture.bundle_id]
-        for restore in scheduler_output.restores:
-            self.cache.unpin(restore.bundle_id)
+        self._settle_checkpoints(scheduler_output, runner_output.confirmed_captures)
 
         updated: list[Request] = []
         for chunk in scheduler_output.chunks:

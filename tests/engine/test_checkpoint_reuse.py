@@ -103,3 +103,57 @@ def test_unconfirmed_captures_are_never_published(engine):
     assert sum(c.captured for c in stats.checkpoints.values()) == 0
     assert sum(c.dropped for c in stats.checkpoints.values()) >= 2
     assert stats.num_checkpoints == 0 and failing.pool_usage().idle
+
+
+class FailingCaptureSteps:
+    """An executor whose steps fail whenever they carry a capture or a restore (a worker error
+    mid-step): the engine must not leak the step's checkpoint bookkeeping."""
+
+    def __init__(self, worker) -> None:
+        self.worker = worker
+        self.failing = True
+
+    def cache_capacity(self):
+        return self.worker.cache_capacity()
+
+    def execute(self, scheduler_output) -> RunnerOutput:
+        if self.failing and (scheduler_output.captures or scheduler_output.restores):
+            raise RuntimeError("injected worker failure")
+        return self.worker.execute(scheduler_output)
+
+    def shutdown(self) -> None:
+        pass
+
+
+def test_a_failed_step_drops_its_captures_and_releases_its_restores(engine):
+    executor = FailingCaptureSteps(engine.executor.__class__(EngineConfig()))
+    flaky = LLMEngine(EngineConfig(), executor=executor)
+    prompt = list(range(5, 60))
+    flaky.add_request("f1", prompt, GREEDY, instruction_boundary=20)
+    failures = 0
+    while flaky.has_unfinished_requests():
+        try:
+            flaky.step()
+        except RuntimeError:
+            failures += 1
+            flaky.fail_all("injected")
+    assert failures == 1
+    usage = flaky.pool_usage()
+    assert usage.idle and usage.num_checkpoints == 0
+    assert flaky.stats().checkpoints["instruction"].dropped == 1
+    # The same endpoint can be captured again once the worker works.
+    executor.failing = False
+    first = run(flaky, "f2", chat(SYSTEM, "Tell me about the river."))
+    second = run(flaky, "f3", chat(SYSTEM, "And the mountain, briefly please?"))
+    assert second.cached == first.boundary > 0
+    # A restore whose step fails leaves the bundle unpinned, so eviction can still take it.
+    executor.failing = True
+    flaky.add_request("f4", render(flaky.tokenizer, chat(SYSTEM, "Once more?")), GREEDY,
+                      instruction_boundary=first.boundary)
+    with pytest.raises(RuntimeError):
+        while flaky.has_unfinished_requests():
+            flaky.step()
+    flaky.fail_all("injected")
+    ledger = flaky.scheduler.cache.ledger
+    while len(ledger):  # every bundle, the restored one included, can be evicted: none pinned
+        assert ledger.evict_lru() is not None
