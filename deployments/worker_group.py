@@ -12,6 +12,7 @@ The replica (LLMServer) owns the group, so the actors and the placement group go
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 
 import ray
@@ -28,6 +29,11 @@ from engine.worker import CacheCapacity
 
 # Reserving the bundles may wait for the autoscaler to add a node.
 PLACEMENT_TIMEOUT_S = 600.0
+# Every rank joined and loaded its shard (rank_worker.COLLECTIVE_TIMEOUT bounds the join).
+START_TIMEOUT_S = 900.0
+# A step running longer than this makes the replica unhealthy (a hang that no collective
+# timeout catches, e.g. outside the model's collectives).
+STEP_STALL_S = 600.0
 # A threaded actor: ranks 1.. sit in follow() while health pings still get answered.
 RANK_ACTOR_CONCURRENCY = 2
 
@@ -81,7 +87,8 @@ class WorkerGroup:
         ]
         group = cls(ranks=ranks, placement=placement, follower_runs=[])
         try:
-            await asyncio.gather(*(actor.ping.remote() for actor in ranks))
+            await asyncio.wait_for(asyncio.gather(*(actor.ping.remote() for actor in ranks)),
+                                   START_TIMEOUT_S)
         except Exception as exc:
             group.shutdown()
             raise WorkerGroupStartError(f"a tensor-parallel rank failed to start: {exc}") from exc
@@ -103,20 +110,28 @@ class RayWorkerExecutor:
 
     def __init__(self, ranks: list[ActorHandle]) -> None:
         self._ranks = ranks
+        self._step_started: float | None = None  # time.monotonic() of the step in flight
 
     def cache_capacity(self) -> CacheCapacity:
         return ray.get(self._ranks[0].cache_capacity.remote())
 
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        self._step_started = time.monotonic()
         try:
             return ray.get(self._ranks[0].execute.remote(scheduler_output))
         except RayActorError as exc:
             raise ExecutorDiedError(f"tensor-parallel rank 0 died: {exc}") from None
         except ExecutorDiedError as exc:  # raised by rank 0, wrapped by Ray
             raise ExecutorDiedError(str(getattr(exc, "cause", exc))) from None
+        finally:
+            self._step_started = None
 
     async def check_health(self, timeout_s: float) -> None:
-        """Raise RayActorError if any rank is dead, or TimeoutError if one does not answer."""
+        """Raise RayActorError if any rank is dead, TimeoutError if one does not answer or
+        the step in flight has run longer than STEP_STALL_S."""
+        started = self._step_started
+        if started is not None and time.monotonic() - started > STEP_STALL_S:
+            raise TimeoutError(f"a step has run for over {STEP_STALL_S:.0f} s")
         pings = [actor.ping.remote() for actor in self._ranks]
         try:
             await asyncio.wait_for(asyncio.gather(*pings), timeout_s)

@@ -69,7 +69,7 @@ class AsyncLLMEngine:
         def add() -> None:
             try:
                 if self._dead is not None:
-                    raise self._dead
+                    raise ExecutorDiedError(str(self._dead))
                 self.engine.add_request(request_id, prompt_token_ids, sampling, pause_positions,
                                         cache_salt=cache_salt,
                                         instruction_boundary=instruction_boundary)
@@ -109,9 +109,11 @@ class AsyncLLMEngine:
         return self._thread.is_alive() and self._dead is None
 
     def shutdown(self) -> None:
+        """Stop the step loop, then the engine's executor."""
         self._stopped = True
         self._wakeup.set()
         self._thread.join(timeout=10)
+        self.engine.shutdown()
 
     # ------------------------------------------------------------------ step thread
 
@@ -133,7 +135,8 @@ class AsyncLLMEngine:
                 logger.error("the executor died; failing every open request: %s", exc)
                 self._dead = exc
                 for stream in self._streams.values():
-                    stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, exc)
+                    stream.loop.call_soon_threadsafe(stream.outputs.put_nowait,
+                                                     ExecutorDiedError(str(exc)))
                 self._streams.clear()
                 continue
             except Exception as exc:  # a failed step fails its requests, never the loop

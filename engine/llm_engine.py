@@ -55,6 +55,15 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, executor: ModelExecutor | None = None) -> None:
         self.config = config
         self.executor: ModelExecutor = executor if executor is not None else _local_executor(config)
+        try:
+            self._build(config)
+        except BaseException:
+            self.executor.shutdown()  # spawned rank processes must not outlive a failed start
+            raise
+
+    def _build(self, config: EngineConfig) -> None:
+        """Everything beside the executor: tokenizer, scheduler sized from the executor's
+        capacity, output processor."""
         capacity = self.executor.cache_capacity()
         self.max_model_len = capacity.max_model_len
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_dir)

@@ -68,7 +68,7 @@ class MultiprocessExecutor:
 
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         if self._dead is not None:
-            raise self._dead
+            raise ExecutorDiedError(str(self._dead))
         try:
             self._conn.send(("execute", scheduler_output))
         except OSError as exc:
@@ -99,6 +99,8 @@ class MultiprocessExecutor:
         waited = 0.0
         while not self._conn.poll(POLL_S):
             dead = [p for p in self._processes if not p.is_alive()]
+            if dead and self._conn.poll(POLL_S):
+                break  # rank 0's last word (e.g. the traceback of a failed start) comes first
             if dead:
                 self._dead = ExecutorDiedError(
                     f"tensor-parallel rank process {dead[0].name} exited (code {dead[0].exitcode})")

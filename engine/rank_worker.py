@@ -17,8 +17,9 @@ collectives then fail on the closed connection), and rank 0 raises ExecutorDiedE
 failed step and every later one. A single rank (world_size 1) never broadcasts; a failed step
 fails only that step's requests, as in process.
 
-The model's collectives use the default group (NCCL on CUDA, gloo on CPU); steps and
-confirmations always travel over gloo, so they never touch the GPU.
+The model's collectives use the default group (NCCL on CUDA, gloo on CPU; COLLECTIVE_TIMEOUT);
+steps and confirmations travel over a gloo group of their own (IDLE_TIMEOUT), so they never
+touch the GPU and an idle server never times out.
 """
 
 from __future__ import annotations
@@ -40,9 +41,13 @@ from engine.worker import CacheCapacity, Worker
 
 logger = logging.getLogger(__name__)
 
-# How long a collective may wait for a peer. Idle followers wait in a broadcast between steps,
-# so this bounds only a hung peer, never an idle server: dead peers fail collectives at once.
-GROUP_TIMEOUT = timedelta(days=7)
+# How long joining the group, or one of the model's collectives within a step, may wait for a
+# peer: a rank that never joins, or a hung collective, fails the group after this instead of
+# hanging it (a dead gloo peer fails a collective at once; NCCL's watchdog enforces this one).
+COLLECTIVE_TIMEOUT = timedelta(minutes=10)
+# Followers wait for the next step in a broadcast on their own gloo group: an idle server must
+# not time out.
+IDLE_TIMEOUT = timedelta(days=365)
 
 
 @dataclass(frozen=True)
@@ -87,9 +92,9 @@ class RankWorker:
             init_method=f"tcp://{rendezvous.host}:{rendezvous.port}",
             rank=rank,
             world_size=rendezvous.world_size,
-            timeout=GROUP_TIMEOUT,
+            timeout=COLLECTIVE_TIMEOUT,
         )
-        self._steps = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo")
+        self._steps = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
         self.rank = rank
         self.world_size = rendezvous.world_size
         self.worker = Worker(config, TensorParallel(rank=rank, world_size=self.world_size))
