@@ -53,7 +53,6 @@ class WorkerGroup:
 
     ranks: list[ActorHandle]
     placement: PlacementGroup
-    follower_runs: list[ray.ObjectRef]  # ranks 1..'s follow() calls; they end when stopped
 
     @classmethod
     async def start(cls, config: EngineConfig, num_cpus_per_rank: float) -> WorkerGroup:
@@ -85,14 +84,15 @@ class WorkerGroup:
             ).remote(config, rank, rendezvous)
             for rank in range(world_size)
         ]
-        group = cls(ranks=ranks, placement=placement, follower_runs=[])
+        group = cls(ranks=ranks, placement=placement)
         try:
             await asyncio.wait_for(asyncio.gather(*(actor.ping.remote() for actor in ranks)),
                                    START_TIMEOUT_S)
         except Exception as exc:
             group.shutdown()
             raise WorkerGroupStartError(f"a tensor-parallel rank failed to start: {exc}") from exc
-        group.follower_runs = [actor.follow.remote() for actor in ranks[1:]]
+        for actor in ranks[1:]:  # runs until rank 0 stops it; health comes from pings, not this call
+            actor.follow.remote()
         return group
 
     def shutdown(self) -> None:
