@@ -57,8 +57,9 @@ class PagedAttention(nn.Module):
     ) -> torch.Tensor:
         """Writes every token's K/V to its slot, then attends each chunk over its own sequence.
 
-        gpu_plan: given on CUDA; all decode chunks then go through one Triton launch and each
-        prefill chunk through SDPA (attend_gpu)."""
+        gpu_plan: given on CUDA; all decode chunks then go through one Triton launch, the
+        prefill chunks with cached keys through another, and each prefill chunk that starts its
+        sequence through SDPA (attend_gpu)."""
         num_tokens = hidden.shape[0]
         query = self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim)
         key = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -68,7 +69,7 @@ class PagedAttention(nn.Module):
         write_kv(key_cache, value_cache, batch.slot_mapping, key, value)
 
         if gpu_plan is not None:
-            output = self.attend_gpu(query, key_cache, value_cache, gpu_plan)
+            output = self.attend_gpu(query, key, value, key_cache, value_cache, gpu_plan)
             return self.o_proj(output.view(num_tokens, self.num_heads * self.head_dim))
         output = torch.empty_like(query)  # (T, H, Dh)
         for chunk, start, end in zip(batch.chunks, batch.cu_seqlens[:-1], batch.cu_seqlens[1:]):
@@ -81,21 +82,30 @@ class PagedAttention(nn.Module):
     def attend_gpu(
         self,
         query: torch.Tensor,  # (T, H, Dh)
+        key: torch.Tensor,  # (T, Hkv, Dh), this step's keys (also written to key_cache)
+        value: torch.Tensor,  # (T, Hkv, Dh)
         key_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, Dh), this step's K/V written
         value_cache: torch.Tensor,
         plan: GpuBatchPlan,
     ) -> torch.Tensor:
         """Attention output (T, H, Dh) for every chunk of the batch, on CUDA."""
-        from engine.kernels.gpu.paged_attention import paged_attention_decode, paged_attention_prefill
+        from engine.kernels.gpu.paged_attention import (
+            causal_attention_from_start, paged_attention_decode, paged_attention_prefill,
+        )
 
-        output = torch.empty_like(query)
+        # Rows no kernel writes (a graph's padding) must hold finite values: zeros there.
+        output = torch.empty_like(query) if plan.prefill_valid is None else torch.zeros_like(query)
         paged_attention_decode(
             query, key_cache, value_cache, output, plan.decode_rows, plan.decode_seq_lens,
             plan.decode_block_table, self.scale,
         )
-        for chunk in plan.prefill_chunks:
-            output[chunk.start : chunk.end] = paged_attention_prefill(
-                query[chunk.start : chunk.end], key_cache, value_cache, chunk.block_table,
-                chunk.start_position, self.scale,
+        paged_attention_prefill(
+            query, key_cache, value_cache, output, plan.paged_first_rows, plan.paged_lengths,
+            plan.paged_positions, plan.paged_tables, plan.paged_max_length, self.scale,
+        )
+        for chunk in plan.fresh_chunks:
+            output[chunk.start : chunk.end] = causal_attention_from_start(
+                query[chunk.start : chunk.end], key[chunk.start : chunk.end],
+                value[chunk.start : chunk.end], self.scale,
             )
         return output

@@ -212,11 +212,12 @@ class Mamba2Mixer(ShardedModule):
         captures: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Every chunk at once on CUDA: one conv launch pair for all chunks, one decode launch
-        for all 1-token chunks (dt discretised inside it), one varlen chunked scan for the rest.
+        for all 1-token chunks (dt discretised inside it), one varlen chunked scan for the rest
+        (its inputs prepared in one launch, the in-pass captures taken inside it).
         Returns y (T, H, P) fp32."""
         from engine.kernels.gpu.conv import causal_conv1d_varlen
-        from engine.kernels.gpu.in_pass_capture import capture_conv_states, scan_with_captures
-        from engine.kernels.gpu.ssd import ssd_chunk_scan_varlen, ssd_decode_update_raw_dt
+        from engine.kernels.gpu.in_pass_capture import capture_conv_states
+        from engine.kernels.gpu.ssd import ssd_decode_update_raw_dt, ssd_prefill_scan
 
         T = xBC.shape[0]
         weight = self.conv1d.weight[:, 0, :]  # (conv_dim, K)
@@ -238,25 +239,19 @@ class Mamba2Mixer(ShardedModule):
                 ssm_state, y, plan.decode_rows, plan.decode_slots, plan.decode_reset,
             )
         if plan.num_prefill:
-            dt = F.softplus(dt_raw.float() + self.dt_bias.float())  # (T, H)
-            dt = dt.clamp(min=self.time_step_limit[0], max=self.time_step_limit[1])
-            A = -torch.exp(self.A_log.float())  # (H,)
             rows = plan.prefill_rows
-            pick = (lambda t: t) if rows is None else (lambda t: t.index_select(0, rows))
             slots = plan.prefill_slots
             keep = (plan.prefill_reset == 0).view(-1, 1, 1, 1)
             # (Sp, H, P, N); a reset slot may hold anything (NaN too): read as zeros
             initial = torch.where(keep, ssm_state.index_select(0, slots), 0.0)
-            if plan.in_pass is not None:  # the states at the capture positions, same one scan
-                y_prefill, final = scan_with_captures(
-                    ssd_chunk_scan_varlen, pick(x), pick(dt), A, pick(B), pick(C), self.D, initial,
-                    plan.in_pass, captures[1],
-                )
-            else:
-                y_prefill, final = ssd_chunk_scan_varlen(
-                    pick(x), pick(dt), A, pick(B), pick(C), self.D, initial,
-                    plan.prefill_cu_seqlens, plan.prefill_cu_seqlens_host,
-                )
+            # graph padding rows (prefill_valid) leave the state as it is; in-pass captures
+            # take the states at their positions in the same one scan
+            y_prefill, final = ssd_prefill_scan(
+                xBC, dt_raw, self.dt_bias, self.A_log, self.time_step_limit, self.D,
+                (self.num_heads, self.head_dim, self.num_groups, self.state_size), initial,
+                plan.prefill_cu_seqlens, plan.prefill_cu_seqlens_host, rows, plan.prefill_valid,
+                plan.in_pass, None if captures is None else captures[1],
+            )
             ssm_state.index_copy_(0, slots, final)
             if rows is None:
                 y = y_prefill

@@ -99,30 +99,38 @@ def test_ssd_decode_update(device):
 
 @pytest.mark.skipif(INTERPRETED, reason="fla-core kernels need a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_ssd_chunk_scan_varlen(device, dtype):
+@pytest.mark.parametrize("lengths", [[300, 2, 64, 1000, 129], [777]])  # varlen, and fla's fixed-length path
+def test_ssd_prefill_scan(device, dtype, lengths):
+    """The Mamba2 prefill scan from the conv output and raw dt (what the model runs) against
+    the reference chunked scan per sequence, every other row a decode row it must skip."""
     pytest.importorskip("fla", reason="fla-core is not installed")
-    from engine.kernels.gpu.ssd import ssd_chunk_scan_varlen
+    from engine.kernels.gpu.ssd import ssd_prefill_scan
 
     torch.manual_seed(3)
-    lengths = [300, 2, 64, 1000, 129]
     H, P, G, N = 8, 64, 1, 128
     cu_t, _, cu = _varlen(lengths, device)
-    T = cu[-1]
-    x = torch.randn(T, H, P, device=device, dtype=dtype)
-    dt = torch.nn.functional.softplus(torch.randn(T, H, device=device) - 2)
-    A = -torch.exp(torch.rand(H, device=device) * 2)
-    B = torch.randn(T, G, N, device=device, dtype=dtype) / N**0.5
-    C = torch.randn(T, G, N, device=device, dtype=dtype)
+    Tp = cu[-1]
+    rows = torch.arange(0, 2 * Tp, 2, device=device)  # prefill rows among 2 Tp rows
+    conv_dim = H * P + 2 * G * N
+    xBC = torch.randn(2 * Tp, conv_dim, device=device, dtype=dtype)
+    xBC[:, H * P : H * P + G * N] /= N**0.5  # B
+    dt_raw = torch.randn(2 * Tp, H, device=device, dtype=dtype) - 2
+    dt_bias = torch.rand(H, device=device) - 0.5
+    A_log = torch.rand(H, device=device) * 2
     D = torch.randn(H, device=device)
     initial = torch.randn(len(lengths), H, P, N, device=device)
+    limit = (0.0, float("inf"))
 
-    y, final = ssd_chunk_scan_varlen(x, dt, A, B, C, D, initial, cu_t, torch.tensor(cu))
-    assert y.shape == (T, H, P) and final.shape == initial.shape
+    y, final = ssd_prefill_scan(xBC, dt_raw, dt_bias, A_log, limit, D, (H, P, G, N), initial, cu_t,
+                                torch.tensor(cu), rows=rows)
+    assert y.shape == (Tp, H, P) and final.shape == initial.shape
+    x, B, C = xBC[rows].double().split([H * P, G * N, G * N], dim=-1)
+    dt = torch.nn.functional.softplus(dt_raw[rows].double() + dt_bias.double())
     for i in range(len(lengths)):
         s, e = cu[i], cu[i + 1]
         ref_y, ref_state = ssd_chunk_scan(
-            x[s:e].double(), dt[s:e].double(), A.double(), B[s:e].double(), C[s:e].double(),
-            D.double(), initial[i].double(), chunk_size=64,
+            x[s:e].view(-1, H, P), dt[s:e], -torch.exp(A_log.double()), B[s:e].view(-1, G, N),
+            C[s:e].view(-1, G, N), D.double(), initial[i].double(), chunk_size=64,
         )
         assert relative_error(y[s:e], ref_y) < 5e-3, f"sequence {i} y"
         assert relative_error(final[i], ref_state) < 5e-3, f"sequence {i} final state"
@@ -177,18 +185,104 @@ def test_paged_attention_decode(device, dtype):
     assert torch.isnan(out[[0, 4]]).all(), "a non-decode row was written"
 
 
-@pytest.mark.skipif(INTERPRETED, reason="SDPA path: nothing to interpret")
-@pytest.mark.parametrize("start_position", [0, 37, 512])
-def test_paged_attention_prefill(device, start_position):
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        torch.float32,
+        pytest.param(
+            torch.bfloat16,
+            marks=pytest.mark.skipif(INTERPRETED, reason="bf16 dot is not emulated faithfully"),
+        ),
+    ],
+)
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
+def test_paged_attention_prefill(device, dtype, num_splits):
+    """Several prefill chunks in one launch, at rows between other rows: with and without cached
+    keys, shorter and longer than a query block, one skipped (length 0); keys in one program
+    per query block, or split over several (more splits than some blocks have key tiles)."""
     from engine.kernels.gpu.paged_attention import paged_attention_prefill
 
     torch.manual_seed(5)
-    n, H, Dh = 100, 16, 128
-    key_cache, value_cache, tables = _paged_setup(device, [start_position + n])
-    query = torch.randn(n, H, Dh, device=device, dtype=torch.bfloat16)
-    table = torch.tensor(tables[0], device=device)
-    out = paged_attention_prefill(query, key_cache, value_cache, table, start_position, Dh**-0.5)
-    ref = paged_attention(
-        query.float(), key_cache.float(), value_cache.float(), table, start_position, Dh**-0.5
+    H, Dh = 16, 128
+    # (queries, start position) of each chunk; the third is skipped (its rows stay NaN)
+    chunks = [(100, 0), (37, 512), (20, 7), (3, 64), (70, 33)]
+    skipped = 2
+    key_cache, value_cache, tables = _paged_setup(device, [n + p for n, p in chunks], dtype=dtype)
+    first_rows, row = [], 2  # rows 0, 1 and one row between chunks belong to nobody
+    for n, _ in chunks:
+        first_rows.append(row)
+        row += n + 1
+    query = torch.randn(row, H, Dh, device=device, dtype=dtype)
+    out = torch.full_like(query, float("nan"))
+    width = max(len(t) for t in tables)
+    as_t = lambda v: torch.tensor(v, dtype=torch.int64, device=device)  # noqa: E731
+    lengths = [0 if s == skipped else n for s, (n, _) in enumerate(chunks)]
+    scale = Dh**-0.5
+
+    paged_attention_prefill(
+        query, key_cache, value_cache, out, as_t(first_rows), as_t(lengths),
+        as_t([p for _, p in chunks]), as_t([t + [0] * (width - len(t)) for t in tables]),
+        max(lengths), scale, num_splits=num_splits,
     )
+    written = torch.zeros(row, dtype=torch.bool)
+    for s, ((n, start), first, blocks) in enumerate(zip(chunks, first_rows, tables)):
+        if s == skipped:
+            continue
+        ref = paged_attention(
+            query[first : first + n].float(), key_cache.float(), value_cache.float(),
+            torch.tensor(blocks, device=device), start, scale,
+        )
+        assert relative_error(out[first : first + n], ref) < 1e-2, f"chunk {s}"
+        written[first : first + n] = True
+    assert torch.isnan(out[~written.to(out.device)]).all(), "a row outside the served chunks was written"
+
+
+def test_causal_attention_from_start(device):
+    from engine.kernels.gpu.paged_attention import causal_attention_from_start
+
+    torch.manual_seed(6)
+    n, H, Hkv, Dh = 100, 16, 4, 128
+    key_cache, value_cache, tables = _paged_setup(device, [n], Hkv=Hkv, Dh=Dh)
+    table = torch.tensor(tables[0], device=device)
+    flat = lambda cache: cache[table].reshape(-1, Hkv, Dh)[:n]  # noqa: E731
+    query = torch.randn(n, H, Dh, device=device, dtype=torch.bfloat16)
+    out = causal_attention_from_start(query, flat(key_cache), flat(value_cache), Dh**-0.5)
+    ref = paged_attention(query.float(), key_cache.float(), value_cache.float(), table, 0, Dh**-0.5)
     assert relative_error(out, ref) < 1e-2
+
+
+@pytest.mark.skipif(INTERPRETED, reason="libdevice.log1p is not emulated by Triton's interpreter")
+@pytest.mark.parametrize("with_rows,with_valid", [(False, False), (True, False), (False, True)])
+def test_scan_inputs(device, with_rows, with_valid):
+    """The fused scan-input kernel against the PyTorch ops it replaces (Mamba2Mixer._scan_inputs,
+    the repeats over heads, the products), on a strided xBC and dt as in_proj's split gives."""
+    from engine.kernels.gpu.ssd import scan_inputs
+
+    torch.manual_seed(9)
+    T, H, P, G, N = 23, 16, 32, 2, 64
+    conv_dim = H * P + 2 * G * N
+    projected = torch.randn(T, 5 + conv_dim + H, device=device, dtype=torch.bfloat16) * 3
+    xBC, dt_raw = projected[:, 5 : 5 + conv_dim], projected[:, 5 + conv_dim :]
+    dt_bias = torch.randn(H, device=device)
+    A_log = torch.randn(H, device=device)
+    limit = (0.001, 4.0)
+    rows = torch.tensor([0, 3, 4, 5, 9, 10, 11, 22], device=device) if with_rows else None
+    valid = (torch.arange(T, device=device) % 5 != 3) if with_valid else None
+
+    q, k, v, g = scan_inputs(xBC, dt_raw, dt_bias, A_log, limit, (H, P, G, N), rows, valid)
+    pick = (lambda t: t) if rows is None else (lambda t: t[rows])  # noqa: E731
+    dt = torch.nn.functional.softplus(pick(dt_raw).float() + dt_bias).clamp(*limit)
+    if valid is not None:
+        dt = torch.where(valid[:, None], dt, 0.0)
+    x, B, C = pick(xBC).float().split([H * P, G * N, G * N], dim=-1)
+    expected = {
+        "q": C.reshape(-1, G, N).repeat_interleave(H // G, dim=1),
+        "k": B.reshape(-1, G, N).repeat_interleave(H // G, dim=1),
+        "v": x.reshape(-1, H, P) * dt[..., None],
+        "g": dt * -torch.exp(A_log),
+    }
+    for name, got in zip("qkvg", (q, k, v, g)):
+        assert got.shape == expected[name].shape, name
+        assert relative_error(got, expected[name]) < 1e-6, name
+    if valid is not None:
+        assert (v[~valid] == 0).all() and (g[~valid] == 0).all()

@@ -15,16 +15,18 @@ from engine.kernels.gpu.in_pass_capture import (
 from engine.kernels.ssd_reference import ssd_chunk_scan
 
 
-def _varlen_reference(x, dt, A, B, C, D, initial, cu, cu_host):
-    """ssd_chunk_scan per sequence (fp32 math inside): a stand-in for ssd_chunk_scan_varlen."""
+def _varlen_reference(q, k, v, g, initial, cu, cu_host):
+    """The recurrence on prepared inputs, token by token per sequence: state_t = exp(g_t)
+    state_{t-1} + outer(v_t, k_t), y_t = state_t @ q_t. A stand-in for ssd.chunk_scan."""
     ys, finals = [], []
     bounds = cu_host.tolist()
     for i, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
-        y, final = ssd_chunk_scan(x[s:e].double(), dt[s:e].double(), A.double(), B[s:e].double(),
-                                  C[s:e].double(), D.double(), initial[i].double(), chunk_size=16)
-        ys.append(y)
-        finals.append(final)
-    return torch.cat(ys), torch.stack(finals)
+        state = initial[i].clone()  # (H, P, N)
+        for t in range(s, e):
+            state = torch.exp(g[t])[:, None, None] * state + v[t][:, :, None] * k[t][:, None, :]
+            ys.append(torch.einsum("hpn,hn->hp", state, q[t]))
+        finals.append(state)
+    return torch.stack(ys), torch.stack(finals)
 
 
 def test_plan_splits_sequences():
@@ -44,10 +46,9 @@ def test_one_call_scan_equals_the_uncut_scan_and_the_state_at_the_split():
     H, P, G, N = 4, 8, 2, 16
     T = sum(lengths)
     x = torch.randn(T, H, P, dtype=torch.float64)
-    dt = torch.nn.functional.softplus(torch.randn(T, H, dtype=torch.float64) - 1)
+    dt = torch.nn.functional.softplus(torch.randn(T, H, dtype=torch.float64) - 4)  # slow decay: the correction matters
     A = -torch.exp(torch.rand(H, dtype=torch.float64))
     B, C = torch.randn(T, G, N, dtype=torch.float64), torch.randn(T, G, N, dtype=torch.float64)
-    D = torch.randn(H, dtype=torch.float64)
     initial = torch.randn(len(lengths), H, P, N, dtype=torch.float64)
     starts = [0, 70, 90]
     prefill = [(j, starts[j], n) for j, n in enumerate(lengths)]
@@ -55,14 +56,22 @@ def test_one_call_scan_equals_the_uncut_scan_and_the_state_at_the_split():
     plan = build_in_pass_plan(prefill, splits, {}, {}, torch.device("cpu"))
     ssm_out = torch.full((2, H, P, N), float("nan"), dtype=torch.float64)
 
-    y, final = scan_with_captures(_varlen_reference, x, dt, A, B, C, D, initial, plan, ssm_out)
+    q, k = (t.repeat_interleave(H // G, dim=1) for t in (C, B))  # (T, H, N)
+    v, g = x * dt[..., None], dt * A
+
+    y, final = scan_with_captures(_varlen_reference, q, k, v, g, initial, plan, ssm_out)
     cu = torch.tensor([0, 70, 90, 135])
-    want_y, want_final = _varlen_reference(x, dt, A, B, C, D, initial, cu, cu)
+    want_y, want_final = _varlen_reference(q, k, v, g, initial, cu, cu)
     assert torch.allclose(y, want_y, rtol=1e-5, atol=1e-5)
+    for j, s in enumerate(starts):  # and the uncut chunks are the reference chunked scan's
+        e = s + lengths[j]
+        ref_y, ref_final = ssd_chunk_scan(x[s:e], dt[s:e], A, B[s:e], C[s:e], None, initial[j], chunk_size=16)
+        assert torch.allclose(y[s:e], ref_y.double(), rtol=1e-5, atol=1e-5)  # (the reference is fp32)
+        assert torch.allclose(final[j], ref_final.double(), rtol=1e-5, atol=1e-5)
     assert torch.allclose(final, want_final, rtol=1e-5, atol=1e-5)
     for c, (j, k) in enumerate(cuts.items()):
         s = starts[j]
-        _, at_split = ssd_chunk_scan(x[s : s + k], dt[s : s + k], A, B[s : s + k], C[s : s + k], D,
+        _, at_split = ssd_chunk_scan(x[s : s + k], dt[s : s + k], A, B[s : s + k], C[s : s + k], None,
                                      initial[j], chunk_size=16)
         assert torch.allclose(ssm_out[c], at_split.double(), rtol=1e-5, atol=1e-5), f"capture {c}"
 

@@ -20,13 +20,11 @@ from engine.kernels.gpu.in_pass_capture import InPassCapturePlan
 
 
 @dataclass(frozen=True)
-class PrefillChunkView:
-    """One prefill chunk as attention sees it: rows [start, end) of the flat token axis."""
+class FreshChunkView:
+    """A prefill chunk that starts its sequence: rows [start, end) of the flat token axis."""
 
     start: int
     end: int
-    start_position: int
-    block_table: torch.Tensor  # (num_blocks,) int64 on the device
 
 
 @dataclass(frozen=True)
@@ -38,8 +36,13 @@ class GpuBatchPlan:
     Decode chunks: decode_rows (Bd,) token rows, decode_slots, decode_reset, decode_seq_lens
     (Bd,) = keys each query attends to, decode_block_table (Bd, max_blocks), zero padded.
     Prefill chunks: prefill_rows (Tp,) token rows (None when every row is a prefill row, in
-    order), prefill_cu_seqlens (Sp+1,) over the prefill rows, prefill_slots, prefill_reset,
-    and prefill_chunks for attention.
+    order), prefill_cu_seqlens (Sp+1,) over the prefill rows, prefill_slots, prefill_reset;
+    prefill_valid (Tp,) bool, None when every prefill row is a real token: a CUDA graph's
+    padded prefill, where the scan must leave the state unchanged over the padding rows.
+    Prefill attention: fresh_chunks, the chunks that start their sequence, served by SDPA over
+    their own K/V (outside graphs); every other prefill chunk goes to one paged kernel launch
+    over paged_first_rows, paged_lengths (0 for a fresh chunk), paged_positions (Sp,) and
+    paged_tables (Sp, max_blocks), at most paged_max_length queries each.
     """
 
     num_chunks: int
@@ -59,7 +62,13 @@ class GpuBatchPlan:
     prefill_cu_seqlens_host: torch.Tensor
     prefill_slots: torch.Tensor
     prefill_reset: torch.Tensor
-    prefill_chunks: tuple[PrefillChunkView, ...]
+    fresh_chunks: tuple[FreshChunkView, ...]
+    paged_first_rows: torch.Tensor
+    paged_lengths: torch.Tensor
+    paged_positions: torch.Tensor
+    paged_tables: torch.Tensor
+    paged_max_length: int
+    prefill_valid: torch.Tensor | None = None
     # In-pass captures of this step (engine/kernels/gpu/in_pass_capture.py); None: none.
     in_pass: InPassCapturePlan | None = None
 
@@ -78,6 +87,8 @@ def build_gpu_batch_plan(batch: ForwardBatch, block_size: int, device: torch.dev
         prefill_rows.extend(range(cu[i], cu[i + 1]))
         prefill_cu.append(len(prefill_rows))
     rows_are_identity = len(prefill_rows) == batch.num_tokens
+    paged = {i for i in prefill if chunks[i].start_position > 0}  # the rest: fresh chunks
+    paged_blocks = max((-(-_tokens_after(chunks[i]) // block_size) for i in prefill), default=0)
 
     fields: list[list[int]] = [
         list(cu),
@@ -93,13 +104,15 @@ def build_gpu_batch_plan(batch: ForwardBatch, block_size: int, device: torch.dev
         prefill_cu,
         [chunks[i].state_slot for i in prefill],
         [int(chunks[i].reset_state) for i in prefill],
+        [cu[i] for i in prefill],
+        [chunks[i].num_tokens if i in paged else 0 for i in prefill],
+        [chunks[i].start_position for i in prefill],
+        [b for i in prefill for b in _padded(chunks[i].block_table, paged_blocks)],
     ]
-    prefill_tables = [list(chunks[i].block_table[: -(-_tokens_after(chunks[i]) // block_size)]) for i in prefill]
-    fields.extend(prefill_tables)
     packed = torch.tensor([v for f in fields for v in f], dtype=torch.int64).to(device, non_blocking=True)
-    views = list(torch.split(packed, [len(f) for f in fields]))
     (cu_t, slot_t, reset_t, token_chunk, d_rows, d_slots, d_reset, d_lens, d_table,
-     p_rows, p_cu, p_slots, p_reset) = views[:13]
+     p_rows, p_cu, p_slots, p_reset, a_rows, a_lens, a_positions, a_tables) = torch.split(
+        packed, [len(f) for f in fields])
     return GpuBatchPlan(
         num_chunks=len(chunks),
         cu_seqlens=cu_t,
@@ -118,10 +131,12 @@ def build_gpu_batch_plan(batch: ForwardBatch, block_size: int, device: torch.dev
         prefill_cu_seqlens_host=torch.tensor(prefill_cu, dtype=torch.int64),
         prefill_slots=p_slots,
         prefill_reset=p_reset,
-        prefill_chunks=tuple(
-            PrefillChunkView(cu[i], cu[i + 1], chunks[i].start_position, table)
-            for i, table in zip(prefill, views[13:])
-        ),
+        fresh_chunks=tuple(FreshChunkView(cu[i], cu[i + 1]) for i in prefill if i not in paged),
+        paged_first_rows=a_rows,
+        paged_lengths=a_lens,
+        paged_positions=a_positions,
+        paged_tables=a_tables.view(len(prefill), paged_blocks),
+        paged_max_length=max((chunks[i].num_tokens for i in paged), default=0),
     )
 
 
@@ -166,5 +181,56 @@ def decode_only_plan(
         prefill_cu_seqlens_host=torch.zeros(1, dtype=torch.int64),
         prefill_slots=empty,
         prefill_reset=empty,
-        prefill_chunks=(),
+        fresh_chunks=(),
+        paged_first_rows=empty,
+        paged_lengths=empty,
+        paged_positions=empty,
+        paged_tables=empty.view(0, 0),
+        paged_max_length=0,
+    )
+
+
+def single_prefill_plan(
+    cu_seqlens: torch.Tensor,  # (3,) int64: 0, n, padded size Tpad
+    chunk_slot: torch.Tensor,  # (2,) int64: the chunk's state slot, then a scratch slot
+    chunk_reset: torch.Tensor,  # (2,) int64: the chunk's reset flag, then 1
+    token_chunk: torch.Tensor,  # (Tpad,) int64: 0 for the n real rows, 1 for the padding
+    start_position: torch.Tensor,  # (1,) int64: position of the chunk's first token
+    length: torch.Tensor,  # (1,) int64: n
+    block_table: torch.Tensor,  # (1, max_blocks) int64
+    scan_bounds: torch.Tensor,  # (2,) int64 on the device: 0, Tpad
+    arange: torch.Tensor,  # (>= 2,) int64 holding 0, 1, ...
+) -> GpuBatchPlan:
+    """The plan of one prefill chunk of n tokens padded to Tpad rows, over tensors the caller
+    owns and refills in place (CUDA graph inputs). The conv sees two chunks, the real one and
+    the padding (which resets and writes only the scratch slot); the scan sees one sequence of
+    Tpad rows whose padding rows are invalid (dt = 0 there, so the final state is the state
+    after token n); attention serves the n real queries through the paged kernel."""
+    num_rows = token_chunk.shape[0]
+    empty = arange[:0]
+    return GpuBatchPlan(
+        num_chunks=2,
+        cu_seqlens=cu_seqlens,
+        chunk_slot=chunk_slot,
+        chunk_reset=chunk_reset,
+        token_chunk=token_chunk,
+        num_decode=0,
+        decode_rows=empty,
+        decode_slots=empty,
+        decode_reset=empty,
+        decode_seq_lens=empty,
+        decode_block_table=empty.view(0, 0),
+        num_prefill=1,
+        prefill_rows=None,
+        prefill_cu_seqlens=scan_bounds,
+        prefill_cu_seqlens_host=torch.tensor([0, num_rows], dtype=torch.int64),
+        prefill_slots=chunk_slot[:1],
+        prefill_reset=chunk_reset[:1],
+        prefill_valid=token_chunk == 0,
+        fresh_chunks=(),
+        paged_first_rows=arange[:1],
+        paged_lengths=length,
+        paged_positions=start_position,
+        paged_tables=block_table,
+        paged_max_length=num_rows,
     )

@@ -8,8 +8,9 @@ For a chunk whose first k tokens lie before p (0 < k < its length):
   with g_t = sum of dt * A over rows k..t of the chunk,
       y_t     += exp(g_t) * (S_p @ C_t)          (rows k .. n-1)
       S_final += exp(g_{n-1}) * S_p
-  (a (n - k) x N x P product per head), so the scan stays one call with no extra host
-  synchronisation and no gathered copies of its inputs.
+  (a (n - k) x N x P product per head), so the scan stays one call with no gathered copies
+  of its inputs. The scan sees the prepared inputs q = C, k = B, v = x * dt, g = dt * A
+  (engine/kernels/gpu/ssd.py: scan_inputs).
 - conv state at p: the K-1 pre-conv inputs before p, from the chunk's rows where k >= K-1,
   else completed on the left by the chunk's old conv state (zeros if it resets).
 Outputs and final states are those of the uncut chunk; the captured states are those the split
@@ -128,29 +129,26 @@ def capture_conv_states(
 
 
 def scan_with_captures(
-    scan,  # ssd_chunk_scan_varlen, or any function with its signature
-    x: torch.Tensor,  # (Tp, H, P) prefill rows
-    dt: torch.Tensor,  # (Tp, H) fp32
-    A: torch.Tensor,  # (H,) fp32
-    B: torch.Tensor,  # (Tp, G, N)
-    C: torch.Tensor,  # (Tp, G, N)
-    D: torch.Tensor | None,
+    scan,  # engine.kernels.gpu.ssd.chunk_scan, or any function with its signature
+    q: torch.Tensor,  # (Tp, H, N) fp32 prefill rows: C per head
+    k: torch.Tensor,  # (Tp, H, N) fp32: B per head
+    v: torch.Tensor,  # (Tp, H, P) fp32: x * dt
+    g: torch.Tensor,  # (Tp, H) fp32: dt * A
     initial: torch.Tensor,  # (Sp, H, P, N) fp32
     plan: InPassCapturePlan,
     ssm_out: torch.Tensor,  # (Sc, H, P, N): the states at the splits, written
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The scan of the prefill chunks as if uncut, in one call: returns (y (Tp, H, P) fp32,
-    final states (Sp, H, P, N)); writes the states at the splits into ssm_out."""
+    """The scan of the prefill chunks as if uncut, in one call: returns (y (Tp, H, P) fp32
+    without the D skip, final states (Sp, H, P, N)); writes the states at the splits into
+    ssm_out."""
     num_seqs = plan.scan_cu_host.shape[0] - 1
     starts = initial.new_zeros(num_seqs, *initial.shape[1:]).index_copy_(0, plan.chunk_first_seq, initial)
-    y, final_seqs = scan(x, dt, A, B, C, D, starts, plan.scan_cu, plan.scan_cu_host)
+    y, final_seqs = scan(q, k, v, g, starts, plan.scan_cu, plan.scan_cu_host)
     final = final_seqs.index_select(0, plan.chunk_last_seq)  # (Sp, H, P, N), a fresh tensor
-    heads_per_group = x.shape[1] // C.shape[1]
     for c, (chunk, seq, begin, end) in enumerate(plan.capture_rows):
         at_split = final_seqs[seq]  # (H, P, N), the state at p
         ssm_out[c].copy_(at_split)
-        decay = torch.exp(torch.cumsum(dt[begin:end].float() * A.float(), dim=0))  # (n2, H)
-        C_h = C[begin:end].float().repeat_interleave(heads_per_group, dim=1)  # (n2, H, N)
-        y[begin:end] += torch.einsum("thn,hpn->thp", C_h, at_split) * decay[:, :, None]
+        decay = torch.exp(torch.cumsum(g[begin:end], dim=0))  # (n2, H)
+        y[begin:end] += torch.einsum("thn,hpn->thp", q[begin:end], at_split) * decay[:, :, None]
         final[chunk] += decay[-1][:, None, None] * at_split
     return y, final

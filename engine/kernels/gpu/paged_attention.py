@@ -1,10 +1,14 @@
 """Paged attention on the GPU: a Triton decode kernel (one query per sequence over its block
-table) and, for prefill chunks, torch SDPA over the chunk's gathered K/V blocks.
+table), a Triton prefill kernel (every chunk with cached keys, or every chunk of a CUDA graph, in
+one launch over its block table) and, for a chunk that starts its sequence outside a graph,
+torch SDPA over the chunk's own K/V.
 
 GPU counterparts of engine/kernels/attention_reference.py:paged_attention. KV layout as there:
 (num_blocks, block_size, Hkv, D); query head h reads KV head h // (H / Hkv). The decode kernel
 gives each program one (sequence, KV head) pair and all the query heads that share it, so each
-K/V byte is read once per step; softmax is online, in fp32.
+K/V byte is read once per step; softmax is online, in fp32. The prefill kernel gives each
+program BLOCK_M queries of one chunk and one query head, and walks the keys up to its last
+query's position BLOCK_N at a time.
 
 Shapes: T tokens, H heads, Hkv KV heads, D head dim, Bd decode sequences.
 """
@@ -90,30 +94,180 @@ def paged_attention_decode(
     )
 
 
+@triton.jit
+def _prefill_kernel(
+    q_ptr, stride_qt, stride_qh,  # (T, H, D), unit D stride
+    k_ptr, v_ptr, stride_kb, stride_ko, stride_kh,  # (blocks, block_size, Hkv, D), K and V alike
+    out_ptr, stride_ot, stride_oh,  # (T, H, D): the output, or (splits, T, H, D) fp32 partials
+    stride_split,  # of the partials' split axis
+    ml_ptr, stride_ml_split, stride_ml_t,  # (splits, T, H, 2) fp32: max and sum of each partial
+    rows_ptr, lens_ptr, positions_ptr, table_ptr, stride_table,  # (Sp,) x 3, (Sp, max_blocks)
+    scale_log2,  # softmax scale * log2(e)
+    num_splits,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, KV_BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr,
+):
+    m_block, head = tl.program_id(0), tl.program_id(2)
+    s, split = tl.program_id(1) // num_splits, tl.program_id(1) % num_splits
+    q_len = tl.load(lens_ptr + s)
+    if m_block * BLOCK_M < q_len:
+        first_row = tl.load(rows_ptr + s)
+        start_position = tl.load(positions_ptr + s)
+        i = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+        i_mask = i < q_len
+        d = tl.arange(0, HEAD_DIM)
+        q = tl.load(q_ptr + (first_row + i)[:, None] * stride_qt + head * stride_qh + d[None, :],
+                    mask=i_mask[:, None], other=0.0)  # (BLOCK_M, D)
+        q_pos = start_position + i
+        kv_head = head // GROUP
+        # keys 0 .. the position of this block's last query, this split's share of them
+        num_keys = start_position + tl.minimum((m_block + 1) * BLOCK_M, q_len)
+        span = tl.cdiv(tl.cdiv(num_keys, num_splits), BLOCK_N) * BLOCK_N
+        key_end = tl.minimum((split + 1) * span, num_keys)
+        m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+        l = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
+        for key_start in range(split * span, key_end, BLOCK_N):
+            tok = key_start + tl.arange(0, BLOCK_N)
+            t_mask = tok < key_end
+            block = tl.load(table_ptr + s * stride_table + tok // KV_BLOCK, mask=t_mask, other=0)
+            offsets = block * stride_kb + (tok % KV_BLOCK) * stride_ko + kv_head * stride_kh
+            k = tl.load(k_ptr + offsets[:, None] + d[None, :], mask=t_mask[:, None], other=0.0)
+            v = tl.load(v_ptr + offsets[:, None] + d[None, :], mask=t_mask[:, None], other=0.0)
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # log2 units
+            visible = (tok[None, :] <= q_pos[:, None]) & t_mask[None, :]
+            scores = tl.where(visible, scores, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, axis=1))
+            # -inf while a row has seen no visible key (possible in a split after key 0)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(scores - m_safe[:, None])
+            alpha = tl.exp2(m - m_safe)
+            l = l * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m = m_new
+        rows = first_row + i
+        if SPLIT:
+            base = split * stride_split
+            tl.store(out_ptr + base + rows[:, None] * stride_ot + head * stride_oh + d[None, :], acc,
+                     mask=i_mask[:, None])
+            ml = ml_ptr + split * stride_ml_split + rows * stride_ml_t + head * 2
+            tl.store(ml, m, mask=i_mask)
+            tl.store(ml + 1, l, mask=i_mask)
+        else:
+            tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + d[None, :],
+                     (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=i_mask[:, None])
+
+
+@triton.jit
+def _combine_kernel(
+    part_ptr, stride_split, stride_pt,  # (splits, T, H, D) fp32, unit D stride, H stride D
+    ml_ptr, stride_ml_split, stride_ml_t,  # (splits, T, H, 2) fp32
+    out_ptr, stride_ot, stride_oh,  # (T, H, D)
+    rows_ptr, lens_ptr,  # (Sp,)
+    num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    m_block, s, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    q_len = tl.load(lens_ptr + s)
+    if m_block * BLOCK_M < q_len:
+        i = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+        i_mask = i < q_len
+        rows = tl.load(rows_ptr + s) + i
+        d = tl.arange(0, HEAD_DIM)
+        m_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+        for split in range(num_splits):  # split 0 holds key 0, visible to every row: finite max
+            ml = ml_ptr + split * stride_ml_split + rows * stride_ml_t + head * 2
+            m_max = tl.maximum(m_max, tl.load(ml, mask=i_mask, other=0.0))
+        total = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
+        for split in range(num_splits):
+            ml = ml_ptr + split * stride_ml_split + rows * stride_ml_t + head * 2
+            weight = tl.exp2(tl.load(ml, mask=i_mask, other=0.0) - m_max)
+            total += weight * tl.load(ml + 1, mask=i_mask, other=0.0)
+            part = tl.load(part_ptr + split * stride_split + rows[:, None] * stride_pt + head * HEAD_DIM + d[None, :],
+                           mask=i_mask[:, None], other=0.0)
+            acc += weight[:, None] * part
+        tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + d[None, :],
+                 (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=i_mask[:, None])
+
+
+def prefill_splits(max_length: int, num_heads: int, num_sms: int = 132) -> int:
+    """Key splits per query block so that the launch has about two programs per SM: 1 when the
+    queries alone give that many, at most 8."""
+    programs = -(-max_length // 64) * num_heads
+    return max(1, min(8, (2 * num_sms) // max(programs, 1)))
+
+
 def paged_attention_prefill(
-    query: torch.Tensor,  # (n, H, D), positions start_position .. start_position + n - 1
+    query: torch.Tensor,  # (T, H, D)
     key_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D)
     value_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D)
-    block_table: torch.Tensor,  # (>= ceil((start_position + n) / block_size),) int64
-    start_position: int,
+    out: torch.Tensor,  # (T, H, D), rows of the served chunks written
+    first_rows: torch.Tensor,  # (Sp,) int, token row of each chunk's first query
+    lengths: torch.Tensor,  # (Sp,) int >= 0, queries of each chunk (0: chunk skipped)
+    start_positions: torch.Tensor,  # (Sp,) int, position of each chunk's first query
+    block_tables: torch.Tensor,  # (Sp, max_blocks) int, covering start_position + length keys
+    max_length: int,  # >= every lengths[s] (bounds the launch grid)
+    scale: float,
+    num_splits: int | None = None,  # key splits per query block; None: prefill_splits()
+) -> None:
+    """Causal attention of Sp prefill chunks over their paged K/V, every chunk's metadata on
+    the device (so a CUDA graph can replay it with new chunks): for each s, query rows
+    first_rows[s] + j, j < lengths[s], at position start_positions[s] + j, attend the keys at
+    positions 0 .. start_positions[s] + j of block_tables[s] (this step's K/V already
+    written). Touches no other row of out. Equal to paged_attention per chunk within the input
+    dtype's rounding (fp32 inputs multiply in full fp32; softmax in fp32, online).
+
+    One launch, or with num_splits > 1 (few long-context queries: the user message after a
+    restored prefix) each query block's keys split over that many programs, whose fp32
+    partials a second launch combines."""
+    num_chunks = first_rows.shape[0]
+    if num_chunks == 0 or max_length == 0:
+        return
+    num_tokens, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    assert key_cache.stride() == value_cache.stride() and key_cache.stride(3) == 1
+    assert query.stride(2) == 1 and out.stride(2) == 1 and head_dim == triton.next_power_of_2(head_dim)
+    if num_splits is None:
+        num_splits = prefill_splits(max_length, num_heads)
+    block_m = 64 if max_length > 32 else 16
+    split = num_splits > 1
+    if split:
+        partial = query.new_empty(num_splits, num_tokens, num_heads, head_dim, dtype=torch.float32)
+        ml = query.new_empty(num_splits, num_tokens, num_heads, 2, dtype=torch.float32)
+        target, strides = partial, (partial.stride(1), partial.stride(2), partial.stride(0))
+        ml_strides = (ml.stride(0), ml.stride(1))
+    else:  # the output directly; no partials
+        ml, target, strides, ml_strides = out, out, (out.stride(0), out.stride(1), 0), (0, 0)
+    grid = (triton.cdiv(max_length, block_m), num_chunks * num_splits, num_heads)
+    _prefill_kernel[grid](
+        query, query.stride(0), query.stride(1),
+        key_cache, value_cache, key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        target, *strides, ml, *ml_strides,
+        first_rows, lengths, start_positions, block_tables, block_tables.stride(0),
+        scale * 1.4426950408889634, num_splits,
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, KV_BLOCK=block_size,
+        BLOCK_M=block_m, BLOCK_N=64,
+        PRECISION="ieee" if query.dtype == torch.float32 else "tf32",  # fp32 models: no tf32
+        SPLIT=split,
+    )
+    if split:
+        _combine_kernel[(triton.cdiv(max_length, block_m), num_chunks, num_heads)](
+            partial, partial.stride(0), partial.stride(1), ml, ml.stride(0), ml.stride(1),
+            out, out.stride(0), out.stride(1),
+            first_rows, lengths, num_splits,
+            HEAD_DIM=head_dim, BLOCK_M=block_m,
+        )
+
+
+def causal_attention_from_start(
+    query: torch.Tensor,  # (n, H, D), positions 0 .. n-1 of one sequence
+    key: torch.Tensor,  # (n, Hkv, D), the same tokens' keys
+    value: torch.Tensor,  # (n, Hkv, D)
     scale: float,
 ) -> torch.Tensor:
-    """Causal attention of one prefill chunk over its sequence's cached and new keys, by
-    gathering the blocks and calling SDPA (flash kernels from position 0; an explicit lower-right mask after cached keys). Returns
-    (n, H, D). A first version: it copies the chunk's K/V once; a paged prefill kernel would not."""
-    num_queries, _, head_dim = query.shape
-    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    num_keys = start_position + num_queries
-    blocks = block_table[: -(-num_keys // block_size)]
-    keys = key_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:num_keys]  # (S, Hkv, D)
-    values = value_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:num_keys]
-    q, k, v = (t.transpose(0, 1)[None] for t in (query, keys, values))  # (1, heads, len, D)
-    if start_position == 0:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-    else:  # queries sit at the end of the keys: an explicit lower-right mask, KV heads expanded
-        group = query.shape[1] // num_kv_heads
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        positions = torch.arange(num_keys, device=query.device)
-        mask = positions[None, :] <= positions[start_position:, None]  # (n, S)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    return out[0].transpose(0, 1)  # (n, H, D)
+    """Causal attention of a chunk that starts its sequence, over its own K/V (no cache read):
+    torch SDPA's flash kernels. Returns (n, H, D)."""
+    q, k, v = (t.transpose(0, 1)[None] for t in (query, key, value))  # (1, heads, n, D)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)

@@ -7,9 +7,10 @@ same recurrence per head h of group g = h // (H / G):
     state_t = exp(dt_t * A_h) * state_{t-1} + dt_t * outer(x_t, B_t[g])     # (P, N)
     y_t     = state_t @ C_t[g] + D_h * x_t                                  # (P,)
 
-Prefill: fla-core's `chunk_simple_gla` (pure Triton, DESIGN.md section 7) with q = C, k = B,
-v = x * dt, g = dt * A, scale 1, in our (H, P, N) state layout (`state_v_first`). Inputs go in
-fp32 (Triton multiplies in tf32), so chunk-edge states stay fp32.
+Prefill: `scan_inputs`, our own kernel, turns the conv output and raw dt into q = C, k = B,
+v = x * dt, g = dt * A (fp32, per head) in one launch; fla-core's `chunk_simple_gla` (pure
+Triton, DESIGN.md section 7) scans them with scale 1 in our (H, P, N) state layout
+(`state_v_first`); fp32 inputs (Triton multiplies in tf32), so chunk-edge states stay fp32.
 Decode: `_decode_kernel`, our own: each program owns (one slot, one head, BLOCK_P rows of P),
 reads that state tile once, updates it, writes it back in place and emits y.
 
@@ -23,42 +24,136 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from engine.kernels.gpu.in_pass_capture import InPassCapturePlan, scan_with_captures
 
-def ssd_chunk_scan_varlen(
-    x: torch.Tensor,  # (T, H, P)
-    dt: torch.Tensor,  # (T, H) fp32, softplus'd and clamped
-    A: torch.Tensor,  # (H,) fp32, negative
-    B: torch.Tensor,  # (T, G, N)
-    C: torch.Tensor,  # (T, G, N)
-    D: torch.Tensor | None,  # (H,)
+
+def chunk_scan(
+    q: torch.Tensor,  # (T, H, N) fp32: C of each head's group
+    k: torch.Tensor,  # (T, H, N) fp32: B of each head's group
+    v: torch.Tensor,  # (T, H, P) fp32: x * dt
+    g: torch.Tensor,  # (T, H) fp32: dt * A, the log decay of each step
     initial_state: torch.Tensor,  # (S, H, P, N) fp32, not modified
     cu_seqlens: torch.Tensor,  # (S+1,) int64 on the device
-    cu_seqlens_host: torch.Tensor | None = None,  # the same on the CPU (avoids a sync)
+    cu_seqlens_host: torch.Tensor,  # the same on the CPU (avoids a sync)
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chunked scan of S sequences laid end to end: returns (y (T, H, P) fp32,
-    final_state (S, H, P, N) fp32). Equal to ssd_chunk_scan per sequence within tf32 rounding."""
+    """The chunked scan of S sequences laid end to end, on the SSD's prepared inputs: per head,
+    state_t = exp(g_t) state_{t-1} + outer(v_t, k_t), y_t = state_t @ q_t. Returns (y (T, H, P)
+    fp32, final states (S, H, P, N) fp32). fla-core's chunk_simple_gla in our (H, P, N) state
+    layout; fp32 inputs, which Triton multiplies in tf32, so chunk-edge states stay fp32.
+
+    One sequence (S = 1) takes fla's fixed-length path, which has no host synchronisation (its
+    varlen path reads the number of chunks back from the device on every call) and so can be
+    captured in a CUDA graph; same kernels, same chunk edges."""
     from fla.ops.simple_gla import chunk_simple_gla  # carried wheel; only the GPU path needs it
 
-    num_heads = x.shape[1]
-    heads_per_group = num_heads // B.shape[1]
-    x32 = x.float()
-    B_h = B.float().repeat_interleave(heads_per_group, dim=1)  # (T, H, N)
-    C_h = C.float().repeat_interleave(heads_per_group, dim=1)  # (T, H, N)
+    one_sequence = cu_seqlens_host.shape[0] == 2
+    varlen = {} if one_sequence else {"cu_seqlens": cu_seqlens, "cu_seqlens_cpu": cu_seqlens_host}
     y, final_state = chunk_simple_gla(
-        q=C_h[None],
-        k=B_h[None],
-        v=(x32 * dt[..., None])[None],  # (1, T, H, P)
-        g=(dt * A[None, :])[None],  # (1, T, H) log decay of each step
-        scale=1.0,
-        initial_state=initial_state.contiguous(),
-        output_final_state=True,
-        state_v_first=True,
-        cu_seqlens=cu_seqlens,
-        cu_seqlens_cpu=cu_seqlens_host,
+        q=q[None], k=k[None], v=v[None], g=g[None], scale=1.0,
+        initial_state=initial_state.contiguous(), output_final_state=True, state_v_first=True,
+        **varlen,
     )
-    y = y[0].float()
+    return y[0].float(), final_state
+
+
+@triton.jit
+def _scan_inputs_kernel(
+    xbc_ptr, stride_xt,  # (T, conv_dim) post-conv rows [x (H P) | B (G N) | C (G N)], unit stride
+    dt_ptr, stride_dtt,  # (T, H) raw dt, unit H stride
+    dt_bias_ptr, a_log_ptr, dt_min, dt_max,  # (H,) fp32 x 2 and the clamp
+    rows_ptr, valid_ptr,  # (Tp,): row of each prefill token (HAS_ROWS), nonzero if real (HAS_VALID)
+    q_ptr, k_ptr, v_ptr, g_ptr,  # (Tp, H, N), (Tp, H, N), (Tp, H, P), (Tp, H) fp32, contiguous
+    H: tl.constexpr, P: tl.constexpr, N: tl.constexpr, GN: tl.constexpr,
+    HEADS_PER_GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
+    HAS_ROWS: tl.constexpr, HAS_VALID: tl.constexpr,
+):
+    t = tl.program_id(0)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    row = t
+    if HAS_ROWS:
+        row = tl.load(rows_ptr + t)
+    src = xbc_ptr + row * stride_xt
+    dt = tl.load(dt_ptr + row * stride_dtt + h).to(tl.float32) + tl.load(dt_bias_ptr + h)
+    dt = tl.where(dt > 20.0, dt, libdevice.log1p(tl.exp(dt)))  # F.softplus, threshold 20
+    dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
+    if HAS_VALID:  # a padding row: decay 1 and no input, the state passes through unchanged
+        dt = tl.where(tl.load(valid_ptr + t) != 0, dt, 0.0)
+    tl.store(g_ptr + t * H + h, dt * -tl.exp(tl.load(a_log_ptr + h)))
+    p = tl.arange(0, P)
+    x = tl.load(src + h[:, None] * P + p[None, :]).to(tl.float32)  # (BLOCK_H, P)
+    tl.store(v_ptr + (t * H + h[:, None]) * P + p[None, :], x * dt[:, None])
+    n = tl.arange(0, N)
+    group = (h // HEADS_PER_GROUP)[:, None] * N + n[None, :]  # (BLOCK_H, N) offsets in B and C
+    out = (t * H + h[:, None]) * N + n[None, :]
+    tl.store(k_ptr + out, tl.load(src + H * P + group).to(tl.float32))
+    tl.store(q_ptr + out, tl.load(src + H * P + GN + group).to(tl.float32))
+
+
+def scan_inputs(
+    xBC: torch.Tensor,  # (T, H P + 2 G N) post-conv, unit channel stride
+    dt_raw: torch.Tensor,  # (T, H), in_proj's dt columns before bias and softplus
+    dt_bias: torch.Tensor,  # (H,) fp32
+    A_log: torch.Tensor,  # (H,) fp32
+    time_step_limit: tuple[float, float],
+    shape: tuple[int, int, int, int],  # (H, P, G, N)
+    rows: torch.Tensor | None = None,  # (Tp,) int: the prefill rows; None: all T rows
+    valid: torch.Tensor | None = None,  # (Tp,) bool: False rows get dt = 0; None: all real
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The chunked scan's inputs for the prefill rows in one launch: (q = C per head (Tp, H, N),
+    k = B per head (Tp, H, N), v = x * dt (Tp, H, P), g = dt * A (Tp, H)), all fp32, with
+    dt = clamp(softplus(dt_raw + dt_bias), *time_step_limit) and A = -exp(A_log). The PyTorch
+    ops it replaces (Mamba2Mixer._scan_inputs, the fp32 casts, the repeats over heads and the
+    products) take about fourteen launches and as many passes over the rows."""
+    H, P, G, N = shape
+    num_rows = xBC.shape[0] if rows is None else rows.shape[0]
+    assert xBC.stride(1) == 1 and dt_raw.stride(1) == 1 and xBC.shape[1] == H * P + 2 * G * N
+    assert P == triton.next_power_of_2(P) and N == triton.next_power_of_2(N)
+    new = lambda *shape: xBC.new_empty(*shape, dtype=torch.float32)  # noqa: E731
+    q, k, v, g = new(num_rows, H, N), new(num_rows, H, N), new(num_rows, H, P), new(num_rows, H)
+    if num_rows == 0:
+        return q, k, v, g
+    block_h = min(16, triton.next_power_of_2(H))
+    assert H % block_h == 0
+    _scan_inputs_kernel[(num_rows, H // block_h)](
+        xBC, xBC.stride(0), dt_raw, dt_raw.stride(0),
+        dt_bias, A_log, float(time_step_limit[0]), float(time_step_limit[1]),
+        rows if rows is not None else dt_bias, valid if valid is not None else dt_bias,
+        q, k, v, g,
+        H=H, P=P, N=N, GN=G * N, HEADS_PER_GROUP=H // G, BLOCK_H=block_h,
+        HAS_ROWS=rows is not None, HAS_VALID=valid is not None,
+    )
+    return q, k, v, g
+
+
+def ssd_prefill_scan(
+    xBC: torch.Tensor,  # (T, H P + 2 G N) post-conv
+    dt_raw: torch.Tensor,  # (T, H)
+    dt_bias: torch.Tensor,  # (H,) fp32
+    A_log: torch.Tensor,  # (H,) fp32
+    time_step_limit: tuple[float, float],
+    D: torch.Tensor | None,  # (H,) fp32
+    shape: tuple[int, int, int, int],  # (H, P, G, N)
+    initial_state: torch.Tensor,  # (S, H, P, N) fp32
+    cu_seqlens: torch.Tensor,  # (S+1,) over the prefill rows
+    cu_seqlens_host: torch.Tensor,
+    rows: torch.Tensor | None = None,  # (Tp,) the prefill rows; None: all T rows
+    valid: torch.Tensor | None = None,  # (Tp,) bool, see scan_inputs
+    in_pass: InPassCapturePlan | None = None,
+    in_pass_states: torch.Tensor | None = None,  # (Sc, H, P, N): with in_pass, written
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Mamba2 prefill scan from the conv output and raw dt: scan_inputs, the chunked scan
+    (with in_pass, scan_with_captures, which also writes the states at the captures) and the D
+    skip. Returns (y (Tp, H, P) fp32, final states (S, H, P, N) fp32); equal to ssd_chunk_scan
+    per sequence within tf32 rounding."""
+    H, P, _, _ = shape
+    q, k, v, g = scan_inputs(xBC, dt_raw, dt_bias, A_log, time_step_limit, shape, rows, valid)
+    if in_pass is None:
+        y, final_state = chunk_scan(q, k, v, g, initial_state, cu_seqlens, cu_seqlens_host)
+    else:
+        y, final_state = scan_with_captures(chunk_scan, q, k, v, g, initial_state, in_pass, in_pass_states)
     if D is not None:
-        y = y + D.float()[:, None] * x32
+        x = xBC[:, : H * P].view(-1, H, P)
+        y.addcmul_(D[:, None], x if rows is None else x.index_select(0, rows))
     return y, final_state
 
 
