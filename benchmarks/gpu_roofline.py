@@ -11,8 +11,9 @@ to its floor:
     move (weights + SSM/conv state read and written + KV read) / copy bandwidth, replaying the
     worker's CUDA graphs (engine/cuda_graphs.py), then the same steps eagerly for comparison;
   * checkpoint rows (benchmarks/roofline_checkpoints.py): capture and restore of an 8,192-token
-    bundle, restore + 256-token prefill vs the cold 8,448-token prefill, and the cold 8,448-token
-    prefill that captures at 8,192 (split path) vs the same prefill without capture;
+    bundle, restore + 256-token prefill (a prefill CUDA graph, engine/prefill_graphs.py, and the
+    same step eagerly) vs the cold 8,448-token prefill, and the cold 8,448-token prefill that
+    captures at 8,192 (split and in-pass) vs the same prefill without capture;
   * for each row, one step under torch.profiler: GPU kernel time vs wall time (what dominates).
 
     python benchmarks/gpu_roofline.py --out benchmarks/results/gpu_roofline.json
@@ -298,6 +299,11 @@ def main() -> None:
         rows += checkpoint_rows(worker, blocks_per_seq, BLOCK_SIZE, args.prefill_tokens, suffix,
                                 profile=lambda step: profile_step(worker, step, top=12))
         print(f"checkpoint rows done ({time.perf_counter() - t_start:.0f}s)", flush=True)
+        prefill_graphs = worker.prefill_graphs
+        if prefill_graphs is not None:
+            report["prefill_graph_sizes"] = list(prefill_graphs.sizes)
+            report["prefill_graph_capture_s"] = prefill_graphs.capture_seconds
+            report["prefill_graph_replays"] = prefill_graphs.replays
         graphs = worker.decode_graphs
         report["decode_graph_sizes"] = list(graphs.batch_sizes) if graphs is not None else []
         report["decode_graph_capture_s"] = graphs.capture_seconds if graphs is not None else None

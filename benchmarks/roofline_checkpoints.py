@@ -133,6 +133,12 @@ def checkpoint_rows(worker: Worker, blocks_per_seq: int, block_size: int, prefix
         hit_s.append(seconds)
     restore_s, hit_s = min(restore_s[1:]), min(hit_s[1:])
     hit_profile = profile(hit) if profile is not None else None
+    # The same step with the prefill graphs detached: what they remove.
+    hit_eager_s, graphs = None, getattr(worker, "prefill_graphs", None)
+    if graphs is not None and graphs.accepts(list(hit.chunks)):
+        worker.prefill_graphs = None
+        hit_eager_s = min(_timed(worker, [hit])[0] for _ in range(repeats))
+        worker.prefill_graphs = graphs
     worker.execute(SchedulerOutput((), dropped_bundle_ids=(bundle,)))
 
     ref, got = cold_out.logits["c0"], hit_out.logits["c1"]
@@ -152,6 +158,11 @@ def checkpoint_rows(worker: Worker, blocks_per_seq: int, block_size: int, prefix
          "ratio_meaning": f"speed-up over the cold {total}-token prefill",
          "first_token_agrees_with_cold": agree, "logits_relative_error_vs_cold": logits_error,
          **({"profile": hit_profile} if hit_profile else {})},
+    ] + ([] if hit_eager_s is None else [
+        {"name": f"restore {prefix} + prefill {suffix}, eager", "seconds": hit_eager_s,
+         "floor_seconds": cold_s, "ratio_to_floor": cold_s / hit_eager_s,
+         "ratio_meaning": "the row above without the prefill CUDA graph"},
+    ]) + [
         {"name": f"cold prefill {total} (TTFT)", "seconds": cold_s, "floor_seconds": cold_s,
          "ratio_to_floor": 1.0, "ratio_meaning": "the baseline of the rows around it"},
         {"name": f"cold {total} + capture at {prefix}, split", "seconds": split_s,

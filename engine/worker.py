@@ -56,9 +56,10 @@ class Worker:
         )
         self.rank = self.model.tp.rank
         self.capacity = _size_caches(config, self.model, self.model_config.max_position_embeddings)
-        # On one CUDA device decode steps replay CUDA graphs (engine/cuda_graphs.py), whose
-        # padding rows need a state slot and a KV block that the scheduler never hands out: one
-        # of each is allocated past the capacity it is told about.
+        # On one CUDA device decode steps and short single-chunk prefill steps replay CUDA
+        # graphs (engine/cuda_graphs.py, engine/prefill_graphs.py), whose padding rows need a
+        # state slot and a KV block that the scheduler never hands out: one of each is
+        # allocated past the capacity it is told about.
         graphs = self.device.type == "cuda" and self.model.tp.world_size == 1
         self.caches = self.model.allocate_caches(
             num_blocks=self.capacity.num_blocks + int(graphs),
@@ -66,18 +67,9 @@ class Worker:
             num_state_slots=self.capacity.num_state_slots + int(graphs),
             device=self.device,
         )
-        self.decode_graphs = None
+        self.decode_graphs = self.prefill_graphs = None
         if graphs:
-            from engine.cuda_graphs import DecodeGraphRunner, decode_batch_sizes
-
-            self.decode_graphs = DecodeGraphRunner(
-                self.model, self.caches,
-                batch_sizes=decode_batch_sizes(min(config.max_num_seqs, 128)),
-                max_blocks_per_seq=-(-self.capacity.max_model_len // self.capacity.block_size),
-                scratch_slot=self.capacity.num_state_slots,
-                scratch_block=self.capacity.num_blocks,
-            )
-            self.decode_graphs.capture()
+            self.decode_graphs, self.prefill_graphs = _capture_graphs(self.model, self.caches, self.capacity, config)
         self.sampler = Sampler(seed=config.seed, device=self.device)
         self.checkpoints = CheckpointStore(self.caches)
         # Last hidden row of every request the previous step touched: what a capture saves.
@@ -114,13 +106,15 @@ class Worker:
                 restore.bundle_id, restore.state_slot, restore.tail_block
             )
         computed = [chunk for chunk in scheduler_output.chunks if chunk.token_ids]
+        in_pass = [capture for capture in scheduler_output.captures if capture.in_pass]
         if computed and self.decode_graphs is not None and self.decode_graphs.accepts(computed):
             hidden = self.decode_graphs.forward(computed)  # (n, D), row i = chunk i
             for i, chunk in enumerate(computed):
                 last_hidden[chunk.request_id] = hidden[i]
+        elif computed and not in_pass and self.prefill_graphs is not None and self.prefill_graphs.accepts(computed):
+            last_hidden[computed[0].request_id] = self.prefill_graphs.forward(computed[0])
         elif computed:
             batch = build_forward_batch(computed, self.capacity.block_size, self.device)
-            in_pass = [capture for capture in scheduler_output.captures if capture.in_pass]
             if in_pass:
                 hidden = self._forward_capturing(batch, computed, in_pass, output)
             else:
@@ -201,6 +195,27 @@ class Worker:
 
     def copy_state_slot(self, src_slot: int, dst_slot: int) -> None:
         self.caches.copy_state_slot(src_slot, dst_slot)
+
+
+def _capture_graphs(model, caches, capacity: CacheCapacity, config: EngineConfig):
+    """The decode and the prefill CUDA graph runners of one CUDA device, captured; padding rows
+    use the state slot and KV block just past the capacity. The prefill runner is None when the
+    step budget is below its smallest size."""
+    from engine.cuda_graphs import DecodeGraphRunner, decode_batch_sizes
+    from engine.prefill_graphs import PrefillGraphRunner, prefill_graph_sizes
+
+    scratch = dict(
+        max_blocks_per_seq=-(-capacity.max_model_len // capacity.block_size),
+        scratch_slot=capacity.num_state_slots,
+        scratch_block=capacity.num_blocks,
+    )
+    decode = DecodeGraphRunner(model, caches, batch_sizes=decode_batch_sizes(min(config.max_num_seqs, 128)), **scratch)
+    decode.capture()
+    sizes = prefill_graph_sizes(config.max_num_batched_tokens)
+    prefill = PrefillGraphRunner(model, caches, sizes=sizes, **scratch) if sizes else None
+    if prefill is not None:
+        prefill.capture()
+    return decode, prefill
 
 
 def build_forward_batch(

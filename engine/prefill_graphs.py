@@ -1,0 +1,177 @@
+"""CUDA graphs of short prefill steps, captured for a set of padded sizes and replayed.
+
+A step whose only computed chunk is one prefill chunk of n tokens, 2 <= n <= the largest size
+(the user message after a restored instruction checkpoint, a short prompt, the tail of a
+chunked prefill), replays the graph of the smallest captured size Tpad >= n. Eagerly such a step
+is bound by the host: hundreds of kernel launches, each costing more host time than its GPU
+time. The replay launches them all at once.
+
+The Tpad - n padding rows change nothing a request owns: their tokens (id 0) write K/V into the
+scratch block, the conv sees them as a second chunk that resets and leaves its state in the
+scratch slot, the scan sees one sequence of Tpad rows with dt = 0 on the padding (decay 1, no
+input, so the state after the last row is the state after token n, and the real rows' outputs
+do not depend on later rows), and attention serves the n real queries only. The scratch slot
+and block are the ones the decode graphs pad with (engine/cuda_graphs.py), which the scheduler
+never hands out.
+
+Everything the graphs touch is captured by address, as for the decode graphs.
+Shapes: Tmax the largest size, M block-table width, D hidden size.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from engine.forward_batch import ForwardBatch, ModelCaches
+from engine.kernels.gpu.batch_plan import single_prefill_plan
+from engine.step_io import ScheduledChunk
+
+
+def prefill_graph_sizes(max_tokens: int) -> tuple[int, ...]:
+    """64, 128, 256, 512, those not above max_tokens (none if it is below 64)."""
+    return tuple(s for s in (64, 128, 256, 512) if s <= max_tokens)
+
+
+class PrefillGraphRunner:
+    """Captured forward passes of `model` over `caches` for one prefill chunk padded to each of
+    `sizes` rows.
+
+    scratch_slot / scratch_block: a state slot and a KV block no request ever owns.
+    max_blocks_per_seq: block-table width; a chunk with a longer table runs eagerly.
+    """
+
+    # Packed input buffer: (4, Tmax) per-row fields, then the scalars, then the (M,) block table.
+    _IDS, _POSITIONS, _KV_SLOTS, _TOKEN_CHUNK = range(4)
+    _NUM_ROW_FIELDS = 4
+    # Scalars: cu_seqlens (3), chunk slots (2), chunk resets (2), start position, length, last row.
+    _CU, _SLOTS, _RESETS, _START, _LENGTH, _LAST = 0, 3, 5, 7, 8, 9
+    _NUM_SCALARS = 10
+
+    def __init__(
+        self, model, caches: ModelCaches, sizes: tuple[int, ...], max_blocks_per_seq: int,
+        scratch_slot: int, scratch_block: int,
+    ) -> None:
+        self.model = model
+        self.caches = caches
+        self.sizes = tuple(sorted(sizes))
+        self.max_rows = self.sizes[-1]
+        self.max_blocks = max_blocks_per_seq
+        self.block_size = caches.block_size
+        self.scratch_slot = scratch_slot
+        self.scratch_block = scratch_block
+        device = model.embed_tokens.weight.device
+        self._scalars_at = self._NUM_ROW_FIELDS * self.max_rows
+        self._table_at = self._scalars_at + self._NUM_SCALARS
+        width = self._table_at + self.max_blocks
+        self._host = torch.zeros(width, dtype=torch.int64, pin_memory=True)
+        self._host_np = self._host.numpy()
+        self._padding_kv_slots = scratch_block * self.block_size + np.arange(self.max_rows) % self.block_size
+        self._inputs = torch.zeros(width, dtype=torch.int64, device=device)
+        self._arange = torch.arange(2, dtype=torch.int64, device=device)
+        self._scan_bounds = {s: torch.tensor([0, s], dtype=torch.int64, device=device) for s in self.sizes}
+        self._copied = torch.cuda.Event()  # the last staging copy has left the host buffer
+        self._copied.record()
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[int, torch.Tensor] = {}  # size -> (1, D) hidden of the last real row
+        self.replays = 0  # prefill steps served by a graph (for tests and benchmarks)
+        self.capture_seconds = 0.0
+
+    def accepts(self, chunks: list[ScheduledChunk]) -> bool:
+        """A graph serves the step: exactly one chunk, of 2..Tmax tokens, whose block table fits."""
+        return (
+            len(chunks) == 1
+            and 2 <= len(chunks[0].token_ids) <= self.max_rows
+            and len(chunks[0].block_table) <= self.max_blocks
+        )
+
+    def capture(self) -> None:
+        """Capture every size, largest first, into one memory pool, each run eagerly once first
+        (Triton JIT and autotuning) on padding only, which writes only the scratch slot and block."""
+        started = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        with torch.inference_mode():
+            for size in reversed(self.sizes):
+                self._fill(None, size)
+                self._inputs.copy_(self._host)
+                self._forward(size)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._outputs[size] = self._forward(size)
+                self._graphs[size] = graph
+        torch.cuda.synchronize()
+        self.capture_seconds = time.perf_counter() - started
+
+    def _forward(self, size: int) -> torch.Tensor:
+        """The model's forward over the static inputs padded to `size` rows; returns the hidden
+        row of the chunk's last real token, (1, D)."""
+        rows = self._inputs[: self._scalars_at].view(self._NUM_ROW_FIELDS, self.max_rows)[:, :size]
+        scalars = self._inputs[self._scalars_at : self._table_at]
+        table = self._inputs[self._table_at :].view(1, self.max_blocks)
+        ids, positions, kv_slots, token_chunk = rows
+        batch = ForwardBatch(
+            input_ids=ids, positions=positions, slot_mapping=kv_slots, chunks=(), cu_seqlens=(0, size),
+        )
+        plan = single_prefill_plan(
+            cu_seqlens=scalars[self._CU : self._CU + 3],
+            chunk_slot=scalars[self._SLOTS : self._SLOTS + 2],
+            chunk_reset=scalars[self._RESETS : self._RESETS + 2],
+            token_chunk=token_chunk,
+            start_position=scalars[self._START : self._START + 1],
+            length=scalars[self._LENGTH : self._LENGTH + 1],
+            block_table=table,
+            scan_bounds=self._scan_bounds[size],
+            arange=self._arange,
+        )
+        hidden = self.model(batch, self.caches, gpu_plan=plan)  # (size, D)
+        return hidden.index_select(0, scalars[self._LAST : self._LAST + 1])
+
+    def forward(self, chunk: ScheduledChunk) -> torch.Tensor:
+        """The prefill of the one chunk (accepts() must hold): the same cache writes as the
+        eager pass; returns the hidden row of its last token, (D,), a fresh tensor."""
+        size = next(s for s in self.sizes if s >= len(chunk.token_ids))
+        self._copied.synchronize()  # usually long done: the last step read its sampled tokens
+        self._fill(chunk, size)
+        self._inputs.copy_(self._host, non_blocking=True)
+        self._copied.record()
+        self._graphs[size].replay()
+        self.replays += 1
+        return self._outputs[size][0].clone()
+
+    def _fill(self, chunk: ScheduledChunk | None, size: int) -> None:
+        """The host buffer for `chunk` padded to `size` rows (None: padding only, at the
+        scratch slot and block)."""
+        rows = self._host_np[: self._scalars_at].reshape(self._NUM_ROW_FIELDS, self.max_rows)
+        scalars = self._host_np[self._scalars_at : self._table_at]
+        table = self._host_np[self._table_at :]
+        bs = self.block_size
+        n = 0 if chunk is None else len(chunk.token_ids)
+        start = 0 if chunk is None else chunk.start_position
+        if chunk is not None:
+            positions = np.arange(start, start + n)
+            rows[self._IDS, :n] = chunk.token_ids
+            rows[self._POSITIONS, :n] = positions
+            rows[self._KV_SLOTS, :n] = np.asarray(chunk.block_table)[positions // bs] * bs + positions % bs
+            used = -(-(start + n) // bs)  # blocks holding keys 0 .. start + n - 1
+            table[:used] = chunk.block_table[:used]
+        else:
+            table[0] = self.scratch_block
+        rows[self._IDS, n:size] = 0
+        rows[self._POSITIONS, n:size] = 0
+        rows[self._KV_SLOTS, n:size] = self._padding_kv_slots[n:size]
+        rows[self._TOKEN_CHUNK, :n] = 0
+        rows[self._TOKEN_CHUNK, n:size] = 1
+        scalars[self._CU : self._CU + 3] = (0, n, size)
+        scalars[self._SLOTS : self._SLOTS + 2] = (
+            self.scratch_slot if chunk is None else chunk.state_slot, self.scratch_slot,
+        )
+        scalars[self._RESETS : self._RESETS + 2] = (1 if chunk is None else int(chunk.reset_state), 1)
+        scalars[self._START] = start
+        scalars[self._LENGTH] = n
+        scalars[self._LAST] = max(n - 1, 0)
+
+
+__all__ = ["PrefillGraphRunner", "prefill_graph_sizes"]
