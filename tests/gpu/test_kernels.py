@@ -266,11 +266,17 @@ def test_scan_inputs(device, with_rows, with_valid):
     dt_bias = torch.randn(H, device=device)
     A_log = torch.randn(H, device=device)
     limit = (0.001, 4.0)
-    rows = torch.tensor([0, 3, 4, 5, 9, 10, 11, 22], device=device) if with_rows else None
+    # rows: a subset of the rows, and -1 for a padding row (all zeros)
+    rows = torch.tensor([0, 3, -1, 4, 5, 9, -1, -1, 10, 11, 22], device=device) if with_rows else None
     valid = (torch.arange(T, device=device) % 5 != 3) if with_valid else None
 
     q, k, v, g = scan_inputs(xBC, dt_raw, dt_bias, A_log, limit, (H, P, G, N), rows, valid)
-    pick = (lambda t: t) if rows is None else (lambda t: t[rows])  # noqa: E731
+    if rows is None:
+        pick = lambda t: t  # noqa: E731
+    else:
+        real = (rows >= 0)[:, None]
+        pick = lambda t: torch.where(real, t[rows.clamp_min(0)], 0)  # noqa: E731
+        valid = rows >= 0  # zero rows have dt = 0 too
     dt = torch.nn.functional.softplus(pick(dt_raw).float() + dt_bias).clamp(*limit)
     if valid is not None:
         dt = torch.where(valid[:, None], dt, 0.0)

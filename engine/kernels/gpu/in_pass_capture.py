@@ -2,22 +2,19 @@
 prefill chunk, read during that chunk's one forward pass instead of cutting the chunk at p.
 
 For a chunk whose first k tokens lie before p (0 < k < its length):
-- SSM state at p: the one varlen scan call sees the chunk as two sequences, [0, k) from the
-  chunk's initial state and [k, n) from zeros; the first one's final state is the state at p.
-  The second is corrected for the state it did not start from, by linearity of the recurrence:
-  with g_t = sum of dt * A over rows k..t of the chunk,
-      y_t     += exp(g_t) * (S_p @ C_t)          (rows k .. n-1)
-      S_final += exp(g_{n-1}) * S_p
-  (a (n - k) x N x P product per head), so the scan stays one call with no gathered copies
-  of its inputs. The scan sees the prepared inputs q = C, k = B, v = x * dt, g = dt * A
-  (engine/kernels/gpu/ssd.py: scan_inputs).
+- SSM state at p: the chunked scan stores the state at the start of every chunk of SCAN_CHUNK
+  rows it walks. The scan sees the chunk's sequence front-padded with (-k) mod SCAN_CHUNK
+  identity rows (q = k = v = 0, g = 0: decay 1, no input, and no later row attends to them), so
+  p falls on a chunk edge and the state there is one of those stored states. The padding
+  changes neither the chunk's outputs nor its final state (up to the scan's rounding: its chunks
+  now start at p, as the split path's second step does); one scan call, nothing to correct.
 - conv state at p: the K-1 pre-conv inputs before p, from the chunk's rows where k >= K-1,
   else completed on the left by the chunk's old conv state (zeros if it resets).
 Outputs and final states are those of the uncut chunk; the captured states are those the split
 path (two steps, the chunk cut at p) leaves in the slot, up to the scan's rounding.
 
-Shapes: T tokens, Tp prefill rows, Sp prefill chunks, Sc captures, L_m Mamba layers,
-C conv channels, H heads, P head dim, G groups, N state size.
+Shapes: T tokens, Tp prefill rows, Ts scan rows (prefill rows and padding), Sp prefill chunks,
+Sc captures, NS scan chunks, L_m Mamba layers, C conv channels, H heads, P head dim, N state size.
 """
 
 from __future__ import annotations
@@ -38,24 +35,26 @@ class CaptureSplit:
     reset_state: bool
 
 
+SCAN_CHUNK = 64  # rows per chunk of the chunked scan (fla-core's chunk size): its state edges
+
+
 @dataclass(frozen=True)
 class InPassCapturePlan:
-    """The scan's sequences with the captured chunks split, and where each Mamba layer writes
+    """The scan's rows with each captured chunk front-padded, and where each Mamba layer writes
     what it captures.
 
-    scan_cu (Sp+Sc+1,) over the prefill rows (device and host copies); chunk_first_seq and
-    chunk_last_seq (Sp,): each prefill chunk's first and last sequence of the scan;
-    capture_rows: per capture (its prefill chunk, that chunk's first sequence, first row after
-    the split, end row), rows in the prefill-row axis;
+    scan_rows (Ts,): token row of each scan row, -1 for a padding row; scan_cu (Sp+1,) over the
+    scan rows (device and host copies); out_rows (Tp,): scan row of each prefill row;
+    capture_chunks (Sc,): per capture, the scan chunk that starts at its position;
     conv_out[layer] (Sc, C, K-1) and ssm_out[layer] (Sc, H, P, N) fp32: written by the layer.
     """
 
     splits: tuple[CaptureSplit, ...]
+    scan_rows: torch.Tensor
     scan_cu: torch.Tensor
     scan_cu_host: torch.Tensor
-    chunk_first_seq: torch.Tensor
-    chunk_last_seq: torch.Tensor
-    capture_rows: tuple[tuple[int, int, int, int], ...]
+    out_rows: torch.Tensor
+    capture_chunks: torch.Tensor
     conv_out: dict[int, torch.Tensor]
     ssm_out: dict[int, torch.Tensor]
 
@@ -76,37 +75,41 @@ def with_in_pass_captures(plan, batch, splits: dict[int, int], conv_out, ssm_out
 
 
 def build_in_pass_plan(
-    prefill: list[tuple[int, int, int]],  # (chunk index, first row, num tokens) of every prefill chunk
+    prefill: list[tuple[int, int, int]],  # (chunk index, first token row, num tokens) of every prefill chunk
     splits: list[CaptureSplit],  # in the prefill chunks' order
     conv_out: dict[int, torch.Tensor],
     ssm_out: dict[int, torch.Tensor],
     device: torch.device,
 ) -> InPassCapturePlan:
     by_chunk = {s.chunk: s for s in splits}
-    scan_cu, first_seq, last_seq, capture_rows = [0], [], [], []
-    for j, (chunk, _, num_tokens) in enumerate(prefill):
+    scan_rows: list[int] = []
+    out_rows: list[int] = []
+    scan_cu, capture_chunks, chunks_before = [0], [], 0
+    for chunk, first_row, num_tokens in prefill:
         split = by_chunk.get(chunk)
-        first_seq.append(len(scan_cu) - 1)
-        row = scan_cu[-1]
+        pad = 0
         if split is not None:
             if not 0 < split.split < num_tokens:
                 raise ValueError(
                     f"in-pass capture after {split.split} of {num_tokens} tokens: not inside the chunk"
                 )
-            scan_cu.append(row + split.split)
-            capture_rows.append((j, first_seq[-1], row + split.split, row + num_tokens))
-        scan_cu.append(row + num_tokens)
-        last_seq.append(len(scan_cu) - 2)
-    if len(capture_rows) != len(splits):
+            pad = -split.split % SCAN_CHUNK
+            capture_chunks.append(chunks_before + (pad + split.split) // SCAN_CHUNK)
+        scan_rows.extend([-1] * pad)
+        out_rows.extend(range(len(scan_rows), len(scan_rows) + num_tokens))
+        scan_rows.extend(range(first_row, first_row + num_tokens))
+        scan_cu.append(len(scan_rows))
+        chunks_before += -(-(pad + num_tokens) // SCAN_CHUNK)
+    if len(capture_chunks) != len(splits):
         raise ValueError("an in-pass capture names a chunk that is not a prefill chunk")
     host = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
     return InPassCapturePlan(
         splits=tuple(splits),
+        scan_rows=host(scan_rows).to(device),
         scan_cu=host(scan_cu).to(device),
         scan_cu_host=host(scan_cu),
-        chunk_first_seq=host(first_seq).to(device),
-        chunk_last_seq=host(last_seq).to(device),
-        capture_rows=tuple(capture_rows),
+        out_rows=host(out_rows).to(device),
+        capture_chunks=host(capture_chunks).to(device),
         conv_out=conv_out,
         ssm_out=ssm_out,
     )
@@ -130,25 +133,17 @@ def capture_conv_states(
 
 def scan_with_captures(
     scan,  # engine.kernels.gpu.ssd.chunk_scan, or any function with its signature
-    q: torch.Tensor,  # (Tp, H, N) fp32 prefill rows: C per head
-    k: torch.Tensor,  # (Tp, H, N) fp32: B per head
-    v: torch.Tensor,  # (Tp, H, P) fp32: x * dt
-    g: torch.Tensor,  # (Tp, H) fp32: dt * A
+    q: torch.Tensor,  # (Ts, H, N) fp32 scan rows (plan.scan_rows; zeros on padding): C per head
+    k: torch.Tensor,  # (Ts, H, N) fp32: B per head
+    v: torch.Tensor,  # (Ts, H, P) fp32: x * dt
+    g: torch.Tensor,  # (Ts, H) fp32: dt * A
     initial: torch.Tensor,  # (Sp, H, P, N) fp32
     plan: InPassCapturePlan,
-    ssm_out: torch.Tensor,  # (Sc, H, P, N): the states at the splits, written
+    ssm_out: torch.Tensor,  # (Sc, H, P, N): the states at the captures, written
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The scan of the prefill chunks as if uncut, in one call: returns (y (Tp, H, P) fp32
-    without the D skip, final states (Sp, H, P, N)); writes the states at the splits into
+    without the D skip, final states (Sp, H, P, N)); writes the states at the captures into
     ssm_out."""
-    num_seqs = plan.scan_cu_host.shape[0] - 1
-    starts = initial.new_zeros(num_seqs, *initial.shape[1:]).index_copy_(0, plan.chunk_first_seq, initial)
-    y, final_seqs = scan(q, k, v, g, starts, plan.scan_cu, plan.scan_cu_host)
-    final = final_seqs.index_select(0, plan.chunk_last_seq)  # (Sp, H, P, N), a fresh tensor
-    for c, (chunk, seq, begin, end) in enumerate(plan.capture_rows):
-        at_split = final_seqs[seq]  # (H, P, N), the state at p
-        ssm_out[c].copy_(at_split)
-        decay = torch.exp(torch.cumsum(g[begin:end], dim=0))  # (n2, H)
-        y[begin:end] += torch.einsum("thn,hpn->thp", q[begin:end], at_split) * decay[:, :, None]
-        final[chunk] += decay[-1][:, None, None] * at_split
-    return y, final
+    y, final, chunk_states = scan(q, k, v, g, initial, plan.scan_cu, plan.scan_cu_host)
+    ssm_out.copy_(chunk_states.index_select(0, plan.capture_chunks))
+    return y.index_select(0, plan.out_rows), final

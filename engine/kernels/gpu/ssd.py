@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from engine.kernels.gpu.in_pass_capture import InPassCapturePlan, scan_with_captures
+from engine.kernels.gpu.in_pass_capture import SCAN_CHUNK, InPassCapturePlan, scan_with_captures
 
 
 def chunk_scan(
@@ -34,26 +34,39 @@ def chunk_scan(
     g: torch.Tensor,  # (T, H) fp32: dt * A, the log decay of each step
     initial_state: torch.Tensor,  # (S, H, P, N) fp32, not modified
     cu_seqlens: torch.Tensor,  # (S+1,) int64 on the device
-    cu_seqlens_host: torch.Tensor,  # the same on the CPU (avoids a sync)
-) -> tuple[torch.Tensor, torch.Tensor]:
+    cu_seqlens_host: torch.Tensor,  # the same on the CPU
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The chunked scan of S sequences laid end to end, on the SSD's prepared inputs: per head,
     state_t = exp(g_t) state_{t-1} + outer(v_t, k_t), y_t = state_t @ q_t. Returns (y (T, H, P)
-    fp32, final states (S, H, P, N) fp32). fla-core's chunk_simple_gla in our (H, P, N) state
-    layout; fp32 inputs, which Triton multiplies in tf32, so chunk-edge states stay fp32.
+    fp32, final states (S, H, P, N) fp32, the state at the start of every chunk (NS, H, P, N)
+    fp32: chunk c of sequence s, in order, each sequence cut into SCAN_CHUNK rows from its start).
 
-    One sequence (S = 1) takes fla's fixed-length path, which has no host synchronisation (its
-    varlen path reads the number of chunks back from the device on every call) and so can be
-    captured in a CUDA graph; same kernels, same chunk edges."""
-    from fla.ops.simple_gla import chunk_simple_gla  # carried wheel; only the GPU path needs it
+    fla-core's chunk_simple_gla forward, step by step (its cumsum, chunk_fwd_h, chunk_fwd_o,
+    pinned at fla-core 0.6.0), for the chunk-start states it computes and the public function
+    drops. fp32 inputs, which Triton multiplies in tf32, so the states stay fp32. One sequence
+    (S = 1) takes the fixed-length path, which has no host synchronisation (the varlen path reads
+    the number of chunks back from the device on every call) and so can be captured in a CUDA
+    graph; same kernels, same chunk edges."""
+    from fla.ops.common.chunk_h import chunk_fwd_h  # carried wheel; only the GPU path needs it
+    from fla.ops.common.chunk_o import chunk_fwd_o
+    from fla.ops.utils import chunk_local_cumsum, prepare_chunk_indices
+    from fla.ops.utils.constant import RCP_LN2
 
-    one_sequence = cu_seqlens_host.shape[0] == 2
-    varlen = {} if one_sequence else {"cu_seqlens": cu_seqlens, "cu_seqlens_cpu": cu_seqlens_host}
-    y, final_state = chunk_simple_gla(
-        q=q[None], k=k[None], v=v[None], g=g[None], scale=1.0,
-        initial_state=initial_state.contiguous(), output_final_state=True, state_v_first=True,
-        **varlen,
+    varlen = cu_seqlens_host.shape[0] > 2
+    cu = cu_seqlens if varlen else None
+    indices = prepare_chunk_indices(cu_seqlens, SCAN_CHUNK, cu_seqlens_cpu=cu_seqlens_host) if varlen else None
+    q, k, v = q[None], k[None], v[None]
+    # log2 decays, cumulated within each chunk (the kernels use exp2)
+    g = chunk_local_cumsum(g[None], chunk_size=SCAN_CHUNK, scale=RCP_LN2, cu_seqlens=cu, chunk_indices=indices)
+    h, final_state = chunk_fwd_h(
+        k=k, v=v, g=g, h0=initial_state.contiguous(), output_final_state=True, state_v_first=True,
+        cu_seqlens=cu, chunk_size=SCAN_CHUNK,
     )
-    return y[0].float(), final_state
+    y = chunk_fwd_o(
+        q=q, k=k, v=v, h=h, g=g, scale=1.0, state_v_first=True, cu_seqlens=cu, chunk_size=SCAN_CHUNK,
+        chunk_indices=indices,
+    )
+    return y[0].float(), final_state, h[0]
 
 
 @triton.jit
@@ -61,7 +74,7 @@ def _scan_inputs_kernel(
     xbc_ptr, stride_xt,  # (T, conv_dim) post-conv rows [x (H P) | B (G N) | C (G N)], unit stride
     dt_ptr, stride_dtt,  # (T, H) raw dt, unit H stride
     dt_bias_ptr, a_log_ptr, dt_min, dt_max,  # (H,) fp32 x 2 and the clamp
-    rows_ptr, valid_ptr,  # (Tp,): row of each prefill token (HAS_ROWS), nonzero if real (HAS_VALID)
+    rows_ptr, valid_ptr,  # (Tp,): row of each output row, -1: zeros (HAS_ROWS); nonzero if real (HAS_VALID)
     q_ptr, k_ptr, v_ptr, g_ptr,  # (Tp, H, N), (Tp, H, N), (Tp, H, P), (Tp, H) fp32, contiguous
     H: tl.constexpr, P: tl.constexpr, N: tl.constexpr, GN: tl.constexpr,
     HEADS_PER_GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -72,11 +85,14 @@ def _scan_inputs_kernel(
     row = t
     if HAS_ROWS:
         row = tl.load(rows_ptr + t)
+    real = row >= 0  # else a padding row of an in-pass capture: all zeros (identity step)
+    row = tl.maximum(row, 0)
     src = xbc_ptr + row * stride_xt
     dt = tl.load(dt_ptr + row * stride_dtt + h).to(tl.float32) + tl.load(dt_bias_ptr + h)
     dt = tl.where(dt > 20.0, dt, libdevice.log1p(tl.exp(dt)))  # F.softplus, threshold 20
     dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
-    if HAS_VALID:  # a padding row: decay 1 and no input, the state passes through unchanged
+    dt = tl.where(real, dt, 0.0)
+    if HAS_VALID:  # a padding row of a graph: decay 1 and no input, the state passes unchanged
         dt = tl.where(tl.load(valid_ptr + t) != 0, dt, 0.0)
     tl.store(g_ptr + t * H + h, dt * -tl.exp(tl.load(a_log_ptr + h)))
     p = tl.arange(0, P)
@@ -85,8 +101,8 @@ def _scan_inputs_kernel(
     n = tl.arange(0, N)
     group = (h // HEADS_PER_GROUP)[:, None] * N + n[None, :]  # (BLOCK_H, N) offsets in B and C
     out = (t * H + h[:, None]) * N + n[None, :]
-    tl.store(k_ptr + out, tl.load(src + H * P + group).to(tl.float32))
-    tl.store(q_ptr + out, tl.load(src + H * P + GN + group).to(tl.float32))
+    tl.store(k_ptr + out, tl.where(real, tl.load(src + H * P + group).to(tl.float32), 0.0))
+    tl.store(q_ptr + out, tl.where(real, tl.load(src + H * P + GN + group).to(tl.float32), 0.0))
 
 
 def scan_inputs(
@@ -96,14 +112,15 @@ def scan_inputs(
     A_log: torch.Tensor,  # (H,) fp32
     time_step_limit: tuple[float, float],
     shape: tuple[int, int, int, int],  # (H, P, G, N)
-    rows: torch.Tensor | None = None,  # (Tp,) int: the prefill rows; None: all T rows
+    rows: torch.Tensor | None = None,  # (Tp,) int: the row of each output row, -1: a zero row; None: all T rows
     valid: torch.Tensor | None = None,  # (Tp,) bool: False rows get dt = 0; None: all real
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The chunked scan's inputs for the prefill rows in one launch: (q = C per head (Tp, H, N),
     k = B per head (Tp, H, N), v = x * dt (Tp, H, P), g = dt * A (Tp, H)), all fp32, with
     dt = clamp(softplus(dt_raw + dt_bias), *time_step_limit) and A = -exp(A_log). The PyTorch
     ops it replaces (Mamba2Mixer._scan_inputs, the fp32 casts, the repeats over heads and the
-    products) take about fourteen launches and as many passes over the rows."""
+    products) take about fourteen launches and as many passes over the rows. A row -1 in rows
+    gives q = k = v = 0 and g = 0 (an identity step of the scan)."""
     H, P, G, N = shape
     num_rows = xBC.shape[0] if rows is None else rows.shape[0]
     assert xBC.stride(1) == 1 and dt_raw.stride(1) == 1 and xBC.shape[1] == H * P + 2 * G * N
@@ -146,10 +163,12 @@ def ssd_prefill_scan(
     skip. Returns (y (Tp, H, P) fp32, final states (S, H, P, N) fp32); equal to ssd_chunk_scan
     per sequence within tf32 rounding."""
     H, P, _, _ = shape
-    q, k, v, g = scan_inputs(xBC, dt_raw, dt_bias, A_log, time_step_limit, shape, rows, valid)
+    limits = (dt_bias, A_log, time_step_limit, shape)
     if in_pass is None:
-        y, final_state = chunk_scan(q, k, v, g, initial_state, cu_seqlens, cu_seqlens_host)
-    else:
+        q, k, v, g = scan_inputs(xBC, dt_raw, *limits, rows, valid)
+        y, final_state, _ = chunk_scan(q, k, v, g, initial_state, cu_seqlens, cu_seqlens_host)
+    else:  # the scan's own rows: the prefill rows, padding before each captured chunk
+        q, k, v, g = scan_inputs(xBC, dt_raw, *limits, in_pass.scan_rows)
         y, final_state = scan_with_captures(chunk_scan, q, k, v, g, initial_state, in_pass, in_pass_states)
     if D is not None:
         x = xBC[:, : H * P].view(-1, H, P)
