@@ -46,6 +46,9 @@ def test_plan_pads_each_captured_chunk_to_a_chunk_edge():
     assert plan.scan_cu_host.tolist() == [0, 70, 75, 140]
     assert plan.out_rows.tolist() == list(range(60, 70)) + list(range(70, 75)) + list(range(132, 140))
     assert plan.capture_chunks.tolist() == [1, 4]
+    assert plan.out_start is None  # three sequences: the outputs are gathered
+    one = build_in_pass_plan([(0, 3, 10)], [CaptureSplit(0, 3, 4, 0, True)], {}, {}, torch.device("cpu"))
+    assert one.scan_rows.tolist() == [-1] * 60 + list(range(3, 13)) and one.out_start == 60
     with pytest.raises(ValueError):
         build_in_pass_plan(prefill, [CaptureSplit(2, 11, 5, 2, False)], {}, {}, torch.device("cpu"))
 

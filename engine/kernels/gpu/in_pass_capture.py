@@ -44,7 +44,9 @@ class InPassCapturePlan:
     what it captures.
 
     scan_rows (Ts,): token row of each scan row, -1 for a padding row; scan_cu (Sp+1,) over the
-    scan rows (device and host copies); out_rows (Tp,): scan row of each prefill row;
+    scan rows (device and host copies); out_rows (Tp,): scan row of each prefill row, and
+    out_start: the first of them when they are one run of consecutive rows (one prefill
+    sequence: the outputs are then a view, not a gathered copy), else None;
     capture_chunks (Sc,): per capture, the scan chunk that starts at its position;
     conv_out[layer] (Sc, C, K-1) and ssm_out[layer] (Sc, H, P, N) fp32: written by the layer.
     """
@@ -54,6 +56,7 @@ class InPassCapturePlan:
     scan_cu: torch.Tensor
     scan_cu_host: torch.Tensor
     out_rows: torch.Tensor
+    out_start: int | None
     capture_chunks: torch.Tensor
     conv_out: dict[int, torch.Tensor]
     ssm_out: dict[int, torch.Tensor]
@@ -109,6 +112,7 @@ def build_in_pass_plan(
         scan_cu=host(scan_cu).to(device),
         scan_cu_host=host(scan_cu),
         out_rows=host(out_rows).to(device),
+        out_start=out_rows[0] if out_rows == list(range(out_rows[0], out_rows[0] + len(out_rows))) else None,
         capture_chunks=host(capture_chunks).to(device),
         conv_out=conv_out,
         ssm_out=ssm_out,
@@ -146,4 +150,6 @@ def scan_with_captures(
     ssm_out."""
     y, final, chunk_states = scan(q, k, v, g, initial, plan.scan_cu, plan.scan_cu_host)
     ssm_out.copy_(chunk_states.index_select(0, plan.capture_chunks))
+    if plan.out_start is not None:
+        return y[plan.out_start : plan.out_start + plan.out_rows.shape[0]], final
     return y.index_select(0, plan.out_rows), final
