@@ -1,8 +1,10 @@
 """CUDA graphs of short prefill steps, captured for a set of padded sizes and replayed.
 
-A step whose only computed chunk is one prefill chunk of n tokens, 2 <= n <= the largest size
-(the user message after a restored instruction checkpoint, a short prompt, the tail of a
-chunked prefill), replays the graph of the smallest captured size Tpad >= n. Eagerly such a step
+A step whose only computed chunk is one prefill chunk of n tokens, 2 <= n <= the largest size,
+whose block table fits and which takes no in-pass capture (the user message after a restored
+instruction checkpoint, a short prompt, the tail of a chunked prefill), replays the graph of the
+smallest captured size Tpad >= n. The worker allocates the runner on one CUDA device (tensor
+parallel size 1), with sizes up to max_num_batched_tokens. Eagerly such a step
 is bound by the host: hundreds of kernel launches, each costing more host time than its GPU
 time. The replay launches them all at once.
 

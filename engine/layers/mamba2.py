@@ -212,8 +212,9 @@ class Mamba2Mixer(ShardedModule):
         captures: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Every chunk at once on CUDA: one conv launch pair for all chunks, one decode launch
-        for all 1-token chunks (dt discretised inside it), one varlen chunked scan for the rest
-        (its inputs prepared in one launch, the in-pass captures taken inside it).
+        for all 1-token chunks (dt discretised inside it), one chunked scan for the rest (its
+        inputs prepared in one launch; fla's fixed-length path for one sequence, varlen for
+        several; the in-pass captures read at its chunk edges).
         Returns y (T, H, P) fp32."""
         from engine.kernels.gpu.conv import causal_conv1d_varlen
         from engine.kernels.gpu.in_pass_capture import capture_conv_states

@@ -195,8 +195,13 @@ def test_paged_attention_decode(device, dtype):
         ),
     ],
 )
-@pytest.mark.parametrize("num_splits", [1, 3, 8])
-def test_paged_attention_prefill(device, dtype, num_splits):
+@pytest.mark.parametrize("num_splits", [1, 3, 8, None])  # None: prefill_splits decides
+@pytest.mark.parametrize(
+    "chunks",  # (queries, start position) of each chunk; the third is skipped (its rows stay NaN)
+    [[(100, 0), (37, 512), (20, 7), (3, 64), (70, 33)],
+     [(20, 7), (3, 64), (32, 300), (9, 0)]],  # every chunk <= 32 queries: 16-row query blocks
+)
+def test_paged_attention_prefill(device, dtype, num_splits, chunks):
     """Several prefill chunks in one launch, at rows between other rows: with and without cached
     keys, shorter and longer than a query block, one skipped (length 0); keys in one program
     per query block, or split over several (more splits than some blocks have key tiles)."""
@@ -204,8 +209,6 @@ def test_paged_attention_prefill(device, dtype, num_splits):
 
     torch.manual_seed(5)
     H, Dh = 16, 128
-    # (queries, start position) of each chunk; the third is skipped (its rows stay NaN)
-    chunks = [(100, 0), (37, 512), (20, 7), (3, 64), (70, 33)]
     skipped = 2
     key_cache, value_cache, tables = _paged_setup(device, [n + p for n, p in chunks], dtype=dtype)
     first_rows, row = [], 2  # rows 0, 1 and one row between chunks belong to nobody
@@ -252,14 +255,17 @@ def test_causal_attention_from_start(device):
 
 
 @pytest.mark.skipif(INTERPRETED, reason="libdevice.log1p is not emulated by Triton's interpreter")
-@pytest.mark.parametrize("with_rows,with_valid", [(False, False), (True, False), (False, True)])
-def test_scan_inputs(device, with_rows, with_valid):
+@pytest.mark.parametrize(
+    "with_rows,with_valid,H,P", [(False, False, 16, 32), (True, False, 16, 32), (False, True, 16, 32),
+                                 (False, False, 24, 32), (True, False, 48, 24)],  # a rank's share of 48 heads
+)
+def test_scan_inputs(device, with_rows, with_valid, H, P):
     """The fused scan-input kernel against the PyTorch ops it replaces (Mamba2Mixer._scan_inputs,
     the repeats over heads, the products), on a strided xBC and dt as in_proj's split gives."""
     from engine.kernels.gpu.ssd import scan_inputs
 
     torch.manual_seed(9)
-    T, H, P, G, N = 23, 16, 32, 2, 64
+    T, G, N = 23, 2, 64
     conv_dim = H * P + 2 * G * N
     projected = torch.randn(T, 5 + conv_dim + H, device=device, dtype=torch.bfloat16) * 3
     xBC, dt_raw = projected[:, 5 : 5 + conv_dim], projected[:, 5 + conv_dim :]

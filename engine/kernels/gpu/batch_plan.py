@@ -3,8 +3,10 @@
 The CPU path reads the Python chunk list directly; the GPU kernels need the same facts as
 device tensors (chunk boundaries, state slots, reset flags, block tables), split into the
 decode chunks (one token each, served by one batched kernel call) and the prefill chunks
-(several tokens, served by the varlen chunked scan and SDPA). All integer metadata travels in
-one host-to-device copy.
+(several tokens, served by the chunked scan and by the paged prefill-attention kernel, or SDPA
+for a chunk that starts its sequence). All integer metadata travels in one host-to-device copy;
+a CUDA graph builds its plan over its own static buffers instead (decode_only_plan,
+single_prefill_plan).
 
 Shapes: T tokens, S chunks, Bd decode chunks, Sp prefill chunks, Tp prefill tokens.
 """

@@ -98,12 +98,12 @@ def paged_attention_decode(
 def _prefill_kernel(
     q_ptr, stride_qt, stride_qh,  # (T, H, D), unit D stride
     k_ptr, v_ptr, stride_kb, stride_ko, stride_kh,  # (blocks, block_size, Hkv, D), K and V alike
-    out_ptr, stride_ot, stride_oh,  # (T, H, D): the output, or (splits, T, H, D) fp32 partials
+    out_ptr, stride_ot, stride_oh,  # (T, H, D): the output, or (splits, Sp * max_len, H, D) fp32 partials
     stride_split,  # of the partials' split axis
-    ml_ptr, stride_ml_split, stride_ml_t,  # (splits, T, H, 2) fp32: max and sum of each partial
+    ml_ptr, stride_ml_split, stride_ml_t,  # (splits, Sp * max_len, H, 2) fp32: max and sum of each partial
     rows_ptr, lens_ptr, positions_ptr, table_ptr, stride_table,  # (Sp,) x 3, (Sp, max_blocks)
     scale_log2,  # softmax scale * log2(e)
-    num_splits,
+    num_splits, max_len,  # partial row of query j of chunk s: s * max_len + j
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, KV_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr,
 ):
@@ -145,26 +145,27 @@ def _prefill_kernel(
             l = l * alpha + tl.sum(p, axis=1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m = m_new
-        rows = first_row + i
         if SPLIT:
+            part = s * max_len + i
             base = split * stride_split
-            tl.store(out_ptr + base + rows[:, None] * stride_ot + head * stride_oh + d[None, :], acc,
+            tl.store(out_ptr + base + part[:, None] * stride_ot + head * stride_oh + d[None, :], acc,
                      mask=i_mask[:, None])
-            ml = ml_ptr + split * stride_ml_split + rows * stride_ml_t + head * 2
+            ml = ml_ptr + split * stride_ml_split + part * stride_ml_t + head * 2
             tl.store(ml, m, mask=i_mask)
             tl.store(ml + 1, l, mask=i_mask)
         else:
+            rows = first_row + i
             tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + d[None, :],
                      (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=i_mask[:, None])
 
 
 @triton.jit
 def _combine_kernel(
-    part_ptr, stride_split, stride_pt,  # (splits, T, H, D) fp32, unit D stride, H stride D
-    ml_ptr, stride_ml_split, stride_ml_t,  # (splits, T, H, 2) fp32
+    part_ptr, stride_split, stride_pt,  # (splits, Sp * max_len, H, D) fp32, unit D stride, H stride D
+    ml_ptr, stride_ml_split, stride_ml_t,  # (splits, Sp * max_len, H, 2) fp32
     out_ptr, stride_ot, stride_oh,  # (T, H, D)
     rows_ptr, lens_ptr,  # (Sp,)
-    num_splits,
+    num_splits, max_len,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     m_block, s, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -173,29 +174,30 @@ def _combine_kernel(
         i = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
         i_mask = i < q_len
         rows = tl.load(rows_ptr + s) + i
+        part = s * max_len + i
         d = tl.arange(0, HEAD_DIM)
         m_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
         for split in range(num_splits):  # split 0 holds key 0, visible to every row: finite max
-            ml = ml_ptr + split * stride_ml_split + rows * stride_ml_t + head * 2
+            ml = ml_ptr + split * stride_ml_split + part * stride_ml_t + head * 2
             m_max = tl.maximum(m_max, tl.load(ml, mask=i_mask, other=0.0))
         total = tl.zeros((BLOCK_M,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
         for split in range(num_splits):
-            ml = ml_ptr + split * stride_ml_split + rows * stride_ml_t + head * 2
+            ml = ml_ptr + split * stride_ml_split + part * stride_ml_t + head * 2
             weight = tl.exp2(tl.load(ml, mask=i_mask, other=0.0) - m_max)
             total += weight * tl.load(ml + 1, mask=i_mask, other=0.0)
-            part = tl.load(part_ptr + split * stride_split + rows[:, None] * stride_pt + head * HEAD_DIM + d[None, :],
-                           mask=i_mask[:, None], other=0.0)
-            acc += weight[:, None] * part
+            partial = tl.load(part_ptr + split * stride_split + part[:, None] * stride_pt + head * HEAD_DIM + d[None, :],
+                              mask=i_mask[:, None], other=0.0)
+            acc += weight[:, None] * partial
         tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + d[None, :],
                  (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=i_mask[:, None])
 
 
-def prefill_splits(max_length: int, num_heads: int, num_sms: int = 132) -> int:
-    """Key splits per query block so that the launch has about two programs per SM: 1 when the
-    queries alone give that many, at most 8."""
-    programs = -(-max_length // 64) * num_heads
-    return max(1, min(8, (2 * num_sms) // max(programs, 1)))
+def prefill_splits(num_query_blocks: int, num_sms: int = 132) -> int:
+    """Key splits per query block (num_query_blocks: over all chunks and heads) so that the
+    launch has about two programs per SM: 1 when the query blocks alone give that many, at
+    most 8."""
+    return max(1, min(8, (2 * num_sms) // max(num_query_blocks, 1)))
 
 
 def paged_attention_prefill(
@@ -224,17 +226,17 @@ def paged_attention_prefill(
     num_chunks = first_rows.shape[0]
     if num_chunks == 0 or max_length == 0:
         return
-    num_tokens, num_heads, head_dim = query.shape
+    _, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     assert key_cache.stride() == value_cache.stride() and key_cache.stride(3) == 1
     assert query.stride(2) == 1 and out.stride(2) == 1 and head_dim == triton.next_power_of_2(head_dim)
-    if num_splits is None:
-        num_splits = prefill_splits(max_length, num_heads)
     block_m = 64 if max_length > 32 else 16
+    if num_splits is None:
+        num_splits = prefill_splits(triton.cdiv(max_length, block_m) * num_chunks * num_heads)
     split = num_splits > 1
-    if split:
-        partial = query.new_empty(num_splits, num_tokens, num_heads, head_dim, dtype=torch.float32)
-        ml = query.new_empty(num_splits, num_tokens, num_heads, 2, dtype=torch.float32)
+    if split:  # partials of the served queries only: (splits, Sp * max_length, H, D), small
+        partial = query.new_empty(num_splits, num_chunks * max_length, num_heads, head_dim, dtype=torch.float32)
+        ml = query.new_empty(num_splits, num_chunks * max_length, num_heads, 2, dtype=torch.float32)
         target, strides = partial, (partial.stride(1), partial.stride(2), partial.stride(0))
         ml_strides = (ml.stride(0), ml.stride(1))
     else:  # the output directly; no partials
@@ -245,7 +247,7 @@ def paged_attention_prefill(
         key_cache, value_cache, key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         target, *strides, ml, *ml_strides,
         first_rows, lengths, start_positions, block_tables, block_tables.stride(0),
-        scale * 1.4426950408889634, num_splits,
+        scale * 1.4426950408889634, num_splits, max_length,
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, KV_BLOCK=block_size,
         BLOCK_M=block_m, BLOCK_N=64,
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",  # fp32 models: no tf32
@@ -255,7 +257,7 @@ def paged_attention_prefill(
         _combine_kernel[(triton.cdiv(max_length, block_m), num_chunks, num_heads)](
             partial, partial.stride(0), partial.stride(1), ml, ml.stride(0), ml.stride(1),
             out, out.stride(0), out.stride(1),
-            first_rows, lengths, num_splits,
+            first_rows, lengths, num_splits, max_length,
             HEAD_DIM=head_dim, BLOCK_M=block_m,
         )
 

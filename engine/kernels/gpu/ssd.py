@@ -77,7 +77,7 @@ def _scan_inputs_kernel(
     rows_ptr, valid_ptr,  # (Tp,): row of each output row, -1: zeros (HAS_ROWS); nonzero if real (HAS_VALID)
     q_ptr, k_ptr, v_ptr, g_ptr,  # (Tp, H, N), (Tp, H, N), (Tp, H, P), (Tp, H) fp32, contiguous
     H: tl.constexpr, P: tl.constexpr, N: tl.constexpr, GN: tl.constexpr,
-    HEADS_PER_GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
+    HEADS_PER_GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_ROWS: tl.constexpr, HAS_VALID: tl.constexpr,
 ):
     t = tl.program_id(0)
@@ -95,14 +95,18 @@ def _scan_inputs_kernel(
     if HAS_VALID:  # a padding row of a graph: decay 1 and no input, the state passes unchanged
         dt = tl.where(tl.load(valid_ptr + t) != 0, dt, 0.0)
     tl.store(g_ptr + t * H + h, dt * -tl.exp(tl.load(a_log_ptr + h)))
-    p = tl.arange(0, P)
-    x = tl.load(src + h[:, None] * P + p[None, :]).to(tl.float32)  # (BLOCK_H, P)
-    tl.store(v_ptr + (t * H + h[:, None]) * P + p[None, :], x * dt[:, None])
-    n = tl.arange(0, N)
-    group = (h // HEADS_PER_GROUP)[:, None] * N + n[None, :]  # (BLOCK_H, N) offsets in B and C
+    p = tl.arange(0, BLOCK_P)
+    p_mask = (p < P)[None, :]
+    x = tl.load(src + h[:, None] * P + p[None, :], mask=p_mask, other=0.0).to(tl.float32)  # (BLOCK_H, BLOCK_P)
+    tl.store(v_ptr + (t * H + h[:, None]) * P + p[None, :], x * dt[:, None], mask=p_mask)
+    n = tl.arange(0, BLOCK_N)
+    n_mask = (n < N)[None, :]
+    group = (h // HEADS_PER_GROUP)[:, None] * N + n[None, :]  # (BLOCK_H, BLOCK_N) offsets in B and C
     out = (t * H + h[:, None]) * N + n[None, :]
-    tl.store(k_ptr + out, tl.where(real, tl.load(src + H * P + group).to(tl.float32), 0.0))
-    tl.store(q_ptr + out, tl.where(real, tl.load(src + H * P + GN + group).to(tl.float32), 0.0))
+    b = tl.load(src + H * P + group, mask=n_mask, other=0.0).to(tl.float32)
+    c = tl.load(src + H * P + GN + group, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(k_ptr + out, tl.where(real, b, 0.0), mask=n_mask)
+    tl.store(q_ptr + out, tl.where(real, c, 0.0), mask=n_mask)
 
 
 def scan_inputs(
@@ -124,19 +128,18 @@ def scan_inputs(
     H, P, G, N = shape
     num_rows = xBC.shape[0] if rows is None else rows.shape[0]
     assert xBC.stride(1) == 1 and dt_raw.stride(1) == 1 and xBC.shape[1] == H * P + 2 * G * N
-    assert P == triton.next_power_of_2(P) and N == triton.next_power_of_2(N)
     new = lambda *shape: xBC.new_empty(*shape, dtype=torch.float32)  # noqa: E731
     q, k, v, g = new(num_rows, H, N), new(num_rows, H, N), new(num_rows, H, P), new(num_rows, H)
     if num_rows == 0:
         return q, k, v, g
-    block_h = min(16, triton.next_power_of_2(H))
-    assert H % block_h == 0
+    block_h = min(16, H & -H)  # the largest power of two dividing H (a rank's heads: 48 / 2 = 24, ...)
     _scan_inputs_kernel[(num_rows, H // block_h)](
         xBC, xBC.stride(0), dt_raw, dt_raw.stride(0),
         dt_bias, A_log, float(time_step_limit[0]), float(time_step_limit[1]),
         rows if rows is not None else dt_bias, valid if valid is not None else dt_bias,
         q, k, v, g,
         H=H, P=P, N=N, GN=G * N, HEADS_PER_GROUP=H // G, BLOCK_H=block_h,
+        BLOCK_P=triton.next_power_of_2(P), BLOCK_N=triton.next_power_of_2(N),
         HAS_ROWS=rows is not None, HAS_VALID=valid is not None,
     )
     return q, k, v, g
