@@ -16,6 +16,12 @@ from tests.gpu.conftest import INTERPRETED, needs_device, relative_error
 
 pytestmark = [pytest.mark.gpu, needs_device]
 
+# Kernels built on tl.dot: fp32, and bf16 where Triton's interpreter does not stand in for the GPU.
+DOT_DTYPES = [
+    torch.float32,
+    pytest.param(torch.bfloat16, marks=pytest.mark.skipif(INTERPRETED, reason="bf16 dot is not emulated faithfully")),
+]
+
 
 def _varlen(lengths: list[int], device) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """(cu_seqlens (S+1,), token_chunk (T,)) as int64 device tensors, plus the Python cu list."""
@@ -149,16 +155,7 @@ def _paged_setup(device, seq_lens, Hkv=4, Dh=128, block_size=16, dtype=torch.bfl
     return key_cache, value_cache, tables
 
 
-@pytest.mark.parametrize(
-    "dtype",
-    [
-        torch.float32,
-        pytest.param(
-            torch.bfloat16,
-            marks=pytest.mark.skipif(INTERPRETED, reason="bf16 dot is not emulated faithfully"),
-        ),
-    ],
-)
+@pytest.mark.parametrize("dtype", DOT_DTYPES)
 def test_paged_attention_decode(device, dtype):
     from engine.kernels.gpu.paged_attention import paged_attention_decode
 
@@ -185,16 +182,7 @@ def test_paged_attention_decode(device, dtype):
     assert torch.isnan(out[[0, 4]]).all(), "a non-decode row was written"
 
 
-@pytest.mark.parametrize(
-    "dtype",
-    [
-        torch.float32,
-        pytest.param(
-            torch.bfloat16,
-            marks=pytest.mark.skipif(INTERPRETED, reason="bf16 dot is not emulated faithfully"),
-        ),
-    ],
-)
+@pytest.mark.parametrize("dtype", DOT_DTYPES)
 @pytest.mark.parametrize("num_splits", [1, 3, 8, None])  # None: prefill_splits decides
 @pytest.mark.parametrize(
     "chunks",  # (queries, start position) of each chunk; the third is skipped (its rows stay NaN)
