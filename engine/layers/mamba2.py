@@ -218,7 +218,7 @@ class Mamba2Mixer(ShardedModule):
         Returns y (T, H, P) fp32."""
         from engine.kernels.gpu.conv import causal_conv1d_varlen
         from engine.kernels.gpu.in_pass_capture import capture_conv_states
-        from engine.kernels.gpu.ssd import ssd_decode_update_raw_dt, ssd_prefill_scan
+        from engine.kernels.gpu.ssd import ssd_decode_update, ssd_prefill_scan
 
         T = xBC.shape[0]
         weight = self.conv1d.weight[:, 0, :]  # (conv_dim, K)
@@ -235,7 +235,7 @@ class Mamba2Mixer(ShardedModule):
         C = C.view(T, self.num_groups, self.state_size)
         y = xBC.new_empty(T, self.num_heads, self.head_dim, dtype=torch.float32)
         if plan.num_decode:
-            ssd_decode_update_raw_dt(
+            ssd_decode_update(
                 x, dt_raw, self.dt_bias, self.A_log, self.time_step_limit, B, C, self.D,
                 ssm_state, y, plan.decode_rows, plan.decode_slots, plan.decode_reset,
             )

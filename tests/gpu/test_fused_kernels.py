@@ -75,10 +75,10 @@ def test_silu_and_mul(device, dtype, num_tokens):
     assert relative_error(out, ref.silu_and_mul(x)) < TOL[dtype]
 
 
-def test_ssd_decode_update_raw_dt(device):
+def test_ssd_decode_update(device):
     """dt = clamp(softplus(dt_raw + dt_bias)) and A = -exp(A_log) inside the decode kernel, dt_raw
     read from a strided bf16 view (as in_proj's dt columns are)."""
-    from engine.kernels.gpu.ssd import ssd_decode_update_raw_dt
+    from engine.kernels.gpu.ssd import ssd_decode_update
 
     torch.manual_seed(40)
     T, H, P, G, N, num_slots = 9, 8, 64, 2, 128, 12
@@ -103,7 +103,7 @@ def test_ssd_decode_update_raw_dt(device):
     y = _nan((T, H, P), torch.float32, device)
     as_t = lambda v: torch.tensor(v, dtype=torch.int64, device=device)  # noqa: E731
 
-    ssd_decode_update_raw_dt(
+    ssd_decode_update(
         x, dt_raw, dt_bias, A_log, limit, B, C, D, state, y, as_t(rows), as_t(slots), as_t(resets)
     )
     dt = torch.nn.functional.softplus(dt_raw.float() + dt_bias).clamp(*limit)

@@ -70,39 +70,6 @@ def test_causal_conv1d_varlen(device, dtype):
     assert torch.isnan(state[unused]).all(), "an unused slot was written"
 
 
-def test_ssd_decode_update(device):
-    from engine.kernels.gpu.ssd import ssd_decode_update
-
-    torch.manual_seed(2)
-    T, H, P, G, N, num_slots = 9, 8, 64, 2, 128, 12
-    rows, slots, resets = [0, 2, 3, 5, 8], [4, 0, 11, 7, 2], [0, 1, 0, 0, 1]
-    x = torch.randn(T, H, P, device=device, dtype=torch.bfloat16)
-    dt = torch.nn.functional.softplus(torch.randn(T, H, device=device))
-    A = -torch.exp(torch.rand(H, device=device) * 2)
-    B = torch.randn(T, G, N, device=device, dtype=torch.bfloat16)
-    C = torch.randn(T, G, N, device=device, dtype=torch.bfloat16)
-    D = torch.randn(H, device=device)
-    state = torch.randn(num_slots, H, P, N, device=device)
-    for slot, reset in zip(slots, resets):
-        if reset:
-            state[slot] = float("nan")
-    unused = [s for s in range(num_slots) if s not in slots]
-    state[unused] = float("nan")
-    before = state.clone()
-    y = torch.full((T, H, P), float("nan"), device=device)
-    as_t = lambda v: torch.tensor(v, dtype=torch.int64, device=device)  # noqa: E731
-
-    ssd_decode_update(x, dt, A, B, C, D, state, y, as_t(rows), as_t(slots), as_t(resets))
-    for row, slot, reset in zip(rows, slots, resets):
-        old = torch.zeros_like(before[slot]) if reset else before[slot]
-        ref_y, ref_state = ssd_step(x[row], dt[row], A, B[row], C[row], D, old)
-        assert relative_error(y[row], ref_y) < 1e-5, f"row {row} y"
-        assert relative_error(state[slot], ref_state) < 1e-5, f"row {row} state"
-    untouched = [r for r in range(T) if r not in rows]
-    assert torch.isnan(y[untouched]).all(), "a non-decode row was written"
-    assert torch.isnan(state[unused]).all(), "an unused slot was written"
-
-
 @pytest.mark.skipif(INTERPRETED, reason="fla-core kernels need a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("lengths", [[300, 2, 64, 1000, 129], [777]])  # varlen, and fla's fixed-length path

@@ -182,16 +182,16 @@ def ssd_prefill_scan(
 @triton.jit
 def _decode_kernel(
     x_ptr, stride_xt, stride_xh,  # (T, H, P), unit P stride
-    dt_ptr, stride_dtt,  # (T, H): dt fp32, or raw dt (before bias and softplus) if DT_RAW
-    a_ptr, d_ptr,  # (H,) fp32: A (negative), or A_log if DT_RAW; D
-    dt_bias_ptr, dt_min, dt_max,  # (H,) fp32 and the clamp, read only if DT_RAW
+    dt_ptr, stride_dtt,  # (T, H): raw dt (in_proj's columns, before bias and softplus)
+    a_log_ptr, d_ptr,  # (H,) fp32: A_log, D
+    dt_bias_ptr, dt_min, dt_max,  # (H,) fp32 and the clamp
     b_ptr, stride_bt, stride_bg,  # (T, G, N), unit N stride
     c_ptr, stride_ct, stride_cg,  # (T, G, N)
     state_ptr, stride_ss, stride_sh, stride_sp,  # (slots, H, P, N) fp32, unit N stride
     y_ptr, stride_yt, stride_yh,  # (T, H, P) fp32
     rows_ptr, slots_ptr, reset_ptr,  # (Bd,)
     heads_per_group, P, N,
-    HAS_D: tl.constexpr, DT_RAW: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     i, h = tl.program_id(0), tl.program_id(1)
     p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -204,13 +204,11 @@ def _decode_kernel(
 
     x = tl.load(x_ptr + row * stride_xt + h * stride_xh + p, mask=p_mask, other=0.0).to(tl.float32)
     dt = tl.load(dt_ptr + row * stride_dtt + h).to(tl.float32)
-    if DT_RAW:  # dt = clamp(softplus(dt_raw + dt_bias)), A = -exp(A_log), as _scan_inputs
-        dt += tl.load(dt_bias_ptr + h)
-        dt = tl.where(dt > 20.0, dt, libdevice.log1p(tl.exp(dt)))  # F.softplus, threshold 20
-        dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
-        a = -tl.exp(tl.load(a_ptr + h))
-    else:
-        a = tl.load(a_ptr + h)
+    # dt = clamp(softplus(dt_raw + dt_bias)), A = -exp(A_log), as scan_inputs
+    dt += tl.load(dt_bias_ptr + h)
+    dt = tl.where(dt > 20.0, dt, libdevice.log1p(tl.exp(dt)))  # F.softplus, threshold 20
+    dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
+    a = -tl.exp(tl.load(a_log_ptr + h))
     decay = tl.exp(dt * a)
     b = tl.load(b_ptr + row * stride_bt + g * stride_bg + n, mask=n_mask, other=0.0).to(tl.float32)
     c = tl.load(c_ptr + row * stride_ct + g * stride_cg + n, mask=n_mask, other=0.0).to(tl.float32)
@@ -227,47 +225,6 @@ def _decode_kernel(
 
 def ssd_decode_update(
     x: torch.Tensor,  # (T, H, P)
-    dt: torch.Tensor,  # (T, H) fp32, softplus'd and clamped
-    A: torch.Tensor,  # (H,) fp32
-    B: torch.Tensor,  # (T, G, N)
-    C: torch.Tensor,  # (T, G, N)
-    D: torch.Tensor | None,  # (H,)
-    ssm_state: torch.Tensor,  # (num_slots, H, P, N) fp32, rows' slots updated in place
-    y: torch.Tensor,  # (T, H, P) fp32, rows written
-    rows: torch.Tensor,  # (Bd,) int, token row of each decode sequence
-    slots: torch.Tensor,  # (Bd,) int, distinct state slots
-    reset: torch.Tensor,  # (Bd,) int, nonzero = start from a zero state
-) -> None:
-    """One step of Bd sequences in one launch: for each i, ssd_step on row rows[i] from state
-    slot slots[i] (zeros if reset[i]); writes the new state to that slot and y[rows[i]].
-    Touches no other slot or row."""
-    num_decode = rows.shape[0]
-    if num_decode == 0:
-        return
-    _, num_heads, head_dim = x.shape
-    state_size = B.shape[2]
-    assert x.stride(2) == 1 and B.stride(2) == 1 and C.stride(2) == 1 and ssm_state.stride(3) == 1
-    assert ssm_state.dtype == torch.float32 and y.dtype == torch.float32 and y.stride(2) == 1
-    dt = dt.float()
-    block_p = min(16, triton.next_power_of_2(head_dim))
-    grid = (num_decode, num_heads, triton.cdiv(head_dim, block_p))
-    _decode_kernel[grid](
-        x, x.stride(0), x.stride(1),
-        dt, dt.stride(0),
-        A.float().contiguous(), D.float().contiguous() if D is not None else A,
-        A, 0.0, 0.0,
-        B, B.stride(0), B.stride(1),
-        C, C.stride(0), C.stride(1),
-        ssm_state, ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2),
-        y, y.stride(0), y.stride(1),
-        rows, slots, reset,
-        num_heads // B.shape[1], head_dim, state_size,
-        HAS_D=D is not None, DT_RAW=False, BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(state_size),
-    )
-
-
-def ssd_decode_update_raw_dt(
-    x: torch.Tensor,  # (T, H, P)
     dt_raw: torch.Tensor,  # (T, H), in_proj's dt columns before bias and softplus (any float dtype)
     dt_bias: torch.Tensor,  # (H,) fp32
     A_log: torch.Tensor,  # (H,) fp32
@@ -281,9 +238,11 @@ def ssd_decode_update_raw_dt(
     slots: torch.Tensor,  # (Bd,) int, distinct
     reset: torch.Tensor,  # (Bd,) int, nonzero = start from a zero state
 ) -> None:
-    """ssd_decode_update with the discretisation folded in: dt = clamp(softplus(dt_raw +
-    dt_bias), *time_step_limit) and A = -exp(A_log) are computed inside the same launch (the
-    PyTorch path spends six kernels on them). Same contract otherwise."""
+    """One step of Bd sequences in one launch: for each i, ssd_step on row rows[i] from state
+    slot slots[i] (zeros if reset[i]), with dt = clamp(softplus(dt_raw + dt_bias),
+    *time_step_limit) and A = -exp(A_log) computed inside the launch (the PyTorch path spends six
+    kernels on them); writes the new state to that slot and y[rows[i]]. Touches no other slot
+    or row."""
     num_decode = rows.shape[0]
     if num_decode == 0:
         return
@@ -305,5 +264,5 @@ def ssd_decode_update_raw_dt(
         y, y.stride(0), y.stride(1),
         rows, slots, reset,
         num_heads // B.shape[1], head_dim, state_size,
-        HAS_D=D is not None, DT_RAW=True, BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(state_size),
+        HAS_D=D is not None, BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(state_size),
     )
