@@ -123,7 +123,10 @@ def _paged_setup(device, seq_lens, Hkv=4, Dh=128, block_size=16, dtype=torch.bfl
 
 
 @pytest.mark.parametrize("dtype", DOT_DTYPES)
-def test_paged_attention_decode(device, dtype):
+@pytest.mark.parametrize("num_splits", [1, 5, 16, None])  # None: decode_splits decides
+def test_paged_attention_decode(device, dtype, num_splits):
+    """Sequences from 1 key (every split but the first empty) to 1,000, keys in one program per
+    (sequence, KV head) or split over several."""
     from engine.kernels.gpu.paged_attention import paged_attention_decode
 
     torch.manual_seed(4)
@@ -139,7 +142,9 @@ def test_paged_attention_decode(device, dtype):
     as_t = lambda v: torch.tensor(v, dtype=torch.int64, device=device)  # noqa: E731
     scale = Dh**-0.5
 
-    paged_attention_decode(query, key_cache, value_cache, out, as_t(rows), as_t(seq_lens), table, scale)
+    paged_attention_decode(
+        query, key_cache, value_cache, out, as_t(rows), as_t(seq_lens), table, scale, num_splits=num_splits
+    )
     for row, n, blocks in zip(rows, seq_lens, tables):
         ref = paged_attention(
             query[row : row + 1].float(), key_cache.float(), value_cache.float(),

@@ -6,7 +6,9 @@ torch SDPA over the chunk's own K/V.
 GPU counterparts of engine/kernels/attention_reference.py:paged_attention. KV layout as there:
 (num_blocks, block_size, Hkv, D); query head h reads KV head h // (H / Hkv). The decode kernel
 gives each program one (sequence, KV head) pair and all the query heads that share it, so each
-K/V byte is read once per step; softmax is online, in fp32. The prefill kernel gives each
+K/V byte is read once per step; softmax is online, in fp32. When the pairs are too few to fill
+the GPU (small batches), each pair's keys are also split over several programs and a second
+launch combines their partial results. The prefill kernel gives each
 program BLOCK_M queries of one chunk and one query head, and walks the keys up to its last
 query's position BLOCK_N at a time.
 
@@ -22,16 +24,19 @@ import triton.language as tl
 
 
 @triton.jit
-def _decode_kernel(
+def _paged_decode_kernel(
     q_ptr, stride_qt, stride_qh,  # (T, H, D), unit D stride
     k_ptr, v_ptr, stride_kb, stride_ko, stride_kh,  # (blocks, block_size, Hkv, D), K and V alike
-    out_ptr, stride_ot, stride_oh,  # (T, H, D)
+    out_ptr, stride_ot, stride_oh,  # (T, H, D): the output, or (splits, Bd, H, D) fp32 partials
+    stride_split,  # of the partials' split axis
+    ml_ptr, stride_ml_split, stride_ml_t,  # (splits, Bd, H, 2) fp32: max and sum of each partial
     rows_ptr, seq_lens_ptr, table_ptr, stride_table,  # (Bd,), (Bd,), (Bd, max_blocks)
-    scale,
+    scale_log2,  # softmax scale * log2(e)
+    num_splits,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
-    KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
+    KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
 ):
-    i, kv_head = tl.program_id(0), tl.program_id(1)
+    i, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     row = tl.load(rows_ptr + i)
     seq_len = tl.load(seq_lens_ptr + i)
     g = tl.arange(0, BLOCK_G)
@@ -40,27 +45,68 @@ def _decode_kernel(
     g_mask = g < GROUP
     q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + d[None, :],
                 mask=g_mask[:, None], other=0.0)  # (BLOCK_G, D)
+    # this split's share of the keys, in whole BLOCK_N tiles (a split past seq_len has none)
+    span = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    key_end = tl.minimum((split + 1) * span, seq_len)
     m = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
     l = tl.zeros((BLOCK_G,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_G, HEAD_DIM), dtype=tl.float32)
-    for start in range(0, seq_len, BLOCK_N):
+    for start in range(split * span, key_end, BLOCK_N):
         tok = start + tl.arange(0, BLOCK_N)
-        t_mask = tok < seq_len
+        t_mask = tok < key_end
         block = tl.load(table_ptr + i * stride_table + tok // KV_BLOCK, mask=t_mask, other=0)
         offsets = block * stride_kb + (tok % KV_BLOCK) * stride_ko + kv_head * stride_kh
         k = tl.load(k_ptr + offsets[:, None] + d[None, :], mask=t_mask[:, None], other=0.0)
         v = tl.load(v_ptr + offsets[:, None] + d[None, :], mask=t_mask[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale  # (BLOCK_G, BLOCK_N) fp32
+        s = tl.dot(q, tl.trans(k)) * scale_log2  # (BLOCK_G, BLOCK_N) fp32, log2 units
         s = tl.where(t_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m - m_new)
+        m_new = tl.maximum(m, tl.max(s, axis=1))  # finite: every tile holds a key
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m - m_new)
         l = l * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
-    out = acc / l[:, None]
-    tl.store(out_ptr + row * stride_ot + heads[:, None] * stride_oh + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+    if SPLIT:  # unnormalised partial; a split with no keys leaves m = -inf, l = 0, acc = 0
+        part = out_ptr + split * stride_split + i * stride_ot
+        tl.store(part + heads[:, None] * stride_oh + d[None, :], acc, mask=g_mask[:, None])
+        ml = ml_ptr + split * stride_ml_split + i * stride_ml_t + heads * 2
+        tl.store(ml, m, mask=g_mask)
+        tl.store(ml + 1, l, mask=g_mask)
+    else:
+        tl.store(out_ptr + row * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                 (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+
+
+@triton.jit
+def _decode_combine_kernel(
+    part_ptr, stride_split, stride_pt,  # (splits, Bd, H, D) fp32, unit D stride, H stride D
+    ml_ptr, stride_ml_split, stride_ml_t,  # (splits, Bd, H, 2) fp32
+    out_ptr, stride_ot, stride_oh,  # (T, H, D)
+    rows_ptr,  # (Bd,)
+    num_splits,
+    HEAD_DIM: tl.constexpr,
+):
+    i, head = tl.program_id(0), tl.program_id(1)
+    d = tl.arange(0, HEAD_DIM)
+    ml = ml_ptr + i * stride_ml_t + head * 2
+    m_max = tl.load(ml)  # split 0 holds key 0: finite
+    for split in range(1, num_splits):
+        m_max = tl.maximum(m_max, tl.load(ml + split * stride_ml_split))
+    total = tl.zeros((1,), dtype=tl.float32)
+    acc = tl.zeros((HEAD_DIM,), dtype=tl.float32)
+    for split in range(num_splits):
+        weight = tl.exp2(tl.load(ml + split * stride_ml_split) - m_max)  # 0 for an empty split
+        total += weight * tl.load(ml + split * stride_ml_split + 1)
+        acc += weight * tl.load(part_ptr + split * stride_split + i * stride_pt + head * HEAD_DIM + d)
+    row = tl.load(rows_ptr + i)
+    tl.store(out_ptr + row * stride_ot + head * stride_oh + d, (acc / total).to(out_ptr.dtype.element_ty))
+
+
+def decode_splits(num_decode: int, num_kv_heads: int, num_sms: int = 132) -> int:
+    """Key splits per (sequence, KV head) so that a decode launch has about two programs per SM
+    (a batch of few sequences is otherwise a handful of programs walking long contexts): 1 when
+    the pairs alone give that many, at most 16."""
+    return max(1, min(16, (2 * num_sms) // max(num_decode * num_kv_heads, 1)))
 
 
 def paged_attention_decode(
@@ -72,9 +118,15 @@ def paged_attention_decode(
     seq_lens: torch.Tensor,  # (Bd,) int >= 1, keys each query attends to (its own included)
     block_table: torch.Tensor,  # (Bd, max_blocks) int
     scale: float,
+    num_splits: int | None = None,  # key splits per (sequence, KV head); None: decode_splits()
 ) -> None:
     """For each i: out[rows[i]] = attention of query[rows[i]] over the first seq_lens[i] keys of
-    its blocks (K/V already written). Equal to paged_attention with n = 1 within bf16 rounding."""
+    its blocks (K/V already written). Equal to paged_attention with n = 1 within bf16 rounding.
+    Touches no other row of out.
+
+    The launches depend on Bd and the head counts only, never on seq_lens, so a CUDA graph
+    replays them for any context length. With num_splits > 1 each sequence's keys are split
+    over that many programs, whose fp32 partials a second launch combines."""
     num_decode = rows.shape[0]
     if num_decode == 0:
         return
@@ -82,16 +134,31 @@ def paged_attention_decode(
     _, block_size, num_kv_heads, _ = key_cache.shape
     assert key_cache.stride() == value_cache.stride() and key_cache.stride(3) == 1
     assert query.stride(2) == 1 and out.stride(2) == 1 and head_dim == triton.next_power_of_2(head_dim)
+    if num_splits is None:
+        num_splits = decode_splits(num_decode, num_kv_heads)
+    split = num_splits > 1
+    if split:  # (splits, Bd, H, D) partials and (splits, Bd, H, 2) max/sum, fp32
+        partial = query.new_empty(num_splits, num_decode, num_heads, head_dim, dtype=torch.float32)
+        ml = query.new_empty(num_splits, num_decode, num_heads, 2, dtype=torch.float32)
+        target, strides = partial, (partial.stride(1), partial.stride(2), partial.stride(0))
+        ml_strides = (ml.stride(0), ml.stride(1))
+    else:  # the output directly; no partials
+        ml, target, strides, ml_strides = out, out, (out.stride(0), out.stride(1), 0), (0, 0)
     group = num_heads // num_kv_heads
-    _decode_kernel[(num_decode, num_kv_heads)](
+    _paged_decode_kernel[(num_decode, num_kv_heads, num_splits)](
         query, query.stride(0), query.stride(1),
         key_cache, value_cache, key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        out, out.stride(0), out.stride(1),
+        target, *strides, ml, *ml_strides,
         rows, seq_lens, block_table, block_table.stride(0),
-        scale,
+        scale * 1.4426950408889634, num_splits,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        KV_BLOCK=block_size, BLOCK_N=64,
+        KV_BLOCK=block_size, BLOCK_N=64, SPLIT=split,
     )
+    if split:
+        _decode_combine_kernel[(num_decode, num_heads)](
+            partial, partial.stride(0), partial.stride(1), ml, ml.stride(0), ml.stride(1),
+            out, out.stride(0), out.stride(1), rows, num_splits, HEAD_DIM=head_dim,
+        )
 
 
 @triton.jit
