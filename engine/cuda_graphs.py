@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from engine.forward_batch import ForwardBatch, ModelCaches
@@ -32,6 +33,79 @@ def decode_batch_sizes(max_batch: int) -> tuple[int, ...]:
     return tuple(sorted(sizes | {max_batch}))
 
 
+class DecodeInputStaging:
+    """The host half of a decode graph's inputs: n one-token chunks, padded to a captured size,
+    packed into a flat int64 buffer laid out as the graph's static input tensor: the (6, Bmax)
+    fields (token id, position, KV write slot, state slot, reset flag, keys to attend), then the
+    (Bmax, M) block table. Padding rows: token 0 at position 0 of the scratch slot (reset) and
+    the scratch block. Pure numpy, so it runs (and is tested) without a GPU.
+
+    Block tables: row i of the table holds the blocks of chunk i that hold keys 0..position; a
+    row that already holds exactly those blocks (the same request decoding again, most steps)
+    is not rewritten, since converting a block table to numpy is most of the packing time.
+    Entries past a row's blocks are stale and never read (the keys to attend bound every read).
+    """
+
+    IDS, POSITIONS, KV_SLOTS, STATE_SLOTS, RESET, SEQ_LENS = range(6)
+    NUM_FIELDS = 6
+
+    def __init__(
+        self, buffer: np.ndarray, max_batch: int, max_blocks: int, block_size: int,
+        scratch_slot: int, scratch_block: int,
+    ) -> None:
+        assert buffer.shape == (self.width(max_batch, max_blocks),) and buffer.dtype == np.int64
+        self.buffer = buffer
+        self.max_batch, self.max_blocks, self.block_size = max_batch, max_blocks, block_size
+        self.scratch_slot, self.scratch_block = scratch_slot, scratch_block
+        self._staged_tables: list[tuple[int, ...] | None] = [None] * max_batch  # None: padding
+
+    @classmethod
+    def width(cls, max_batch: int, max_blocks: int) -> int:
+        """Length of the flat buffer."""
+        return cls.NUM_FIELDS * max_batch + max_batch * max_blocks
+
+    def views(self) -> tuple[np.ndarray, np.ndarray]:
+        """The buffer as the (6, Bmax) fields and the (Bmax, M) block table."""
+        fields = self.buffer[: self.NUM_FIELDS * self.max_batch].reshape(self.NUM_FIELDS, self.max_batch)
+        table = self.buffer[self.NUM_FIELDS * self.max_batch :].reshape(self.max_batch, self.max_blocks)
+        return fields, table
+
+    def stage(self, chunks: list[ScheduledChunk], size: int) -> None:
+        """Rows 0..n-1 from the chunks (row i = chunk i), rows n..size-1 padding."""
+        n = len(chunks)
+        fields, table = self.views()
+        bs = self.block_size
+        positions = np.fromiter((c.start_position for c in chunks), dtype=np.int64, count=n)
+        self._stage_block_tables(chunks, positions // bs + 1)
+        fields[self.IDS, :n] = [c.token_ids[0] for c in chunks]
+        fields[self.POSITIONS, :n] = positions
+        fields[self.KV_SLOTS, :n] = table[np.arange(n), positions // bs] * bs + positions % bs
+        fields[self.STATE_SLOTS, :n] = [c.state_slot for c in chunks]
+        fields[self.RESET, :n] = [c.reset_state for c in chunks]
+        fields[self.SEQ_LENS, :n] = positions + 1
+        self.fill_padding(n, size)
+
+    def fill_padding(self, start: int, end: int) -> None:
+        """Rows [start, end) become padding rows."""
+        fields, table = self.views()
+        fields[self.IDS, start:end] = 0
+        fields[self.POSITIONS, start:end] = 0
+        fields[self.KV_SLOTS, start:end] = self.scratch_block * self.block_size
+        fields[self.STATE_SLOTS, start:end] = self.scratch_slot
+        fields[self.RESET, start:end] = 1
+        fields[self.SEQ_LENS, start:end] = 1
+        table[start:end, 0] = self.scratch_block
+        self._staged_tables[start:end] = [None] * (end - start)
+
+    def _stage_block_tables(self, chunks: list[ScheduledChunk], blocks_used: np.ndarray) -> None:
+        _, table = self.views()
+        for i, (chunk, used) in enumerate(zip(chunks, blocks_used.tolist())):
+            blocks = chunk.block_table[:used]
+            if self._staged_tables[i] != blocks:
+                table[i, :used] = blocks
+                self._staged_tables[i] = blocks
+
+
 class DecodeGraphRunner:
     """Captured decode passes of `model` over `caches`, one CUDA graph per batch size.
 
@@ -39,10 +113,6 @@ class DecodeGraphRunner:
     rows point there (the caller keeps the scheduler from handing them out).
     max_blocks_per_seq: block-table width; a chunk with a longer table runs eagerly.
     """
-
-    # Row order of the packed input buffer: (6, Bmax) int64 fields, then the (Bmax, M) block table.
-    _IDS, _POSITIONS, _KV_SLOTS, _STATE_SLOTS, _RESET, _SEQ_LENS = range(6)
-    _NUM_FIELDS = 6
 
     def __init__(
         self, model, caches: ModelCaches, batch_sizes: tuple[int, ...], max_blocks_per_seq: int,
@@ -54,13 +124,13 @@ class DecodeGraphRunner:
         self.max_batch = self.batch_sizes[-1]
         self.max_blocks = max_blocks_per_seq
         self.block_size = caches.block_size
-        self.scratch_slot = scratch_slot
-        self.scratch_block = scratch_block
         device = model.embed_tokens.weight.device
-        width = self._NUM_FIELDS * self.max_batch + self.max_batch * self.max_blocks
+        width = DecodeInputStaging.width(self.max_batch, self.max_blocks)
         # Host staging buffer (pinned) and the graphs' static input buffer, same layout.
         self._host = torch.zeros(width, dtype=torch.int64, pin_memory=True)
-        self._host_np = self._host.numpy()
+        self._staging = DecodeInputStaging(
+            self._host.numpy(), self.max_batch, self.max_blocks, self.block_size, scratch_slot, scratch_block
+        )
         self._inputs = torch.zeros(width, dtype=torch.int64, device=device)
         self._arange = torch.arange(self.max_batch + 1, dtype=torch.int64, device=device)
         self._copied = torch.cuda.Event()  # the last staging copy has left the host buffer
@@ -70,7 +140,6 @@ class DecodeGraphRunner:
         self._pool = None
         self.replays = 0  # decode steps served by a graph (for tests and benchmarks)
         self.capture_seconds = 0.0  # wall time of capture(), warm-up runs included
-
 
     def accepts(self, chunks: list[ScheduledChunk]) -> bool:
         """A graph serves the step: 1..Bmax chunks of one token each, block tables that fit."""
@@ -85,7 +154,7 @@ class DecodeGraphRunner:
         eagerly once first (Triton JIT, cuBLAS handles) with padding only, which writes only the
         scratch slot and block."""
         started = time.perf_counter()
-        self._fill_padding(0, self.max_batch)
+        self._staging.fill_padding(0, self.max_batch)
         self._inputs.copy_(self._host)
         torch.cuda.synchronize()
         self._pool = torch.cuda.graph_pool_handle()
@@ -102,10 +171,11 @@ class DecodeGraphRunner:
 
     def _views(self, size: int) -> tuple[torch.Tensor, ...]:
         """The static input buffer as (ids, positions, kv_slots, state_slots, reset, seq_lens)
-        of `size` rows and the (size, M) block table."""
-        fields = self._inputs[: self._NUM_FIELDS * self.max_batch].view(self._NUM_FIELDS, self.max_batch)
-        table = self._inputs[self._NUM_FIELDS * self.max_batch :].view(self.max_batch, self.max_blocks)
-        return (*(fields[f, :size] for f in range(self._NUM_FIELDS)), table[:size])
+        of `size` rows and the (size, M) block table (DecodeInputStaging's layout)."""
+        num_fields = DecodeInputStaging.NUM_FIELDS
+        fields = self._inputs[: num_fields * self.max_batch].view(num_fields, self.max_batch)
+        table = self._inputs[num_fields * self.max_batch :].view(self.max_batch, self.max_blocks)
+        return (*(fields[f, :size] for f in range(num_fields)), table[:size])
 
     def _forward(self, size: int) -> torch.Tensor:
         """The model's forward over the static inputs of `size` rows, with a decode plan built
@@ -119,48 +189,17 @@ class DecodeGraphRunner:
         plan = decode_only_plan(state_slots, reset, seq_lens, table, self._arange)
         return model(batch, self.caches, gpu_plan=plan)
 
-
     def forward(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """One decode step of the chunks (accepts() must hold): the same cache writes as the
         eager pass, returns hidden (n, D), a fresh tensor (row i = chunk i)."""
-        n = len(chunks)
-        size = next(s for s in self.batch_sizes if s >= n)
+        size = next(s for s in self.batch_sizes if s >= len(chunks))
         self._copied.synchronize()  # usually long done: the last step read its sampled tokens
-        stride = self.max_batch
-        host = self._host_np
-        fields = host[: self._NUM_FIELDS * stride].reshape(self._NUM_FIELDS, stride)
-        table = host[self._NUM_FIELDS * stride :].reshape(stride, self.max_blocks)
-        bs = self.block_size
-        for i, c in enumerate(chunks):
-            position = c.start_position
-            fields[self._IDS, i] = c.token_ids[0]
-            fields[self._POSITIONS, i] = position
-            fields[self._KV_SLOTS, i] = c.block_table[position // bs] * bs + position % bs
-            fields[self._STATE_SLOTS, i] = c.state_slot
-            fields[self._RESET, i] = c.reset_state
-            fields[self._SEQ_LENS, i] = position + 1
-            used = position // bs + 1  # blocks holding keys 0..position; later entries are never read
-            table[i, :used] = c.block_table[:used]
-        self._fill_padding(n, size)
+        self._staging.stage(chunks, size)
         self._inputs.copy_(self._host, non_blocking=True)
         self._copied.record()
         self._graphs[size].replay()
         self.replays += 1
-        return self._outputs[size][:n].clone()
-
-    def _fill_padding(self, start: int, end: int) -> None:
-        """Rows [start, end) of the host buffer: token 0 at position 0 of the scratch slot
-        (reset) and the scratch block."""
-        stride = self.max_batch
-        fields = self._host_np[: self._NUM_FIELDS * stride].reshape(self._NUM_FIELDS, stride)
-        table = self._host_np[self._NUM_FIELDS * stride :].reshape(stride, self.max_blocks)
-        fields[self._IDS, start:end] = 0
-        fields[self._POSITIONS, start:end] = 0
-        fields[self._KV_SLOTS, start:end] = self.scratch_block * self.block_size
-        fields[self._STATE_SLOTS, start:end] = self.scratch_slot
-        fields[self._RESET, start:end] = 1
-        fields[self._SEQ_LENS, start:end] = 1
-        table[start:end, 0] = self.scratch_block
+        return self._outputs[size][: len(chunks)].clone()
 
 
-__all__ = ["DecodeGraphRunner", "decode_batch_sizes"]
+__all__ = ["DecodeGraphRunner", "DecodeInputStaging", "decode_batch_sizes"]

@@ -1,0 +1,65 @@
+"""The host packing of decode graph inputs (engine/cuda_graphs.py:DecodeInputStaging) against the
+obvious per-row oracle, over steps whose batches grow, shrink, keep requests in their rows
+across block boundaries and hand rows to other requests."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+
+from engine.cuda_graphs import DecodeInputStaging
+from engine.sampling_params import SamplingParams
+from engine.step_io import ScheduledChunk
+
+BLOCK_SIZE, MAX_BATCH, MAX_BLOCKS = 4, 8, 12
+SCRATCH_SLOT, SCRATCH_BLOCK = 99, 77
+
+
+def _chunk(request: int, token: int, position: int, blocks: tuple[int, ...], reset: bool) -> ScheduledChunk:
+    return ScheduledChunk(
+        request_id=f"r{request}", token_ids=(token,), start_position=position, block_table=blocks,
+        state_slot=request, reset_state=reset, sample=True, sampling=SamplingParams(),
+    )
+
+
+def _check_rows(staging: DecodeInputStaging, chunks: list[ScheduledChunk], size: int) -> None:
+    fields, table = staging.views()
+    for i, c in enumerate(chunks):
+        p = c.start_position
+        used = p // BLOCK_SIZE + 1
+        assert fields[:, i].tolist() == [
+            c.token_ids[0], p, c.block_table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE,
+            c.state_slot, int(c.reset_state), p + 1,
+        ], f"row {i} fields"
+        assert table[i, :used].tolist() == list(c.block_table[:used]), f"row {i} blocks"
+    for i in range(len(chunks), size):
+        assert fields[:, i].tolist() == [0, 0, SCRATCH_BLOCK * BLOCK_SIZE, SCRATCH_SLOT, 1, 1], f"padding row {i}"
+        assert table[i, 0] == SCRATCH_BLOCK, f"padding row {i} block"
+
+
+def test_staging_matches_per_row_oracle():
+    rng = random.Random(0)
+    buffer = np.full(DecodeInputStaging.width(MAX_BATCH, MAX_BLOCKS), -5, dtype=np.int64)
+    staging = DecodeInputStaging(buffer, MAX_BATCH, MAX_BLOCKS, BLOCK_SIZE, SCRATCH_SLOT, SCRATCH_BLOCK)
+    num_requests = 12
+    # each request's blocks, in a fresh tuple every step as the scheduler builds them
+    blocks = {r: rng.sample(range(60), MAX_BLOCKS) for r in range(num_requests)}
+    positions = {r: rng.randrange(0, 20) for r in range(num_requests)}
+    # (requests in row order, padded size): the same rows for several steps (crossing block
+    # boundaries), a shrink that pads rows the next step fills again, rows handed to others
+    steps = [
+        ([0, 1, 2], 4), ([0, 1, 2], 4), ([0, 1, 2], 4), ([0, 1, 2], 4), ([0, 1, 2], 4),
+        ([0], 4), ([0, 1, 2, 3, 4], 8), ([5, 1, 2, 3, 4, 6, 7, 8], 8), ([5, 1, 2, 3, 4, 6, 7, 8], 8),
+        ([9, 10], 2), ([1, 2, 3], 4), ([11, 2, 3, 1], 4),
+    ]
+    for step, (requests, size) in enumerate(steps):
+        chunks = [
+            _chunk(r, rng.randrange(1000), positions[r], tuple(blocks[r]), reset=(step == 6 and r == 3))
+            for r in requests
+        ]
+        staging.stage(chunks, size)
+        _check_rows(staging, chunks, size)
+        for r in requests:
+            positions[r] += 1
+    assert max(positions.values()) // BLOCK_SIZE > 3, "the steps never crossed a block boundary"
