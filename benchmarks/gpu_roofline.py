@@ -204,7 +204,22 @@ def profile_step(worker: Worker, step: SchedulerOutput, top: int = 8) -> dict:
     gpu = sum(k[1] for k in kernels)
     launches = sum(k[2] for k in kernels)
     return {"wall_s": wall, "gpu_kernel_s": gpu, "gpu_share": gpu / wall, "kernel_launches": launches,
+            "gpu_span_s": _kernel_span(prof),
             "top": [{"kernel": k[0][:90], "seconds": k[1], "count": k[2]} for k in kernels[:top]]}
+
+
+def _kernel_span(prof) -> float | None:
+    """Seconds from the first kernel's start to the last kernel's end on the GPU timeline: the
+    kernels plus the gaps between them, without the host time before and after (None if the
+    trace has no timed kernels). span - kernel sum = gaps; wall - span = host at the ends."""
+    ranges = [
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if str(getattr(e, "device_type", "")).endswith("CUDA") and e.time_range.end > e.time_range.start
+    ]
+    if not ranges:
+        return None
+    return (max(end for _, end in ranges) - min(start for start, _ in ranges)) / 1e6
 
 
 def prefill_flops(config: dict, params_body: int, num_tokens: int) -> float:
@@ -253,7 +268,7 @@ def bench_decode(worker: Worker, first_request: int, batch: int, context: int, b
         last = {r: result.sampled_token_ids[f"r{r}"] for r in requests}
         position += 1
     out = SchedulerOutput(tuple(chunk(r, (last[r],), position, blocks_per_seq, False) for r in requests))
-    return sorted(times)[len(times) // 2], profile_step(worker, out)
+    return sorted(times)[len(times) // 2], profile_step(worker, out, top=16)
 
 
 def main() -> None:
@@ -340,8 +355,9 @@ def main() -> None:
         if "profile" not in r:
             continue
         prof = r["profile"]
+        span = f", first to last kernel {prof['gpu_span_s'] * 1e3:.2f} ms" if prof.get("gpu_span_s") else ""
         print(f"\n{r['name']}: wall {prof['wall_s'] * 1e3:.2f} ms, GPU kernels {prof['gpu_kernel_s'] * 1e3:.2f} ms "
-              f"({prof['gpu_share']:.0%}), {prof['kernel_launches']} launches")
+              f"({prof['gpu_share']:.0%}){span}, {prof['kernel_launches']} launches")
         for k in prof["top"]:
             print(f"  {k['seconds'] * 1e3:8.3f} ms {k['count']:5d}x  {k['kernel']}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
