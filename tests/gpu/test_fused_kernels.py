@@ -47,18 +47,29 @@ def test_add_rms_norm(device, dtype, with_delta, num_tokens):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_groups", [1, 4])
-def test_gated_rms_norm(device, dtype, num_groups):
+@pytest.mark.parametrize("with_skip", [False, True])
+def test_gated_rms_norm(device, dtype, num_groups, with_skip):
+    """with_skip: Mamba2's D skip inside the norm, x a column slice of a conv output [x | B | C]
+    in the model dtype (as the mixer passes it), against the reference applied to y + D * x
+    computed here in fp32."""
     from engine.kernels.gpu.fused_norm import gated_rms_norm
 
     torch.manual_seed(20 + num_groups)
-    T, I = 7, 4096
+    T, H, P = 7, 64, 64
+    I = H * P
     y = torch.randn(T, I, device=device)  # the scan's fp32 output
     projected = torch.randn(T, I + 300, device=device, dtype=dtype)
     gate = projected[:, 100 : 100 + I]  # a strided view, as the split of in_proj's output is
     weight = (1 + 0.1 * torch.randn(I, device=device)).to(dtype)
+    skip, y_with_skip = None, y
+    if with_skip:
+        x = torch.randn(T, I + 2 * 128, device=device, dtype=dtype)[:, :I]
+        D = torch.randn(H, device=device) * 2  # a head mix-up shows
+        skip = (x, D)
+        y_with_skip = (y.view(T, H, P) + D[:, None] * x.float().reshape(T, H, P)).view(T, I)
     out = _nan((T, I), dtype, device)
-    gated_rms_norm(y, gate, weight, I // num_groups, 1e-5, dtype, out=out)
-    want = ref.gated_rms_norm(y, gate, weight, I // num_groups, 1e-5, dtype)
+    gated_rms_norm(y, gate, weight, I // num_groups, 1e-5, dtype, out=out, skip=skip)
+    want = ref.gated_rms_norm(y_with_skip, gate, weight, I // num_groups, 1e-5, dtype)
     assert relative_error(out, want) < TOL[dtype]
 
 
