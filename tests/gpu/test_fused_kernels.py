@@ -88,7 +88,8 @@ def test_silu_and_mul(device, dtype, num_tokens):
 
 def test_ssd_decode_update(device):
     """dt = clamp(softplus(dt_raw + dt_bias)) and A = -exp(A_log) inside the decode kernel, dt_raw
-    read from a strided bf16 view (as in_proj's dt columns are)."""
+    read from a strided bf16 view (as in_proj's dt columns are); y without the D skip (the gated
+    norm adds it), so the reference runs with D None."""
     from engine.kernels.gpu.ssd import ssd_decode_update
 
     torch.manual_seed(40)
@@ -103,7 +104,6 @@ def test_ssd_decode_update(device):
     A_log = torch.rand(H, device=device) * 2
     B = torch.randn(T, G, N, device=device, dtype=torch.bfloat16)
     C = torch.randn(T, G, N, device=device, dtype=torch.bfloat16)
-    D = torch.randn(H, device=device)
     state = torch.randn(num_slots, H, P, N, device=device)
     for slot, reset in zip(slots, resets):
         if reset:
@@ -115,13 +115,13 @@ def test_ssd_decode_update(device):
     as_t = lambda v: torch.tensor(v, dtype=torch.int64, device=device)  # noqa: E731
 
     ssd_decode_update(
-        x, dt_raw, dt_bias, A_log, limit, B, C, D, state, y, as_t(rows), as_t(slots), as_t(resets)
+        x, dt_raw, dt_bias, A_log, limit, B, C, state, y, as_t(rows), as_t(slots), as_t(resets)
     )
     dt = torch.nn.functional.softplus(dt_raw.float() + dt_bias).clamp(*limit)
     A = -torch.exp(A_log)
     for row, slot, reset in zip(rows, slots, resets):
         old = torch.zeros_like(before[slot]) if reset else before[slot]
-        ref_y, ref_state = ssd_step(x[row], dt[row], A, B[row], C[row], D, old)
+        ref_y, ref_state = ssd_step(x[row], dt[row], A, B[row], C[row], None, old)
         assert relative_error(y[row], ref_y) < 1e-5, f"row {row} y"
         assert relative_error(state[slot], ref_state) < 1e-5, f"row {row} state"
     untouched = [r for r in range(T) if r not in rows]
