@@ -40,7 +40,8 @@ class DepthwiseConv1dWeights(ShardedModule):
 class Mamba2Mixer(ShardedModule):
     """in_proj -> [z | xBC | dt]; xBC -> causal conv + silu -> [x | B | C]; SSD scan over x with
     dt = clamp(softplus(dt + dt_bias), time_step_limit), A = -exp(A_log) and skip D;
-    y -> gated RMSNorm with z -> out_proj.
+    y -> gated RMSNorm with z -> out_proj. On CUDA the D skip (y + D * x per head) is added
+    inside the gated norm's kernel, not by the scan.
 
     Shapes: T tokens, H heads, P head dim, G groups, N state size, I = H * P; all of them
     this rank's (see below), so its state slots hold only its heads and channels.
@@ -123,8 +124,10 @@ class Mamba2Mixer(ShardedModule):
             [self.intermediate_size, self.conv_dim, self.num_heads], dim=-1
         )
         if gpu_plan is not None:
-            y = self.mix_batch_gpu(xBC, dt_raw, conv_state, ssm_state, gpu_plan, captures)
-            normed = self.norm.forward_gpu(y.view(num_tokens, self.intermediate_size), gate, hidden.dtype)
+            y, x = self.mix_batch_gpu(xBC, dt_raw, conv_state, ssm_state, gpu_plan, captures)
+            normed = self.norm.forward_gpu(
+                y.view(num_tokens, self.intermediate_size), gate, hidden.dtype, skip=(x, self.D)
+            )
             return self.out_proj(normed)
         y = hidden.new_empty(num_tokens, self.num_heads, self.head_dim, dtype=torch.float32)
         decode_rows, decode_slots, decode_resets = [], [], []
@@ -210,12 +213,14 @@ class Mamba2Mixer(ShardedModule):
         ssm_state: torch.Tensor,  # (num_slots, H, P, N) fp32, chunk slots updated in place
         plan: GpuBatchPlan,
         captures: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Every chunk at once on CUDA: one conv launch pair for all chunks, one decode launch
         for all 1-token chunks (dt discretised inside it), one chunked scan for the rest (its
         inputs prepared in one launch; fla's fixed-length path for one sequence, varlen for
         several; the in-pass captures read at its chunk edges).
-        Returns y (T, H, P) fp32."""
+        Returns (y (T, H, P) fp32 without the D skip, x (T, I) the scan's input: the conv
+        output's x columns, a strided view), so the caller adds D * x (the gated norm does,
+        as it reads y)."""
         from engine.kernels.gpu.conv import causal_conv1d_varlen
         from engine.kernels.gpu.in_pass_capture import capture_conv_states
         from engine.kernels.gpu.ssd import ssd_decode_update, ssd_prefill_scan
@@ -230,14 +235,14 @@ class Mamba2Mixer(ShardedModule):
         )
         group_width = self.num_groups * self.state_size
         x, B, C = xBC.split([self.intermediate_size, group_width, group_width], dim=-1)
-        x = x.view(T, self.num_heads, self.head_dim)
         B = B.view(T, self.num_groups, self.state_size)
         C = C.view(T, self.num_groups, self.state_size)
         y = xBC.new_empty(T, self.num_heads, self.head_dim, dtype=torch.float32)
         if plan.num_decode:
             ssd_decode_update(
-                x, dt_raw, self.dt_bias, self.A_log, self.time_step_limit, B, C, self.D,
-                ssm_state, y, plan.decode_rows, plan.decode_slots, plan.decode_reset,
+                x.view(T, self.num_heads, self.head_dim), dt_raw, self.dt_bias, self.A_log,
+                self.time_step_limit, B, C, ssm_state, y, plan.decode_rows, plan.decode_slots,
+                plan.decode_reset,
             )
         if plan.num_prefill:
             rows = plan.prefill_rows
@@ -248,7 +253,7 @@ class Mamba2Mixer(ShardedModule):
             # graph padding rows (prefill_valid) leave the state as it is; in-pass captures
             # take the states at their positions in the same one scan
             y_prefill, final = ssd_prefill_scan(
-                xBC, dt_raw, self.dt_bias, self.A_log, self.time_step_limit, self.D,
+                xBC, dt_raw, self.dt_bias, self.A_log, self.time_step_limit,
                 (self.num_heads, self.head_dim, self.num_groups, self.state_size), initial,
                 plan.prefill_cu_seqlens, plan.prefill_cu_seqlens_host, rows, plan.prefill_valid,
                 plan.in_pass, None if captures is None else captures[1],
@@ -258,4 +263,4 @@ class Mamba2Mixer(ShardedModule):
                 y = y_prefill
             else:
                 y.index_copy_(0, rows, y_prefill)
-        return y
+        return y, x

@@ -62,11 +62,29 @@ class GroupParallelGatedRMSNorm(ShardedModule):
         normed = gated * torch.rsqrt(sum_squares / self.group_size + self.eps)
         return (self.weight.float() * normed).to(out_dtype)
 
-    def forward_gpu(self, y: torch.Tensor, gate: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        """forward on CUDA tensors: whole groups (always so at world_size 1) take the fused
-        Triton kernel, one launch; a group split across ranks keeps the all-reduced path."""
+    def forward_gpu(
+        self, y: torch.Tensor, gate: torch.Tensor, out_dtype: torch.dtype,
+        skip: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """forward on CUDA tensors, with Mamba2's D skip when given: skip = (x (T, I_local),
+        D (H_local,) fp32) normalises y + D[h] * x instead of y, h = channel // (I_local /
+        H_local), in fp32. Whole groups (always so at world_size 1) take the fused Triton
+        kernel, one launch, the skip added as it reads y; a group split across ranks keeps the
+        all-reduced path, the skip added first in PyTorch."""
         if not self.whole_groups:
-            return self.forward(y, gate, out_dtype)
+            return self.forward(y if skip is None else with_head_skip(y, *skip), gate, out_dtype)
         from engine.kernels.gpu.fused_norm import gated_rms_norm as gated_rms_norm_gpu
 
-        return gated_rms_norm_gpu(y, gate, self.weight, self.group_size, self.eps, out_dtype)
+        return gated_rms_norm_gpu(y, gate, self.weight, self.group_size, self.eps, out_dtype, skip=skip)
+
+
+def with_head_skip(
+    y: torch.Tensor,  # (T, I) fp32
+    x: torch.Tensor,  # (T, I), any float dtype
+    D: torch.Tensor,  # (H,) fp32
+) -> torch.Tensor:
+    """y + D[h] * x per channel of head h (I / H consecutive channels each), in fp32: (T, I)."""
+    num_tokens, channels = y.shape
+    heads = D.shape[0]
+    per_head = lambda t: t.float().reshape(num_tokens, heads, channels // heads)  # noqa: E731
+    return (per_head(y) + D.float()[:, None] * per_head(x)).view(num_tokens, channels)

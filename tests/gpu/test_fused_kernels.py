@@ -47,18 +47,29 @@ def test_add_rms_norm(device, dtype, with_delta, num_tokens):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_groups", [1, 4])
-def test_gated_rms_norm(device, dtype, num_groups):
+@pytest.mark.parametrize("with_skip", [False, True])
+def test_gated_rms_norm(device, dtype, num_groups, with_skip):
+    """with_skip: Mamba2's D skip inside the norm, x a column slice of a conv output [x | B | C]
+    in the model dtype (as the mixer passes it), against the reference applied to y + D * x
+    computed here in fp32."""
     from engine.kernels.gpu.fused_norm import gated_rms_norm
 
     torch.manual_seed(20 + num_groups)
-    T, I = 7, 4096
+    T, H, P = 7, 64, 64
+    I = H * P
     y = torch.randn(T, I, device=device)  # the scan's fp32 output
     projected = torch.randn(T, I + 300, device=device, dtype=dtype)
     gate = projected[:, 100 : 100 + I]  # a strided view, as the split of in_proj's output is
     weight = (1 + 0.1 * torch.randn(I, device=device)).to(dtype)
+    skip, y_with_skip = None, y
+    if with_skip:
+        x = torch.randn(T, I + 2 * 128, device=device, dtype=dtype)[:, :I]
+        D = torch.randn(H, device=device) * 2  # a head mix-up shows
+        skip = (x, D)
+        y_with_skip = (y.view(T, H, P) + D[:, None] * x.float().reshape(T, H, P)).view(T, I)
     out = _nan((T, I), dtype, device)
-    gated_rms_norm(y, gate, weight, I // num_groups, 1e-5, dtype, out=out)
-    want = ref.gated_rms_norm(y, gate, weight, I // num_groups, 1e-5, dtype)
+    gated_rms_norm(y, gate, weight, I // num_groups, 1e-5, dtype, out=out, skip=skip)
+    want = ref.gated_rms_norm(y_with_skip, gate, weight, I // num_groups, 1e-5, dtype)
     assert relative_error(out, want) < TOL[dtype]
 
 
@@ -77,7 +88,8 @@ def test_silu_and_mul(device, dtype, num_tokens):
 
 def test_ssd_decode_update(device):
     """dt = clamp(softplus(dt_raw + dt_bias)) and A = -exp(A_log) inside the decode kernel, dt_raw
-    read from a strided bf16 view (as in_proj's dt columns are)."""
+    read from a strided bf16 view (as in_proj's dt columns are); y without the D skip (the gated
+    norm adds it), so the reference runs with D None."""
     from engine.kernels.gpu.ssd import ssd_decode_update
 
     torch.manual_seed(40)
@@ -92,7 +104,6 @@ def test_ssd_decode_update(device):
     A_log = torch.rand(H, device=device) * 2
     B = torch.randn(T, G, N, device=device, dtype=torch.bfloat16)
     C = torch.randn(T, G, N, device=device, dtype=torch.bfloat16)
-    D = torch.randn(H, device=device)
     state = torch.randn(num_slots, H, P, N, device=device)
     for slot, reset in zip(slots, resets):
         if reset:
@@ -104,13 +115,13 @@ def test_ssd_decode_update(device):
     as_t = lambda v: torch.tensor(v, dtype=torch.int64, device=device)  # noqa: E731
 
     ssd_decode_update(
-        x, dt_raw, dt_bias, A_log, limit, B, C, D, state, y, as_t(rows), as_t(slots), as_t(resets)
+        x, dt_raw, dt_bias, A_log, limit, B, C, state, y, as_t(rows), as_t(slots), as_t(resets)
     )
     dt = torch.nn.functional.softplus(dt_raw.float() + dt_bias).clamp(*limit)
     A = -torch.exp(A_log)
     for row, slot, reset in zip(rows, slots, resets):
         old = torch.zeros_like(before[slot]) if reset else before[slot]
-        ref_y, ref_state = ssd_step(x[row], dt[row], A, B[row], C[row], D, old)
+        ref_y, ref_state = ssd_step(x[row], dt[row], A, B[row], C[row], None, old)
         assert relative_error(y[row], ref_y) < 1e-5, f"row {row} y"
         assert relative_error(state[slot], ref_state) < 1e-5, f"row {row} state"
     untouched = [r for r in range(T) if r not in rows]

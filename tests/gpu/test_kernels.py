@@ -75,7 +75,8 @@ def test_causal_conv1d_varlen(device, dtype):
 @pytest.mark.parametrize("lengths", [[300, 2, 64, 1000, 129], [777]])  # varlen, and fla's fixed-length path
 def test_ssd_prefill_scan(device, dtype, lengths):
     """The Mamba2 prefill scan from the conv output and raw dt (what the model runs) against
-    the reference chunked scan per sequence, every other row a decode row it must skip."""
+    the reference chunked scan per sequence, every other row a decode row it must skip; y
+    without the D skip (the gated norm adds it), so the reference runs with D None."""
     pytest.importorskip("fla", reason="fla-core is not installed")
     from engine.kernels.gpu.ssd import ssd_prefill_scan
 
@@ -90,11 +91,10 @@ def test_ssd_prefill_scan(device, dtype, lengths):
     dt_raw = torch.randn(2 * Tp, H, device=device, dtype=dtype) - 2
     dt_bias = torch.rand(H, device=device) - 0.5
     A_log = torch.rand(H, device=device) * 2
-    D = torch.randn(H, device=device)
     initial = torch.randn(len(lengths), H, P, N, device=device)
     limit = (0.0, float("inf"))
 
-    y, final = ssd_prefill_scan(xBC, dt_raw, dt_bias, A_log, limit, D, (H, P, G, N), initial, cu_t,
+    y, final = ssd_prefill_scan(xBC, dt_raw, dt_bias, A_log, limit, (H, P, G, N), initial, cu_t,
                                 torch.tensor(cu), rows=rows)
     assert y.shape == (Tp, H, P) and final.shape == initial.shape
     x, B, C = xBC[rows].double().split([H * P, G * N, G * N], dim=-1)
@@ -103,7 +103,7 @@ def test_ssd_prefill_scan(device, dtype, lengths):
         s, e = cu[i], cu[i + 1]
         ref_y, ref_state = ssd_chunk_scan(
             x[s:e].view(-1, H, P), dt[s:e], -torch.exp(A_log.double()), B[s:e].view(-1, G, N),
-            C[s:e].view(-1, G, N), D.double(), initial[i].double(), chunk_size=64,
+            C[s:e].view(-1, G, N), None, initial[i].double(), chunk_size=64,
         )
         assert relative_error(y[s:e], ref_y) < 5e-3, f"sequence {i} y"
         assert relative_error(final[i], ref_state) < 5e-3, f"sequence {i} final state"

@@ -6,9 +6,10 @@ GPU counterparts of engine/kernels/norm_reference.py:
   roundings of the reference (delta * r and the sum rounded to the model dtype, the normalised
   row rounded before the weight multiplies) are kept, so bf16 results match it to the last bit
   or one ulp (reduction order);
-- `gated_rms_norm`: Mamba2's norm_g(y * silu(gate)) * weight, one program per (row, group).
+- `gated_rms_norm`: Mamba2's norm_g(y * silu(gate)) * weight, one program per (row, group),
+  optionally with Mamba2's D skip (y + D * x per head) added as it reads y.
 
-Shapes: T tokens, D hidden, I channels, G groups.
+Shapes: T tokens, D hidden, I channels, G groups, H heads.
 """
 
 from __future__ import annotations
@@ -85,16 +86,21 @@ def add_rms_norm(
 def _gated_rms_norm_kernel(
     y_ptr, stride_y,  # (T, I), unit I stride
     z_ptr, stride_z,  # (T, I) gate
+    x_ptr, stride_x,  # (T, I) the skip's input, unit I stride (HAS_SKIP)
+    d_ptr,  # (H,) fp32: the skip's weight per head of HEAD_DIM channels (HAS_SKIP)
     w_ptr,  # (I,)
     out_ptr, stride_o,  # (T, I)
     group_size, eps,
-    BLOCK: tl.constexpr,
+    HAS_SKIP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
 ):
     t, g = tl.program_id(0), tl.program_id(1)
     i = tl.arange(0, BLOCK)
     mask = i < group_size
     c = g * group_size + i
     y = tl.load(y_ptr + t * stride_y + c, mask=mask, other=0.0).to(tl.float32)
+    if HAS_SKIP:  # Mamba2's D skip: y + D[h] * x, head h = c // HEAD_DIM
+        x = tl.load(x_ptr + t * stride_x + c, mask=mask, other=0.0).to(tl.float32)
+        y += tl.load(d_ptr + c // HEAD_DIM, mask=mask, other=0.0) * x
     z = tl.load(z_ptr + t * stride_z + c, mask=mask, other=0.0).to(tl.float32)
     gated = y * (z * tl.sigmoid(z))
     mean_square = tl.sum(gated * gated, axis=0) / group_size
@@ -111,8 +117,13 @@ def gated_rms_norm(
     eps: float,
     out_dtype: torch.dtype,
     out: torch.Tensor | None = None,  # (T, I) out_dtype; allocated when None
+    skip: tuple[torch.Tensor, torch.Tensor] | None = None,  # (x (T, I), D (H,) fp32)
 ) -> torch.Tensor:
-    """norm_reference.gated_rms_norm in one launch of T x (I / group_size) programs."""
+    """norm_reference.gated_rms_norm in one launch of T x (I / group_size) programs.
+
+    With skip = (x, D), Mamba2's D skip goes in first: the norm of y + D[c // (I / H)] * x per
+    channel c, computed in fp32 (x any float dtype, unit channel stride, any row stride), so
+    the scan's y need not be rewritten with it."""
     num_tokens, channels = y.shape
     assert y.stride(1) == 1 and gate.stride(1) == 1 and weight.is_contiguous()
     assert channels % group_size == 0
@@ -120,10 +131,18 @@ def gated_rms_norm(
         out = torch.empty(num_tokens, channels, dtype=out_dtype, device=y.device)
     if num_tokens == 0:
         return out
+    if skip is None:
+        x, D, head_dim = y, weight, 1  # placeholders: the kernel reads neither without HAS_SKIP
+    else:
+        x, D = skip
+        assert x.shape == y.shape and x.stride(1) == 1
+        assert D.dtype == torch.float32 and D.is_contiguous() and channels % D.shape[0] == 0
+        head_dim = channels // D.shape[0]
     block = triton.next_power_of_2(group_size)
     _gated_rms_norm_kernel[(num_tokens, channels // group_size)](
-        y, y.stride(0), gate, gate.stride(0), weight, out, out.stride(0),
+        y, y.stride(0), gate, gate.stride(0), x, x.stride(0), D, weight, out, out.stride(0),
         group_size, float(eps),
+        HAS_SKIP=skip is not None, HEAD_DIM=head_dim,
         BLOCK=block, num_warps=min(16, max(4, block // 512)),
     )
     return out

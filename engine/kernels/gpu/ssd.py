@@ -1,11 +1,14 @@
 """Mamba2 SSD on the GPU: the varlen chunked scan (prefill) and the batched single-token state
 update (decode).
 
-GPU counterparts of engine/kernels/ssd_reference.py (`ssd_chunk_scan`, `ssd_step`), with the
-same recurrence per head h of group g = h // (H / G):
+GPU counterparts of engine/kernels/ssd_reference.py (`ssd_chunk_scan`, `ssd_step`) with D
+None, the same recurrence per head h of group g = h // (H / G):
 
     state_t = exp(dt_t * A_h) * state_{t-1} + dt_t * outer(x_t, B_t[g])     # (P, N)
-    y_t     = state_t @ C_t[g] + D_h * x_t                                  # (P,)
+    y_t     = state_t @ C_t[g]                                              # (P,)
+
+Neither applies the D skip (y_t + D_h * x_t): the gated RMSNorm that reads y next adds it
+(engine/kernels/gpu/fused_norm.py, gated_rms_norm's skip), which saves a pass over the fp32 y.
 
 Prefill: `scan_inputs`, our own kernel, turns the conv output and raw dt into q = C, k = B,
 v = x * dt, g = dt * A (fp32, per head) in one launch; fla-core's `chunk_simple_gla` (pure
@@ -151,7 +154,6 @@ def ssd_prefill_scan(
     dt_bias: torch.Tensor,  # (H,) fp32
     A_log: torch.Tensor,  # (H,) fp32
     time_step_limit: tuple[float, float],
-    D: torch.Tensor | None,  # (H,) fp32
     shape: tuple[int, int, int, int],  # (H, P, G, N)
     initial_state: torch.Tensor,  # (S, H, P, N) fp32
     cu_seqlens: torch.Tensor,  # (S+1,) over the prefill rows
@@ -161,11 +163,10 @@ def ssd_prefill_scan(
     in_pass: InPassCapturePlan | None = None,
     in_pass_states: torch.Tensor | None = None,  # (Sc, H, P, N): with in_pass, written
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The Mamba2 prefill scan from the conv output and raw dt: scan_inputs, the chunked scan
-    (with in_pass, scan_with_captures, which also writes the states at the captures) and the D
-    skip. Returns (y (Tp, H, P) fp32, final states (S, H, P, N) fp32); equal to ssd_chunk_scan
-    per sequence within tf32 rounding."""
-    H, P, _, _ = shape
+    """The Mamba2 prefill scan from the conv output and raw dt: scan_inputs and the chunked
+    scan (with in_pass, scan_with_captures, which also writes the states at the captures).
+    Returns (y (Tp, H, P) fp32 without the D skip, final states (S, H, P, N) fp32); equal to
+    ssd_chunk_scan with D None per sequence within tf32 rounding."""
     limits = (dt_bias, A_log, time_step_limit, shape)
     if in_pass is None:
         q, k, v, g = scan_inputs(xBC, dt_raw, *limits, rows, valid)
@@ -173,9 +174,6 @@ def ssd_prefill_scan(
     else:  # the scan's own rows: the prefill rows, padding before each captured chunk
         q, k, v, g = scan_inputs(xBC, dt_raw, *limits, in_pass.scan_rows)
         y, final_state = scan_with_captures(chunk_scan, q, k, v, g, initial_state, in_pass, in_pass_states)
-    if D is not None:
-        x = xBC[:, : H * P].view(-1, H, P)
-        y.addcmul_(D[:, None], x if rows is None else x.index_select(0, rows))
     return y, final_state
 
 
@@ -183,7 +181,7 @@ def ssd_prefill_scan(
 def _decode_kernel(
     x_ptr, stride_xt, stride_xh,  # (T, H, P), unit P stride
     dt_ptr, stride_dtt,  # (T, H): raw dt (in_proj's columns, before bias and softplus)
-    a_log_ptr, d_ptr,  # (H,) fp32: A_log, D
+    a_log_ptr,  # (H,) fp32
     dt_bias_ptr, dt_min, dt_max,  # (H,) fp32 and the clamp
     b_ptr, stride_bt, stride_bg,  # (T, G, N), unit N stride
     c_ptr, stride_ct, stride_cg,  # (T, G, N)
@@ -191,7 +189,7 @@ def _decode_kernel(
     y_ptr, stride_yt, stride_yh,  # (T, H, P) fp32
     rows_ptr, slots_ptr, reset_ptr,  # (Bd,)
     heads_per_group, P, N,
-    HAS_D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     i, h = tl.program_id(0), tl.program_id(1)
     p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -218,8 +216,6 @@ def _decode_kernel(
     state = state * decay + (dt * x)[:, None] * b[None, :]
     tl.store(tile, state, mask=pn_mask)
     y = tl.sum(state * c[None, :], axis=1)  # (BLOCK_P,)
-    if HAS_D:
-        y += tl.load(d_ptr + h) * x
     tl.store(y_ptr + row * stride_yt + h * stride_yh + p, y, mask=p_mask)
 
 
@@ -231,18 +227,17 @@ def ssd_decode_update(
     time_step_limit: tuple[float, float],
     B: torch.Tensor,  # (T, G, N)
     C: torch.Tensor,  # (T, G, N)
-    D: torch.Tensor | None,  # (H,) fp32
     ssm_state: torch.Tensor,  # (num_slots, H, P, N) fp32, rows' slots updated in place
     y: torch.Tensor,  # (T, H, P) fp32, rows written
     rows: torch.Tensor,  # (Bd,) int
     slots: torch.Tensor,  # (Bd,) int, distinct
     reset: torch.Tensor,  # (Bd,) int, nonzero = start from a zero state
 ) -> None:
-    """One step of Bd sequences in one launch: for each i, ssd_step on row rows[i] from state
-    slot slots[i] (zeros if reset[i]), with dt = clamp(softplus(dt_raw + dt_bias),
-    *time_step_limit) and A = -exp(A_log) computed inside the launch (the PyTorch path spends six
-    kernels on them); writes the new state to that slot and y[rows[i]]. Touches no other slot
-    or row."""
+    """One step of Bd sequences in one launch: for each i, ssd_step with D None (y without the
+    D skip) on row rows[i] from state slot slots[i] (zeros if reset[i]), with
+    dt = clamp(softplus(dt_raw + dt_bias), *time_step_limit) and A = -exp(A_log) computed
+    inside the launch (the PyTorch path spends six kernels on them); writes the new state to
+    that slot and y[rows[i]]. Touches no other slot or row."""
     num_decode = rows.shape[0]
     if num_decode == 0:
         return
@@ -256,7 +251,7 @@ def ssd_decode_update(
     _decode_kernel[grid](
         x, x.stride(0), x.stride(1),
         dt_raw, dt_raw.stride(0),
-        A_log.contiguous(), D.contiguous() if D is not None else A_log,
+        A_log.contiguous(),
         dt_bias.contiguous(), float(time_step_limit[0]), float(time_step_limit[1]),
         B, B.stride(0), B.stride(1),
         C, C.stride(0), C.stride(1),
@@ -264,5 +259,5 @@ def ssd_decode_update(
         y, y.stride(0), y.stride(1),
         rows, slots, reset,
         num_heads // B.shape[1], head_dim, state_size,
-        HAS_D=D is not None, BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(state_size),
+        BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(state_size),
     )
