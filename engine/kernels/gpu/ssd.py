@@ -232,6 +232,8 @@ def ssd_decode_update(
     rows: torch.Tensor,  # (Bd,) int
     slots: torch.Tensor,  # (Bd,) int, distinct
     reset: torch.Tensor,  # (Bd,) int, nonzero = start from a zero state
+    block_p: int | None = None,  # rows of P per program; None: decode_block_p()
+    num_warps: int = 4,
 ) -> None:
     """One step of Bd sequences in one launch: for each i, ssd_step with D None (y without the
     D skip) on row rows[i] from state slot slots[i] (zeros if reset[i]), with
@@ -246,7 +248,8 @@ def ssd_decode_update(
     assert x.stride(2) == 1 and B.stride(2) == 1 and C.stride(2) == 1 and ssm_state.stride(3) == 1
     assert ssm_state.dtype == torch.float32 and y.dtype == torch.float32 and y.stride(2) == 1
     assert dt_raw.stride(1) == 1 and dt_bias.dtype == A_log.dtype == torch.float32
-    block_p = min(16, triton.next_power_of_2(head_dim))
+    if block_p is None:
+        block_p = decode_block_p(head_dim)
     grid = (num_decode, num_heads, triton.cdiv(head_dim, block_p))
     _decode_kernel[grid](
         x, x.stride(0), x.stride(1),
@@ -259,5 +262,10 @@ def ssd_decode_update(
         y, y.stride(0), y.stride(1),
         rows, slots, reset,
         num_heads // B.shape[1], head_dim, state_size,
-        BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(state_size),
+        BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(state_size), num_warps=num_warps,
     )
+
+
+def decode_block_p(head_dim: int) -> int:
+    """Rows of P each program of the SSD decode kernel updates (its state tile is BLOCK_P x N)."""
+    return min(16, triton.next_power_of_2(head_dim))

@@ -1,0 +1,127 @@
+"""Decode-step kernels of the 1.5B config on one GPU, each over a sweep of its launch shape.
+
+The SSD decode update (engine/kernels/gpu/ssd.py:ssd_decode_update) reads and writes every
+sequence's fp32 state (64 heads x 64 x 128 = 2 MiB per layer): at batch 64 it is the largest
+kernel of a decode step. Paged decode attention
+(engine/kernels/gpu/paged_attention.py:paged_attention_decode) over 1,024 keys is latency bound
+at small batches. For each batch size this prints the time of each launch shape and, for the
+SSD update, the bytes it must move over that time as a share of the device-to-device copy
+bandwidth measured in the same run. Times are the median of CUDA-graph replays of 20
+back-to-back calls (launch gaps as in the engine's decode graphs), divided by 20.
+
+    python benchmarks/decode_kernels.py --out benchmarks/results/decode_kernels.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import torch
+
+H, P, N, G = 64, 64, 128, 1  # Mamba2 heads, head dim, state size, groups
+Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 4, 128, 16
+BATCHES = (1, 16, 64)
+CONTEXT = 1024
+
+
+def graph_seconds(fn, calls: int = 20, repeats: int = 15) -> float:
+    """Median seconds of one call of fn, from CUDA-graph replays of `calls` back-to-back calls."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(repeats):
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / calls)
+    return statistics.median(times)
+
+
+def copy_bandwidth(num_bytes: int = 1 << 30) -> float:
+    """Bytes/s of a device-to-device copy, bytes read plus bytes written."""
+    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * num_bytes / graph_seconds(lambda: dst.copy_(src), calls=5, repeats=5)
+
+
+def ssd_rows(copy_bw: float) -> list[dict]:
+    from engine.kernels.gpu.ssd import decode_block_p, ssd_decode_update
+
+    rows = []
+    for batch in BATCHES:
+        x = torch.randn(batch, H, P, device="cuda", dtype=torch.bfloat16)
+        dt = torch.randn(batch, H, device="cuda", dtype=torch.bfloat16)
+        bc = torch.randn(batch, 2, G, N, device="cuda", dtype=torch.bfloat16)
+        dt_bias, a_log = torch.zeros(H, device="cuda"), torch.zeros(H, device="cuda")
+        state = torch.randn(batch + 1, H, P, N, device="cuda")
+        y = torch.empty(batch, H, P, device="cuda")
+        rows_t = torch.arange(batch, device="cuda")
+        reset = torch.zeros(batch, dtype=torch.int64, device="cuda")
+        moved = 2 * batch * H * P * N * 4  # state read and written
+        for block_p in (8, 16, 32, 64):
+            for warps in (1, 2, 4, 8):
+                seconds = graph_seconds(lambda: ssd_decode_update(
+                    x, dt, dt_bias, a_log, (0.0, float("inf")), bc[:, 0], bc[:, 1], state, y,
+                    rows_t, rows_t, reset, block_p=block_p, num_warps=warps))
+                rows.append({"kernel": "ssd_decode_update", "batch": batch, "block_p": block_p,
+                             "num_warps": warps, "default": block_p == decode_block_p(P) and warps == 4,
+                             "seconds": seconds, "share_of_copy_rate": moved / seconds / copy_bw})
+    return rows
+
+
+def attention_rows() -> list[dict]:
+    from engine.kernels.gpu.paged_attention import decode_splits, paged_attention_decode
+
+    rows = []
+    for batch in BATCHES:
+        blocks = CONTEXT // BLOCK_SIZE
+        cache = torch.randn(2, batch * blocks + 1, BLOCK_SIZE, KV_HEADS, HEAD_DIM, device="cuda",
+                            dtype=torch.bfloat16)
+        table = torch.randperm(batch * blocks, device="cuda").view(batch, blocks)
+        query = torch.randn(batch, Q_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty_like(query)
+        rows_t = torch.arange(batch, device="cuda")
+        lens = torch.full((batch,), CONTEXT, device="cuda")
+        auto = decode_splits(batch, KV_HEADS)
+        for splits in sorted({1, 2, 4, 8, 16, auto}):
+            seconds = graph_seconds(lambda: paged_attention_decode(
+                query, cache[0], cache[1], out, rows_t, lens, table, HEAD_DIM**-0.5, num_splits=splits))
+            rows.append({"kernel": "paged_attention_decode", "batch": batch, "num_splits": splits,
+                         "default": splits == auto, "seconds": seconds})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="benchmarks/results/decode_kernels.json")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("decode_kernels.py needs a CUDA device")
+    copy_bw = copy_bandwidth()
+    rows = ssd_rows(copy_bw) + attention_rows()
+    print(f"copy {copy_bw / 1e12:.2f} TB/s (read+write)")
+    print(f"{'kernel':<24}{'batch':>6}{'shape':>22}{'us':>10}{'copy share':>12}")
+    for r in rows:
+        shape = (f"block_p {r['block_p']} warps {r['num_warps']}" if "block_p" in r
+                 else f"splits {r['num_splits']}")
+        share = f"{r['share_of_copy_rate']:>12.2f}" if "share_of_copy_rate" in r else f"{'-':>12}"
+        mark = " *" if r["default"] else ""
+        print(f"{r['kernel']:<24}{r['batch']:>6}{shape:>22}{r['seconds'] * 1e6:>10.1f}{share}{mark}")
+    report = {"device": torch.cuda.get_device_name(), "copy_bytes_per_s": copy_bw, "rows": rows}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    print(f"wrote {args.out} (* = the engine's default)")
+
+
+if __name__ == "__main__":
+    main()
