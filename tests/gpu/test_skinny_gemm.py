@@ -108,20 +108,20 @@ def test_autotuned_with_bias(device, rows):
 @pytest.mark.parametrize("rows", [1, 16])
 def test_cuda_graph_replay(device, rows, split_k):
     """Tuned eagerly, captured, then replayed on new x: the graph reads x and writes out by
-    address, with no host synchronisation or allocation of its own."""
+    address; capture fails on a host synchronisation, and what a call allocates (split-K
+    partials) comes from the graph's pool."""
     from engine.kernels.gpu.skinny_gemm import skinny_linear
 
     x, weight, bias, out = _operands(rows, 2048, 4096, True, torch.bfloat16, device, seed=12)
-    skinny_linear(x, weight, bias, out=out, split_k=split_k)  # autotune outside the capture
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
+    skinny_linear(x, weight, bias, out=out, split_k=split_k)  # autotunes, outside the capture
+    side = torch.cuda.Stream()  # warm-up on a side stream, as torch.cuda.graph asks
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
         skinny_linear(x, weight, bias, out=out, split_k=split_k)
-        torch.cuda.synchronize()
-        with torch.cuda.graph(graph, stream=stream):
-            skinny_linear(x, weight, bias, out=out, split_k=split_k)
-    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        skinny_linear(x, weight, bias, out=out, split_k=split_k)
     x.copy_(torch.randn_like(x))
     out.fill_(float("nan"))
     graph.replay()
