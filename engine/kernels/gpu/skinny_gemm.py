@@ -300,6 +300,17 @@ def skinny_linear(
     return out
 
 
+def chosen_config(rows: int) -> SkinnyConfig | None:
+    """The config the autotuner picked for the latest autotuned call on the path that `rows`
+    takes (vector for 1, tile otherwise), for reports; None before any such call."""
+    tuner = _tuned_vector_kernel if rows == 1 else _tuned_tile_kernel
+    picked = getattr(tuner, "best_config", None)
+    if picked is None:
+        return None
+    return SkinnyConfig(block_n=picked.kwargs["BLOCK_N"], block_k=picked.kwargs["BLOCK_K"],
+                        num_warps=picked.num_warps, num_stages=picked.num_stages)
+
+
 def _launch_vector(x, weight, bias, out, partial, split_k: int, config: SkinnyConfig | None) -> None:
     features, depth = weight.shape
     args = (x, weight, bias if bias is not None else out, out, out.stride(0), partial,
