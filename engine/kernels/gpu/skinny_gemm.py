@@ -311,7 +311,10 @@ def chosen_config(rows: int) -> SkinnyConfig | None:
                         num_warps=picked.num_warps, num_stages=picked.num_stages)
 
 
-def _launch_vector(x, weight, bias, out, partial, split_k: int, config: SkinnyConfig | None) -> None:
+def _launch_vector(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+    partial: torch.Tensor, split_k: int, config: SkinnyConfig | None,
+) -> None:
     features, depth = weight.shape
     args = (x, weight, bias if bias is not None else out, out, out.stride(0), partial,
             features, depth, split_k)
@@ -322,7 +325,10 @@ def _launch_vector(x, weight, bias, out, partial, split_k: int, config: SkinnyCo
         _vector_kernel[grid](*args, HAS_BIAS=bias is not None, **config.as_triton().all_kwargs())
 
 
-def _launch_tile(x, weight, bias, out, partial, split_k: int, config: SkinnyConfig | None) -> None:
+def _launch_tile(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+    partial: torch.Tensor, split_k: int, config: SkinnyConfig | None,
+) -> None:
     rows, depth = x.shape
     features = weight.shape[0]
     args = (x, x.stride(0), weight, bias if bias is not None else out, out, out.stride(0), partial,
