@@ -1,0 +1,239 @@
+"""Skinny GEMM benchmark: skinny_linear (engine/kernels/gpu/skinny_gemm.py) vs F.linear (cuBLAS)
+on the linear shapes of the 1.5B GraniteMoeHybrid config, at decode batch sizes M = 1..16.
+
+    python benchmarks/skinny_gemm.py --out benchmarks/results/skinny_gemm.json
+
+Needs a CUDA device, torch and triton (nothing else from the engine). Measures, in one run:
+
+  * the floor: device-to-device copy bandwidth of a 1 GiB tensor (bytes read + written / time);
+  * for each distinct (N, K) and M: seconds per call of skinny_linear (split_k 1, its default)
+    and of F.linear, each as a CUDA graph of back-to-back calls replayed many times, so launch
+    overhead is what it is inside the model's decode graphs. Each call reads a different copy
+    of the weight, 512 MiB of copies in rotation, so weights come from HBM as in a decode step
+    (3 GB of weights never stay in the 50 MB L2). Weight bandwidth = N * K * 2 bytes / time;
+  * for N <= 2048 also skinny_linear at split_k 2 and 4 (GEMM + reduce launch, same graphs), to
+    see whether splitting K ever pays for a whole operation;
+  * per-step totals at M = 1 and 16: the sum over the model's linear layers (20 Mamba in_proj +
+    out_proj, 4 attention q, k, v, o, 24 MLP input + output, the LM head) vs the time to stream
+    those weights at the copy rate.
+
+Autotuning happens on each skinny shape's first (eager) call; the run takes well under 2 minutes.
+Prints a table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+DTYPE = torch.bfloat16
+ROTATION_BYTES = 512 << 20  # weight copies cycled through by one graph, >> L2
+MIN_CALLS_PER_GRAPH = 20
+MIN_TIMED_SECONDS = 0.02  # per measurement: graph replays until at least this long
+SPLIT_CANDIDATES_MAX_N = 2048  # shapes whose grid is smallest: also time split_k > 1
+
+
+@dataclass(frozen=True)
+class LinearShape:
+    """One distinct (N, K) of the model and how many times a decode step runs it."""
+
+    name: str
+    features: int  # N
+    depth: int  # K
+    per_step: int
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.features * self.depth * DTYPE.itemsize
+
+
+# The 1.5B config (benchmarks/gpu_roofline.py): 20 Mamba layers, 4 attention layers (16 query
+# heads and 4 KV heads of 128), 24 MLPs of 5632, vocabulary 49152, hidden 2048.
+MODEL_SHAPES = (
+    LinearShape("mamba.in_proj", 8512, 2048, 20),
+    LinearShape("mamba.out_proj", 2048, 4096, 20),
+    LinearShape("mlp.input", 11264, 2048, 24),
+    LinearShape("mlp.output", 2048, 5632, 24),
+    LinearShape("attn.q+o", 2048, 2048, 8),
+    LinearShape("attn.k+v", 512, 2048, 8),
+    LinearShape("lm_head", 49152, 2048, 1),
+)
+
+
+def measure_copy_bandwidth(num_bytes: int = 1 << 30, repeats: int = 10) -> float:
+    """Bytes/s of a device-to-device copy_ of num_bytes, counting bytes read plus written."""
+    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(repeats):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * num_bytes * repeats / (start.elapsed_time(end) / 1e3)
+
+
+def weight_rotation(shape: LinearShape) -> tuple[torch.Tensor, int]:
+    """(copies, N, K) random weights filling ROTATION_BYTES (at least 2 copies), and the number
+    of calls per graph: enough to read every copy once, and at least MIN_CALLS_PER_GRAPH."""
+    copies = max(2, math.ceil(ROTATION_BYTES / shape.weight_bytes))
+    bank = torch.randn(copies, shape.features, shape.depth, device="cuda", dtype=DTYPE) / shape.depth**0.5
+    return bank, max(MIN_CALLS_PER_GRAPH, copies)
+
+
+def seconds_per_call(call: Callable[[int], object], calls: int) -> float:
+    """call(i) for i < calls captured back to back in one CUDA graph (after an eager warm-up on
+    a side stream, as torch.cuda.graph asks), replayed until MIN_TIMED_SECONDS have passed;
+    returns graph time / calls."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for i in range(calls):
+            call(i)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            call(i)
+    graph.replay()  # first replay uploads the graph
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
+    graph.replay()
+    torch.cuda.synchronize()
+    replays = max(5, math.ceil(MIN_TIMED_SECONDS / max(time.perf_counter() - t0, 1e-6)))
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    del graph
+    return start.elapsed_time(end) / 1e3 / (replays * calls)
+
+
+def bench_shape(shape: LinearShape, rows_list: list[int], split_ks: list[int], copy_bw: float) -> list[dict]:
+    """One result row per M: skinny_linear and F.linear seconds per call, weight bandwidth and
+    its fraction of the copy rate, the tuned config, and split_k alternatives where timed."""
+    from engine.kernels.gpu.skinny_gemm import chosen_config, skinny_linear
+
+    bank, calls = weight_rotation(shape)
+    copies = bank.shape[0]
+    results = []
+    for rows in rows_list:
+        x = torch.randn(rows, shape.depth, device="cuda", dtype=DTYPE)
+        skinny_linear(x, bank[0])  # autotunes this (M bucket, N, K) eagerly
+        torch.cuda.synchronize()
+        config = dataclasses.asdict(chosen_config(rows))
+        skinny_s = seconds_per_call(lambda i: skinny_linear(x, bank[i % copies]), calls)
+        torch_s = seconds_per_call(lambda i: F.linear(x, bank[i % copies]), calls)
+        splits = {}
+        if shape.features <= SPLIT_CANDIDATES_MAX_N:
+            for split_k in split_ks:
+                skinny_linear(x, bank[0], split_k=split_k)
+                torch.cuda.synchronize()
+                splits[str(split_k)] = seconds_per_call(
+                    lambda i, s=split_k: skinny_linear(x, bank[i % copies], split_k=s), calls)
+        results.append({
+            "name": shape.name, "N": shape.features, "K": shape.depth, "M": rows,
+            "per_step": shape.per_step, "weight_bytes": shape.weight_bytes, "calls_per_graph": calls,
+            "skinny_s": skinny_s, "torch_s": torch_s,
+            "skinny_Bps": shape.weight_bytes / skinny_s, "torch_Bps": shape.weight_bytes / torch_s,
+            "skinny_vs_copy": shape.weight_bytes / skinny_s / copy_bw,
+            "torch_vs_copy": shape.weight_bytes / torch_s / copy_bw,
+            "speedup_vs_torch": torch_s / skinny_s,
+            "skinny_config": config, "skinny_split_k_s": splits,
+        })
+    del bank
+    torch.cuda.empty_cache()
+    return results
+
+
+def step_totals(rows_results: list[dict], rows: int, copy_bw: float) -> dict | None:
+    """Sum over one decode step's linear layers at M = rows: skinny (split_k 1), skinny with the
+    best measured split_k per shape, F.linear, and the faster of skinny and F.linear per shape;
+    each with its fraction of the floor (weight bytes at the copy rate)."""
+    at_rows = [r for r in rows_results if r["M"] == rows]
+    if len(at_rows) != len(MODEL_SHAPES):
+        return None
+    weight_bytes = sum(r["per_step"] * r["weight_bytes"] for r in at_rows)
+    floor_s = weight_bytes / copy_bw
+
+    def total(seconds_of: Callable[[dict], float]) -> dict:
+        seconds = sum(r["per_step"] * seconds_of(r) for r in at_rows)
+        return {"seconds": seconds, "fraction_of_floor": floor_s / seconds}
+
+    best_split = lambda r: min([r["skinny_s"], *r["skinny_split_k_s"].values()])  # noqa: E731
+    return {
+        "M": rows, "weight_bytes": weight_bytes, "floor_s": floor_s,
+        "skinny": total(lambda r: r["skinny_s"]),
+        "skinny_best_split": total(best_split),
+        "torch": total(lambda r: r["torch_s"]),
+        "best_of_both": total(lambda r: min(best_split(r), r["torch_s"])),
+    }
+
+
+def _compact(config: dict) -> str:
+    return "n{block_n} k{block_k} w{num_warps} s{num_stages}".format(**config)
+
+
+def print_table(results: list[dict], totals: list[dict]) -> None:
+    print(f"\n{'shape':<16}{'N':>6}{'K':>6}{'M':>4}{'skinny us':>11}{'%copy':>7}{'torch us':>10}{'%copy':>7}"
+          f"{'speedup':>9}  {'split2/4 us':<14}config")
+    for r in results:
+        splits = "/".join(f"{s * 1e6:.1f}" for s in r["skinny_split_k_s"].values()) or "-"
+        print(f"{r['name']:<16}{r['N']:>6}{r['K']:>6}{r['M']:>4}{r['skinny_s'] * 1e6:>11.2f}"
+              f"{100 * r['skinny_vs_copy']:>6.0f}%{r['torch_s'] * 1e6:>10.2f}{100 * r['torch_vs_copy']:>6.0f}%"
+              f"{r['speedup_vs_torch']:>8.2f}x  {splits:<14}{_compact(r['skinny_config'])}")
+    for t in totals:
+        print(f"\ndecode step, M = {t['M']}: {t['weight_bytes'] / 1e9:.2f} GB of linear weights, "
+              f"floor {t['floor_s'] * 1e3:.3f} ms")
+        for key in ("skinny", "skinny_best_split", "torch", "best_of_both"):
+            print(f"  {key:<18}{t[key]['seconds'] * 1e3:8.3f} ms  {100 * t[key]['fraction_of_floor']:5.1f}% of floor")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="benchmarks/results/skinny_gemm.json")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument("--split-ks", type=int, nargs="*", default=[2, 4])
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/skinny_gemm.py needs a CUDA device (torch sees none); "
+                         "it times Triton and cuBLAS kernels on the GPU")
+    import triton
+
+    started = time.perf_counter()
+    copy_bw = measure_copy_bandwidth()
+    print(f"{torch.cuda.get_device_name()}: copy {copy_bw / 1e12:.2f} TB/s (read+write), "
+          f"torch {torch.__version__}, triton {triton.__version__}", flush=True)
+    results = []
+    for shape in MODEL_SHAPES:
+        results += bench_shape(shape, args.rows, args.split_ks, copy_bw)
+        print(f"{shape.name} done ({time.perf_counter() - started:.0f}s)", flush=True)
+    totals = [t for t in (step_totals(results, rows, copy_bw) for rows in (1, 16)) if t is not None]
+    print_table(results, totals)
+    report = {
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+        "dtype": str(DTYPE), "copy_bandwidth_Bps": copy_bw, "rotation_bytes": ROTATION_BYTES,
+        "rows": results, "decode_step_totals": totals, "elapsed_s": time.perf_counter() - started,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    print(f"\nwrote {args.out} ({report['elapsed_s']:.0f}s)")
+
+
+if __name__ == "__main__":
+    main()
