@@ -39,3 +39,11 @@ def cumulative_bounds(lengths: np.ndarray) -> np.ndarray:
     """0 and the running sums of lengths: (len(lengths) + 1,), the cu_seqlens of the ranges."""
     return np.concatenate((np.zeros(1, dtype=np.int64), np.cumsum(lengths, dtype=np.int64)))
 
+
+def padded_rows(rows: Sequence[Sequence[int]], width: int) -> np.ndarray:
+    """(len(rows), width): row i is rows[i] cut to `width` values, then zero padded."""
+    cut = [row[:width] for row in rows]
+    lengths = int64_array([len(row) for row in cut])
+    out = np.zeros((len(rows), width), dtype=np.int64)
+    out[np.arange(width) < lengths[:, None]] = flat_int64(cut)  # fills row by row, in order
+    return out

@@ -1,5 +1,6 @@
-"""The host-side batch builder build_forward_batch against a per-token oracle written here from
-its contract, over random mixes of chunks: decode chunks of one token, prefill chunks that start their sequence or continue it, several
+"""The host-side batch builders (build_forward_batch, build_gpu_batch_plan) against per-token
+oracles written here from their contracts, over random mixes of chunks:
+decode chunks of one token, prefill chunks that start their sequence or continue it, several
 block sizes, reset flags, distinct state slots, block tables longer than a chunk needs. CPU only."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from engine.forward_batch import ForwardBatch, SequenceChunk
+from engine.kernels.gpu.batch_plan import FreshChunkView, GpuBatchPlan, build_gpu_batch_plan
 from engine.sampling_params import SamplingParams
 from engine.step_io import ScheduledChunk
 from engine.worker import build_forward_batch
@@ -112,3 +114,88 @@ def test_forward_batch_rejects_a_block_table_that_does_not_cover_the_chunk():
     too_short = replace(short, token_ids=tuple(range(9)))  # position 48 needs a fourth block
     with pytest.raises(ValueError):
         build_forward_batch([short, too_short], 16, CPU)
+
+
+# --- build_gpu_batch_plan --------------------------------------------------------------------
+
+
+def _padded(table: tuple[int, ...], width: int) -> list[int]:
+    return [table[j] if j < len(table) else 0 for j in range(width)]
+
+
+def _gpu_plan_oracle(batch: ForwardBatch, block_size: int) -> dict:
+    """The fields of the GpuBatchPlan of `batch`, from GpuBatchPlan's docstring."""
+    chunks, cu = batch.chunks, batch.cu_seqlens
+    decode = [i for i, c in enumerate(chunks) if c.num_tokens == 1]
+    prefill = [i for i, c in enumerate(chunks) if c.num_tokens > 1]
+    paged = [i for i in prefill if chunks[i].start_position > 0]
+    decode_width = max([_ceil_div(chunks[i].start_position + 1, block_size) for i in decode], default=0)
+    paged_width = max(
+        [_ceil_div(chunks[i].start_position + chunks[i].num_tokens, block_size) for i in prefill], default=0)
+    prefill_rows, prefill_cu = [], [0]
+    for i in prefill:
+        for row in range(cu[i], cu[i + 1]):
+            prefill_rows.append(row)
+        prefill_cu.append(len(prefill_rows))
+    token_chunk = []
+    for i, c in enumerate(chunks):
+        token_chunk += [i] * c.num_tokens
+    return dict(
+        num_chunks=len(chunks),
+        cu_seqlens=_int64(list(cu)),
+        chunk_slot=_int64([c.state_slot for c in chunks]),
+        chunk_reset=_int64([int(c.reset_state) for c in chunks]),
+        token_chunk=_int64(token_chunk),
+        num_decode=len(decode),
+        decode_rows=_int64([cu[i] for i in decode]),
+        decode_slots=_int64([chunks[i].state_slot for i in decode]),
+        decode_reset=_int64([int(chunks[i].reset_state) for i in decode]),
+        decode_seq_lens=_int64([chunks[i].start_position + 1 for i in decode]),
+        decode_block_table=_int64([_padded(chunks[i].block_table, decode_width) for i in decode]).view(
+            len(decode), decode_width),
+        num_prefill=len(prefill),
+        prefill_rows=None if prefill_rows == list(range(batch.num_tokens)) else _int64(prefill_rows),
+        prefill_cu_seqlens=_int64(prefill_cu),
+        prefill_cu_seqlens_host=_int64(prefill_cu),
+        prefill_slots=_int64([chunks[i].state_slot for i in prefill]),
+        prefill_reset=_int64([int(chunks[i].reset_state) for i in prefill]),
+        fresh_chunks=tuple(FreshChunkView(cu[i], cu[i + 1]) for i in prefill if i not in paged),
+        paged_first_rows=_int64([cu[i] for i in prefill]),
+        paged_lengths=_int64([chunks[i].num_tokens if i in paged else 0 for i in prefill]),
+        paged_positions=_int64([chunks[i].start_position for i in prefill]),
+        paged_tables=_int64([_padded(chunks[i].block_table, paged_width) for i in prefill]).view(
+            len(prefill), paged_width),
+        paged_max_length=max([chunks[i].num_tokens for i in paged], default=0),
+        prefill_valid=None,
+        in_pass=None,
+    )
+
+
+# every device tensor of the plan except prefill_cu_seqlens_host: views of the one packed copy
+PACKED_FIELDS = (
+    "cu_seqlens", "chunk_slot", "chunk_reset", "token_chunk", "decode_rows", "decode_slots",
+    "decode_reset", "decode_seq_lens", "decode_block_table", "prefill_rows", "prefill_cu_seqlens",
+    "prefill_slots", "prefill_reset", "paged_first_rows", "paged_lengths", "paged_positions",
+    "paged_tables",
+)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_gpu_plan_matches_the_oracle_and_is_one_packed_buffer(seed):
+    rng = random.Random(seed)
+    block_size = rng.choice(BLOCK_SIZES)
+    batch = build_forward_batch(_random_chunks(rng, block_size), block_size, CPU)
+    plan = build_gpu_batch_plan(batch, block_size, CPU)
+    want = _gpu_plan_oracle(batch, block_size)
+    assert set(want) == {f for f in GpuBatchPlan.__dataclass_fields__}
+    for name, expected in want.items():
+        actual = getattr(plan, name)
+        if isinstance(expected, torch.Tensor) or (expected is None and name in PACKED_FIELDS):
+            _assert_same_tensor(actual, expected, name)
+        else:
+            assert actual == expected and type(actual) is type(expected), name
+    for view in plan.fresh_chunks:
+        assert type(view.start) is int and type(view.end) is int
+    storages = {getattr(plan, name).untyped_storage().data_ptr()
+                for name in PACKED_FIELDS if getattr(plan, name) is not None}
+    assert len(storages) == 1  # one host buffer, so one host-to-device copy on CUDA
