@@ -1,5 +1,5 @@
-"""The host-side batch builders (build_forward_batch, build_gpu_batch_plan) against per-token
-oracles written here from their contracts, over random mixes of chunks:
+"""The host-side batch builders (build_forward_batch, build_gpu_batch_plan, build_in_pass_plan)
+against per-token oracles written here from their contracts, over random mixes of chunks:
 decode chunks of one token, prefill chunks that start their sequence or continue it, several
 block sizes, reset flags, distinct state slots, block tables longer than a chunk needs. CPU only."""
 
@@ -13,6 +13,7 @@ import torch
 
 from engine.forward_batch import ForwardBatch, SequenceChunk
 from engine.kernels.gpu.batch_plan import FreshChunkView, GpuBatchPlan, build_gpu_batch_plan
+from engine.kernels.gpu.in_pass_capture import SCAN_CHUNK, CaptureSplit, build_in_pass_plan
 from engine.sampling_params import SamplingParams
 from engine.step_io import ScheduledChunk
 from engine.worker import build_forward_batch
@@ -199,3 +200,88 @@ def test_gpu_plan_matches_the_oracle_and_is_one_packed_buffer(seed):
     storages = {getattr(plan, name).untyped_storage().data_ptr()
                 for name in PACKED_FIELDS if getattr(plan, name) is not None}
     assert len(storages) == 1  # one host buffer, so one host-to-device copy on CUDA
+
+
+# --- build_in_pass_plan ----------------------------------------------------------------------
+
+
+def _random_in_pass(rng: random.Random) -> tuple[list[tuple[int, int, int]], list[CaptureSplit]]:
+    """Prefill chunks of a random batch (decode chunks between them) and captures in some."""
+    prefill, splits, row = [], [], rng.randint(0, 3)
+    for chunk in range(rng.randint(1, 6)):
+        if rng.random() < 0.3:
+            row += 1  # a decode chunk: not in `prefill`
+            continue
+        num_tokens = rng.randint(2, 400)
+        prefill.append((chunk, row, num_tokens))
+        if rng.random() < 0.6:
+            splits.append(CaptureSplit(chunk, row, rng.randint(1, num_tokens - 1), chunk, rng.random() < 0.5))
+        row += num_tokens
+    return prefill, splits
+
+
+def _in_pass_oracle(prefill, splits) -> dict:
+    """Scan rows row by row: a captured chunk is front-padded until its split is a multiple of
+    SCAN_CHUNK; every scan sequence is cut into chunks of SCAN_CHUNK rows from its start."""
+    split_of = {s.chunk: s.split for s in splits}
+    scan_rows, scan_cu, chunk_starts = [], [0], []  # chunk_starts: (sequence, row in sequence)
+    for sequence, (chunk, first_row, num_tokens) in enumerate(prefill):
+        rows = list(range(first_row, first_row + num_tokens))
+        if chunk in split_of:
+            while (len(rows) - num_tokens + split_of[chunk]) % SCAN_CHUNK:
+                rows.insert(0, -1)
+        chunk_starts += [(sequence, r) for r in range(0, len(rows), SCAN_CHUNK)]
+        scan_rows += rows
+        scan_cu.append(len(scan_rows))
+    sequence_of = {chunk: j for j, (chunk, _, _) in enumerate(prefill)}
+    capture_chunks = []
+    for s in splits:
+        j = sequence_of[s.chunk]
+        pad = scan_cu[j + 1] - scan_cu[j] - prefill[j][2]
+        capture_chunks.append(chunk_starts.index((j, pad + s.split)))
+    out_rows = [i for i, row in enumerate(scan_rows) if row >= 0]
+    one_run = bool(out_rows) and out_rows == list(range(out_rows[0], out_rows[0] + len(out_rows)))
+    return dict(
+        scan_rows=_int64(scan_rows), scan_cu=_int64(scan_cu), scan_cu_host=_int64(scan_cu),
+        out_rows=_int64(out_rows), out_start=out_rows[0] if one_run else None,
+        capture_chunks=_int64(capture_chunks),
+    )
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_in_pass_plan_matches_the_row_by_row_oracle(seed):
+    rng = random.Random(seed)
+    prefill, splits = _random_in_pass(rng)
+    plan = build_in_pass_plan(prefill, splits, {}, {}, CPU)
+    want = _in_pass_oracle(prefill, splits)
+    for name, expected in want.items():
+        actual = getattr(plan, name)
+        if isinstance(expected, torch.Tensor):
+            _assert_same_tensor(actual, expected, name)
+        else:
+            assert actual == expected and type(actual) is type(expected), name
+    assert plan.splits == tuple(splits)
+
+
+@pytest.mark.parametrize("lengths,split_at,out_start", [
+    ([100], {0: 70}, 58),  # one sequence, padded: one run after the padding
+    ([100, 50], {0: 70}, 58),  # the second sequence follows without padding: still one run
+    ([100, 50], {1: 10}, None),  # padding between the sequences
+    ([100, 80], {1: 63}, None),  # one padding row between them
+    ([100, 50], {}, 0),
+])
+def test_in_pass_out_start_is_set_only_for_one_run(lengths, split_at, out_start):
+    starts = [sum(lengths[:j]) for j in range(len(lengths))]
+    prefill = [(j, starts[j], n) for j, n in enumerate(lengths)]
+    splits = [CaptureSplit(j, starts[j], k, j, False) for j, k in split_at.items()]
+    assert build_in_pass_plan(prefill, splits, {}, {}, CPU).out_start == out_start
+
+
+@pytest.mark.parametrize("split", [
+    CaptureSplit(0, 0, 0, 0, False),  # before the chunk's first token
+    CaptureSplit(0, 0, 100, 0, False),  # after its last
+    CaptureSplit(1, 100, 5, 1, False),  # chunk 1 is not a prefill chunk
+])
+def test_in_pass_plan_rejects_a_split_outside_a_prefill_chunk(split):
+    with pytest.raises(ValueError):
+        build_in_pass_plan([(0, 0, 100), (2, 101, 30)], [split], {}, {}, CPU)
