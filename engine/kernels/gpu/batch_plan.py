@@ -15,9 +15,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.forward_batch import ForwardBatch
+from engine.host_index import concat_ranges, cumulative_bounds, int64_array, padded_rows, range_index
 from engine.kernels.gpu.in_pass_capture import InPassCapturePlan
 
 
@@ -78,43 +80,45 @@ class GpuBatchPlan:
 def build_gpu_batch_plan(batch: ForwardBatch, block_size: int, device: torch.device) -> GpuBatchPlan:
     """Pack the batch's chunk metadata into one int64 tensor, copy it once, and slice views."""
     chunks, cu = batch.chunks, batch.cu_seqlens
-    decode = [i for i, c in enumerate(chunks) if c.num_tokens == 1]
-    prefill = [i for i, c in enumerate(chunks) if c.num_tokens > 1]
-    max_blocks = max(
-        [-(-(chunks[i].start_position + 1) // block_size) for i in decode], default=0
-    )
-    prefill_rows: list[int] = []
-    prefill_cu = [0]
-    for i in prefill:
-        prefill_rows.extend(range(cu[i], cu[i + 1]))
-        prefill_cu.append(len(prefill_rows))
+    cu_array = int64_array(cu)
+    lengths = int64_array([c.num_tokens for c in chunks])
+    starts = int64_array([c.start_position for c in chunks])
+    slots = int64_array([c.state_slot for c in chunks])
+    resets = int64_array([c.reset_state for c in chunks])
+    decode = np.flatnonzero(lengths == 1)
+    prefill = np.flatnonzero(lengths > 1)
+    paged = starts[prefill] > 0  # (Sp,) bool: continues its sequence; else a fresh chunk
+    decode_seq_lens = starts[decode] + 1
+    max_blocks = _max_blocks(decode_seq_lens, block_size)
+    paged_blocks = _max_blocks(starts[prefill] + lengths[prefill], block_size)
+    prefill_rows = concat_ranges(cu_array[prefill], lengths[prefill])
+    prefill_cu = cumulative_bounds(lengths[prefill])
     rows_are_identity = len(prefill_rows) == batch.num_tokens
-    paged = {i for i in prefill if chunks[i].start_position > 0}  # the rest: fresh chunks
-    paged_blocks = max((-(-_tokens_after(chunks[i]) // block_size) for i in prefill), default=0)
 
-    fields: list[list[int]] = [
-        list(cu),
-        [c.state_slot for c in chunks],
-        [int(c.reset_state) for c in chunks],
-        [i for i, c in enumerate(chunks) for _ in range(c.num_tokens)],
-        [cu[i] for i in decode],
-        [chunks[i].state_slot for i in decode],
-        [int(chunks[i].reset_state) for i in decode],
-        [chunks[i].start_position + 1 for i in decode],
-        [b for i in decode for b in _padded(chunks[i].block_table, max_blocks)],
-        [] if rows_are_identity else prefill_rows,
+    fields: list[np.ndarray] = [
+        cu_array,
+        slots,
+        resets,
+        range_index(lengths),
+        cu_array[decode],
+        slots[decode],
+        resets[decode],
+        decode_seq_lens,
+        _block_tables(chunks, decode, max_blocks).ravel(),
+        prefill_rows[:0] if rows_are_identity else prefill_rows,
         prefill_cu,
-        [chunks[i].state_slot for i in prefill],
-        [int(chunks[i].reset_state) for i in prefill],
-        [cu[i] for i in prefill],
-        [chunks[i].num_tokens if i in paged else 0 for i in prefill],
-        [chunks[i].start_position for i in prefill],
-        [b for i in prefill for b in _padded(chunks[i].block_table, paged_blocks)],
+        slots[prefill],
+        resets[prefill],
+        cu_array[prefill],
+        np.where(paged, lengths[prefill], 0),
+        starts[prefill],
+        _block_tables(chunks, prefill, paged_blocks).ravel(),
     ]
-    packed = torch.tensor([v for f in fields for v in f], dtype=torch.int64).to(device, non_blocking=True)
+    packed = torch.from_numpy(np.concatenate(fields)).to(device, non_blocking=True)
     (cu_t, slot_t, reset_t, token_chunk, d_rows, d_slots, d_reset, d_lens, d_table,
      p_rows, p_cu, p_slots, p_reset, a_rows, a_lens, a_positions, a_tables) = torch.split(
         packed, [len(f) for f in fields])
+    fresh = prefill[~paged].tolist()
     return GpuBatchPlan(
         num_chunks=len(chunks),
         cu_seqlens=cu_t,
@@ -130,26 +134,27 @@ def build_gpu_batch_plan(batch: ForwardBatch, block_size: int, device: torch.dev
         num_prefill=len(prefill),
         prefill_rows=None if rows_are_identity else p_rows,
         prefill_cu_seqlens=p_cu,
-        prefill_cu_seqlens_host=torch.tensor(prefill_cu, dtype=torch.int64),
+        prefill_cu_seqlens_host=torch.from_numpy(prefill_cu),
         prefill_slots=p_slots,
         prefill_reset=p_reset,
-        fresh_chunks=tuple(FreshChunkView(cu[i], cu[i + 1]) for i in prefill if i not in paged),
+        fresh_chunks=tuple(FreshChunkView(cu[i], cu[i + 1]) for i in fresh),
         paged_first_rows=a_rows,
         paged_lengths=a_lens,
         paged_positions=a_positions,
         paged_tables=a_tables.view(len(prefill), paged_blocks),
-        paged_max_length=max((chunks[i].num_tokens for i in paged), default=0),
+        paged_max_length=int(lengths[prefill][paged].max(initial=0)),
     )
 
 
-def _tokens_after(chunk) -> int:
-    """Tokens of the chunk's sequence once the chunk is computed."""
-    return chunk.start_position + chunk.num_tokens
+def _max_blocks(seq_lens: np.ndarray, block_size: int) -> int:
+    """Blocks that hold the longest of the sequences (0 for none)."""
+    blocks = -(-seq_lens // block_size)
+    return int(blocks.max(initial=0))
 
 
-def _padded(values: tuple[int, ...], length: int) -> list[int]:
-    values = list(values[:length])
-    return values + [0] * (length - len(values))
+def _block_tables(chunks, indices: np.ndarray, width: int) -> np.ndarray:
+    """(len(indices), width): the block tables of chunks[indices], cut to width, zero padded."""
+    return padded_rows([chunks[i].block_table for i in indices.tolist()], width)
 
 
 def decode_only_plan(

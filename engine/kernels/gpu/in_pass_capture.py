@@ -21,7 +21,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+from engine.host_index import concat_ranges, cumulative_bounds, int64_array
 
 
 @dataclass(frozen=True)
@@ -84,11 +87,40 @@ def build_in_pass_plan(
     ssm_out: dict[int, torch.Tensor],
     device: torch.device,
 ) -> InPassCapturePlan:
+    """The plan of `splits` over the prefill chunks. ValueError: a split not strictly inside
+    its chunk, or naming a chunk that is not a prefill chunk."""
+    pads, capture_chunks = _front_padding(prefill, splits)
+    first_rows = int64_array([first_row for _, first_row, _ in prefill])
+    lengths = int64_array([num_tokens for _, _, num_tokens in prefill])
+    scan_cu = cumulative_bounds(pads + lengths)
+    out_rows = concat_ranges(scan_cu[:-1] + pads, lengths)
+    scan_rows = np.full(int(scan_cu[-1]), -1, dtype=np.int64)
+    scan_rows[out_rows] = concat_ranges(first_rows, lengths)
+    scan_cu_host = torch.from_numpy(scan_cu)
+    return InPassCapturePlan(
+        splits=tuple(splits),
+        scan_rows=torch.from_numpy(scan_rows).to(device),
+        scan_cu=scan_cu_host.to(device),
+        scan_cu_host=scan_cu_host,
+        out_rows=torch.from_numpy(out_rows).to(device),
+        out_start=_start_of_one_run(out_rows),
+        capture_chunks=torch.from_numpy(capture_chunks).to(device),
+        conv_out=conv_out,
+        ssm_out=ssm_out,
+    )
+
+
+def _front_padding(
+    prefill: list[tuple[int, int, int]], splits: list[CaptureSplit]
+) -> tuple[np.ndarray, np.ndarray]:
+    """(Sp,) padding rows in front of each prefill chunk ((-split) mod SCAN_CHUNK for a captured
+    chunk, else 0) and (Sc,) the scan chunk that starts at each capture, counting the scan
+    chunks of all sequences in order. ValueError as build_in_pass_plan."""
     by_chunk = {s.chunk: s for s in splits}
-    scan_rows: list[int] = []
-    out_rows: list[int] = []
-    scan_cu, capture_chunks, chunks_before = [0], [], 0
-    for chunk, first_row, num_tokens in prefill:
+    pads: list[int] = []
+    capture_chunks: list[int] = []
+    scan_chunks_before = 0
+    for chunk, _, num_tokens in prefill:
         split = by_chunk.get(chunk)
         pad = 0
         if split is not None:
@@ -97,26 +129,20 @@ def build_in_pass_plan(
                     f"in-pass capture after {split.split} of {num_tokens} tokens: not inside the chunk"
                 )
             pad = -split.split % SCAN_CHUNK
-            capture_chunks.append(chunks_before + (pad + split.split) // SCAN_CHUNK)
-        scan_rows.extend([-1] * pad)
-        out_rows.extend(range(len(scan_rows), len(scan_rows) + num_tokens))
-        scan_rows.extend(range(first_row, first_row + num_tokens))
-        scan_cu.append(len(scan_rows))
-        chunks_before += -(-(pad + num_tokens) // SCAN_CHUNK)
+            capture_chunks.append(scan_chunks_before + (pad + split.split) // SCAN_CHUNK)
+        pads.append(pad)
+        scan_chunks_before += -(-(pad + num_tokens) // SCAN_CHUNK)
     if len(capture_chunks) != len(splits):
         raise ValueError("an in-pass capture names a chunk that is not a prefill chunk")
-    host = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
-    return InPassCapturePlan(
-        splits=tuple(splits),
-        scan_rows=host(scan_rows).to(device),
-        scan_cu=host(scan_cu).to(device),
-        scan_cu_host=host(scan_cu),
-        out_rows=host(out_rows).to(device),
-        out_start=out_rows[0] if out_rows == list(range(out_rows[0], out_rows[0] + len(out_rows))) else None,
-        capture_chunks=host(capture_chunks).to(device),
-        conv_out=conv_out,
-        ssm_out=ssm_out,
-    )
+    return int64_array(pads), int64_array(capture_chunks)
+
+
+def _start_of_one_run(rows: np.ndarray) -> int | None:
+    """rows[0] when the (increasing) rows are one run of consecutive integers, else None (also
+    when there are none)."""
+    if len(rows) == 0 or rows[-1] - rows[0] != len(rows) - 1:
+        return None
+    return int(rows[0])
 
 
 def capture_conv_states(

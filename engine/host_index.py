@@ -1,0 +1,49 @@
+"""Integer index arrays of one step, built on the host with numpy instead of a Python loop per
+token: the forward batch and the GPU plans are laid out from a few per-chunk numbers, so their
+host cost grows with the chunks of a step, not with its tokens. Every array is int64.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from itertools import chain
+
+import numpy as np
+
+
+def int64_array(values: Iterable[int]) -> np.ndarray:
+    """The values as a 1-D int64 array."""
+    return np.fromiter(values, dtype=np.int64)
+
+
+def flat_int64(sequences: Iterable[Sequence[int]]) -> np.ndarray:
+    """The sequences concatenated into one 1-D int64 array."""
+    return int64_array(chain.from_iterable(sequences))
+
+
+def concat_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """arange(starts[0], starts[0] + lengths[0]), arange(starts[1], ...), ... concatenated: (sum(lengths),)."""
+    ends_in_output = np.cumsum(lengths)
+    first_in_output = ends_in_output - lengths
+    total = int(ends_in_output[-1]) if len(lengths) else 0
+    return np.repeat(starts - first_in_output, lengths) + np.arange(total, dtype=np.int64)
+
+
+def range_index(lengths: np.ndarray) -> np.ndarray:
+    """For each element of the concatenated ranges of `lengths`, the index of its range:
+    (sum(lengths),), e.g. lengths 2, 1, 3 -> 0, 0, 1, 2, 2, 2."""
+    return np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)
+
+
+def cumulative_bounds(lengths: np.ndarray) -> np.ndarray:
+    """0 and the running sums of lengths: (len(lengths) + 1,), the cu_seqlens of the ranges."""
+    return np.concatenate((np.zeros(1, dtype=np.int64), np.cumsum(lengths, dtype=np.int64)))
+
+
+def padded_rows(rows: Sequence[Sequence[int]], width: int) -> np.ndarray:
+    """(len(rows), width): row i is rows[i] cut to `width` values, then zero padded."""
+    cut = [row[:width] for row in rows]
+    lengths = int64_array([len(row) for row in cut])
+    out = np.zeros((len(rows), width), dtype=np.int64)
+    out[np.arange(width) < lengths[:, None]] = flat_int64(cut)  # fills row by row, in order
+    return out
