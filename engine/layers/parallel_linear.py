@@ -3,7 +3,8 @@
 ColumnParallelLinear holds some output rows of the full weight: its output stays split (each
 rank has its own features; no collective). RowParallelLinear holds the matching input
 columns: each rank's partial product is summed over ranks (one all-reduce), then the bias,
-held whole on every rank, is added once. At world_size 1 both are exactly nn.Linear.
+held whole on every rank, is added once. At world_size 1 both compute exactly nn.Linear's
+function (on CUDA a single row may take a Triton kernel: `linear` below).
 Parameter names are nn.Linear's ("weight", "bias"), so checkpoint names map unchanged.
 """
 
@@ -18,6 +19,26 @@ from engine.tensor_parallel import IndexRange, ShardedModule, TensorParallel, Te
 
 def _total(ranges: tuple[IndexRange, ...]) -> int:
     return sum(end - start for start, end in ranges)
+
+
+# Single-row linears with at most this many output features take the skinny GEMM kernel on
+# CUDA. Measured on the H200 (benchmarks/results/skinny_gemm_20261202.json, weights from HBM):
+# for one row it is 1.35-2.0x faster than cuBLAS where N <= 2,048 (cuBLAS splits K and adds a
+# reduce launch), 3-5% slower at N >= 8,512, and no faster for 2..16 rows.
+SKINNY_MAX_FEATURES = 4096
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear(x, weight, bias); a (1, K) x on CUDA against a weight of at most
+    SKINNY_MAX_FEATURES rows runs engine/kernels/gpu/skinny_gemm.py instead (same result within
+    fp32-accumulation rounding). Its first call per weight shape autotunes, so CUDA graphs are
+    captured after an eager warm-up (engine/cuda_graphs.py does this)."""
+    if x.is_cuda and x.shape[0] == 1 and weight.shape[0] <= SKINNY_MAX_FEATURES:
+        from engine.kernels.gpu.skinny_gemm import skinny_linear, supports
+
+        if supports(x, weight, bias):
+            return skinny_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 class ColumnParallelLinear(ShardedModule):
@@ -43,7 +64,7 @@ class ColumnParallelLinear(ShardedModule):
             self.checkpoint_shards["bias"] = TensorShard((full_out_features,), 0, output_ranges)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, in) -> (T, out_local)
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(ShardedModule):
@@ -70,6 +91,6 @@ class RowParallelLinear(ShardedModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, in_local) -> (T, out)
         if self.tp.world_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+            return linear(x, self.weight, self.bias)
+        y = self.tp.all_reduce(linear(x, self.weight, None))
         return y if self.bias is None else y + self.bias
