@@ -47,11 +47,19 @@ def graph_seconds(fn, calls: int = 20, repeats: int = 15) -> float:
     return statistics.median(times)
 
 
-def copy_bandwidth(num_bytes: int = 1 << 30) -> float:
-    """Bytes/s of a device-to-device copy, bytes read plus bytes written."""
+def copy_bandwidth(num_bytes: int = 2 << 30, repeats: int = 10) -> float:
+    """Bytes/s of a device-to-device copy, bytes read plus bytes written (as gpu_roofline.py)."""
     src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    return 2 * num_bytes / graph_seconds(lambda: dst.copy_(src), calls=5, repeats=5)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * num_bytes * repeats / (start.elapsed_time(end) / 1e3)
 
 
 def ssd_rows(copy_bw: float) -> list[dict]:

@@ -260,6 +260,11 @@ def _combine_kernel(
                  (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=i_mask[:, None])
 
 
+def prefill_block_m(max_length: int) -> int:
+    """Queries per program of the prefill kernel for chunks of at most max_length queries."""
+    return 64 if max_length > 32 else 16
+
+
 def prefill_splits(num_query_blocks: int, num_sms: int = 132) -> int:
     """Key splits per query block (num_query_blocks: over all chunks and heads) so that the
     launch has about two programs per SM: 1 when the query blocks alone give that many, at
@@ -279,6 +284,10 @@ def paged_attention_prefill(
     max_length: int,  # >= every lengths[s] (bounds the launch grid)
     scale: float,
     num_splits: int | None = None,  # key splits per query block; None: prefill_splits()
+    block_m: int | None = None,  # queries per program; None: prefill_block_m()
+    block_n: int = 64,  # keys per loop step
+    num_warps: int = 4,
+    num_stages: int = 3,
 ) -> None:
     """Causal attention of Sp prefill chunks over their paged K/V, every chunk's metadata on
     the device (so a CUDA graph can replay it with new chunks): for each s, query rows
@@ -297,7 +306,8 @@ def paged_attention_prefill(
     _, block_size, num_kv_heads, _ = key_cache.shape
     assert key_cache.stride() == value_cache.stride() and key_cache.stride(3) == 1
     assert query.stride(2) == 1 and out.stride(2) == 1 and head_dim == triton.next_power_of_2(head_dim)
-    block_m = 64 if max_length > 32 else 16
+    if block_m is None:
+        block_m = prefill_block_m(max_length)
     if num_splits is None:
         num_splits = prefill_splits(triton.cdiv(max_length, block_m) * num_chunks * num_heads)
     split = num_splits > 1
@@ -316,9 +326,9 @@ def paged_attention_prefill(
         first_rows, lengths, start_positions, block_tables, block_tables.stride(0),
         scale * 1.4426950408889634, num_splits, max_length,
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, KV_BLOCK=block_size,
-        BLOCK_M=block_m, BLOCK_N=64,
+        BLOCK_M=block_m, BLOCK_N=block_n,
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",  # fp32 models: no tf32
-        SPLIT=split,
+        SPLIT=split, num_warps=num_warps, num_stages=num_stages,
     )
     if split:
         _combine_kernel[(triton.cdiv(max_length, block_m), num_chunks, num_heads)](
