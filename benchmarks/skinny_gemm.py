@@ -1,23 +1,23 @@
 """Skinny GEMM benchmark: skinny_linear (engine/kernels/gpu/skinny_gemm.py) vs F.linear (cuBLAS)
-on the linear shapes of the 1.5B GraniteMoeHybrid config, at decode batch sizes M = 1..16.
+for one row (decode batch size 1) on the linear shapes of the 1.5B GraniteMoeHybrid config.
 
     python benchmarks/skinny_gemm.py --out benchmarks/results/skinny_gemm.json
 
-Needs a CUDA device, torch and triton (nothing else from the engine). Measures, in one run:
+Needs a CUDA device, torch and triton. Measures, in one run:
 
   * the floor: device-to-device copy bandwidth of a 1 GiB tensor (bytes read + written / time);
-  * for each distinct (N, K) and M: seconds per call of skinny_linear (split_k 1, its default)
-    and of F.linear, each as a CUDA graph of back-to-back calls replayed many times, so launch
-    overhead is what it is inside the model's decode graphs. Each call reads a different copy
-    of the weight, 512 MiB of copies in rotation, so weights come from HBM as in a decode step
-    (3 GB of weights never stay in the 50 MB L2). Weight bandwidth = N * K * 2 bytes / time;
-  * for N <= 2048 also skinny_linear at split_k 2 and 4 (GEMM + reduce launch, same graphs), to
-    see whether splitting K ever pays for a whole operation;
-  * per-step totals at M = 1 and 16: the sum over the model's linear layers (20 Mamba in_proj +
-    out_proj, 4 attention q, k, v, o, 24 MLP input + output, the LM head) vs the time to stream
-    those weights at the copy rate.
+  * for each distinct (N, K): seconds per call of skinny_linear (autotuned) and of F.linear on
+    x (1, K), each as a CUDA graph of back-to-back calls replayed many times, so launch overhead
+    is what it is inside the model's decode graphs. Each call reads a different copy of the
+    weight, 512 MiB of copies in rotation, so weights come from HBM as in a decode step (3 GB of
+    weights never stay in the 50 MB L2). Weight bandwidth = N * K * 2 bytes / time;
+  * decode-step totals: the sum over the model's linear layers (20 Mamba in_proj + out_proj,
+    4 attention q, k, v, o, 24 MLP input + output, the LM head) with skinny_linear everywhere,
+    F.linear everywhere, the engine's choice (skinny_linear where N <= SKINNY_MAX_FEATURES of
+    engine/layers/parallel_linear.py, F.linear elsewhere) and the faster of the two per shape,
+    against the time to stream those weights at the copy rate.
 
-Autotuning happens on each skinny shape's first (eager) call; the run takes well under 2 minutes.
+Autotuning happens on each shape's first (eager) call; the run takes well under a minute.
 Prints a table and writes JSON.
 """
 
@@ -27,6 +27,7 @@ import argparse
 import dataclasses
 import json
 import math
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,11 +36,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's engine, not an installed one
+
 DTYPE = torch.bfloat16
 ROTATION_BYTES = 512 << 20  # weight copies cycled through by one graph, >> L2
 MIN_CALLS_PER_GRAPH = 20
 MIN_TIMED_SECONDS = 0.02  # per measurement: graph replays until at least this long
-SPLIT_CANDIDATES_MAX_N = 2048  # shapes whose grid is smallest: also time split_k > 1
 
 
 @dataclass(frozen=True)
@@ -124,64 +126,50 @@ def seconds_per_call(call: Callable[[int], object], calls: int) -> float:
     return start.elapsed_time(end) / 1e3 / (replays * calls)
 
 
-def bench_shape(shape: LinearShape, rows_list: list[int], split_ks: list[int], copy_bw: float) -> list[dict]:
-    """One result row per M: skinny_linear and F.linear seconds per call, weight bandwidth and
-    its fraction of the copy rate, the tuned config, and split_k alternatives where timed."""
+def bench_shape(shape: LinearShape, copy_bw: float, skinny_max_features: int) -> dict:
+    """skinny_linear and F.linear seconds per call on one row, weight bandwidth and its fraction
+    of the copy rate, the tuned config, and whether the engine sends this shape to skinny_linear."""
     from engine.kernels.gpu.skinny_gemm import chosen_config, skinny_linear
 
     bank, calls = weight_rotation(shape)
     copies = bank.shape[0]
-    results = []
-    for rows in rows_list:
-        x = torch.randn(rows, shape.depth, device="cuda", dtype=DTYPE)
-        skinny_linear(x, bank[0])  # autotunes this (M bucket, N, K) eagerly
-        torch.cuda.synchronize()
-        config = dataclasses.asdict(chosen_config(rows))
-        skinny_s = seconds_per_call(lambda i: skinny_linear(x, bank[i % copies]), calls)
-        torch_s = seconds_per_call(lambda i: F.linear(x, bank[i % copies]), calls)
-        splits = {}
-        if shape.features <= SPLIT_CANDIDATES_MAX_N:
-            for split_k in split_ks:
-                skinny_linear(x, bank[0], split_k=split_k)
-                torch.cuda.synchronize()
-                splits[str(split_k)] = seconds_per_call(
-                    lambda i, s=split_k: skinny_linear(x, bank[i % copies], split_k=s), calls)
-        results.append({
-            "name": shape.name, "N": shape.features, "K": shape.depth, "M": rows,
-            "per_step": shape.per_step, "weight_bytes": shape.weight_bytes, "calls_per_graph": calls,
-            "skinny_s": skinny_s, "torch_s": torch_s,
-            "skinny_Bps": shape.weight_bytes / skinny_s, "torch_Bps": shape.weight_bytes / torch_s,
-            "skinny_vs_copy": shape.weight_bytes / skinny_s / copy_bw,
-            "torch_vs_copy": shape.weight_bytes / torch_s / copy_bw,
-            "speedup_vs_torch": torch_s / skinny_s,
-            "skinny_config": config, "skinny_split_k_s": splits,
-        })
+    x = torch.randn(1, shape.depth, device="cuda", dtype=DTYPE)
+    skinny_linear(x, bank[0])  # autotunes this (N, K) eagerly
+    torch.cuda.synchronize()
+    config = dataclasses.asdict(chosen_config())
+    skinny_s = seconds_per_call(lambda i: skinny_linear(x, bank[i % copies]), calls)
+    torch_s = seconds_per_call(lambda i: F.linear(x, bank[i % copies]), calls)
     del bank
     torch.cuda.empty_cache()
-    return results
+    return {
+        "name": shape.name, "N": shape.features, "K": shape.depth,
+        "per_step": shape.per_step, "weight_bytes": shape.weight_bytes, "calls_per_graph": calls,
+        "skinny_s": skinny_s, "torch_s": torch_s,
+        "skinny_Bps": shape.weight_bytes / skinny_s, "torch_Bps": shape.weight_bytes / torch_s,
+        "skinny_vs_copy": shape.weight_bytes / skinny_s / copy_bw,
+        "torch_vs_copy": shape.weight_bytes / torch_s / copy_bw,
+        "speedup_vs_torch": torch_s / skinny_s,
+        "skinny_config": config, "engine_uses_skinny": shape.features <= skinny_max_features,
+    }
 
 
-def step_totals(rows_results: list[dict], rows: int, copy_bw: float) -> dict | None:
-    """Sum over one decode step's linear layers at M = rows: skinny (split_k 1), skinny with the
-    best measured split_k per shape, F.linear, and the faster of skinny and F.linear per shape;
-    each with its fraction of the floor (weight bytes at the copy rate)."""
-    at_rows = [r for r in rows_results if r["M"] == rows]
-    if len(at_rows) != len(MODEL_SHAPES):
-        return None
-    weight_bytes = sum(r["per_step"] * r["weight_bytes"] for r in at_rows)
+def step_totals(results: list[dict], copy_bw: float) -> dict:
+    """Sum over one decode step's linear layers at M = 1: skinny_linear everywhere, F.linear
+    everywhere, the engine's choice per shape, and the faster of the two per shape; each with
+    its fraction of the floor (weight bytes at the copy rate)."""
+    weight_bytes = sum(r["per_step"] * r["weight_bytes"] for r in results)
     floor_s = weight_bytes / copy_bw
 
     def total(seconds_of: Callable[[dict], float]) -> dict:
-        seconds = sum(r["per_step"] * seconds_of(r) for r in at_rows)
+        seconds = sum(r["per_step"] * seconds_of(r) for r in results)
         return {"seconds": seconds, "fraction_of_floor": floor_s / seconds}
 
-    best_split = lambda r: min([r["skinny_s"], *r["skinny_split_k_s"].values()])  # noqa: E731
     return {
-        "M": rows, "weight_bytes": weight_bytes, "floor_s": floor_s,
+        "weight_bytes": weight_bytes, "floor_s": floor_s,
         "skinny": total(lambda r: r["skinny_s"]),
-        "skinny_best_split": total(best_split),
         "torch": total(lambda r: r["torch_s"]),
-        "best_of_both": total(lambda r: min(best_split(r), r["torch_s"])),
+        "engine": total(lambda r: r["skinny_s"] if r["engine_uses_skinny"] else r["torch_s"]),
+        "best_of_both": total(lambda r: min(r["skinny_s"], r["torch_s"])),
     }
 
 
@@ -189,31 +177,30 @@ def _compact(config: dict) -> str:
     return "n{block_n} k{block_k} w{num_warps} s{num_stages}".format(**config)
 
 
-def print_table(results: list[dict], totals: list[dict]) -> None:
-    print(f"\n{'shape':<16}{'N':>6}{'K':>6}{'M':>4}{'skinny us':>11}{'%copy':>7}{'torch us':>10}{'%copy':>7}"
-          f"{'speedup':>9}  {'split2/4 us':<14}config")
+def print_table(results: list[dict], step: dict) -> None:
+    print(f"\n{'shape':<16}{'N':>6}{'K':>6}{'skinny us':>11}{'%copy':>7}{'torch us':>10}{'%copy':>7}"
+          f"{'speedup':>9}  {'engine':<8}config")
     for r in results:
-        splits = "/".join(f"{s * 1e6:.1f}" for s in r["skinny_split_k_s"].values()) or "-"
-        print(f"{r['name']:<16}{r['N']:>6}{r['K']:>6}{r['M']:>4}{r['skinny_s'] * 1e6:>11.2f}"
+        print(f"{r['name']:<16}{r['N']:>6}{r['K']:>6}{r['skinny_s'] * 1e6:>11.2f}"
               f"{100 * r['skinny_vs_copy']:>6.0f}%{r['torch_s'] * 1e6:>10.2f}{100 * r['torch_vs_copy']:>6.0f}%"
-              f"{r['speedup_vs_torch']:>8.2f}x  {splits:<14}{_compact(r['skinny_config'])}")
-    for t in totals:
-        print(f"\ndecode step, M = {t['M']}: {t['weight_bytes'] / 1e9:.2f} GB of linear weights, "
-              f"floor {t['floor_s'] * 1e3:.3f} ms")
-        for key in ("skinny", "skinny_best_split", "torch", "best_of_both"):
-            print(f"  {key:<18}{t[key]['seconds'] * 1e3:8.3f} ms  {100 * t[key]['fraction_of_floor']:5.1f}% of floor")
+              f"{r['speedup_vs_torch']:>8.2f}x  {'skinny' if r['engine_uses_skinny'] else 'torch':<8}"
+              f"{_compact(r['skinny_config'])}")
+    print(f"\ndecode step, M = 1: {step['weight_bytes'] / 1e9:.2f} GB of linear weights, "
+          f"floor {step['floor_s'] * 1e3:.3f} ms")
+    for key in ("skinny", "torch", "engine", "best_of_both"):
+        print(f"  {key:<14}{step[key]['seconds'] * 1e3:8.3f} ms  {100 * step[key]['fraction_of_floor']:5.1f}% of floor")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="benchmarks/results/skinny_gemm.json")
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
-    parser.add_argument("--split-ks", type=int, nargs="*", default=[2, 4])
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/skinny_gemm.py needs a CUDA device (torch sees none); "
                          "it times Triton and cuBLAS kernels on the GPU")
     import triton
+
+    from engine.layers.parallel_linear import SKINNY_MAX_FEATURES
 
     started = time.perf_counter()
     copy_bw = measure_copy_bandwidth()
@@ -221,14 +208,15 @@ def main() -> None:
           f"torch {torch.__version__}, triton {triton.__version__}", flush=True)
     results = []
     for shape in MODEL_SHAPES:
-        results += bench_shape(shape, args.rows, args.split_ks, copy_bw)
+        results.append(bench_shape(shape, copy_bw, SKINNY_MAX_FEATURES))
         print(f"{shape.name} done ({time.perf_counter() - started:.0f}s)", flush=True)
-    totals = [t for t in (step_totals(results, rows, copy_bw) for rows in (1, 16)) if t is not None]
-    print_table(results, totals)
+    step = step_totals(results, copy_bw)
+    print_table(results, step)
     report = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-        "dtype": str(DTYPE), "copy_bandwidth_Bps": copy_bw, "rotation_bytes": ROTATION_BYTES,
-        "rows": results, "decode_step_totals": totals, "elapsed_s": time.perf_counter() - started,
+        "dtype": str(DTYPE), "M": 1, "copy_bandwidth_Bps": copy_bw, "rotation_bytes": ROTATION_BYTES,
+        "skinny_max_features": SKINNY_MAX_FEATURES,
+        "shapes": results, "decode_step": step, "elapsed_s": time.perf_counter() - started,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))

@@ -1,11 +1,13 @@
 """skinny_linear (engine/kernels/gpu/skinny_gemm.py) against its reference, F.linear computed in
-fp32 from the same inputs: fresh random inputs, the output poisoned (NaN) before each run.
+fp32 from the same inputs: fresh random inputs, one row of x, the output poisoned (NaN) before
+each run.
 
-Under Triton's interpreter (TRITON_INTERPRET=1) only the fp32 cases with explicit small configs
-run: shapes chosen so that N is not a multiple of BLOCK_N, K not a multiple of BLOCK_K, and one
-split of K gets no tiles. On a GPU the same cases run in bf16 and fp16 too, and the autotuned
-configs run on the model's shapes, with split-K, and inside a CUDA graph. The kernel module is imported
-inside the tests: it needs triton, which the CPU-only suite does not install.
+Under Triton's interpreter (TRITON_INTERPRET=1) the fp32 cases run: a small explicit config on
+shapes where N is not a multiple of BLOCK_N and K not a multiple of BLOCK_K, every tuned config
+on one such shape, and a call without a config (the interpreter's fallback to the first one).
+On a GPU the same cases run in bf16 and fp16 too, and the autotuned kernel runs on the shapes
+the engine sends it and inside a CUDA graph. The kernel module is imported inside the tests: it
+needs triton, which the CPU-only suite does not install.
 """
 
 from __future__ import annotations
@@ -25,26 +27,26 @@ GPU_DTYPES = [
     pytest.param(torch.bfloat16, marks=on_gpu_only),
     pytest.param(torch.float16, marks=on_gpu_only),
 ]
-# (N, K): N % 16 != 0 and K % 32 != 0 (K = 100: 4 K tiles, so 3 splits get 2, 2 and 0 tiles),
-# K = 33 also breaks 16-byte alignment of x's and weight's rows; (16, 64) divides evenly.
+# (N, K) for BLOCK_N = 16, BLOCK_K = 32: N % 16 != 0 and K % 32 != 0 (K = 33 also breaks 16-byte
+# alignment of x's and weight's rows); (16, 64) divides evenly.
 SMALL_SHAPES = [(40, 100), (72, 33), (16, 64)]
-# The model's (N, K): Mamba out_proj, attention k/v, Mamba in_proj; and a ragged one.
-MODEL_SHAPES = [(2048, 4096), (512, 2048), (8512, 2048), (1000, 1000)]
+# The (N, K) the engine sends here on the 1.5B model: attention k/v and q/o, Mamba out_proj, MLP
+# output; N = SKINNY_MAX_FEATURES; and a ragged one.
+MODEL_SHAPES = [(512, 2048), (2048, 2048), (2048, 4096), (2048, 5632), (4096, 2048), (1000, 1000)]
 
 
-def _operands(rows: int, features: int, depth: int, with_bias: bool, dtype: torch.dtype, device, seed: int):
-    """Random x (rows, depth), weight (features, depth), bias (features,) or None, and a
-    NaN-filled out (rows, features)."""
+def _operands(features: int, depth: int, with_bias: bool, dtype: torch.dtype, device, seed: int):
+    """Random x (1, depth), weight (features, depth), bias (features,) or None, and a NaN-filled
+    out (1, features)."""
     g = torch.Generator(device="cpu").manual_seed(seed)
-    x = torch.randn(rows, depth, generator=g).to(device=device, dtype=dtype)
+    x = torch.randn(1, depth, generator=g).to(device=device, dtype=dtype)
     weight = (torch.randn(features, depth, generator=g) / depth**0.5).to(device=device, dtype=dtype)
     bias = torch.randn(features, generator=g).to(device=device, dtype=dtype) if with_bias else None
-    out = torch.full((rows, features), float("nan"), dtype=dtype, device=device)
+    out = torch.full((1, features), float("nan"), dtype=dtype, device=device)
     return x, weight, bias, out
 
 
 def _small_config():
-    """BLOCK_N = 16 and BLOCK_K = 32 on both paths (the tile path needs 16 or more on each)."""
     from engine.kernels.gpu.skinny_gemm import SkinnyConfig
 
     return SkinnyConfig(block_n=16, block_k=32, num_warps=4, num_stages=2)
@@ -56,72 +58,78 @@ def _reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
 
 
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
-@pytest.mark.parametrize("split_k", [1, 3])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("features,depth", SMALL_SHAPES)
-@pytest.mark.parametrize("rows", [1, 3, 16])
-def test_small_shapes_explicit_config(device, rows, features, depth, with_bias, split_k, dtype):
+def test_small_shapes_explicit_config(device, features, depth, with_bias, dtype):
     from engine.kernels.gpu.skinny_gemm import skinny_linear
 
-    x, weight, bias, out = _operands(rows, features, depth, with_bias, dtype, device, seed=rows * 1000 + depth)
-    got = skinny_linear(x, weight, bias, out=out, split_k=split_k, config=_small_config())
+    x, weight, bias, out = _operands(features, depth, with_bias, dtype, device, seed=features + depth)
+    got = skinny_linear(x, weight, bias, out=out, config=_small_config())
     assert got.data_ptr() == out.data_ptr() and got.dtype == dtype
     assert relative_error(got, _reference(x, weight, bias)) < TOL[dtype]
 
 
-@pytest.mark.parametrize("rows", [1, 3])
-def test_strided_x_rows(device, rows):
-    """x a column slice of a wider tensor (row stride > K), as a split projection output is."""
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("index", range(6))
+def test_each_tuned_config(device, index, dtype):
+    """Every config the autotuner may pick, on N = 40 (not a multiple of 16 or 32) and
+    K = 1100 (not a multiple of 256, 512 or 1024), with a bias."""
+    from engine.kernels.gpu.skinny_gemm import CONFIGS, skinny_linear
+
+    assert len(CONFIGS) == 6
+    x, weight, bias, out = _operands(40, 1100, True, dtype, device, seed=index)
+    got = skinny_linear(x, weight, bias, out=out, config=CONFIGS[index])
+    assert relative_error(got, _reference(x, weight, bias)) < TOL[dtype]
+
+
+def test_default_call_allocates_out(device):
+    """No config (autotuned on a GPU, CONFIGS[0] under the interpreter) and no out."""
     from engine.kernels.gpu.skinny_gemm import skinny_linear
 
-    x_wide, weight, bias, out = _operands(rows, 40, 160, True, torch.float32, device, seed=7)
-    x = x_wide[:, 30:130]  # (rows, 100), row stride 160
+    x, weight, bias, _ = _operands(40, 1100, True, torch.float32, device, seed=5)
+    got = skinny_linear(x, weight, bias)
+    assert got.shape == (1, 40) and got.is_contiguous() and got.dtype == torch.float32
+    assert relative_error(got, _reference(x, weight, bias)) < TOL[torch.float32]
+
+
+def test_strided_x(device):
+    """x a column slice of a wider row (x.stride(0) > K), as a split projection output is."""
+    from engine.kernels.gpu.skinny_gemm import skinny_linear
+
+    x_wide, weight, bias, out = _operands(40, 160, True, torch.float32, device, seed=7)
+    x = x_wide[:, 30:130]  # (1, 100)
     weight = weight[:, :100].contiguous()
     got = skinny_linear(x, weight, bias, out=out, config=_small_config())
     assert relative_error(got, _reference(x, weight, bias)) < TOL[torch.float32]
 
 
 @on_gpu_only
-@pytest.mark.parametrize("split_k", [1, 4])
+@pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("features,depth", MODEL_SHAPES)
-@pytest.mark.parametrize("rows", [1, 3, 16])
-def test_autotuned_model_shapes(device, rows, features, depth, split_k):
+def test_autotuned_model_shapes(device, features, depth, with_bias):
     from engine.kernels.gpu.skinny_gemm import skinny_linear
 
-    x, weight, _, out = _operands(rows, features, depth, False, torch.bfloat16, device, seed=features + rows)
-    got = skinny_linear(x, weight, out=out, split_k=split_k)
-    assert relative_error(got, _reference(x, weight, None)) < TOL[torch.bfloat16]
-
-
-@on_gpu_only
-@pytest.mark.parametrize("rows", [1, 16])
-def test_autotuned_with_bias(device, rows):
-    from engine.kernels.gpu.skinny_gemm import skinny_linear
-
-    x, weight, bias, out = _operands(rows, 2048, 2048, True, torch.bfloat16, device, seed=11)
+    x, weight, bias, out = _operands(features, depth, with_bias, torch.bfloat16, device, seed=features + depth)
     got = skinny_linear(x, weight, bias, out=out)
     assert relative_error(got, _reference(x, weight, bias)) < TOL[torch.bfloat16]
 
 
 @on_gpu_only
-@pytest.mark.parametrize("split_k", [1, 2])
-@pytest.mark.parametrize("rows", [1, 16])
-def test_cuda_graph_replay(device, rows, split_k):
+def test_cuda_graph_replay(device):
     """Tuned eagerly, captured, then replayed on new x: the graph reads x and writes out by
-    address; capture fails on a host synchronisation, and what a call allocates (split-K
-    partials) comes from the graph's pool."""
+    address; capture fails on a host synchronisation."""
     from engine.kernels.gpu.skinny_gemm import skinny_linear
 
-    x, weight, bias, out = _operands(rows, 2048, 4096, True, torch.bfloat16, device, seed=12)
-    skinny_linear(x, weight, bias, out=out, split_k=split_k)  # autotunes, outside the capture
+    x, weight, bias, out = _operands(2048, 4096, True, torch.bfloat16, device, seed=12)
+    skinny_linear(x, weight, bias, out=out)  # autotunes, outside the capture
     side = torch.cuda.Stream()  # warm-up on a side stream, as torch.cuda.graph asks
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        skinny_linear(x, weight, bias, out=out, split_k=split_k)
+        skinny_linear(x, weight, bias, out=out)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        skinny_linear(x, weight, bias, out=out, split_k=split_k)
+        skinny_linear(x, weight, bias, out=out)
     x.copy_(torch.randn_like(x))
     out.fill_(float("nan"))
     graph.replay()
@@ -132,22 +140,27 @@ def test_cuda_graph_replay(device, rows, split_k):
 def test_supports_and_layout_checks(device):
     from engine.kernels.gpu.skinny_gemm import layout_problem, skinny_linear, supports
 
-    x = torch.randn(4, 64, device=device)
+    x = torch.randn(1, 64, device=device)
     weight = torch.randn(32, 64, device=device)
     assert layout_problem(x, weight, torch.randn(32, device=device)) is None
     assert supports(x, weight) == (device.type == "cuda")
     rejected = {
-        "17 rows": (torch.randn(17, 64, device=device), weight, None),
+        "2 rows": (torch.randn(2, 64, device=device), weight, None),
+        "no rows": (torch.randn(0, 64, device=device), weight, None),
+        "1-D x": (torch.randn(64, device=device), weight, None),
         "non-contiguous weight": (x, torch.randn(64, 32, device=device).t(), None),
-        "strided K": (torch.randn(4, 128, device=device)[:, ::2], weight, None),
+        "strided K": (torch.randn(1, 128, device=device)[:, ::2], weight, None),
         "dtype mismatch": (x, weight.double(), None),
         "integer dtype": (x.int(), weight.int(), None),
         "K mismatch": (x, torch.randn(32, 63, device=device), None),
         "bias shape": (x, weight, torch.randn(31, device=device)),
         "bias dtype": (x, weight, torch.randn(32, device=device, dtype=torch.float16)),
+        "strided bias": (x, weight, torch.randn(64, device=device)[::2]),
     }
     for name, (a, w, b) in rejected.items():
         assert layout_problem(a, w, b) is not None, name
         assert not supports(a, w, b), name
-    with pytest.raises(AssertionError, match="rows"):
-        skinny_linear(torch.randn(17, 64, device=device), weight)
+    with pytest.raises(AssertionError, match="one row"):
+        skinny_linear(torch.randn(2, 64, device=device), weight)
+    with pytest.raises(AssertionError, match="out must be"):
+        skinny_linear(x, weight, out=torch.empty(2, 32, device=device))
