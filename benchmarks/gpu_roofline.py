@@ -279,6 +279,11 @@ def main() -> None:
     args = parser.parse_args()
     t_start = time.perf_counter()
     report: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+
+    def save_partial(rows: list[dict]) -> None:
+        """The JSON so far, so a run cut short by its time limit still leaves its rows."""
+        Path(args.out).write_text(json.dumps({**report, "rows": rows, "partial": True}, indent=2))
     try:
         import fla
         import triton
@@ -314,6 +319,7 @@ def main() -> None:
         rows += checkpoint_rows(worker, blocks_per_seq, BLOCK_SIZE, args.prefill_tokens, suffix,
                                 profile=lambda step: profile_step(worker, step, top=12))
         print(f"checkpoint rows done ({time.perf_counter() - t_start:.0f}s)", flush=True)
+        save_partial(rows)
         prefill_graphs = worker.prefill_graphs
         if prefill_graphs is not None:
             report["prefill_graph_sizes"] = list(prefill_graphs.sizes)
@@ -339,6 +345,7 @@ def main() -> None:
                 first += b
                 print(f"decode batch {b} {mode}: {b / step_s:.0f} tok/s ({time.perf_counter() - t_start:.0f}s)",
                       flush=True)
+                save_partial(rows)
         worker.decode_graphs = graphs
         if graphs is not None:
             report["decode_graph_replays"] = graphs.replays
@@ -360,7 +367,6 @@ def main() -> None:
               f"({prof['gpu_share']:.0%}){span}, {prof['kernel_launches']} launches")
         for k in prof["top"]:
             print(f"  {k['seconds'] * 1e3:8.3f} ms {k['count']:5d}x  {k['kernel']}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(f"wrote {args.out}")
 
