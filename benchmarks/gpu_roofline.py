@@ -276,6 +276,7 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/gpu_roofline.json")
     parser.add_argument("--prefill-tokens", type=int, default=8192)
     parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--no-eager", action="store_true", help="skip the eager decode rows (comparison only)")
     args = parser.parse_args()
     t_start = time.perf_counter()
     report: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
@@ -330,7 +331,8 @@ def main() -> None:
         report["decode_graph_capture_s"] = graphs.capture_seconds if graphs is not None else None
         # Decode through the worker's CUDA graphs, then the same steps eagerly (graphs detached;
         # the same requests, prefilled again) to show what the graphs remove.
-        for mode, runner in (("graphs", graphs), ("eager", None)):
+        modes = (("graphs", graphs),) if args.no_eager else (("graphs", graphs), ("eager", None))
+        for mode, runner in modes:
             worker.decode_graphs = runner
             first = 1
             for b in batches:
