@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from gpu_roofline import measure_copy_bandwidth  # noqa: E402  (this script's folder)
+
 H, P, N, G = 64, 64, 128, 1  # Mamba2 heads, head dim, state size, groups
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 4, 128, 16
 BATCHES = (1, 16, 64)
@@ -45,21 +47,6 @@ def graph_seconds(fn, calls: int = 20, repeats: int = 15) -> float:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) / 1e3 / calls)
     return statistics.median(times)
-
-
-def copy_bandwidth(num_bytes: int = 2 << 30, repeats: int = 10) -> float:
-    """Bytes/s of a device-to-device copy, bytes read plus bytes written (as gpu_roofline.py)."""
-    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        dst.copy_(src)
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * num_bytes * repeats / (start.elapsed_time(end) / 1e3)
 
 
 def ssd_rows(copy_bw: float) -> list[dict]:
@@ -115,7 +102,7 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("decode_kernels.py needs a CUDA device")
-    copy_bw = copy_bandwidth()
+    copy_bw = measure_copy_bandwidth()
     rows = ssd_rows(copy_bw) + attention_rows()
     print(f"copy {copy_bw / 1e12:.2f} TB/s (read+write)")
     print(f"{'kernel':<24}{'batch':>6}{'shape':>22}{'us':>10}{'copy share':>12}")

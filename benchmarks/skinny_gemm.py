@@ -38,6 +38,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's engine, not an installed one
 
+from gpu_roofline import measure_copy_bandwidth  # noqa: E402  (this script's folder)
+
 DTYPE = torch.bfloat16
 ROTATION_BYTES = 512 << 20  # weight copies cycled through by one graph, >> L2
 MIN_CALLS_PER_GRAPH = 20
@@ -69,22 +71,6 @@ MODEL_SHAPES = (
     LinearShape("attn.k+v", 512, 2048, 8),
     LinearShape("lm_head", 49152, 2048, 1),
 )
-
-
-def measure_copy_bandwidth(num_bytes: int = 1 << 30, repeats: int = 10) -> float:
-    """Bytes/s of a device-to-device copy_ of num_bytes, counting bytes read plus written."""
-    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(repeats):
-        dst.copy_(src)
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * num_bytes * repeats / (start.elapsed_time(end) / 1e3)
 
 
 def weight_rotation(shape: LinearShape) -> tuple[torch.Tensor, int]:
