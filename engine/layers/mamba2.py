@@ -40,8 +40,9 @@ class DepthwiseConv1dWeights(ShardedModule):
 class Mamba2Mixer(ShardedModule):
     """in_proj -> [z | xBC | dt]; xBC -> causal conv + silu -> [x | B | C]; SSD scan over x with
     dt = clamp(softplus(dt + dt_bias), time_step_limit), A = -exp(A_log) and skip D;
-    y -> gated RMSNorm with z -> out_proj. On CUDA the D skip (y + D * x per head) is added
-    inside the gated norm's kernel, not by the scan.
+    y -> gated RMSNorm with z -> out_proj. On CUDA the D skip (y + D * x per head) is added by
+    the gated norm (inside its kernel; in PyTorch when a norm group is split across ranks), not
+    by the scan.
 
     Shapes: T tokens, H heads, P head dim, G groups, N state size, I = H * P; all of them
     this rank's (see below), so its state slots hold only its heads and channels.

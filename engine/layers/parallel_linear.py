@@ -24,7 +24,8 @@ def _total(ranges: tuple[IndexRange, ...]) -> int:
 # Single-row linears with at most this many output features take the skinny GEMM kernel on
 # CUDA. Measured on the H200 (benchmarks/results/skinny_gemm_20261202.json, weights from HBM):
 # for one row it is 1.35-2.0x faster than cuBLAS where N <= 2,048 (cuBLAS splits K and adds a
-# reduce launch) and 3-5% slower at N >= 8,512. For 2..16 rows a tiled variant gained at
+# reduce launch); at N >= 8,512 the two were within 6% either way over two runs, so cuBLAS
+# keeps the wide weights. For 2..16 rows a tiled variant gained at
 # most 4% of a step's linear time over cuBLAS, so it was not kept.
 SKINNY_MAX_FEATURES = 4096
 

@@ -126,7 +126,9 @@ def _paged_setup(device, seq_lens, Hkv=4, Dh=128, block_size=16, dtype=torch.bfl
 @pytest.mark.parametrize("num_splits", [1, 5, 16, None])  # None: decode_splits decides
 def test_paged_attention_decode(device, dtype, num_splits):
     """Sequences from 1 key (every split but the first empty) to 1,000, keys in one program per
-    (sequence, KV head) or split over several."""
+    (sequence, KV head) or split over several. The 1,000-key sequence's last key dominates its
+    scores (by more than exp2 can span from the first split's maximum), so combining the
+    splits must rescale by the maximum over all of them."""
     from engine.kernels.gpu.paged_attention import paged_attention_decode
 
     torch.manual_seed(4)
@@ -136,6 +138,9 @@ def test_paged_attention_decode(device, dtype, num_splits):
     T = len(seq_lens) + 2
     rows = [1, 2, 3, 5, 6]
     query = torch.randn(T, H, Dh, device=device, dtype=dtype)
+    num_kv_heads = key_cache.shape[2]
+    last = seq_lens[2] - 1
+    key_cache[tables[2][last // block_size], last % block_size] = 10 * query[rows[2], :: H // num_kv_heads]
     width = max(len(t) for t in tables)
     table = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=device)
     out = torch.full_like(query, float("nan"))
