@@ -55,6 +55,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.gpu.pdl import launch_options, release_next, wait_for_previous
+
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -105,8 +107,11 @@ def _row_kernel(
     y_ptr,  # (1, N) contiguous
     N, K,
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Program i computes y[0, i*BLOCK_N : (i+1)*BLOCK_N]."""
+    wait_for_previous(USE_PDL)
+    release_next(USE_PDL)
     features = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     feature_ok = features < N
     w_rows = w_ptr + features.to(tl.int64)[:, None] * K
@@ -180,9 +185,9 @@ def skinny_linear(
     args = (x, weight, bias if bias is not None else out, out, features, depth)
     grid = lambda meta: (triton.cdiv(features, meta["BLOCK_N"]),)  # noqa: E731
     if config is None:
-        _tuned_row_kernel[grid](*args, HAS_BIAS=bias is not None)
+        _tuned_row_kernel[grid](*args, HAS_BIAS=bias is not None, **launch_options())
     else:
-        _row_kernel[grid](*args, HAS_BIAS=bias is not None, **config.as_triton().all_kwargs())
+        _row_kernel[grid](*args, HAS_BIAS=bias is not None, **config.as_triton().all_kwargs(), **launch_options())
     return out
 
 

@@ -1,0 +1,64 @@
+"""Programmatic dependent launch (PDL) for our Triton kernels.
+
+In a CUDA graph a kernel still starts only after the previous one has drained and its launch
+has been processed: about a microsecond per kernel on the H200, which at decode batch 1 (about
+280 small kernels a step) is a fifth of the step. With PDL (Hopper and later) a kernel launched
+with the programmatic-serialization attribute may start while its predecessor is still
+running; it must then wait (`griddepcontrol.wait`) before it touches memory, and the wait
+returns once the predecessor has finished and its writes are visible. The launch and the
+block scheduling overlap the predecessor instead of following it.
+
+Contract for every kernel that takes part (each @triton.jit kernel of engine/kernels/gpu that
+the forward pass launches):
+- it has a `USE_PDL: tl.constexpr` parameter and calls `wait_for_previous(USE_PDL)` before its
+  first load or store, then `release_next(USE_PDL)`, which lets the next kernel's programs be
+  scheduled (they wait in turn, so they never read what this one has not written);
+- its launch passes `**launch_options()`: USE_PDL and Triton's `launch_pdl` option together.
+Because every participant waits before any memory access, the order of memory effects is
+exactly the stream order; PDL only hides launch latency. Kernels that do not take part
+(cuBLAS, fla-core, PyTorch) are serialised as usual on both sides.
+
+`enabled()` decides once per process: on for CUDA devices of compute capability 9.0 or
+later, off under Triton's interpreter and when HYBRID_SERVE_PDL=0 (to measure what it
+gains, benchmarks/gpu_roofline.py runs with it off and on).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import triton
+import triton.language as tl
+
+
+@functools.cache
+def enabled() -> bool:
+    """Whether launches use PDL in this process (see the module docstring)."""
+    if os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("HYBRID_SERVE_PDL") == "0":
+        return False
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+
+
+def launch_options() -> dict:
+    """Keyword arguments for a participating kernel's launch."""
+    on = enabled()
+    return {"USE_PDL": on, "launch_pdl": on}
+
+
+@triton.jit
+def wait_for_previous(USE_PDL: tl.constexpr):
+    """Block until the previous kernel in the stream has finished and its writes are visible
+    (a no-op without PDL). Call before the kernel's first memory access."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def release_next(USE_PDL: tl.constexpr):
+    """Let the next PDL kernel's programs be scheduled once every program of this kernel has
+    called this or exited (a no-op without PDL)."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
