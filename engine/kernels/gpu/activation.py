@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.gpu.pdl import launch_options, release_next, wait_for_previous
+
 
 @triton.jit
 def _silu_and_mul_kernel(
@@ -18,7 +20,10 @@ def _silu_and_mul_kernel(
     out_ptr, stride_o,  # (T, I)
     I,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_previous(USE_PDL)
+    release_next(USE_PDL)
     t = tl.program_id(0)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = i < I
@@ -41,6 +46,6 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
         return out
     block = min(1024, triton.next_power_of_2(channels))
     _silu_and_mul_kernel[(num_tokens, triton.cdiv(channels, block))](
-        x, x.stride(0), out, out.stride(0), channels, BLOCK=block, num_warps=4,
+        x, x.stride(0), out, out.stride(0), channels, BLOCK=block, num_warps=4, **launch_options(),
     )
     return out

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.gpu.pdl import launch_options, release_next, wait_for_previous
+
 
 @triton.jit
 def _conv_kernel(
@@ -26,7 +28,10 @@ def _conv_kernel(
     T, C,
     K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_previous(USE_PDL)
+    release_next(USE_PDL)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     t_mask, c_mask = t < T, c < C
@@ -68,7 +73,10 @@ def _state_kernel(
     cu_ptr, slot_ptr, reset_ptr,
     C,
     KM1: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_C: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_previous(USE_PDL)
+    release_next(USE_PDL)
     s = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     j = tl.arange(0, BLOCK_J)
@@ -122,12 +130,13 @@ def causal_conv1d_varlen(
         token_chunk, cu_seqlens, chunk_slot, chunk_reset,
         num_tokens, channels,
         K=kernel_size, HAS_BIAS=bias is not None, SILU=apply_silu,
-        BLOCK_T=block_t, BLOCK_C=block_c,
+        BLOCK_T=block_t, BLOCK_C=block_c, **launch_options(),
     )
     num_chunks = chunk_slot.shape[0]
     _state_kernel[(num_chunks, triton.cdiv(channels, block_c))](
         x, x.stride(0), conv_state, conv_state.stride(0), conv_state.stride(1),
         cu_seqlens, chunk_slot, chunk_reset, channels,
         KM1=kernel_size - 1, BLOCK_J=triton.next_power_of_2(kernel_size - 1), BLOCK_C=block_c,
+        **launch_options(),
     )
     return out

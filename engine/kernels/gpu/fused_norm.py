@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.gpu.pdl import launch_options, release_next, wait_for_previous
+
 
 @triton.jit
 def _add_rms_norm_kernel(
@@ -28,7 +30,10 @@ def _add_rms_norm_kernel(
     out_ptr, stride_o,  # (T, D) out: rms_norm(residual) * w
     multiplier, eps, D,
     HAS_DELTA: tl.constexpr, BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_previous(USE_PDL)
+    release_next(USE_PDL)
     t = tl.program_id(0)
     d = tl.arange(0, BLOCK_D)
     mask = d < D
@@ -78,6 +83,7 @@ def add_rms_norm(
         out, out.stride(0),
         float(residual_multiplier), float(eps), dim,
         HAS_DELTA=delta is not None, BLOCK_D=block_d, num_warps=min(16, max(4, block_d // 512)),
+        **launch_options(),
     )
     return residual_out, out
 
@@ -92,7 +98,10 @@ def _gated_rms_norm_kernel(
     out_ptr, stride_o,  # (T, I)
     group_size, eps,
     HAS_SKIP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_previous(USE_PDL)
+    release_next(USE_PDL)
     t, g = tl.program_id(0), tl.program_id(1)
     i = tl.arange(0, BLOCK)
     mask = i < group_size
@@ -143,6 +152,6 @@ def gated_rms_norm(
         y, y.stride(0), gate, gate.stride(0), x, x.stride(0), D, weight, out, out.stride(0),
         group_size, float(eps),
         HAS_SKIP=skip is not None, HEAD_DIM=head_dim,
-        BLOCK=block, num_warps=min(16, max(4, block // 512)),
+        BLOCK=block, num_warps=min(16, max(4, block // 512)), **launch_options(),
     )
     return out

@@ -22,6 +22,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from engine.kernels.gpu.pdl import launch_options, release_next, wait_for_previous
+
 
 @triton.jit
 def _paged_decode_kernel(
@@ -35,7 +37,10 @@ def _paged_decode_kernel(
     num_splits,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_previous(USE_PDL)
+    release_next(USE_PDL)
     i, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     row = tl.load(rows_ptr + i)
     seq_len = tl.load(seq_lens_ptr + i)
@@ -85,7 +90,10 @@ def _decode_combine_kernel(
     rows_ptr,  # (Bd,)
     num_splits,
     HEAD_DIM: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_previous(USE_PDL)
+    release_next(USE_PDL)
     i, head = tl.program_id(0), tl.program_id(1)
     d = tl.arange(0, HEAD_DIM)
     ml = ml_ptr + i * stride_ml_t + head * 2
@@ -152,12 +160,12 @@ def paged_attention_decode(
         rows, seq_lens, block_table, block_table.stride(0),
         scale * 1.4426950408889634, num_splits,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        KV_BLOCK=block_size, BLOCK_N=64, SPLIT=split,
+        KV_BLOCK=block_size, BLOCK_N=64, SPLIT=split, **launch_options(),
     )
     if split:
         _decode_combine_kernel[(num_decode, num_heads)](
             partial, partial.stride(0), partial.stride(1), ml, ml.stride(0), ml.stride(1),
-            out, out.stride(0), out.stride(1), rows, num_splits, HEAD_DIM=head_dim,
+            out, out.stride(0), out.stride(1), rows, num_splits, HEAD_DIM=head_dim, **launch_options(),
         )
 
 
@@ -173,7 +181,10 @@ def _prefill_kernel(
     num_splits, max_len,  # partial row of query j of chunk s: s * max_len + j
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, KV_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_previous(USE_PDL)
+    release_next(USE_PDL)
     m_block, head = tl.program_id(0), tl.program_id(2)
     s, split = tl.program_id(1) // num_splits, tl.program_id(1) % num_splits
     q_len = tl.load(lens_ptr + s)
@@ -234,7 +245,10 @@ def _combine_kernel(
     rows_ptr, lens_ptr,  # (Sp,)
     num_splits, max_len,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_previous(USE_PDL)
+    release_next(USE_PDL)
     m_block, s, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_len = tl.load(lens_ptr + s)
     if m_block * BLOCK_M < q_len:
@@ -328,14 +342,14 @@ def paged_attention_prefill(
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, KV_BLOCK=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n,
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",  # fp32 models: no tf32
-        SPLIT=split, num_warps=num_warps, num_stages=num_stages,
+        SPLIT=split, num_warps=num_warps, num_stages=num_stages, **launch_options(),
     )
     if split:
         _combine_kernel[(triton.cdiv(max_length, block_m), num_chunks, num_heads)](
             partial, partial.stride(0), partial.stride(1), ml, ml.stride(0), ml.stride(1),
             out, out.stride(0), out.stride(1),
             first_rows, lengths, num_splits, max_length,
-            HEAD_DIM=head_dim, BLOCK_M=block_m,
+            HEAD_DIM=head_dim, BLOCK_M=block_m, **launch_options(),
         )
 
 

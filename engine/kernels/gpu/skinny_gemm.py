@@ -187,7 +187,9 @@ def skinny_linear(
     if config is None:
         _tuned_row_kernel[grid](*args, HAS_BIAS=bias is not None, **launch_options())
     else:
-        _row_kernel[grid](*args, HAS_BIAS=bias is not None, **config.as_triton().all_kwargs(), **launch_options())
+        _row_kernel[grid](
+            *args, HAS_BIAS=bias is not None, **config.as_triton().all_kwargs(), **launch_options()
+        )
     return out
 
 

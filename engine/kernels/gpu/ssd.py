@@ -28,6 +28,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from engine.kernels.gpu.in_pass_capture import SCAN_CHUNK, InPassCapturePlan, scan_with_captures
+from engine.kernels.gpu.pdl import launch_options, release_next, wait_for_previous
 
 
 def chunk_scan(
@@ -82,7 +83,10 @@ def _scan_inputs_kernel(
     H: tl.constexpr, P: tl.constexpr, N: tl.constexpr, GN: tl.constexpr,
     HEADS_PER_GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_ROWS: tl.constexpr, HAS_VALID: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_previous(USE_PDL)
+    release_next(USE_PDL)
     t = tl.program_id(0)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     row = t
@@ -143,7 +147,7 @@ def scan_inputs(
         q, k, v, g,
         H=H, P=P, N=N, GN=G * N, HEADS_PER_GROUP=H // G, BLOCK_H=block_h,
         BLOCK_P=triton.next_power_of_2(P), BLOCK_N=triton.next_power_of_2(N),
-        HAS_ROWS=rows is not None, HAS_VALID=valid is not None,
+        HAS_ROWS=rows is not None, HAS_VALID=valid is not None, **launch_options(),
     )
     return q, k, v, g
 
@@ -190,7 +194,10 @@ def _decode_kernel(
     rows_ptr, slots_ptr, reset_ptr,  # (Bd,)
     heads_per_group, P, N,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_previous(USE_PDL)
+    release_next(USE_PDL)
     i, h = tl.program_id(0), tl.program_id(1)
     p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
     n = tl.arange(0, BLOCK_N)
@@ -263,6 +270,7 @@ def ssd_decode_update(
         rows, slots, reset,
         num_heads // B.shape[1], head_dim, state_size,
         BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(state_size), num_warps=num_warps,
+        **launch_options(),
     )
 
 
