@@ -225,6 +225,7 @@ class Mamba2Mixer(ShardedModule):
         from engine.kernels.gpu.conv import causal_conv1d_varlen
         from engine.kernels.gpu.in_pass_capture import capture_conv_states
         from engine.kernels.gpu.ssd import ssd_decode_update, ssd_prefill_scan
+        from engine.kernels.gpu.state_slots import gather_states, scatter_states
 
         T = xBC.shape[0]
         weight = self.conv1d.weight[:, 0, :]  # (conv_dim, K)
@@ -248,9 +249,8 @@ class Mamba2Mixer(ShardedModule):
         if plan.num_prefill:
             rows = plan.prefill_rows
             slots = plan.prefill_slots
-            keep = (plan.prefill_reset == 0).view(-1, 1, 1, 1)
             # (Sp, H, P, N); a reset slot may hold anything (NaN too): read as zeros
-            initial = torch.where(keep, ssm_state.index_select(0, slots), 0.0)
+            initial = gather_states(ssm_state, slots, plan.prefill_reset)
             # graph padding rows (prefill_valid) leave the state as it is; in-pass captures
             # take the states at their positions in the same one scan
             y_prefill, final = ssd_prefill_scan(
@@ -259,7 +259,7 @@ class Mamba2Mixer(ShardedModule):
                 plan.prefill_cu_seqlens, plan.prefill_cu_seqlens_host, rows, plan.prefill_valid,
                 plan.in_pass, None if captures is None else captures[1],
             )
-            ssm_state.index_copy_(0, slots, final)
+            scatter_states(final.contiguous(), ssm_state, slots)
             if rows is None:
                 y = y_prefill
             else:
