@@ -4,7 +4,7 @@ with padding.
 A decode step (every chunk one token) of n sequences replays the graph of the smallest captured
 size b >= n. The step's inputs (token ids, positions, KV write slots, state slots, reset flags,
 key counts, block tables) are packed on the host into one pinned int64 buffer and copied to the
-graph's static input buffer in one host-to-device copy; the replay then launches every kernel of
+graph's static input buffer in one host-to-device copy of the part the graph reads; the replay then launches every kernel of
 the pass at once. Rows n..b-1 are padding: they read and write only the scratch state slot and
 the scratch KV block, which the worker allocates beyond what the scheduler may hand out, so a
 padded replay changes exactly the caches an eager step of the same n chunks changes.
@@ -63,6 +63,12 @@ class DecodeInputStaging:
     def width(cls, max_batch: int, max_blocks: int) -> int:
         """Length of the flat buffer."""
         return cls.NUM_FIELDS * max_batch + max_batch * max_blocks
+
+    def used_length(self, size: int) -> int:
+        """Length of the buffer's prefix that a graph of `size` rows reads: every field row
+        and the first `size` block-table rows. Copying only it keeps a small batch's copy
+        small when the table is wide (M = 1,024 blocks: 1 MiB for all of Bmax = 128 rows)."""
+        return self.NUM_FIELDS * self.max_batch + size * self.max_blocks
 
     def views(self) -> tuple[np.ndarray, np.ndarray]:
         """The buffer as the (6, Bmax) fields and the (Bmax, M) block table."""
@@ -195,7 +201,8 @@ class DecodeGraphRunner:
         size = next(s for s in self.batch_sizes if s >= len(chunks))
         self._copied.synchronize()  # usually long done: the last step read its sampled tokens
         self._staging.stage(chunks, size)
-        self._inputs.copy_(self._host, non_blocking=True)
+        used = self._staging.used_length(size)
+        self._inputs[:used].copy_(self._host[:used], non_blocking=True)
         self._copied.record()
         self._graphs[size].replay()
         self.replays += 1

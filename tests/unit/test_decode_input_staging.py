@@ -1,6 +1,7 @@
 """The host packing of decode graph inputs (engine/cuda_graphs.py:DecodeInputStaging) against the
 obvious per-row oracle, over steps whose batches grow, shrink, keep requests in their rows
-across block boundaries and hand rows to other requests."""
+across block boundaries and hand rows to other requests; and the graph's copy of the buffer,
+which receives only the prefix a step's size reads."""
 
 from __future__ import annotations
 
@@ -42,6 +43,9 @@ def test_staging_matches_per_row_oracle():
     rng = random.Random(0)
     buffer = np.full(DecodeInputStaging.width(MAX_BATCH, MAX_BLOCKS), -5, dtype=np.int64)
     staging = DecodeInputStaging(buffer, MAX_BATCH, MAX_BLOCKS, BLOCK_SIZE, SCRATCH_SLOT, SCRATCH_BLOCK)
+    # what the graph's input buffer holds when each step copies only staging.used_length(size)
+    device = np.full_like(buffer, -7)
+    device_view = DecodeInputStaging(device, MAX_BATCH, MAX_BLOCKS, BLOCK_SIZE, SCRATCH_SLOT, SCRATCH_BLOCK)
     num_requests = 12
     # each request's blocks, in a fresh tuple every step as the scheduler builds them
     blocks = {r: rng.sample(range(60), MAX_BLOCKS) for r in range(num_requests)}
@@ -60,6 +64,9 @@ def test_staging_matches_per_row_oracle():
         ]
         staging.stage(chunks, size)
         _check_rows(staging, chunks, size)
+        used = staging.used_length(size)
+        device[:used] = buffer[:used]
+        _check_rows(device_view, chunks, size)
         for r in requests:
             positions[r] += 1
     assert max(positions.values()) // BLOCK_SIZE > 3, "the steps never crossed a block boundary"
