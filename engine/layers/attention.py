@@ -66,11 +66,13 @@ class PagedAttention(nn.Module):
         value = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
         if rope is not None:
             query, key = apply_rotary(query, *rope), apply_rotary(key, *rope)
-        write_kv(key_cache, value_cache, batch.slot_mapping, key, value)
-
         if gpu_plan is not None:
+            from engine.kernels.gpu.paged_attention import write_kv as write_kv_gpu
+
+            write_kv_gpu(key_cache, value_cache, batch.slot_mapping, key, value)
             output = self.attend_gpu(query, key, value, key_cache, value_cache, gpu_plan)
             return self.o_proj(output.view(num_tokens, self.num_heads * self.head_dim))
+        write_kv(key_cache, value_cache, batch.slot_mapping, key, value)
         output = torch.empty_like(query)  # (T, H, Dh)
         for chunk, start, end in zip(batch.chunks, batch.cu_seqlens[:-1], batch.cu_seqlens[1:]):
             block_table = torch.tensor(chunk.block_table, dtype=torch.int64, device=hidden.device)

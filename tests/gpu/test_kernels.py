@@ -263,3 +263,27 @@ def test_scan_inputs(device, with_rows, with_valid, H, P):
         assert relative_error(got, expected[name]) < 1e-6, name
     if valid is not None:
         assert (v[~valid] == 0).all() and (g[~valid] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [
+    torch.float32,
+    pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+        INTERPRETED, reason="the interpreter rounds fp32 to bf16 differently from torch")),
+])
+def test_write_kv(device, dtype):
+    from engine.kernels.attention_reference import write_kv as write_kv_reference
+    from engine.kernels.gpu.paged_attention import write_kv
+
+    num_blocks, block_size, num_kv_heads, head_dim, num_tokens = 6, 4, 3, 8, 7
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache = torch.randn(shape, device=device).to(dtype)
+    value_cache = torch.randn(shape, device=device).to(dtype)
+    # K and V as the layer has them: views of wider projections' rows (row stride > Hkv * D)
+    key = torch.randn(num_tokens, num_kv_heads * head_dim + 5, device=device)[:, :num_kv_heads * head_dim]
+    key = key.view(num_tokens, num_kv_heads, head_dim)
+    value = torch.randn(num_tokens, num_kv_heads, head_dim, device=device)
+    slots = torch.randperm(num_blocks * block_size, device=device)[:num_tokens]
+    expected_k, expected_v = key_cache.clone(), value_cache.clone()
+    write_kv_reference(expected_k, expected_v, slots, key, value)
+    write_kv(key_cache, value_cache, slots, key, value)
+    assert torch.equal(key_cache, expected_k) and torch.equal(value_cache, expected_v)

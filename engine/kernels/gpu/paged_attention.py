@@ -10,7 +10,7 @@ K/V byte is read once per step; softmax is online, in fp32. When the pairs are t
 the GPU (small batches), each pair's keys are also split over several programs and a second
 launch combines their partial results. The prefill kernel gives each
 program BLOCK_M queries of one chunk and one query head, and walks the keys up to its last
-query's position BLOCK_N at a time.
+query's position BLOCK_N at a time. `write_kv` stores a step's K/V into the cache in one launch.
 
 Shapes: T tokens, H heads, Hkv KV heads, D head dim, Bd decode sequences.
 """
@@ -23,6 +23,47 @@ import triton
 import triton.language as tl
 
 from engine.kernels.gpu.pdl import launch_options, release_next, wait_for_previous
+
+
+@triton.jit
+def _write_kv_kernel(
+    key_ptr, value_ptr, stride_kt, stride_vt,  # (T, Hkv, D), each token's Hkv * D contiguous
+    key_cache_ptr, value_cache_ptr,  # (num_blocks * block_size, Hkv * D) contiguous
+    slots_ptr,  # (T,)
+    WIDTH: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    wait_for_previous(USE_PDL)
+    release_next(USE_PDL)
+    t = tl.program_id(0)
+    e = tl.arange(0, BLOCK)
+    mask = e < WIDTH
+    slot = tl.load(slots_ptr + t).to(tl.int64)
+    k = tl.load(key_ptr + t * stride_kt + e, mask=mask)
+    v = tl.load(value_ptr + t * stride_vt + e, mask=mask)
+    tl.store(key_cache_ptr + slot * WIDTH + e, k.to(key_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(value_cache_ptr + slot * WIDTH + e, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def write_kv(
+    key_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D) contiguous, written in place
+    value_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D) contiguous, written in place
+    slot_mapping: torch.Tensor,  # (T,) int flat slots (block * block_size + offset), distinct
+    key: torch.Tensor,  # (T, Hkv, D), each token's heads contiguous
+    value: torch.Tensor,  # (T, Hkv, D)
+) -> None:
+    """attention_reference.write_kv in one launch (PyTorch takes one per cache): each token's
+    K/V stored at its slot, cast to the cache dtype."""
+    num_tokens, num_kv_heads, head_dim = key.shape
+    width = num_kv_heads * head_dim
+    assert key_cache.is_contiguous() and value_cache.is_contiguous() and key_cache.shape == value_cache.shape
+    assert key_cache.shape[2:] == key.shape[1:] and value.shape == key.shape
+    assert key.stride(1) == head_dim and key.stride(2) == 1 and value.stride(1) == head_dim and value.stride(2) == 1
+    if num_tokens == 0:
+        return
+    _write_kv_kernel[(num_tokens,)](
+        key, value, key.stride(0), value.stride(0), key_cache, value_cache, slot_mapping,
+        WIDTH=width, BLOCK=triton.next_power_of_2(width), **launch_options(),
+    )
 
 
 @triton.jit
