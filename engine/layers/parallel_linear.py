@@ -30,16 +30,27 @@ def _total(ranges: tuple[IndexRange, ...]) -> int:
 SKINNY_MAX_FEATURES = 4096
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear(x, weight, bias); a (1, K) x on CUDA against a weight of at most
-    SKINNY_MAX_FEATURES rows runs engine/kernels/gpu/skinny_gemm.py instead (same result within
-    fp32-accumulation rounding). Its first call per weight shape autotunes, so CUDA graphs are
-    captured after an eager warm-up (engine/cuda_graphs.py does this)."""
-    if x.is_cuda and x.shape[0] == 1 and weight.shape[0] <= SKINNY_MAX_FEATURES:
-        from engine.kernels.gpu.skinny_gemm import skinny_linear, supports
+def routes_to_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """The routing rule of `linear`: True for a (1, K) x on CUDA against a weight of at most
+    SKINNY_MAX_FEATURES rows whose operands engine/kernels/gpu/skinny_gemm.py supports; those
+    run there, everything else runs F.linear. The checks are made here once, so callers launch
+    the kernel unchecked."""
+    if not (x.is_cuda and x.shape[0] == 1 and weight.shape[0] <= SKINNY_MAX_FEATURES):
+        return False
+    from engine.kernels.gpu.skinny_gemm import supports
 
-        if supports(x, weight, bias):
-            return skinny_linear(x, weight, bias)
+    return supports(x, weight, bias)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear(x, weight, bias); operands that routes_to_skinny accepts run
+    engine/kernels/gpu/skinny_gemm.py instead (same result within fp32-accumulation rounding).
+    Its first call per weight shape autotunes, so CUDA graphs are captured after an eager
+    warm-up (engine/cuda_graphs.py does this)."""
+    if routes_to_skinny(x, weight, bias):
+        from engine.kernels.gpu.skinny_gemm import skinny_linear_unchecked
+
+        return skinny_linear_unchecked(x, weight, bias)
     return F.linear(x, weight, bias)
 
 

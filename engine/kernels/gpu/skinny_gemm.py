@@ -9,8 +9,10 @@ When it is used: decode steps at batch size 1, where every linear layer sees one
 the GEMM does one multiply-add per weight element loaded, so its time is the time to read the
 weight once. engine/layers/parallel_linear.py:linear sends single rows with at most 4,096 output
 features here (SKINNY_MAX_FEATURES) and everything else to F.linear; `supports(x, weight, bias)`
-says whether the operands fit. Measured on the H200 in bf16, weights read from HBM, calls
-replayed in CUDA graphs (benchmarks/results/skinny_gemm_20261202.json), per call against cuBLAS:
+says whether the operands fit, and a caller that has checked it launches through
+`skinny_linear_unchecked` (skinny_linear checks again). Measured on the H200 in bf16, weights
+read from HBM, calls replayed in CUDA graphs (benchmarks/results/skinny_gemm_20261202.json),
+per call against cuBLAS:
   attention k/v   N   512, K 2048:  2.80 us vs  5.72 us (2.04x)
   attention q/o   N  2048, K 2048:  4.44 us vs  5.99 us (1.35x)
   Mamba out_proj  N  2048, K 4096:  6.39 us vs  9.24 us (1.45x)
@@ -172,14 +174,32 @@ def skinny_linear(
     config: SkinnyConfig | None = None,  # None: autotuned
 ) -> torch.Tensor:
     """F.linear(x, weight, bias) into `out` (returned), in one launch. An explicit `config`
-    skips the autotuner (tests, benchmarks)."""
+    skips the autotuner (tests, benchmarks). Checks the operands (AssertionError naming the
+    problem), then runs skinny_linear_unchecked."""
     problem = layout_problem(x, weight, bias)
     assert problem is None, problem
+    features = weight.shape[0]
+    if out is not None:
+        assert out.shape == (1, features) and out.is_contiguous() and out.dtype == x.dtype, \
+            f"out must be (1, {features}) contiguous {x.dtype}"
+    return skinny_linear_unchecked(x, weight, bias, out=out, config=config)
+
+
+def skinny_linear_unchecked(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    config: SkinnyConfig | None = None,
+) -> torch.Tensor:
+    """skinny_linear without its checks, for callers that have already established
+    supports(x, weight, bias) (engine/layers/parallel_linear.py does, once per call): the
+    checks take 1-2 us of host time a call. Operands that do not fit make the kernel
+    read or write out of bounds; `out`, when given, must be (1, N) contiguous in x's dtype."""
     features, depth = weight.shape
     if out is None:
         out = torch.empty(1, features, dtype=x.dtype, device=x.device)
-    assert out.shape == (1, features) and out.is_contiguous() and out.dtype == x.dtype, \
-        f"out must be (1, {features}) contiguous {x.dtype}"
     if config is None and _INTERPRETED:
         config = CONFIGS[0]
     args = (x, weight, bias if bias is not None else out, out, features, depth)
