@@ -4,7 +4,9 @@ ColumnParallelLinear holds some output rows of the full weight: its output stays
 rank has its own features; no collective). RowParallelLinear holds the matching input
 columns: each rank's partial product is summed over ranks (one all-reduce), then the bias,
 held whole on every rank, is added once. At world_size 1 both compute exactly nn.Linear's
-function (on CUDA a single row may take a Triton kernel: `linear` below).
+function (on CUDA a single row may take a Triton kernel: `linear` below). At one row
+RowParallelLinear.forward_gated also takes the MLP's [gate | up] row and computes
+silu(gate) * up inside that kernel.
 Parameter names are nn.Linear's ("weight", "bias"), so checkpoint names map unchanged.
 """
 
@@ -30,16 +32,30 @@ def _total(ranges: tuple[IndexRange, ...]) -> int:
 SKINNY_MAX_FEATURES = 4096
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear(x, weight, bias); a (1, K) x on CUDA against a weight of at most
-    SKINNY_MAX_FEATURES rows runs engine/kernels/gpu/skinny_gemm.py instead (same result within
-    fp32-accumulation rounding). Its first call per weight shape autotunes, so CUDA graphs are
-    captured after an eager warm-up (engine/cuda_graphs.py does this)."""
-    if x.is_cuda and x.shape[0] == 1 and weight.shape[0] <= SKINNY_MAX_FEATURES:
-        from engine.kernels.gpu.skinny_gemm import skinny_linear, supports
+def routes_to_skinny(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, gated: bool = False
+) -> bool:
+    """The routing rule of `linear` (and, gated, of RowParallelLinear.supports_gated): True for
+    a one-row x on CUDA against a weight of at most SKINNY_MAX_FEATURES rows whose operands
+    engine/kernels/gpu/skinny_gemm.py supports (gated: x is the (1, 2K) [gate | up] row); those
+    run there, everything else runs F.linear. The checks are made here once, so callers launch
+    the kernel unchecked."""
+    if not (x.is_cuda and x.shape[0] == 1 and weight.shape[0] <= SKINNY_MAX_FEATURES):
+        return False
+    from engine.kernels.gpu.skinny_gemm import supports
 
-        if supports(x, weight, bias):
-            return skinny_linear(x, weight, bias)
+    return supports(x, weight, bias, gated=gated)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear(x, weight, bias); operands that routes_to_skinny accepts run
+    engine/kernels/gpu/skinny_gemm.py instead (same result within fp32-accumulation rounding).
+    Its first call per weight shape autotunes, so CUDA graphs are captured after an eager
+    warm-up (engine/cuda_graphs.py does this)."""
+    if routes_to_skinny(x, weight, bias):
+        from engine.kernels.gpu.skinny_gemm import skinny_linear_unchecked
+
+        return skinny_linear_unchecked(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
@@ -95,4 +111,23 @@ class RowParallelLinear(ShardedModule):
         if self.tp.world_size == 1:
             return linear(x, self.weight, self.bias)
         y = self.tp.all_reduce(linear(x, self.weight, None))
+        return y if self.bias is None else y + self.bias
+
+    def supports_gated(self, gate_up: torch.Tensor) -> bool:
+        """Whether forward_gated may take gate_up (1, 2 in_local) = [gate | up]: routes_to_skinny
+        with the gated layout, for the bias the local GEMM adds (all of it at world_size 1,
+        none otherwise)."""
+        local_bias = self.bias if self.tp.world_size == 1 else None
+        return routes_to_skinny(gate_up, self.weight, local_bias, gated=True)
+
+    def forward_gated(self, gate_up: torch.Tensor) -> torch.Tensor:  # (1, 2 in_local) -> (1, out)
+        """forward(silu_and_mul(gate_up)) with silu(gate) * up computed inside the single-row
+        GEMM (engine/kernels/gpu/skinny_gemm.py's gated variant, one launch), then the same
+        all-reduce and bias as forward. Requires supports_gated(gate_up), which is not checked
+        again here."""
+        from engine.kernels.gpu.skinny_gemm import skinny_linear_unchecked
+
+        if self.tp.world_size == 1:
+            return skinny_linear_unchecked(gate_up, self.weight, self.bias, gated=True)
+        y = self.tp.all_reduce(skinny_linear_unchecked(gate_up, self.weight, None, gated=True))
         return y if self.bias is None else y + self.bias

@@ -8,6 +8,12 @@ on one such shape, and a call without a config (the interpreter's fallback to th
 On a GPU the same cases run in bf16 and fp16 too, and the autotuned kernel runs on the shapes
 the engine sends it and inside a CUDA graph. The kernel module is imported inside the tests: it
 needs triton, which the CPU-only suite does not install.
+
+The gated variant (x = [gate | up], silu(gate) * up computed as x is loaded) is compared with
+F.linear in fp32 after norm_reference.silu_and_mul, and bit for bit with skinny_linear after
+activation.silu_and_mul under the same config: the same roundings and the same accumulation
+order. It runs in fp16 under the interpreter too (numpy's float16 rounds as the GPU does), so
+the rounding of silu to the dtype is checked without a GPU.
 """
 
 from __future__ import annotations
@@ -44,6 +50,31 @@ def _operands(features: int, depth: int, with_bias: bool, dtype: torch.dtype, de
     bias = torch.randn(features, generator=g).to(device=device, dtype=dtype) if with_bias else None
     out = torch.full((1, features), float("nan"), dtype=dtype, device=device)
     return x, weight, bias, out
+
+
+def _gated_operands(features: int, depth: int, with_bias: bool, dtype: torch.dtype, device, seed: int):
+    """Random gate_up (1, 2 depth) = [gate | up] at the scale of an MLP's pre-activations,
+    weight (features, depth), bias (features,) or None, and a NaN-filled out (1, features)."""
+    g = torch.Generator(device="cpu").manual_seed(1000 + seed)
+    gate_up = (2 * torch.randn(1, 2 * depth, generator=g)).to(device=device, dtype=dtype)
+    _, weight, bias, out = _operands(features, depth, with_bias, dtype, device, seed)
+    return gate_up, weight, bias, out
+
+
+def _gated_reference(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear in fp32 after norm_reference.silu_and_mul in gate_up's dtype (the activation the
+    unfused path feeds the GEMM)."""
+    from engine.kernels.norm_reference import silu_and_mul
+
+    return _reference(silu_and_mul(gate_up), weight, bias)
+
+
+def _unfused(gate_up, weight, bias, config):
+    """What the fused launch replaces: activation.silu_and_mul, then skinny_linear."""
+    from engine.kernels.gpu.activation import silu_and_mul
+    from engine.kernels.gpu.skinny_gemm import skinny_linear
+
+    return skinny_linear(silu_and_mul(gate_up), weight, bias, config=config)
 
 
 def _small_config():
@@ -164,3 +195,109 @@ def test_supports_and_layout_checks(device):
         skinny_linear(torch.randn(2, 64, device=device), weight)
     with pytest.raises(AssertionError, match="out must be"):
         skinny_linear(x, weight, out=torch.empty(2, 32, device=device))
+
+
+# fp16 also in the interpreter: numpy's float16 rounds to nearest even, as the GPU does (bf16
+# there differs from torch's rounding by an ulp, so it stays on the GPU).
+GATED_DTYPES = [
+    torch.float32,
+    torch.float16,
+    pytest.param(torch.bfloat16, marks=on_gpu_only),
+]
+
+
+@pytest.mark.parametrize("dtype", GATED_DTYPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("features,depth", SMALL_SHAPES)
+def test_gated_small_shapes_explicit_config(device, features, depth, with_bias, dtype):
+    from engine.kernels.gpu.skinny_gemm import skinny_linear
+
+    gate_up, weight, bias, out = _gated_operands(features, depth, with_bias, dtype, device, seed=features + depth)
+    got = skinny_linear(gate_up, weight, bias, gated=True, out=out, config=_small_config())
+    assert got.data_ptr() == out.data_ptr() and got.dtype == dtype
+    assert relative_error(got, _gated_reference(gate_up, weight, bias)) < TOL[dtype]
+    assert torch.equal(got, _unfused(gate_up, weight, bias, _small_config()))
+
+
+@pytest.mark.parametrize("dtype", GATED_DTYPES)
+@pytest.mark.parametrize("index", range(6))
+def test_gated_each_tuned_config(device, index, dtype):
+    """Every config on N = 40, K = 1100 (K not a multiple of any BLOCK_K), with a bias."""
+    from engine.kernels.gpu.skinny_gemm import CONFIGS, skinny_linear
+
+    gate_up, weight, bias, out = _gated_operands(40, 1100, True, dtype, device, seed=index)
+    got = skinny_linear(gate_up, weight, bias, gated=True, out=out, config=CONFIGS[index])
+    assert relative_error(got, _gated_reference(gate_up, weight, bias)) < TOL[dtype]
+    assert torch.equal(got, _unfused(gate_up, weight, bias, CONFIGS[index]))
+
+
+def test_gated_default_call_and_strided_row(device):
+    """No config and no out; gate_up a column slice of a wider row (row stride > 2K)."""
+    from engine.kernels.gpu.skinny_gemm import skinny_linear
+
+    wide, weight, bias, _ = _gated_operands(40, 150, True, torch.float32, device, seed=9)
+    gate_up = wide[:, 50:250]  # (1, 200) = [gate | up] of K = 100
+    weight = weight[:, :100].contiguous()
+    got = skinny_linear(gate_up, weight, bias, gated=True)
+    assert got.shape == (1, 40) and got.is_contiguous() and got.dtype == torch.float32
+    assert relative_error(got, _gated_reference(gate_up, weight, bias)) < TOL[torch.float32]
+
+
+@on_gpu_only
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("features,depth", [(2048, 5632), (2048, 2048), (1000, 1000)])
+def test_gated_autotuned_model_shapes(device, features, depth, with_bias):
+    """The MLP output shape of the 1.5B model and two others, autotuned on their own: the
+    tuner's cache holds separate entries for the plain and the gated kernel at (N, K). Not
+    bitwise against the unfused path: the two may be tuned to different configs."""
+    from engine.kernels.gpu.skinny_gemm import _tuned_row_kernel, skinny_linear
+
+    gate_up, weight, bias, out = _gated_operands(features, depth, with_bias, torch.bfloat16, device, seed=depth)
+    skinny_linear(gate_up[:, :depth], weight, bias)  # the plain kernel at the same (N, K)
+    got = skinny_linear(gate_up, weight, bias, gated=True, out=out)
+    assert relative_error(got, _gated_reference(gate_up, weight, bias)) < TOL[torch.bfloat16]
+    gated_keys = {key[2] for key in _tuned_row_kernel.cache if tuple(key[:2]) == (features, depth)}
+    assert gated_keys == {False, True}
+
+
+@on_gpu_only
+def test_gated_cuda_graph_replay(device):
+    """As test_cuda_graph_replay, for the gated kernel at the MLP output shape."""
+    from engine.kernels.gpu.skinny_gemm import skinny_linear
+
+    gate_up, weight, bias, out = _gated_operands(2048, 5632, False, torch.bfloat16, device, seed=13)
+    skinny_linear(gate_up, weight, bias, gated=True, out=out)  # autotunes, outside the capture
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        skinny_linear(gate_up, weight, bias, gated=True, out=out)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        skinny_linear(gate_up, weight, bias, gated=True, out=out)
+    gate_up.copy_(2 * torch.randn_like(gate_up))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert relative_error(out, _gated_reference(gate_up, weight, bias)) < TOL[torch.bfloat16]
+
+
+def test_gated_layout_checks(device):
+    from engine.kernels.gpu.skinny_gemm import layout_problem, skinny_linear, supports
+
+    gate_up = torch.randn(1, 128, device=device)
+    weight = torch.randn(32, 64, device=device)
+    assert layout_problem(gate_up, weight, torch.randn(32, device=device), gated=True) is None
+    assert supports(gate_up, weight, gated=True) == (device.type == "cuda")
+    assert layout_problem(gate_up, weight) is not None  # 2K columns are not K
+    rejected = {
+        "K columns": torch.randn(1, 64, device=device),
+        "2K + 1 columns": torch.randn(1, 129, device=device),
+        "2 rows": torch.randn(2, 128, device=device),
+        "strided row": torch.randn(1, 256, device=device)[:, ::2],
+    }
+    for name, a in rejected.items():
+        assert layout_problem(a, weight, gated=True) is not None, name
+        assert not supports(a, weight, gated=True), name
+    with pytest.raises(AssertionError, match="2K"):
+        skinny_linear(torch.randn(1, 64, device=device), weight, gated=True)

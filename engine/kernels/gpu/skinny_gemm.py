@@ -5,12 +5,29 @@ one row x (1, K), weight (N, K) in nn.Linear's layout (contiguous, K fastest), b
 accumulation, output (1, N) contiguous in x's dtype. F.linear itself is the reference (there is
 no separate *_reference.py): the device test compares against it computed in fp32.
 
+`skinny_linear(gate_up, weight, bias, gated=True)` computes F.linear(silu_and_mul(gate_up),
+weight, bias) for the MLP's row gate_up (1, 2K) = [gate | up] in the same one launch: no
+separate SiLU-and-mul kernel, no (1, K) intermediate in memory. Each program computes
+silu(gate) * up for the x slice of each K step as it loads it, with the roundings of
+engine/kernels/gpu/activation.py (silu in fp32 rounded to the dtype, then the product rounded
+to the dtype). Under the same config the result is meant to equal
+skinny_linear(activation.silu_and_mul(gate_up), weight, bias) bit for bit (the same operations
+in the same order; the device test checks it); the reference is F.linear in fp32 after
+norm_reference.silu_and_mul. Every program recomputes the whole activation (2K loads, from L2
+after the first programs, and K sigmoids) next to the BLOCK_N * K weight elements it streams.
+Not yet timed on a GPU.
+
 When it is used: decode steps at batch size 1, where every linear layer sees one row. There
 the GEMM does one multiply-add per weight element loaded, so its time is the time to read the
 weight once. engine/layers/parallel_linear.py:linear sends single rows with at most 4,096 output
 features here (SKINNY_MAX_FEATURES) and everything else to F.linear; `supports(x, weight, bias)`
-says whether the operands fit. Measured on the H200 in bf16, weights read from HBM, calls
-replayed in CUDA graphs (benchmarks/results/skinny_gemm_20261202.json), per call against cuBLAS:
+says whether the operands fit. engine/layers/mlp.py:GatedMLP.forward_gpu sends the MLP's
+single [gate | up] row to the gated variant under the same rule
+(RowParallelLinear.forward_gated). A caller that has checked it launches through
+`skinny_linear_unchecked` (skinny_linear checks again). Measured on the H200 in bf16, weights
+read from HBM, calls replayed in CUDA graphs (benchmarks/results/skinny_gemm_20261202.json),
+per call against cuBLAS (the MLP output row is without the gated prologue, after a separate
+SiLU-and-mul launch):
   attention k/v   N   512, K 2048:  2.80 us vs  5.72 us (2.04x)
   attention q/o   N  2048, K 2048:  4.44 us vs  5.99 us (1.35x)
   Mamba out_proj  N  2048, K 4096:  6.39 us vs  9.24 us (1.45x)
@@ -33,15 +50,16 @@ Design (every weight byte is read exactly once, in wide loads along K):
   BLOCK_N of 4-32 gives 64-512 programs for N = 2048, 128 for N = 512 at BLOCK_N 4, on the
   H200's 132 SMs;
 - BLOCK_N, BLOCK_K, num_warps and num_stages are tuned with @triton.autotune over CONFIGS,
-  keyed on (N, K) and the dtypes. Every config keeps 32 fp32 accumulators per thread and at
-  most 48 KiB of weight tiles in flight per program in bf16. Tuning times each config with
-  the L2 flushed (the weights of a decode step never fit in L2) and a short budget.
+  keyed on (N, K, GATED) and the dtypes (the gated variant is tuned on its own). Every config
+  keeps 32 fp32 accumulators per thread and at most 48 KiB of weight tiles in flight per
+  program in bf16. Tuning times each config with the L2 flushed (the weights of a decode step
+  never fit in L2) and a short budget.
 
 Contracts for callers: no host synchronisation and no allocation that depends on data (the
 output is allocated from the shapes, or passed in), so a call can be captured in a CUDA graph;
-but the first call for a new (N, K, dtype) autotunes, which synchronises, so make it eagerly
-before capture (as engine/cuda_graphs.py does with its warm-up pass). Under Triton's interpreter
-(TRITON_INTERPRET=1, no timing) a call without an explicit config uses CONFIGS[0].
+but the first call for a new (N, K, gated, dtype) autotunes, which synchronises, so make it
+eagerly before capture (as engine/cuda_graphs.py does with its warm-up pass). Under Triton's
+interpreter (TRITON_INTERPRET=1, no timing) a call without an explicit config uses CONFIGS[0].
 
 Shapes: K input features, N output features.
 """
@@ -100,16 +118,29 @@ def _tuning_bench(kernel_call, quantiles):
 
 
 @triton.jit
+def _silu_and_mul(gate, up):
+    """silu(gate) * up in gate's dtype with engine/kernels/gpu/activation.py's roundings (those
+    of norm_reference.silu_and_mul): silu in fp32 rounded to the dtype, then the product
+    computed in fp32 and rounded to the dtype. Masked lanes (gate = up = 0) give 0."""
+    dtype = gate.dtype
+    gate = gate.to(tl.float32)
+    activated = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
+    return (activated * up.to(tl.float32)).to(dtype)
+
+
+@triton.jit
 def _row_kernel(
-    x_ptr,  # (1, K), unit K stride
+    x_ptr,  # (1, K), unit K stride; GATED: (1, 2K) = [gate | up], unit stride
     w_ptr,  # (N, K) contiguous
     b_ptr,  # (N,) or a placeholder when HAS_BIAS is False
     y_ptr,  # (1, N) contiguous
     N, K,
-    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+    HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """Program i computes y[0, i*BLOCK_N : (i+1)*BLOCK_N]."""
+    """Program i computes y[0, i*BLOCK_N : (i+1)*BLOCK_N]; GATED: of x = silu(gate) * up, each
+    x slice computed from gate and up as it is loaded (every program computes the whole x)."""
     wait_for_previous(USE_PDL)
     release_next(USE_PDL)
     features = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -121,7 +152,13 @@ def _row_kernel(
         k_idx = k + offs_k
         k_ok = k_idx < K
         w = tl.load(w_rows + k_idx[None, :], mask=feature_ok[:, None] & k_ok[None, :], other=0.0)
-        x = tl.load(x_ptr + k_idx, mask=k_ok, other=0.0)
+        if GATED:
+            x = _silu_and_mul(
+                tl.load(x_ptr + k_idx, mask=k_ok, other=0.0),
+                tl.load(x_ptr + K + k_idx, mask=k_ok, other=0.0),
+            )
+        else:
+            x = tl.load(x_ptr + k_idx, mask=k_ok, other=0.0)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     y = tl.sum(acc, axis=1)  # (BLOCK_N,)
     if HAS_BIAS:
@@ -130,22 +167,27 @@ def _row_kernel(
 
 
 _tuned_row_kernel = triton.autotune(
-    configs=[c.as_triton() for c in CONFIGS], key=["N", "K"], do_bench=_tuning_bench,
+    configs=[c.as_triton() for c in CONFIGS], key=["N", "K", "GATED"], do_bench=_tuning_bench,
 )(_row_kernel)
 
 
-def layout_problem(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> str | None:
-    """Why skinny_linear cannot take these operands (device aside), or None when it can."""
+def layout_problem(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, gated: bool = False
+) -> str | None:
+    """Why skinny_linear(x, weight, bias, gated=gated) cannot take these operands (device
+    aside), or None when it can."""
     if x.dim() != 2 or weight.dim() != 2:
         return f"x and weight must be 2-D, got {tuple(x.shape)} and {tuple(weight.shape)}"
     if x.shape[0] != 1:
         return f"x must have exactly one row, got {x.shape[0]}"
-    if x.shape[1] != weight.shape[1] or weight.shape[0] == 0:
-        return f"shapes do not chain: x {tuple(x.shape)}, weight {tuple(weight.shape)}"
+    width = 2 * weight.shape[1] if gated else weight.shape[1]
+    if x.shape[1] != width or weight.shape[0] == 0:
+        needs = "2K ([gate | up])" if gated else "K"
+        return f"shapes do not chain (x needs {needs} columns): x {tuple(x.shape)}, weight {tuple(weight.shape)}"
     if x.dtype not in SUPPORTED_DTYPES or weight.dtype != x.dtype:
         return f"dtypes must match and be one of {SUPPORTED_DTYPES}: x {x.dtype}, weight {weight.dtype}"
     if x.stride(1) != 1 or not weight.is_contiguous():
-        return "x needs unit stride along K and weight must be contiguous"
+        return "x needs unit column stride and weight must be contiguous"
     if weight.device != x.device:
         return "x and weight are on different devices"
     if bias is not None:
@@ -156,39 +198,65 @@ def layout_problem(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return None
 
 
-def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
-    """True when skinny_linear(x, weight, bias) applies: CUDA tensors, exactly one row, matching
-    bf16/fp16/fp32 dtypes, x with unit K stride, contiguous weight and bias. Otherwise a caller
-    falls back to F.linear."""
-    return x.is_cuda and layout_problem(x, weight, bias) is None
+def supports(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, gated: bool = False
+) -> bool:
+    """True when skinny_linear(x, weight, bias, gated=gated) applies: CUDA tensors, exactly one
+    row (of K columns, or 2K when gated), matching bf16/fp16/fp32 dtypes, x with unit column
+    stride, contiguous weight and bias. Otherwise a caller falls back to F.linear (after
+    silu_and_mul when gated)."""
+    return x.is_cuda and layout_problem(x, weight, bias, gated=gated) is None
 
 
 def skinny_linear(
-    x: torch.Tensor,  # (1, K), unit K stride
+    x: torch.Tensor,  # (1, K), unit K stride; gated: (1, 2K) = [gate | up], unit stride
     weight: torch.Tensor,  # (N, K) contiguous, x's dtype
     bias: torch.Tensor | None = None,  # (N,) contiguous, x's dtype
     *,
+    gated: bool = False,
     out: torch.Tensor | None = None,  # (1, N) contiguous, x's dtype; allocated when None
     config: SkinnyConfig | None = None,  # None: autotuned
 ) -> torch.Tensor:
-    """F.linear(x, weight, bias) into `out` (returned), in one launch. An explicit `config`
-    skips the autotuner (tests, benchmarks)."""
-    problem = layout_problem(x, weight, bias)
+    """F.linear(x, weight, bias) into `out` (returned), in one launch; gated:
+    F.linear(silu_and_mul(x), weight, bias) (x = [gate | up], silu_and_mul with the roundings
+    of engine/kernels/gpu/activation.py). An explicit `config` skips the autotuner (tests,
+    benchmarks). Checks the operands (AssertionError naming the problem), then runs
+    skinny_linear_unchecked."""
+    problem = layout_problem(x, weight, bias, gated=gated)
     assert problem is None, problem
+    features = weight.shape[0]
+    if out is not None:
+        assert out.shape == (1, features) and out.is_contiguous() and out.dtype == x.dtype, \
+            f"out must be (1, {features}) contiguous {x.dtype}"
+    return skinny_linear_unchecked(x, weight, bias, gated=gated, out=out, config=config)
+
+
+def skinny_linear_unchecked(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    gated: bool = False,
+    out: torch.Tensor | None = None,
+    config: SkinnyConfig | None = None,
+) -> torch.Tensor:
+    """skinny_linear without its checks, for callers that have already established
+    supports(x, weight, bias, gated=gated) (engine/layers/parallel_linear.py does, once per
+    call): the checks take 1-2 us of host time a call. Operands that do not fit make the kernel
+    read or write out of bounds; `out`, when given, must be (1, N) contiguous in x's dtype."""
     features, depth = weight.shape
     if out is None:
         out = torch.empty(1, features, dtype=x.dtype, device=x.device)
-    assert out.shape == (1, features) and out.is_contiguous() and out.dtype == x.dtype, \
-        f"out must be (1, {features}) contiguous {x.dtype}"
     if config is None and _INTERPRETED:
         config = CONFIGS[0]
     args = (x, weight, bias if bias is not None else out, out, features, depth)
     grid = lambda meta: (triton.cdiv(features, meta["BLOCK_N"]),)  # noqa: E731
     if config is None:
-        _tuned_row_kernel[grid](*args, HAS_BIAS=bias is not None, **launch_options())
+        _tuned_row_kernel[grid](*args, HAS_BIAS=bias is not None, GATED=gated, **launch_options())
     else:
         _row_kernel[grid](
-            *args, HAS_BIAS=bias is not None, **config.as_triton().all_kwargs(), **launch_options()
+            *args, HAS_BIAS=bias is not None, GATED=gated, **config.as_triton().all_kwargs(),
+            **launch_options(),
         )
     return out
 
