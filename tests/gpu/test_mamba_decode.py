@@ -211,3 +211,74 @@ def test_advance_conv_states_one_token_chunks(device, dtype):
     unused = [s for s in range(NUM_SLOTS) if s not in SLOTS]
     assert torch.equal(conv_state[unused], inp.conv_state[unused]), "a stray conv slot"
 
+
+@needs_log1p
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mixer_decode_only_path(device, dtype):
+    """Mamba2Mixer.mix_batch_gpu on a decode-only plan built as the decode CUDA graphs build it
+    (decode_only_plan; the last two rows graph padding: reset, sharing a scratch slot) takes
+    the fused path; it must match the general GPU path (mix_chunks_gpu) on the same plan: y,
+    x, the real rows' state slots, the unused slots unchanged. In fp32 the whole mixer also
+    matches its PyTorch path (no plan)."""
+    from engine.config import DEFAULT_MODEL_DIR
+    from engine.kernels.gpu.batch_plan import decode_only_plan
+    from engine.loader import load_model
+    from engine.sampling_params import SamplingParams
+    from engine.step_io import ScheduledChunk
+    from engine.worker import build_forward_batch
+
+    model, config = load_model(DEFAULT_MODEL_DIR, dtype=dtype, device=device)
+    mixer = next(layer.mamba for layer in model.layers if layer.mamba is not None)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # the checkpoint's D is 1 in every head: draw one per head
+        mixer.D.copy_(2 * torch.randn(mixer.num_heads, generator=g))
+    slots, resets = [5, 2, 7, 3, 0, 0], [0, 1, 0, 1, 1, 1]  # slot 0: the graphs' scratch slot
+    real_slots, unused_slots = [5, 2, 7, 3], [1, 4, 6]
+    T = len(slots)
+    (conv_dim, taps), ssm_shape = model.mamba_state_shape()
+    conv_state = torch.randn(8, conv_dim, taps, generator=g).to(device, dtype)
+    ssm_state = torch.randn(8, *ssm_shape, generator=g).to(device)
+    for slot, reset in zip(slots, resets):
+        if reset:
+            conv_state[slot] = float("nan")
+            ssm_state[slot] = float("nan")
+    hidden = torch.randn(T, config.hidden_size, generator=g).to(device, dtype)
+    as_t = lambda v: torch.tensor(v, dtype=torch.int64, device=device)  # noqa: E731
+    plan = decode_only_plan(
+        as_t(slots), as_t(resets), as_t([1] * T), torch.zeros(T, 1, dtype=torch.int64, device=device),
+        torch.arange(T + 1, device=device),
+    )
+    states = {path: (conv_state.clone(), ssm_state.clone()) for path in ("fused", "general", "pytorch")}
+
+    with torch.inference_mode():
+        _, xBC, dt_raw = mixer.in_proj(hidden).split(
+            [mixer.intermediate_size, mixer.conv_dim, mixer.num_heads], dim=-1
+        )
+        y, x = mixer.mix_batch_gpu(xBC, dt_raw, *states["fused"], plan)
+        want_y, want_x = mixer.mix_chunks_gpu(xBC, dt_raw, *states["general"], plan)
+    tol = TOL_UNFUSED[dtype]
+    assert relative_error(y, want_y) < tol, "y"
+    assert relative_error(x, want_x) < tol, "x"
+    for got, want, name in zip(states["fused"], states["general"], ("conv", "ssm")):
+        assert relative_error(got[real_slots], want[real_slots]) < tol, f"{name} states"
+    for got, before, name in zip(states["fused"], (conv_state, ssm_state), ("conv", "ssm")):
+        assert torch.equal(got[unused_slots], before[unused_slots]), f"a stray {name} slot"
+
+    if dtype != torch.float32:
+        return
+    chunks = [
+        ScheduledChunk(
+            request_id=f"r{i}", token_ids=(7 + i,), start_position=0 if reset else 3,
+            block_table=(i,), state_slot=slot, reset_state=bool(reset), sample=True,
+            sampling=SamplingParams(),
+        )
+        for i, (slot, reset) in enumerate(zip(slots, resets))
+    ]
+    batch = build_forward_batch(chunks, 16, device)
+    forward_states = (conv_state.clone(), ssm_state.clone())
+    with torch.inference_mode():
+        got = mixer(hidden, batch, *forward_states, gpu_plan=plan)
+        want = mixer(hidden, batch, *states["pytorch"])
+    assert relative_error(got, want) < TOL_REFERENCE[dtype], "mixer output against its PyTorch path"
+    for got, want, name in zip(forward_states, states["pytorch"], ("conv", "ssm")):
+        assert relative_error(got[real_slots], want[real_slots]) < TOL_REFERENCE[dtype], f"{name} states"
