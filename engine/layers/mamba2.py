@@ -215,13 +215,56 @@ class Mamba2Mixer(ShardedModule):
         plan: GpuBatchPlan,
         captures: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every chunk at once on CUDA: one conv launch pair for all chunks, one decode launch
-        for all 1-token chunks (dt discretised inside it), one chunked scan for the rest (its
-        inputs prepared in one launch; fla's fixed-length path for one sequence, varlen for
-        several; the in-pass captures read at its chunk edges).
+        """Every chunk at once on CUDA: a decode-only step (no prefill chunk, no in-pass
+        capture: what the decode CUDA graphs run) takes mix_decode_only_gpu, two launches;
+        any other step mix_chunks_gpu. Both mutate the chunks' state slots in place.
         Returns (y (T, H, P) fp32 without the D skip, x (T, I) the scan's input: the conv
-        output's x columns, a strided view), so the caller adds D * x (the gated norm does,
-        as it reads y)."""
+        output's x columns), so the caller adds D * x (the gated norm does, as it reads y)."""
+        if plan.num_prefill == 0 and plan.in_pass is None:
+            return self.mix_decode_only_gpu(xBC, dt_raw, conv_state, ssm_state, plan)
+        return self.mix_chunks_gpu(xBC, dt_raw, conv_state, ssm_state, plan, captures)
+
+    def mix_decode_only_gpu(
+        self,
+        xBC: torch.Tensor,  # (T, conv_dim), pre-conv
+        dt_raw: torch.Tensor,  # (T, H)
+        conv_state: torch.Tensor,  # (num_slots, conv_dim, K-1), chunk slots updated in place
+        ssm_state: torch.Tensor,  # (num_slots, H, P, N) fp32, chunk slots updated in place
+        plan: GpuBatchPlan,  # every chunk one token (plan.num_prefill == 0), row i = chunk i
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """mix_chunks_gpu for a plan of 1-token chunks only, in two launches instead of three:
+        the fused conv + SSD step (engine/kernels/gpu/mamba_decode.py), then the conv window
+        shift (advance_conv_states, over the plan's 1-token chunks). Same returns, x (T, I)
+        contiguous; equal to mix_chunks_gpu up to fused-multiply-add rounding."""
+        from engine.kernels.gpu.conv import advance_conv_states
+        from engine.kernels.gpu.mamba_decode import conv_ssd_decode
+
+        T = xBC.shape[0]
+        x = xBC.new_empty(T, self.num_heads, self.head_dim)
+        y = xBC.new_empty(T, self.num_heads, self.head_dim, dtype=torch.float32)
+        conv_ssd_decode(
+            xBC, dt_raw, conv_state, self.conv1d.weight[:, 0, :], self.conv1d.bias, self.dt_bias,
+            self.A_log, self.time_step_limit, ssm_state, x, y, plan.decode_rows, plan.decode_slots,
+            plan.decode_reset,
+        )
+        # after the fused kernel, whose programs read the old conv states (see mamba_decode.py)
+        advance_conv_states(xBC, conv_state, plan.cu_seqlens, plan.chunk_slot, plan.chunk_reset)
+        return y, x.view(T, self.intermediate_size)
+
+    def mix_chunks_gpu(
+        self,
+        xBC: torch.Tensor,  # (T, conv_dim), pre-conv
+        dt_raw: torch.Tensor,  # (T, H)
+        conv_state: torch.Tensor,  # (num_slots, conv_dim, K-1), chunk slots updated in place
+        ssm_state: torch.Tensor,  # (num_slots, H, P, N) fp32, chunk slots updated in place
+        plan: GpuBatchPlan,
+        captures: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Any batch: one conv launch pair for all chunks, one decode launch for all 1-token
+        chunks (dt discretised inside it), one chunked scan for the rest (its inputs prepared
+        in one launch; fla's fixed-length path for one sequence, varlen for several; the
+        in-pass captures read at its chunk edges). Returns as mix_batch_gpu, x a strided view
+        of the conv output."""
         from engine.kernels.gpu.conv import causal_conv1d_varlen
         from engine.kernels.gpu.in_pass_capture import capture_conv_states
         from engine.kernels.gpu.ssd import ssd_decode_update, ssd_prefill_scan

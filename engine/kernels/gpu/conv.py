@@ -5,7 +5,10 @@ at once (prefill chunks and 1-token decode chunks alike). The conv state of a ch
 holds the last K-1 inputs before the chunk (ignored, read as zeros, when the chunk resets).
 
 Two launches, stream-ordered: `_conv_kernel` writes the outputs from the old states, then
-`_state_kernel` overwrites each chunk's slot with the last K-1 inputs of its window.
+`_state_kernel` (launched by `advance_conv_states`) overwrites each chunk's slot with the last
+K-1 inputs of its window. The fused decode kernel (engine/kernels/gpu/mamba_decode.py) takes
+the place of `_conv_kernel` on decode-only steps and is followed by the same
+`advance_conv_states`.
 Shapes: T tokens, C channels, K kernel width, S chunks.
 """
 
@@ -132,11 +135,32 @@ def causal_conv1d_varlen(
         K=kernel_size, HAS_BIAS=bias is not None, SILU=apply_silu,
         BLOCK_T=block_t, BLOCK_C=block_c, **launch_options(),
     )
+    advance_conv_states(x, conv_state, cu_seqlens, chunk_slot, chunk_reset)
+    return out
+
+
+def advance_conv_states(
+    x: torch.Tensor,  # (T, C) the conv's input (pre-conv rows), unit stride over channels
+    conv_state: torch.Tensor,  # (num_slots, C, K-1), chunk slots overwritten in place
+    cu_seqlens: torch.Tensor,  # (S+1,) int
+    chunk_slot: torch.Tensor,  # (S,) int, distinct
+    chunk_reset: torch.Tensor,  # (S,) int, nonzero = the old state is read as zeros
+) -> None:
+    """Mutates conv_state[chunk_slot[s]] for every chunk s (rows cu_seqlens[s]:cu_seqlens[s+1]
+    of x) into the last K-1 columns of the window [old state (zeros if it resets) | the chunk's
+    inputs]: the state after the chunk. Touches no other slot. One launch.
+
+    Must run after every kernel that reads the old states of these slots (the conv outputs are
+    computed from them): stream order is the only synchronisation."""
+    channels, kernel_size = conv_state.shape[1], conv_state.shape[2] + 1
     num_chunks = chunk_slot.shape[0]
+    assert x.stride(1) == 1 and conv_state.stride(2) == 1 and x.shape[1] == channels
+    if num_chunks == 0:
+        return
+    block_c = 128
     _state_kernel[(num_chunks, triton.cdiv(channels, block_c))](
         x, x.stride(0), conv_state, conv_state.stride(0), conv_state.stride(1),
         cu_seqlens, chunk_slot, chunk_reset, channels,
         KM1=kernel_size - 1, BLOCK_J=triton.next_power_of_2(kernel_size - 1), BLOCK_C=block_c,
         **launch_options(),
     )
-    return out

@@ -1,0 +1,202 @@
+"""The Mamba2 decode step in one launch: the causal conv1d step (with SiLU) of one token per
+sequence and the SSD single-token state update.
+
+On a decode-only step (every chunk one token: what the decode CUDA graphs run) the mixer's
+GPU path otherwise runs three launches per Mamba layer before the gated norm: conv.py's
+`_conv_kernel` and `_state_kernel`, then ssd.py's `_decode_kernel`. `conv_ssd_decode` takes
+the place of the first and the last, so the step runs two: this kernel, then
+conv.py:advance_conv_states (`_state_kernel`), which shifts each slot's conv window.
+
+Why this kernel leaves the conv state alone: program (i, h, pb) computes the conv outputs of
+the B and C channels of head h's group from the OLD conv state of slot slots[i], and so does
+every other program of that row in the group (each head, each P block). Programs run in no
+set order, so one that advanced its slot's window would hand a later program of the same slot
+a state that already holds the new token. No program here writes conv_state; the next launch
+in the stream (advance_conv_states) does, after all of them have finished.
+
+Each program owns (decode row i, head h, BLOCK_P rows of P), like `_decode_kernel`: it convolves
+its BLOCK_P x channels and its group's N B and N C channels, writes the x channels to x_out
+(the gated norm reads post-conv x for the D skip), then updates its (BLOCK_P, N) state tile in
+place and writes y. The B/C conv is recomputed by the H/G * P/BLOCK_P programs of a group
+(2 N channels x K taps each, read from L2); the state tile each program streams
+(BLOCK_P x N fp32, read and written) is the larger traffic.
+
+Numerics, those of the unfused pair: the conv accumulates in fp32 over the taps in
+`_conv_kernel`'s order (the K-1 state columns, oldest first, then the new input), adds the
+bias, applies SiLU, and rounds the result to x_out's dtype (the model dtype: the unfused conv
+writes a tensor of that dtype) before the SSD reads it as fp32; the SSD step is
+`_decode_kernel`'s (dt = clamp(softplus(dt_raw + dt_bias)) with libdevice.log1p, A =
+-exp(A_log), fp32 state). The two paths agree up to the compiler's choice of fused
+multiply-adds (in a low-precision dtype, an occasional last-bit flip of a rounded conv output).
+
+Programmatic dependent launch: the kernel follows engine/kernels/gpu/pdl.py's contract.
+
+Shapes: T tokens, H heads, P head dim, G groups, N state size, K conv width, Bd decode rows,
+conv_dim = H P + 2 G N, laid out [x (H P) | B (G N) | C (G N)].
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from engine.kernels.gpu.pdl import launch_options, release_next, wait_for_previous
+from engine.kernels.gpu.ssd import decode_block_p
+
+
+@triton.jit
+def _conv_silu_step(
+    x_row_ptr,  # the token's pre-conv row, unit channel stride
+    state_ptr, stride_sc,  # the slot's conv state (conv_dim, K-1), unit last stride
+    w_ptr, b_ptr,  # (conv_dim, K) contiguous, (conv_dim,) (HAS_BIAS)
+    channels, mask, keep_state,  # (BLOCK,) channel indices, their mask; False: a zero state
+    K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """silu(bias + sum_k w[c, k] window[c, k]) in fp32 over the window [old state (zeros when
+    not keep_state) | the new input]: `_conv_kernel` for a one-token chunk, same tap order.
+    Reads the state; writes nothing."""
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k in tl.static_range(K - 1):
+        sv = tl.load(state_ptr + channels * stride_sc + k, mask=mask & keep_state, other=0.0)
+        w = tl.load(w_ptr + channels * K + k, mask=mask, other=0.0).to(tl.float32)
+        acc += sv.to(tl.float32) * w
+    xv = tl.load(x_row_ptr + channels, mask=mask, other=0.0)
+    w = tl.load(w_ptr + channels * K + (K - 1), mask=mask, other=0.0).to(tl.float32)
+    acc += xv.to(tl.float32) * w
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + channels, mask=mask, other=0.0).to(tl.float32)
+    return acc * tl.sigmoid(acc)
+
+
+@triton.jit
+def _conv_ssd_decode_kernel(
+    xbc_ptr, stride_xbct,  # (T, conv_dim) pre-conv, unit channel stride
+    conv_state_ptr, stride_css, stride_csc,  # (slots, conv_dim, K-1), unit last stride; read only
+    conv_w_ptr, conv_b_ptr,  # (conv_dim, K) contiguous, (conv_dim,) (HAS_BIAS)
+    dt_ptr, stride_dtt,  # (T, H): raw dt (in_proj's columns, before bias and softplus)
+    a_log_ptr,  # (H,) fp32
+    dt_bias_ptr, dt_min, dt_max,  # (H,) fp32 and the clamp
+    state_ptr, stride_ss, stride_sh, stride_sp,  # (slots, H, P, N) fp32, unit N stride
+    x_out_ptr, stride_xot, stride_xoh,  # (T, H, P) post-conv x, unit P stride
+    y_ptr, stride_yt, stride_yh,  # (T, H, P) fp32
+    rows_ptr, slots_ptr, reset_ptr,  # (Bd,)
+    heads_per_group, P, N, x_width, group_width,  # x_width = H P, group_width = G N
+    K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    wait_for_previous(USE_PDL)
+    release_next(USE_PDL)
+    i, h = tl.program_id(0), tl.program_id(1)
+    p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
+    n = tl.arange(0, BLOCK_N)
+    p_mask, n_mask = p < P, n < N
+    row = tl.load(rows_ptr + i)
+    slot = tl.load(slots_ptr + i)
+    keep_state = tl.load(reset_ptr + i) == 0
+    g = h // heads_per_group
+
+    # conv step of this program's x channels and its group's B and C channels, from the old
+    # conv state (not written here: see the module docstring), rounded to the model dtype
+    xbc_row = xbc_ptr + row * stride_xbct
+    conv_slot = conv_state_ptr + slot * stride_css
+    model_dtype = x_out_ptr.dtype.element_ty
+    x_channels = h * P + p
+    b_channels = x_width + g * N + n
+    c_channels = b_channels + group_width
+    x = _conv_silu_step(
+        xbc_row, conv_slot, stride_csc, conv_w_ptr, conv_b_ptr, x_channels, p_mask, keep_state,
+        K, HAS_BIAS, BLOCK_P,
+    ).to(model_dtype)
+    tl.store(x_out_ptr + row * stride_xot + h * stride_xoh + p, x, mask=p_mask)
+    b = _conv_silu_step(
+        xbc_row, conv_slot, stride_csc, conv_w_ptr, conv_b_ptr, b_channels, n_mask, keep_state,
+        K, HAS_BIAS, BLOCK_N,
+    ).to(model_dtype)
+    c = _conv_silu_step(
+        xbc_row, conv_slot, stride_csc, conv_w_ptr, conv_b_ptr, c_channels, n_mask, keep_state,
+        K, HAS_BIAS, BLOCK_N,
+    ).to(model_dtype)
+    x, b, c = x.to(tl.float32), b.to(tl.float32), c.to(tl.float32)
+
+    # the SSD step, as ssd.py's _decode_kernel
+    dt = tl.load(dt_ptr + row * stride_dtt + h).to(tl.float32)
+    dt += tl.load(dt_bias_ptr + h)
+    dt = tl.where(dt > 20.0, dt, libdevice.log1p(tl.exp(dt)))  # F.softplus, threshold 20
+    dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
+    a = -tl.exp(tl.load(a_log_ptr + h))
+    decay = tl.exp(dt * a)
+    tile = state_ptr + slot * stride_ss + h * stride_sh + p[:, None] * stride_sp + n[None, :]
+    pn_mask = p_mask[:, None] & n_mask[None, :]
+    state = tl.load(tile, mask=pn_mask & keep_state, other=0.0)  # (BLOCK_P, BLOCK_N)
+    state = state * decay + (dt * x)[:, None] * b[None, :]
+    tl.store(tile, state, mask=pn_mask)
+    y = tl.sum(state * c[None, :], axis=1)  # (BLOCK_P,)
+    tl.store(y_ptr + row * stride_yt + h * stride_yh + p, y, mask=p_mask)
+
+
+def conv_ssd_decode(
+    xBC: torch.Tensor,  # (T, conv_dim) pre-conv, unit channel stride
+    dt_raw: torch.Tensor,  # (T, H), in_proj's dt columns before bias and softplus, unit H stride
+    conv_state: torch.Tensor,  # (num_slots, conv_dim, K-1), xBC's dtype; read, not modified
+    conv_weight: torch.Tensor,  # (conv_dim, K)
+    conv_bias: torch.Tensor | None,  # (conv_dim,)
+    dt_bias: torch.Tensor,  # (H,) fp32
+    A_log: torch.Tensor,  # (H,) fp32
+    time_step_limit: tuple[float, float],
+    ssm_state: torch.Tensor,  # (num_slots, H, P, N) fp32, rows' slots updated in place
+    x_out: torch.Tensor,  # (T, H, P) xBC's dtype, unit P stride: rows written
+    y: torch.Tensor,  # (T, H, P) fp32, unit P stride: rows written
+    rows: torch.Tensor,  # (Bd,) int
+    slots: torch.Tensor,  # (Bd,) int
+    reset: torch.Tensor,  # (Bd,) int, nonzero = start from zero conv and SSD states
+    block_p: int | None = None,  # rows of P per program; None: ssd.py's decode_block_p()
+    num_warps: int = 4,
+) -> None:
+    """One token of each of Bd sequences in one launch: for each i, on row rows[i], the conv
+    step with SiLU (causal_conv1d_step) from conv_state[slots[i]] (zeros if reset[i]), rounded
+    to xBC's dtype, its x columns written to x_out[rows[i]]; then ssd_step with D None from
+    ssm_state[slots[i]] (zeros if reset[i]) on that x, B and C, dt = clamp(softplus(dt_raw +
+    dt_bias), *time_step_limit), A = -exp(A_log), the new state written to the same slot and
+    y written to y[rows[i]]. Touches no other row or slot.
+
+    Does NOT advance the conv state: run conv.py:advance_conv_states over the same rows and
+    slots after it (stream order), see the module docstring. Slots are distinct, except that
+    rows which reset may share one (the decode graphs' padding rows share a scratch slot);
+    such a slot's SSD state is unspecified afterwards."""
+    num_decode = rows.shape[0]
+    if num_decode == 0:
+        return
+    _, num_heads, head_dim = x_out.shape
+    conv_dim, kernel_size = conv_weight.shape
+    state_size = ssm_state.shape[3]
+    group_width = (conv_dim - num_heads * head_dim) // 2
+    assert xBC.shape[1] == conv_dim and group_width % state_size == 0
+    assert conv_state.shape[1:] == (conv_dim, kernel_size - 1) and ssm_state.shape[1:3] == (num_heads, head_dim)
+    assert xBC.stride(1) == 1 and conv_state.stride(2) == 1 and dt_raw.stride(1) == 1
+    assert x_out.stride(2) == 1 and y.stride(2) == 1 and ssm_state.stride(3) == 1
+    assert x_out.dtype == xBC.dtype, "the conv output is rounded to the model dtype, xBC's"
+    assert ssm_state.dtype == torch.float32 and y.dtype == torch.float32
+    assert dt_bias.dtype == A_log.dtype == torch.float32
+    num_groups = group_width // state_size
+    if block_p is None:
+        block_p = decode_block_p(head_dim)
+    conv_weight = conv_weight.contiguous()
+    grid = (num_decode, num_heads, triton.cdiv(head_dim, block_p))
+    _conv_ssd_decode_kernel[grid](
+        xBC, xBC.stride(0),
+        conv_state, conv_state.stride(0), conv_state.stride(1),
+        conv_weight, conv_bias if conv_bias is not None else conv_weight,
+        dt_raw, dt_raw.stride(0),
+        A_log.contiguous(),
+        dt_bias.contiguous(), float(time_step_limit[0]), float(time_step_limit[1]),
+        ssm_state, ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2),
+        x_out, x_out.stride(0), x_out.stride(1),
+        y, y.stride(0), y.stride(1),
+        rows, slots, reset,
+        num_heads // num_groups, head_dim, state_size, num_heads * head_dim, group_width,
+        K=kernel_size, HAS_BIAS=conv_bias is not None,
+        BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(state_size), num_warps=num_warps,
+        **launch_options(),
+    )
