@@ -12,10 +12,9 @@ Needs a CUDA device, torch and triton. Measures, in one run:
     weight, 512 MiB of copies in rotation, so weights come from HBM as in a decode step (3 GB of
     weights never stay in the 50 MB L2). Weight bandwidth = N * K * 2 bytes / time;
   * decode-step totals: the sum over the model's linear layers (20 Mamba in_proj + out_proj,
-    4 attention q, k, v, o, 24 MLP input + output, the LM head) with skinny_linear everywhere,
-    F.linear everywhere, the engine's choice (skinny_linear where N <= SKINNY_MAX_FEATURES of
-    engine/layers/parallel_linear.py, F.linear elsewhere) and the faster of the two per shape,
-    against the time to stream those weights at the copy rate.
+    4 attention q, k, v, o, 24 MLP input + output, the LM head) with skinny_linear everywhere
+    (the engine's choice: engine/layers/parallel_linear.py), F.linear everywhere and the faster
+    of the two per shape, against the time to stream those weights at the copy rate.
 
 Autotuning happens on each shape's first (eager) call; the run takes well under a minute.
 Prints a table and writes JSON.
@@ -112,9 +111,9 @@ def seconds_per_call(call: Callable[[int], object], calls: int) -> float:
     return start.elapsed_time(end) / 1e3 / (replays * calls)
 
 
-def bench_shape(shape: LinearShape, copy_bw: float, skinny_max_features: int) -> dict:
+def bench_shape(shape: LinearShape, copy_bw: float) -> dict:
     """skinny_linear and F.linear seconds per call on one row, weight bandwidth and its fraction
-    of the copy rate, the tuned config, and whether the engine sends this shape to skinny_linear."""
+    of the copy rate, and the tuned config."""
     from engine.kernels.gpu.skinny_gemm import chosen_config, skinny_linear
 
     bank, calls = weight_rotation(shape)
@@ -135,13 +134,13 @@ def bench_shape(shape: LinearShape, copy_bw: float, skinny_max_features: int) ->
         "skinny_vs_copy": shape.weight_bytes / skinny_s / copy_bw,
         "torch_vs_copy": shape.weight_bytes / torch_s / copy_bw,
         "speedup_vs_torch": torch_s / skinny_s,
-        "skinny_config": config, "engine_uses_skinny": shape.features <= skinny_max_features,
+        "skinny_config": config,
     }
 
 
 def step_totals(results: list[dict], copy_bw: float) -> dict:
-    """Sum over one decode step's linear layers at M = 1: skinny_linear everywhere, F.linear
-    everywhere, the engine's choice per shape, and the faster of the two per shape; each with
+    """Sum over one decode step's linear layers at M = 1: skinny_linear everywhere (the
+    engine's choice), F.linear everywhere, and the faster of the two per shape; each with
     its fraction of the floor (weight bytes at the copy rate)."""
     weight_bytes = sum(r["per_step"] * r["weight_bytes"] for r in results)
     floor_s = weight_bytes / copy_bw
@@ -154,7 +153,6 @@ def step_totals(results: list[dict], copy_bw: float) -> dict:
         "weight_bytes": weight_bytes, "floor_s": floor_s,
         "skinny": total(lambda r: r["skinny_s"]),
         "torch": total(lambda r: r["torch_s"]),
-        "engine": total(lambda r: r["skinny_s"] if r["engine_uses_skinny"] else r["torch_s"]),
         "best_of_both": total(lambda r: min(r["skinny_s"], r["torch_s"])),
     }
 
@@ -165,15 +163,15 @@ def _compact(config: dict) -> str:
 
 def print_table(results: list[dict], step: dict) -> None:
     print(f"\n{'shape':<16}{'N':>6}{'K':>6}{'skinny us':>11}{'%copy':>7}{'torch us':>10}{'%copy':>7}"
-          f"{'speedup':>9}  {'engine':<8}config")
+          f"{'speedup':>9}  config")
     for r in results:
         print(f"{r['name']:<16}{r['N']:>6}{r['K']:>6}{r['skinny_s'] * 1e6:>11.2f}"
               f"{100 * r['skinny_vs_copy']:>6.0f}%{r['torch_s'] * 1e6:>10.2f}{100 * r['torch_vs_copy']:>6.0f}%"
-              f"{r['speedup_vs_torch']:>8.2f}x  {'skinny' if r['engine_uses_skinny'] else 'torch':<8}"
+              f"{r['speedup_vs_torch']:>8.2f}x  "
               f"{_compact(r['skinny_config'])}")
     print(f"\ndecode step, M = 1: {step['weight_bytes'] / 1e9:.2f} GB of linear weights, "
           f"floor {step['floor_s'] * 1e3:.3f} ms")
-    for key in ("skinny", "torch", "engine", "best_of_both"):
+    for key in ("skinny", "torch", "best_of_both"):
         print(f"  {key:<14}{step[key]['seconds'] * 1e3:8.3f} ms  {100 * step[key]['fraction_of_floor']:5.1f}% of floor")
 
 
@@ -186,22 +184,19 @@ def main() -> None:
                          "it times Triton and cuBLAS kernels on the GPU")
     import triton
 
-    from engine.layers.parallel_linear import SKINNY_MAX_FEATURES
-
     started = time.perf_counter()
     copy_bw = measure_copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy {copy_bw / 1e12:.2f} TB/s (read+write), "
           f"torch {torch.__version__}, triton {triton.__version__}", flush=True)
     results = []
     for shape in MODEL_SHAPES:
-        results.append(bench_shape(shape, copy_bw, SKINNY_MAX_FEATURES))
+        results.append(bench_shape(shape, copy_bw))
         print(f"{shape.name} done ({time.perf_counter() - started:.0f}s)", flush=True)
     step = step_totals(results, copy_bw)
     print_table(results, step)
     report = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
         "dtype": str(DTYPE), "M": 1, "copy_bandwidth_Bps": copy_bw, "rotation_bytes": ROTATION_BYTES,
-        "skinny_max_features": SKINNY_MAX_FEATURES,
         "shapes": results, "decode_step": step, "elapsed_s": time.perf_counter() - started,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -72,6 +72,10 @@ class Worker:
         self.decode_graphs = self.prefill_graphs = None
         if graphs:
             self.decode_graphs, self.prefill_graphs = _capture_graphs(self.model, self.caches, self.capacity, config)
+        if self.device.type == "cuda":  # the LM head's single-row GEMM autotunes on its first call
+            with torch.inference_mode():
+                self.model.compute_logits(torch.zeros(1, self.model.config.hidden_size, device=self.device,
+                                                      dtype=self.model.dtype))
         self.sampler = Sampler(seed=config.seed, device=self.device)
         self.checkpoints = CheckpointStore(self.caches)
         # Last hidden row of every request the previous step touched: what a capture saves.

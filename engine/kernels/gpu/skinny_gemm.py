@@ -19,24 +19,25 @@ Not yet timed on a GPU.
 
 When it is used: decode steps at batch size 1, where every linear layer sees one row. There
 the GEMM does one multiply-add per weight element loaded, so its time is the time to read the
-weight once. engine/layers/parallel_linear.py:linear sends single rows with at most 4,096 output
-features here (SKINNY_MAX_FEATURES) and everything else to F.linear; `supports(x, weight, bias)`
-says whether the operands fit. engine/layers/mlp.py:GatedMLP.forward_gpu sends the MLP's
-single [gate | up] row to the gated variant under the same rule
-(RowParallelLinear.forward_gated). A caller that has checked it launches through
-`skinny_linear_unchecked` (skinny_linear checks again). Measured on the H200 in bf16, weights
-read from HBM, calls replayed in CUDA graphs (benchmarks/results/skinny_gemm_20261202.json),
-per call against cuBLAS (the MLP output row is without the gated prologue, after a separate
-SiLU-and-mul launch):
-  attention k/v   N   512, K 2048:  2.80 us vs  5.72 us (2.04x)
-  attention q/o   N  2048, K 2048:  4.44 us vs  5.99 us (1.35x)
-  Mamba out_proj  N  2048, K 4096:  6.39 us vs  9.24 us (1.45x)
-  MLP output      N  2048, K 5632:  7.91 us vs 11.07 us (1.40x)
-  Mamba in_proj   N  8512, K 2048: 11.68 us vs 11.05 us (0.95x: F.linear there)
-  MLP input       N 11264, K 2048: 13.85 us vs 13.46 us (0.97x: F.linear there)
+weight once. engine/layers/parallel_linear.py:linear sends every single row here and
+everything else to F.linear; `supports(x, weight, bias)` says whether the operands fit.
+engine/layers/mlp.py:GatedMLP.forward_gpu sends the MLP's single [gate | up] row to the gated
+variant under the same rule (RowParallelLinear.forward_gated). A caller that has checked it
+launches through `skinny_linear_unchecked` (skinny_linear checks again). Measured on the H200
+in bf16, weights read from HBM, calls replayed back to back in CUDA graphs with programmatic
+dependent launch (benchmarks/results/skinny_gemm_20261202_pdl.json), per call against cuBLAS
+(the MLP output row without the gated prologue):
+  attention k/v   N   512, K 2048:  2.12 us vs  5.70 us (2.69x)
+  attention q/o   N  2048, K 2048:  4.55 us vs  6.01 us (1.32x)
+  Mamba out_proj  N  2048, K 4096:  5.65 us vs  9.26 us (1.64x)
+  MLP output      N  2048, K 5632:  7.14 us vs 11.02 us (1.54x)
+  Mamba in_proj   N  8512, K 2048: 10.21 us vs 11.37 us (1.11x)
+  MLP input       N 11264, K 2048: 13.21 us vs 13.29 us (1.01x)
+  LM head         N 49152, K 2048: 47.03 us vs 50.52 us (1.07x)
 cuBLAS splits K and adds a reduce launch on the narrow shapes, reaching 9-49% of copy bandwidth
-there. Summed over a decode step's linear layers (rows of that file) this choice takes 0.97 ms
-against 1.14 ms with cuBLAS alone; streaming the weights at the copy rate would take 0.70 ms.
+there. Summed over a decode step's linear layers the kernel takes 0.906 ms against 1.140 ms
+with cuBLAS alone; streaming the weights at the copy rate would take 0.697 ms. (Without PDL,
+skinny_gemm_20261202.json, the wide weights were within 6% of cuBLAS either way.)
 
 Design (every weight byte is read exactly once, in wide loads along K):
 - one program owns BLOCK_N output features (weight rows) and walks K in BLOCK_K steps; each
