@@ -2,7 +2,10 @@
 
 The SSD decode update (engine/kernels/gpu/ssd.py:ssd_decode_update) reads and writes every
 sequence's fp32 state (64 heads x 64 x 128 = 2 MiB per layer): at batch 64 it is the largest
-kernel of a decode step. Paged decode attention
+kernel of a decode step. A Mamba layer's decode step runs either the conv pair and that update
+(three launches) or the fused conv + SSD kernel and the conv window shift
+(engine/kernels/gpu/mamba_decode.py, two launches): both are timed, the fused one over its
+tile and warp counts. Paged decode attention
 (engine/kernels/gpu/paged_attention.py:paged_attention_decode) over 1,024 keys is latency bound
 at small batches. For each batch size this prints the time of each launch shape and, for the
 SSD update, the bytes it must move over that time as a share of the device-to-device copy
@@ -74,6 +77,57 @@ def ssd_rows(copy_bw: float) -> list[dict]:
     return rows
 
 
+def mamba_decode_rows(copy_bw: float) -> list[dict]:
+    """One Mamba layer's decode step before the gated norm: the unfused three launches vs the
+    fused conv + SSD kernel and the conv window shift, per batch size."""
+    from engine.kernels.gpu.conv import advance_conv_states, causal_conv1d_varlen
+    from engine.kernels.gpu.mamba_decode import conv_ssd_decode
+    from engine.kernels.gpu.ssd import decode_block_p, ssd_decode_update
+
+    conv_dim, width = H * P + 2 * G * N, 4
+    rows = []
+    for batch in BATCHES:
+        xbc = torch.randn(batch, conv_dim, device="cuda", dtype=torch.bfloat16)
+        dt = torch.randn(batch, H, device="cuda", dtype=torch.bfloat16)
+        weight = torch.randn(conv_dim, width, device="cuda", dtype=torch.bfloat16)
+        bias = torch.randn(conv_dim, device="cuda", dtype=torch.bfloat16)
+        dt_bias, a_log = torch.zeros(H, device="cuda"), torch.zeros(H, device="cuda")
+        conv_state = torch.randn(batch + 1, conv_dim, width - 1, device="cuda", dtype=torch.bfloat16)
+        state = torch.randn(batch + 1, H, P, N, device="cuda")
+        conv_out = torch.empty_like(xbc)
+        x_out = torch.empty(batch, H, P, device="cuda", dtype=torch.bfloat16)
+        y = torch.empty(batch, H, P, device="cuda")
+        rows_t = torch.arange(batch, device="cuda")
+        cu = torch.arange(batch + 1, device="cuda")
+        reset = torch.zeros(batch, dtype=torch.int64, device="cuda")
+        moved = 2 * batch * H * P * N * 4
+        limits = (0.0, float("inf"))
+
+        def unfused():
+            causal_conv1d_varlen(xbc, conv_state, weight, bias, cu, rows_t, reset, rows_t,
+                                 apply_silu=True, out=conv_out)
+            x, b, c = conv_out.split([H * P, G * N, G * N], dim=-1)
+            ssd_decode_update(x.view(batch, H, P), dt, dt_bias, a_log, limits, b.view(batch, G, N),
+                              c.view(batch, G, N), state, y, rows_t, rows_t, reset)
+
+        seconds = graph_seconds(unfused)
+        rows.append({"kernel": "mamba decode, unfused", "batch": batch, "block_p": decode_block_p(P),
+                     "num_warps": 4, "default": False, "seconds": seconds,
+                     "share_of_copy_rate": moved / seconds / copy_bw})
+        for block_p in (16, 32, 64):
+            for warps in (4, 8):
+                def fused():
+                    conv_ssd_decode(xbc, dt, conv_state, weight, bias, dt_bias, a_log, limits, state,
+                                    x_out, y, rows_t, rows_t, reset, block_p=block_p, num_warps=warps)
+                    advance_conv_states(xbc, conv_state, cu, rows_t, reset)
+
+                seconds = graph_seconds(fused)
+                rows.append({"kernel": "mamba decode, fused", "batch": batch, "block_p": block_p,
+                             "num_warps": warps, "default": block_p == decode_block_p(P) and warps == 4,
+                             "seconds": seconds, "share_of_copy_rate": moved / seconds / copy_bw})
+    return rows
+
+
 def attention_rows() -> list[dict]:
     from engine.kernels.gpu.paged_attention import decode_splits, paged_attention_decode
 
@@ -103,7 +157,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("decode_kernels.py needs a CUDA device")
     copy_bw = measure_copy_bandwidth()
-    rows = ssd_rows(copy_bw) + attention_rows()
+    rows = ssd_rows(copy_bw) + mamba_decode_rows(copy_bw) + attention_rows()
     print(f"copy {copy_bw / 1e12:.2f} TB/s (read+write)")
     print(f"{'kernel':<24}{'batch':>6}{'shape':>22}{'us':>10}{'copy share':>12}")
     for r in rows:

@@ -10,6 +10,8 @@ to its floor:
   * decode tokens/s at batch 1, 16, 64 with 1,024 tokens of context vs the bytes a step must
     move (weights + SSM/conv state read and written + KV read) / copy bandwidth, replaying the
     worker's CUDA graphs (engine/cuda_graphs.py), then the same steps eagerly for comparison;
+    each graph row also reports the replay of its graph alone (the step's GPU time without
+    the host work around it);
   * checkpoint rows (benchmarks/roofline_checkpoints.py): capture and restore of an 8,192-token
     bundle, restore + 256-token prefill (a prefill CUDA graph, engine/prefill_graphs.py, and the
     same step eagerly) vs the cold 8,448-token prefill, and the cold 8,448-token prefill that
@@ -271,6 +273,27 @@ def bench_decode(worker: Worker, first_request: int, batch: int, context: int, b
     return sorted(times)[len(times) // 2], profile_step(worker, out, top=16)
 
 
+def graph_replay_seconds(worker: Worker, batch: int, replays: int = 20) -> float | None:
+    """Median seconds of one replay of the decode graph for `batch` rows on its own (the last
+    staged inputs again, so the requests' states advance once more; the rows that use them
+    are done): the step's GPU time without the host work around it (staging, the eager LM head
+    and sampling, the read-back). None without decode graphs."""
+    graphs = worker.decode_graphs
+    if graphs is None:
+        return None
+    size = next(s for s in graphs.batch_sizes if s >= batch)
+    graph = graphs._graphs[size]  # a benchmark's look inside the runner
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="benchmarks/results/gpu_roofline.json")
@@ -337,13 +360,15 @@ def main() -> None:
             first = 1
             for b in batches:
                 step_s, decode_profile = bench_decode(worker, first, b, args.context, blocks_per_seq)
+                replay_s = graph_replay_seconds(worker, b) if mode == "graphs" else None
                 moved = decode_bytes(worker, b, args.context)
                 floor = moved / copy_bw
                 suffix = "" if mode == "graphs" else " (eager)"
                 rows.append({"name": f"decode batch {b} ctx {args.context}{suffix}", "mode": mode,
                              "seconds": step_s, "floor_seconds": floor, "ratio_to_floor": floor / step_s,
                              "bytes": moved, "tokens_per_s": b / step_s,
-                             **_decode_target(b), "profile": decode_profile})
+                             **_decode_target(b), "profile": decode_profile,
+                             **({"graph_replay_seconds": replay_s} if replay_s is not None else {})})
                 first += b
                 print(f"decode batch {b} {mode}: {b / step_s:.0f} tok/s ({time.perf_counter() - t_start:.0f}s)",
                       flush=True)
@@ -360,6 +385,10 @@ def main() -> None:
         rate = f"{r['tokens_per_s']:>12.0f}" if "tokens_per_s" in r else f"{'-':>12}"
         print(f"{r['name']:<40}{r['seconds'] * 1e3:>10.2f}{r['floor_seconds'] * 1e3:>10.2f}"
               f"{r['ratio_to_floor']:>8.2f}{target}{rate}")
+    for r in rows:
+        if "graph_replay_seconds" in r:
+            print(f"{r['name']}: the graph replay alone {r['graph_replay_seconds'] * 1e3:.3f} ms of the "
+                  f"{r['seconds'] * 1e3:.3f} ms step")
     for r in rows:
         if "profile" not in r:
             continue

@@ -6,6 +6,8 @@ for one row (decode batch size 1) on the linear shapes of the 1.5B GraniteMoeHyb
 Needs a CUDA device, torch and triton. Measures, in one run:
 
   * the floor: device-to-device copy bandwidth of a 1 GiB tensor (bytes read + written / time);
+  * for the MLP output shape also the gated variant (SiLU-and-mul in the GEMM's prologue) vs
+    the activation kernel followed by skinny_linear;
   * for each distinct (N, K): seconds per call of skinny_linear (autotuned) and of F.linear on
     x (1, K), each as a CUDA graph of back-to-back calls replayed many times, so launch overhead
     is what it is inside the model's decode graphs. Each call reads a different copy of the
@@ -124,6 +126,17 @@ def bench_shape(shape: LinearShape, copy_bw: float) -> dict:
     config = dataclasses.asdict(chosen_config())
     skinny_s = seconds_per_call(lambda i: skinny_linear(x, bank[i % copies]), calls)
     torch_s = seconds_per_call(lambda i: F.linear(x, bank[i % copies]), calls)
+    gated = {}
+    if shape.name == "mlp.output":  # the MLP's output at one row: SiLU-and-mul fused or before it
+        from engine.kernels.gpu.activation import silu_and_mul
+
+        gate_up = torch.randn(1, 2 * shape.depth, device="cuda", dtype=DTYPE)
+        skinny_linear(gate_up, bank[0], gated=True)  # autotunes the gated variant
+        gated = {
+            "gated_s": seconds_per_call(lambda i: skinny_linear(gate_up, bank[i % copies], gated=True), calls),
+            "silu_then_skinny_s": seconds_per_call(
+                lambda i: skinny_linear(silu_and_mul(gate_up), bank[i % copies]), calls),
+        }
     del bank
     torch.cuda.empty_cache()
     return {
@@ -134,7 +147,7 @@ def bench_shape(shape: LinearShape, copy_bw: float) -> dict:
         "skinny_vs_copy": shape.weight_bytes / skinny_s / copy_bw,
         "torch_vs_copy": shape.weight_bytes / torch_s / copy_bw,
         "speedup_vs_torch": torch_s / skinny_s,
-        "skinny_config": config,
+        "skinny_config": config, **gated,
     }
 
 
@@ -169,6 +182,10 @@ def print_table(results: list[dict], step: dict) -> None:
               f"{100 * r['skinny_vs_copy']:>6.0f}%{r['torch_s'] * 1e6:>10.2f}{100 * r['torch_vs_copy']:>6.0f}%"
               f"{r['speedup_vs_torch']:>8.2f}x  "
               f"{_compact(r['skinny_config'])}")
+    for r in results:
+        if "gated_s" in r:
+            print(f"{r['name']} with the SiLU-and-mul prologue: {r['gated_s'] * 1e6:.2f} us per call, "
+                  f"vs {r['silu_then_skinny_s'] * 1e6:.2f} us for silu_and_mul then skinny_linear")
     print(f"\ndecode step, M = 1: {step['weight_bytes'] / 1e9:.2f} GB of linear weights, "
           f"floor {step['floor_s'] * 1e3:.3f} ms")
     for key in ("skinny", "torch", "best_of_both"):
