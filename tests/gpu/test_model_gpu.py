@@ -224,7 +224,8 @@ def test_row_parallel_forward_gated_reduces_then_adds_bias(device, monkeypatch, 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_mlp_gpu_path_on_cuda_takes_the_gated_gemm():
     """The real routing rule on CUDA in bf16, at the 1.5B model's MLP output shape (N 2048,
-    K 5632): one row takes the gated GEMM and matches forward within bf16 rounding."""
+    K 5632): one row takes the single-row GEMM for input_linear (N 11264) and the gated one for
+    output_linear, and matches forward within bf16 rounding."""
     hidden, intermediate = 2048, 5632
     mlp = GatedMLP(hidden, intermediate, (0, intermediate), TensorParallel.single(), torch.bfloat16)
     _randomise(mlp, seed=7)
@@ -235,5 +236,5 @@ def test_mlp_gpu_path_on_cuda_takes_the_gated_gemm():
         with pytest.MonkeyPatch.context() as monkeypatch:
             launches = _record_launches(monkeypatch)
             got = mlp.forward_gpu(x)
-    assert launches == ["skinny gated"]  # input_linear (N 11264) is F.linear
+    assert launches == ["skinny", "skinny gated"]
     assert relative_error(got, want) < 1e-2
