@@ -17,8 +17,9 @@ norm kernel, then skinny_linear under the same config): the mean square is summe
 order (a (BLOCK_ROW,) or (BLOCK_G, BLOCK_GS) register reduction under this launch's num_warps,
 against the norm kernel's own layout), so rstd may differ in its last fp32 bit and an element
 of x by one ulp of the dtype where that flips a rounding; on the GPU the compiler may also
-contract y + D * skip_x into an FMA in one kernel and not the other. In fp32 under the
-interpreter they agreed bit for bit on the tested shapes; the tests bound the difference. Each
+contract y + D * skip_x into an FMA in one kernel and not the other. Under Triton's
+interpreter (numpy reductions over rows of the same power-of-two width) the two agree bit for
+bit in fp32 and fp16, which tests/gpu/test_norm_gemv.py checks; on a GPU it bounds the gap. Each
 program reads the norm's input rows twice (2 rows for the residual norm, 3 for the gated one,
 from L2 after the first programs) and the norm weight once, next to its BLOCK_N * K weight
 elements. Not yet timed on a GPU.
