@@ -9,7 +9,6 @@ from torch import nn
 from engine.forward_batch import ForwardBatch
 from engine.kernels.dispatch import GpuBatchPlan
 from engine.kernels.conv_reference import causal_conv1d, causal_conv1d_step
-from engine.kernels.pending_norm import PendingRmsNorm
 from engine.kernels.ssd_reference import ssd_chunk_scan, ssd_step_batched
 from engine.layers.norm import GroupParallelGatedRMSNorm
 from engine.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
@@ -43,8 +42,7 @@ class Mamba2Mixer(ShardedModule):
     dt = clamp(softplus(dt + dt_bias), time_step_limit), A = -exp(A_log) and skip D;
     y -> gated RMSNorm with z -> out_proj. On CUDA the D skip (y + D * x per head) is added by
     the gated norm (inside its kernel; in PyTorch when a norm group is split across ranks), not
-    by the scan; at one row the gated norm runs inside out_proj's GEMM, and forward_gpu takes
-    the layer's input norm unapplied and runs it inside in_proj's GEMM.
+    by the scan.
 
     Shapes: T tokens, H heads, P head dim, G groups, N state size, I = H * P; all of them
     this rank's (see below), so its state slots hold only its heads and channels.
@@ -123,11 +121,15 @@ class Mamba2Mixer(ShardedModule):
         (Sc, H, P, N)) outputs for the states at the in-pass capture positions."""
         num_tokens = hidden.shape[0]
         projected = self.in_proj(hidden)
-        if gpu_plan is not None:
-            return self._mix_and_project_gpu(projected, conv_state, ssm_state, gpu_plan, captures)
         gate, xBC, dt_raw = projected.split(
             [self.intermediate_size, self.conv_dim, self.num_heads], dim=-1
         )
+        if gpu_plan is not None:
+            y, x = self.mix_batch_gpu(xBC, dt_raw, conv_state, ssm_state, gpu_plan, captures)
+            normed = self.norm.forward_gpu(
+                y.view(num_tokens, self.intermediate_size), gate, hidden.dtype, skip=(x, self.D)
+            )
+            return self.out_proj(normed)
         y = hidden.new_empty(num_tokens, self.num_heads, self.head_dim, dtype=torch.float32)
         decode_rows, decode_slots, decode_resets = [], [], []
         for chunk, start, end in zip(batch.chunks, batch.cu_seqlens[:-1], batch.cu_seqlens[1:]):
@@ -157,50 +159,6 @@ class Mamba2Mixer(ShardedModule):
             ssm_state.index_copy_(0, slots, ssm_out)
         normed = self.norm(y.view(num_tokens, self.intermediate_size), gate, out_dtype=hidden.dtype)
         return self.out_proj(normed)
-
-    def forward_gpu(
-        self,
-        mixer_in: PendingRmsNorm,  # the layer's input norm over (T, D), not yet applied
-        conv_state: torch.Tensor,  # (num_slots, conv_dim, K-1), chunk slots updated in place
-        ssm_state: torch.Tensor,  # (num_slots, H, P, N) fp32, chunk slots updated in place
-        gpu_plan: GpuBatchPlan,
-        captures: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
-        """forward(norm of mixer_in, ...) on CUDA, the norm fused where it can be: at one row
-        in_proj computes it as its GEMM's prologue (ColumnParallelLinear.forward_normed),
-        otherwise it is its own launch first. Either way writes mixer_in.residual_out (the
-        new residual stream, PendingRmsNorm's contract). Returns (T, D) as forward; same
-        state contract."""
-        if self.in_proj.supports_normed(mixer_in):
-            projected = self.in_proj.forward_normed(mixer_in)
-        else:
-            from engine.kernels.gpu.fused_norm import apply_pending_rms_norm
-
-            projected = self.in_proj(apply_pending_rms_norm(mixer_in))
-        return self._mix_and_project_gpu(projected, conv_state, ssm_state, gpu_plan, captures)
-
-    def _mix_and_project_gpu(
-        self,
-        projected: torch.Tensor,  # (T, I + conv_dim + H) = in_proj's [z | xBC | dt]
-        conv_state: torch.Tensor,
-        ssm_state: torch.Tensor,
-        plan: GpuBatchPlan,
-        captures: tuple[torch.Tensor, torch.Tensor] | None,
-    ) -> torch.Tensor:
-        """Conv, scan (mix_batch_gpu), gated norm with the D skip, out_proj: (T, D) in
-        projected's dtype. At one row with whole norm groups out_proj computes the norm as its
-        GEMM's prologue (RowParallelLinear.forward_normed); otherwise the norm's own kernel
-        (or, for split groups, the all-reduced PyTorch path) runs first."""
-        num_tokens = projected.shape[0]
-        gate, xBC, dt_raw = projected.split(
-            [self.intermediate_size, self.conv_dim, self.num_heads], dim=-1
-        )
-        y, x = self.mix_batch_gpu(xBC, dt_raw, conv_state, ssm_state, plan, captures)
-        y = y.view(num_tokens, self.intermediate_size)
-        pending = self.norm.pending(y, gate, projected.dtype, skip=(x, self.D))
-        if pending is not None and self.out_proj.supports_normed(pending):
-            return self.out_proj.forward_normed(pending)
-        return self.out_proj(self.norm.forward_gpu(y, gate, projected.dtype, skip=(x, self.D)))
 
     def mix_sequence(
         self,

@@ -6,7 +6,6 @@ import torch
 from torch import nn
 
 from engine.kernels.norm_reference import silu_and_mul
-from engine.kernels.pending_norm import PendingRmsNorm
 from engine.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from engine.tensor_parallel import IndexRange, TensorParallel
 
@@ -40,21 +39,7 @@ class GatedMLP(nn.Module):
         GEMM takes (output_linear.supports_gated): silu(gate) * up is computed inside
         output_linear's GEMM, no launch of its own. Otherwise silu(gate) * up is one Triton
         launch (engine/kernels/gpu/activation.py) before output_linear."""
-        return self._activate_and_project_gpu(self.input_linear(x))
-
-    def forward_normed_gpu(self, mlp_in: PendingRmsNorm) -> torch.Tensor:  # over (T, D) -> (T, D)
-        """forward_gpu(norm of mlp_in): at one row input_linear computes the norm as its GEMM's
-        prologue (ColumnParallelLinear.forward_normed), otherwise the norm is its own launch
-        first. Either way writes mlp_in.residual_out (PendingRmsNorm's contract)."""
-        if self.input_linear.supports_normed(mlp_in):
-            gate_up = self.input_linear.forward_normed(mlp_in)
-        else:
-            from engine.kernels.gpu.fused_norm import apply_pending_rms_norm
-
-            gate_up = self.input_linear(apply_pending_rms_norm(mlp_in))
-        return self._activate_and_project_gpu(gate_up)
-
-    def _activate_and_project_gpu(self, gate_up: torch.Tensor) -> torch.Tensor:  # (T, 2 I_local) -> (T, D)
+        gate_up = self.input_linear(x)  # (T, 2 I_local)
         if self.output_linear.supports_gated(gate_up):
             return self.output_linear.forward_gated(gate_up)
         from engine.kernels.gpu.activation import silu_and_mul as silu_and_mul_gpu

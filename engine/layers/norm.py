@@ -7,7 +7,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.kernels.norm_reference import gated_rms_norm, rms_norm
-from engine.kernels.pending_norm import PendingGatedNorm
 from engine.tensor_parallel import IndexRange, ShardedModule, TensorParallel, TensorShard
 
 
@@ -77,19 +76,6 @@ class GroupParallelGatedRMSNorm(ShardedModule):
         from engine.kernels.gpu.fused_norm import gated_rms_norm as gated_rms_norm_gpu
 
         return gated_rms_norm_gpu(y, gate, self.weight, self.group_size, self.eps, out_dtype, skip=skip)
-
-
-    def pending(
-        self, y: torch.Tensor, gate: torch.Tensor, out_dtype: torch.dtype,
-        skip: tuple[torch.Tensor, torch.Tensor],
-    ) -> PendingGatedNorm | None:
-        """forward_gpu(y, gate, out_dtype, skip)'s inputs as a norm for out_proj to compute
-        (RowParallelLinear.forward_normed); None when this rank's channels are not whole
-        groups (then the sums need the all-reduce of forward_gpu)."""
-        if not self.whole_groups:
-            return None
-        x, D = skip
-        return PendingGatedNorm(y, gate, x, D, self.weight, self.group_size, self.eps, out_dtype)
 
 
 def with_head_skip(

@@ -6,8 +6,7 @@ columns: each rank's partial product is summed over ranks (one all-reduce), then
 held whole on every rank, is added once. At world_size 1 both compute exactly nn.Linear's
 function (on CUDA a single row may take a Triton kernel: `linear` below). At one row
 RowParallelLinear.forward_gated also takes the MLP's [gate | up] row and computes
-silu(gate) * up inside that kernel, and `forward_normed` on both classes takes a norm not yet
-applied (engine/kernels/pending_norm.py) and computes it inside that kernel.
+silu(gate) * up inside that kernel.
 Parameter names are nn.Linear's ("weight", "bias"), so checkpoint names map unchanged.
 """
 
@@ -17,7 +16,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.kernels.pending_norm import PendingGatedNorm, PendingRmsNorm
 from engine.tensor_parallel import IndexRange, ShardedModule, TensorParallel, TensorShard
 
 
@@ -46,20 +44,6 @@ def routes_to_skinny(
     from engine.kernels.gpu.skinny_gemm import supports
 
     return supports(x, weight, bias, gated=gated)
-
-
-def routes_to_skinny_normed(
-    norm: PendingRmsNorm | PendingGatedNorm, weight: torch.Tensor, bias: torch.Tensor | None
-) -> bool:
-    """The routing rule of forward_normed: True for a one-row norm on CUDA whose operands
-    engine/kernels/gpu/norm_gemv.py supports; those compute the norm inside the single-row
-    GEMM, everything else runs the norm's own kernel, then the linear. Checked here once, so
-    forward_normed launches unchecked."""
-    if not (weight.is_cuda and norm.rows == 1):
-        return False
-    from engine.kernels.gpu.norm_gemv import normed_layout_problem
-
-    return normed_layout_problem(norm, weight, bias) is None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -98,18 +82,6 @@ class ColumnParallelLinear(ShardedModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, in) -> (T, out_local)
         return linear(x, self.weight, self.bias)
-
-    def supports_normed(self, norm: PendingRmsNorm) -> bool:
-        """Whether forward_normed may take `norm` (routes_to_skinny_normed)."""
-        return routes_to_skinny_normed(norm, self.weight, self.bias)
-
-    def forward_normed(self, norm: PendingRmsNorm) -> torch.Tensor:  # (1, in) -> (1, out_local)
-        """forward(rms_norm(norm.hidden + norm.delta * norm.multiplier) * norm.weight) in one
-        launch (engine/kernels/gpu/norm_gemv.py); writes norm.residual_out. Requires
-        supports_normed(norm), which is not checked again here."""
-        from engine.kernels.gpu.norm_gemv import skinny_linear_normed_unchecked
-
-        return skinny_linear_normed_unchecked(norm, self.weight, self.bias)
 
 
 class RowParallelLinear(ShardedModule):
@@ -157,22 +129,4 @@ class RowParallelLinear(ShardedModule):
         if self.tp.world_size == 1:
             return skinny_linear_unchecked(gate_up, self.weight, self.bias, gated=True)
         y = self.tp.all_reduce(skinny_linear_unchecked(gate_up, self.weight, None, gated=True))
-        return y if self.bias is None else y + self.bias
-
-    def supports_normed(self, norm: PendingGatedNorm) -> bool:
-        """Whether forward_normed may take `norm` (routes_to_skinny_normed, for the bias the
-        local GEMM adds, as supports_gated)."""
-        local_bias = self.bias if self.tp.world_size == 1 else None
-        return routes_to_skinny_normed(norm, self.weight, local_bias)
-
-    def forward_normed(self, norm: PendingGatedNorm) -> torch.Tensor:  # (1, in_local) -> (1, out)
-        """forward(gated group norm of norm's inputs) with the norm computed inside the
-        single-row GEMM (engine/kernels/gpu/norm_gemv.py, one launch), then the same all-reduce
-        and bias as forward. Requires supports_normed(norm), not checked again here; the norm's
-        groups must be whole on this rank (the caller's to know)."""
-        from engine.kernels.gpu.norm_gemv import skinny_linear_normed_unchecked
-
-        if self.tp.world_size == 1:
-            return skinny_linear_normed_unchecked(norm, self.weight, self.bias)
-        y = self.tp.all_reduce(skinny_linear_normed_unchecked(norm, self.weight, None))
         return y if self.bias is None else y + self.bias

@@ -20,7 +20,6 @@ from torch import nn
 
 from engine.forward_batch import ForwardBatch, ModelCaches
 from engine.kernels.dispatch import GpuBatchPlan, plan_for_device
-from engine.kernels.pending_norm import PendingRmsNorm
 from engine.layers.attention import PagedAttention
 from engine.layers.mamba2 import Mamba2Mixer
 from engine.layers.mlp import GatedMLP
@@ -96,30 +95,24 @@ class DecoderLayer(nn.Module):
         """The same layer on CUDA with fused kernels: each residual add runs inside the RMSNorm
         that follows it (engine/kernels/gpu/fused_norm.py), so the previous layer's MLP output
         comes in as `pending` and this layer's goes out the same way. Returns (hidden, pending):
-        the stream is hidden + pending * residual_multiplier. Same caches contract as forward.
-
-        The Mamba mixer and the MLP take their norm unapplied (PendingRmsNorm): at one row
-        their first GEMM computes it (and writes the new residual row), otherwise they run the
-        norm's kernel first. Attention keeps its own norm launch (q, k and v all read it)."""
-        from engine.kernels.gpu.fused_norm import apply_pending_rms_norm
+        the stream is hidden + pending * residual_multiplier. Same caches contract as forward."""
+        from engine.kernels.gpu.fused_norm import add_rms_norm
 
         i, r = self.layer_index, self.residual_multiplier
         norm_in, norm_post = self.input_layernorm, self.post_attention_layernorm
-        mixer_in = PendingRmsNorm.allocate(hidden, pending, r, norm_in.weight, norm_in.eps)
+        hidden, mixer_in = add_rms_norm(hidden, pending, r, norm_in.weight, norm_in.eps)
         if self.self_attn is not None:
             mixed = self.self_attn(
-                apply_pending_rms_norm(mixer_in), batch, caches.key_cache[i], caches.value_cache[i],
-                rope, gpu_plan,
+                mixer_in, batch, caches.key_cache[i], caches.value_cache[i], rope, gpu_plan
             )
         else:
             in_pass = gpu_plan.in_pass
             captures = None if in_pass is None else (in_pass.conv_out[i], in_pass.ssm_out[i])
-            mixed = self.mamba.forward_gpu(
-                mixer_in, caches.conv_state[i], caches.ssm_state[i], gpu_plan, captures
+            mixed = self.mamba(
+                mixer_in, batch, caches.conv_state[i], caches.ssm_state[i], gpu_plan, captures
             )
-        mlp_in = PendingRmsNorm.allocate(mixer_in.new_hidden, mixed, r, norm_post.weight, norm_post.eps)
-        mlp_out = self.shared_mlp.forward_normed_gpu(mlp_in)
-        return mlp_in.new_hidden, mlp_out
+        hidden, mlp_in = add_rms_norm(hidden, mixed, r, norm_post.weight, norm_post.eps)
+        return hidden, self.shared_mlp.forward_gpu(mlp_in)
 
 
 class GraniteMoeHybridModel(nn.Module):

@@ -138,43 +138,30 @@ def _route_on_any_device(monkeypatch) -> None:
     under Triton's interpreter the kernels run on CPU tensors."""
     from engine.kernels.gpu.skinny_gemm import layout_problem
 
-    from engine.kernels.gpu.norm_gemv import normed_layout_problem
-
     def rule(x, weight, bias, *, gated=False):
         return x.shape[0] == 1 and layout_problem(x, weight, bias, gated=gated) is None
 
-    def normed_rule(norm, weight, bias):
-        return norm.rows == 1 and normed_layout_problem(norm, weight, bias) is None
-
     monkeypatch.setattr(parallel_linear, "routes_to_skinny", rule)
-    monkeypatch.setattr(parallel_linear, "routes_to_skinny_normed", normed_rule)
 
 
 def _record_launches(monkeypatch) -> list[str]:
-    """Wraps the single-row GEMM launchers, the SiLU-and-mul kernel and the two norm kernels;
-    the returned list gets "skinny", "skinny gated", "skinny normed", "silu_and_mul",
-    "add_rms_norm" or "gated_rms_norm" per call, in order."""
-    from engine.kernels.gpu import activation, fused_norm, norm_gemv, skinny_gemm
+    """Wraps the single-row GEMM launcher and the SiLU-and-mul kernel; the returned list gets
+    "skinny", "skinny gated" or "silu_and_mul" per call, in order."""
+    from engine.kernels.gpu import activation, skinny_gemm
 
     launches: list[str] = []
-    skinny = skinny_gemm.skinny_linear_unchecked
+    skinny, silu_and_mul = skinny_gemm.skinny_linear_unchecked, activation.silu_and_mul
 
     def recorded_skinny(*args, gated=False, **kwargs):
         launches.append("skinny gated" if gated else "skinny")
         return skinny(*args, gated=gated, **kwargs)
 
-    def recorded(name, function):
-        def call(*args, **kwargs):
-            launches.append(name)
-            return function(*args, **kwargs)
-        return call
+    def recorded_silu_and_mul(*args, **kwargs):
+        launches.append("silu_and_mul")
+        return silu_and_mul(*args, **kwargs)
 
     monkeypatch.setattr(skinny_gemm, "skinny_linear_unchecked", recorded_skinny)
-    monkeypatch.setattr(norm_gemv, "skinny_linear_normed_unchecked",
-                        recorded("skinny normed", norm_gemv.skinny_linear_normed_unchecked))
-    monkeypatch.setattr(activation, "silu_and_mul", recorded("silu_and_mul", activation.silu_and_mul))
-    monkeypatch.setattr(fused_norm, "add_rms_norm", recorded("add_rms_norm", fused_norm.add_rms_norm))
-    monkeypatch.setattr(fused_norm, "gated_rms_norm", recorded("gated_rms_norm", fused_norm.gated_rms_norm))
+    monkeypatch.setattr(activation, "silu_and_mul", recorded_silu_and_mul)
     return launches
 
 
@@ -251,123 +238,3 @@ def test_mlp_gpu_path_on_cuda_takes_the_gated_gemm():
             got = mlp.forward_gpu(x)
     assert launches == ["skinny", "skinny gated"]
     assert relative_error(got, want) < 1e-2
-
-
-def _norms_unfused(monkeypatch) -> None:
-    """routes_to_skinny_normed always False: every norm runs its own kernel first."""
-    monkeypatch.setattr(parallel_linear, "routes_to_skinny_normed", lambda norm, weight, bias: False)
-
-
-def _mix_stand_in(mixer):
-    """Stands in for mixer.mix_batch_gpu under the interpreter (the SSD decode kernel calls
-    libdevice.log1p, which it does not emulate): a fixed function of xBC and dt, no state
-    change, returning (y (T, H, P) fp32, x (T, I) a column slice of xBC) as mix_batch_gpu does."""
-    def mix(xBC, dt_raw, conv_state, ssm_state, plan, captures=None):
-        x = xBC[:, : mixer.intermediate_size]
-        y = torch.tanh(x.float()) + dt_raw.float().repeat_interleave(mixer.head_dim, dim=1)
-        return y.view(-1, mixer.num_heads, mixer.head_dim), x
-    return mix
-
-
-FUSED_AT_ONE_ROW = ["skinny normed", "skinny normed", "skinny normed", "skinny gated"]
-UNFUSED_AT_ONE_ROW = ["add_rms_norm", "skinny", "gated_rms_norm", "skinny", "add_rms_norm", "skinny", "skinny gated"]
-AT_TWO_ROWS = ["add_rms_norm", "gated_rms_norm", "add_rms_norm", "silu_and_mul"]
-
-
-@pytest.mark.parametrize("rows", [1, 2])
-@pytest.mark.parametrize("with_pending", [True, False], ids=["pending", "layer0"])
-def test_mamba_decoder_layer_fuses_its_norms_at_one_row(device, monkeypatch, rows, with_pending):
-    """DecoderLayer.forward_gpu of a Mamba layer (tiny model, fp32, D drawn per head) on decode
-    rows. At one row the input norm runs inside in_proj's GEMM, the gated norm inside
-    out_proj's and the post-mixer norm inside the MLP input's: only the four GEMM launches; at
-    two rows each norm is its own kernel. The result (hidden, pending) and the conv/SSM slots
-    equal the path with the norms unfused (routes_to_skinny_normed False) within fp32
-    reduction-order rounding. Under the interpreter the scan is a stand-in (_mix_stand_in),
-    the same on both paths; on CUDA it is the real one."""
-    model, config = load_model(DEFAULT_MODEL_DIR, dtype=torch.float32, device=device)
-    _draw_D(model)
-    layer = next(layer for layer in model.layers if layer.mamba is not None)
-    g = torch.Generator().manual_seed(11)
-    hidden = torch.randn(rows, config.hidden_size, generator=g).to(device)
-    pending = torch.randn(rows, config.hidden_size, generator=g).to(device) if with_pending else None
-    chunks = [_chunk(i, [3], 4, False) for i in range(rows)]
-    batch = build_forward_batch(chunks, BLOCK_SIZE, device)
-    plan = build_gpu_batch_plan(batch, BLOCK_SIZE, device)
-    if INTERPRETED:
-        monkeypatch.setattr(layer.mamba, "mix_batch_gpu", _mix_stand_in(layer.mamba))
-    _route_on_any_device(monkeypatch)
-    results = {}
-    for path in ("fused", "unfused"):
-        caches = model.allocate_caches(num_blocks=32, block_size=BLOCK_SIZE, num_state_slots=rows + 1, device=device)
-        for stack in (caches.conv_stack, caches.ssm_stack):
-            stack.copy_(torch.randn(stack.shape, generator=torch.Generator().manual_seed(12)))
-        with pytest.MonkeyPatch.context() as patch:
-            if path == "unfused":
-                _norms_unfused(patch)
-            launches = _record_launches(patch)
-            with torch.inference_mode():
-                out = layer.forward_gpu(hidden, pending, batch, caches, None, plan)
-        results[path] = (out, caches, launches)
-    (fused, fused_caches, fused_launches), (unfused, unfused_caches, unfused_launches) = results.values()
-    if rows == 1:
-        assert fused_launches == FUSED_AT_ONE_ROW
-        assert unfused_launches == UNFUSED_AT_ONE_ROW
-    else:
-        assert fused_launches == unfused_launches == AT_TWO_ROWS
-    for got, want, name in zip(fused, unfused, ("hidden", "pending")):
-        assert relative_error(got, want) < 1e-5, name
-    assert torch.equal(fused_caches.conv_stack, unfused_caches.conv_stack)
-    assert relative_error(fused_caches.ssm_stack, unfused_caches.ssm_stack) < 1e-6
-
-
-@pytest.mark.parametrize("tp", [TensorParallel.single(), _TwoEqualRanks()], ids=["tp1", "tp2"])
-def test_row_parallel_forward_normed_reduces_then_adds_bias(device, monkeypatch, tp):
-    """forward_normed(gated norm) = forward(gated_rms_norm(...)) with a bias: at world_size 2
-    the bias goes in once, after the all-reduce."""
-    from engine.kernels.norm_reference import gated_rms_norm
-    from engine.kernels.pending_norm import PendingGatedNorm
-    from engine.layers.norm import with_head_skip
-
-    layer = RowParallelLinear(96, 44, ((0, 96),), bias=True, dtype=torch.float32, tp=tp).to(device)
-    _randomise(layer, seed=13)
-    g = torch.Generator().manual_seed(14)
-    y, gate, x = (torch.randn(1, 96, generator=g).to(device) for _ in range(3))
-    D, norm_weight = torch.randn(6, generator=g).to(device), torch.randn(96, generator=g).to(device)
-    norm = PendingGatedNorm(y, gate, x, D, norm_weight, 32, 1e-5, torch.float32)
-    with torch.inference_mode():
-        want = layer(gated_rms_norm(with_head_skip(y, x, D), gate, norm_weight, 32, 1e-5, torch.float32))
-        _route_on_any_device(monkeypatch)
-        assert layer.supports_normed(norm)
-        got = layer.forward_normed(norm)
-    assert relative_error(got, want) < 1e-5
-
-
-@pytest.mark.skipif(INTERPRETED or not torch.cuda.is_available(), reason=(
-    "needs a CUDA device: the SSD decode kernel calls libdevice.log1p, which Triton's interpreter does not emulate"))
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_one_row_decode_step_with_fused_norms_matches_unfused(monkeypatch, dtype, tol):
-    """The whole tiny model, one decode row from a reset slot, on CUDA with the real routing
-    rules: hidden states and state slots with the norms fused into the GEMMs against the same
-    step with routes_to_skinny_normed False. Fused: one "skinny normed" launch per Mamba layer
-    for in_proj and out_proj and one per layer for the MLP input; no add_rms_norm except
-    attention's input norms and the final norm."""
-    results = {}
-    for path in ("fused", "unfused"):
-        model, config = load_model(DEFAULT_MODEL_DIR, dtype=dtype, device="cuda")
-        _draw_D(model)
-        caches = model.allocate_caches(num_blocks=32, block_size=BLOCK_SIZE, num_state_slots=2, device="cuda")
-        batch = build_forward_batch([_chunk(0, [5], 0, True)], BLOCK_SIZE, torch.device("cuda"))
-        with pytest.MonkeyPatch.context() as patch:
-            if path == "unfused":
-                _norms_unfused(patch)
-            launches = _record_launches(patch)
-            with torch.inference_mode():
-                hidden = model(batch, caches).float()
-        results[path] = (hidden, caches.ssm_stack.float(), launches)
-    mamba, attention = len(config.mamba_layers), len(config.attention_layers)
-    (hidden, ssm, launches), (want_hidden, want_ssm, unfused_launches) = results.values()
-    assert launches.count("skinny normed") == 2 * mamba + mamba + attention
-    assert launches.count("add_rms_norm") == attention + 1 and "gated_rms_norm" not in launches
-    assert unfused_launches.count("add_rms_norm") == 2 * (mamba + attention) + 1
-    assert relative_error(hidden, want_hidden) < tol
-    assert relative_error(ssm, want_ssm) < tol

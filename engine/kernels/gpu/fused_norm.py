@@ -19,7 +19,6 @@ import triton
 import triton.language as tl
 
 from engine.kernels.gpu.pdl import launch_options, release_next, wait_for_previous
-from engine.kernels.pending_norm import PendingRmsNorm
 
 
 @triton.jit
@@ -87,15 +86,6 @@ def add_rms_norm(
         **launch_options(),
     )
     return residual_out, out
-
-
-def apply_pending_rms_norm(norm: PendingRmsNorm) -> torch.Tensor:
-    """The pending norm in its own launch (add_rms_norm): writes norm.residual_out when there
-    is a delta and returns the normed rows (T, D), for a consumer that cannot take it as a
-    GEMM prologue."""
-    return add_rms_norm(
-        norm.hidden, norm.delta, norm.multiplier, norm.weight, norm.eps, residual_out=norm.residual_out
-    )[1]
 
 
 @triton.jit

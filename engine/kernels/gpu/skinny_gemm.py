@@ -17,9 +17,6 @@ norm_reference.silu_and_mul. Every program recomputes the whole activation (2K l
 after the first programs, and K sigmoids) next to the BLOCK_N * K weight elements it streams.
 Not yet timed on a GPU.
 
-engine/kernels/gpu/norm_gemv.py launches the same kernel with an RMS-norm prologue
-(PROLOGUE ADD_RMS_NORM or GATED_NORM): the norm before a linear computed in its launch.
-
 When it is used: decode steps at batch size 1, where every linear layer sees one row. There
 the GEMM does one multiply-add per weight element loaded, so its time is the time to read the
 weight once. engine/layers/parallel_linear.py:linear sends every single row here and
@@ -54,14 +51,14 @@ Design (every weight byte is read exactly once, in wide loads along K):
   BLOCK_N of 4-32 gives 64-512 programs for N = 2048, 128 for N = 512 at BLOCK_N 4, on the
   H200's 132 SMs;
 - BLOCK_N, BLOCK_K, num_warps and num_stages are tuned with @triton.autotune over CONFIGS,
-  keyed on (N, K, PROLOGUE) and the dtypes (each prologue is tuned on its own). Every config
+  keyed on (N, K, GATED) and the dtypes (the gated variant is tuned on its own). Every config
   keeps 32 fp32 accumulators per thread and at most 48 KiB of weight tiles in flight per
   program in bf16. Tuning times each config with the L2 flushed (the weights of a decode step
   never fit in L2) and a short budget.
 
 Contracts for callers: no host synchronisation and no allocation that depends on data (the
 output is allocated from the shapes, or passed in), so a call can be captured in a CUDA graph;
-but the first call for a new (N, K, prologue, dtype) autotunes, which synchronises, so make it
+but the first call for a new (N, K, gated, dtype) autotunes, which synchronises, so make it
 eagerly before capture (as engine/cuda_graphs.py does with its warm-up pass). Under Triton's
 interpreter (TRITON_INTERPRET=1, no timing) a call without an explicit config uses CONFIGS[0].
 
@@ -132,78 +129,21 @@ def _silu_and_mul(gate, up):
     return (activated * up.to(tl.float32)).to(dtype)
 
 
-# The prologue that makes the x row the GEMM multiplies (PROLOGUE, a constexpr of _row_kernel).
-PLAIN = tl.constexpr(0)  # x as given
-SILU_MUL = tl.constexpr(1)  # silu(gate) * up of a [gate | up] row
-ADD_RMS_NORM = tl.constexpr(2)  # rms_norm(hidden + delta * multiplier) * weight (PendingRmsNorm)
-GATED_NORM = tl.constexpr(3)  # Mamba2's gated group norm with the D skip (PendingGatedNorm)
-
-
-@triton.jit
-def _residual_slice(hidden_ptr, delta_ptr, idx, ok, multiplier, HAS_DELTA: tl.constexpr):
-    """hidden + delta * multiplier at channels idx, with fused_norm.add_rms_norm's roundings
-    (the product, then the sum, rounded to hidden's dtype), held in fp32. Masked lanes give 0."""
-    hidden = tl.load(hidden_ptr + idx, mask=ok, other=0.0)
-    dtype = hidden.dtype
-    hidden = hidden.to(tl.float32)
-    if HAS_DELTA:
-        delta = tl.load(delta_ptr + idx, mask=ok, other=0.0).to(tl.float32)
-        scaled = (delta * multiplier).to(dtype).to(tl.float32)
-        hidden = (hidden + scaled).to(dtype).to(tl.float32)
-    return hidden
-
-
-@triton.jit
-def _gated_slice(y_ptr, gate_ptr, skip_ptr, d_ptr, idx, ok, HEAD_DIM: tl.constexpr):
-    """(y + D[idx // HEAD_DIM] * skip_x) * silu(gate) at channels idx in fp32, as
-    fused_norm.gated_rms_norm computes it before its mean square. Masked lanes give 0."""
-    y = tl.load(y_ptr + idx, mask=ok, other=0.0).to(tl.float32)
-    skip = tl.load(skip_ptr + idx, mask=ok, other=0.0).to(tl.float32)
-    y += tl.load(d_ptr + idx // HEAD_DIM, mask=ok, other=0.0) * skip
-    gate = tl.load(gate_ptr + idx, mask=ok, other=0.0).to(tl.float32)
-    return y * (gate * tl.sigmoid(gate))
-
-
 @triton.jit
 def _row_kernel(
-    x_ptr,  # PLAIN (1, K); SILU_MUL (1, 2K) [gate | up]; ADD_RMS_NORM hidden (1, K); GATED_NORM y (1, K) fp32
+    x_ptr,  # (1, K), unit K stride; GATED: (1, 2K) = [gate | up], unit stride
     w_ptr,  # (N, K) contiguous
     b_ptr,  # (N,) or a placeholder when HAS_BIAS is False
     y_ptr,  # (1, N) contiguous
     N, K,
-    delta_ptr,  # ADD_RMS_NORM with HAS_DELTA: delta (1, K)
-    residual_ptr,  # ADD_RMS_NORM with HAS_DELTA: (1, K) out, hidden + delta * multiplier
-    gate_ptr, skip_ptr, skip_d_ptr,  # GATED_NORM: gate (1, K), skip_x (1, K), D (K / HEAD_DIM,) fp32
-    norm_w_ptr,  # ADD_RMS_NORM, GATED_NORM: the norm's weight (K,)
-    multiplier, eps, group_size,
-    HAS_BIAS: tl.constexpr, PROLOGUE: tl.constexpr, HAS_DELTA: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_ROW: tl.constexpr,  # ADD_RMS_NORM: >= K
-    BLOCK_G: tl.constexpr, BLOCK_GS: tl.constexpr,  # GATED_NORM: >= K / group_size, >= group_size
+    HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """Program i computes y[0, i*BLOCK_N : (i+1)*BLOCK_N] of x @ w.T (+ b), x made by PROLOGUE
-    slice by slice as the K loop loads it (every program computes the whole x). The norm
-    prologues first read the whole row once for its statistics (one rstd, or one per group);
-    with ADD_RMS_NORM and HAS_DELTA program 0 alone writes the residual row."""
+    """Program i computes y[0, i*BLOCK_N : (i+1)*BLOCK_N]; GATED: of x = silu(gate) * up, each
+    x slice computed from gate and up as it is loaded (every program computes the whole x)."""
     wait_for_previous(USE_PDL)
     release_next(USE_PDL)
-    if PROLOGUE == ADD_RMS_NORM:
-        row = tl.arange(0, BLOCK_ROW)
-        row_ok = row < K
-        residual = _residual_slice(x_ptr, delta_ptr, row, row_ok, multiplier, HAS_DELTA)
-        if HAS_DELTA:
-            first = tl.program_id(0) == 0
-            tl.store(residual_ptr + row, residual.to(residual_ptr.dtype.element_ty), mask=row_ok & first)
-        rstd = tl.rsqrt(tl.sum(residual * residual, axis=0) / K + eps)
-    if PROLOGUE == GATED_NORM:
-        groups = tl.arange(0, BLOCK_G)
-        within = tl.arange(0, BLOCK_GS)
-        channels = groups[:, None] * group_size + within[None, :]  # (BLOCK_G, BLOCK_GS)
-        in_row = (groups[:, None] < K // group_size) & (within[None, :] < group_size)
-        gated = _gated_slice(x_ptr, gate_ptr, skip_ptr, skip_d_ptr, channels, in_row, HEAD_DIM)
-        group_rstd = tl.rsqrt(tl.sum(gated * gated, axis=1) / group_size + eps)  # (BLOCK_G,)
     features = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     feature_ok = features < N
     w_rows = w_ptr + features.to(tl.int64)[:, None] * K
@@ -213,23 +153,11 @@ def _row_kernel(
         k_idx = k + offs_k
         k_ok = k_idx < K
         w = tl.load(w_rows + k_idx[None, :], mask=feature_ok[:, None] & k_ok[None, :], other=0.0)
-        if PROLOGUE == SILU_MUL:
+        if GATED:
             x = _silu_and_mul(
                 tl.load(x_ptr + k_idx, mask=k_ok, other=0.0),
                 tl.load(x_ptr + K + k_idx, mask=k_ok, other=0.0),
             )
-        elif PROLOGUE == ADD_RMS_NORM:  # fused_norm.add_rms_norm's normed row, hidden's dtype
-            residual_k = _residual_slice(x_ptr, delta_ptr, k_idx, k_ok, multiplier, HAS_DELTA)
-            normed = (residual_k * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
-            norm_w = tl.load(norm_w_ptr + k_idx, mask=k_ok, other=0.0).to(tl.float32)
-            x = (normed * norm_w).to(x_ptr.dtype.element_ty)
-        elif PROLOGUE == GATED_NORM:  # fused_norm.gated_rms_norm's output, rounded to w's dtype
-            gated_k = _gated_slice(x_ptr, gate_ptr, skip_ptr, skip_d_ptr, k_idx, k_ok, HEAD_DIM)
-            # each channel's group rstd, picked from the (BLOCK_G,) vector (exact: one term)
-            mine = (k_idx // group_size)[None, :] == groups[:, None]  # (BLOCK_G, BLOCK_K)
-            rstd = tl.sum(tl.where(mine, group_rstd[:, None], 0.0), axis=0)
-            norm_w = tl.load(norm_w_ptr + k_idx, mask=k_ok, other=0.0).to(tl.float32)
-            x = (norm_w * (gated_k * rstd)).to(w_ptr.dtype.element_ty)
         else:
             x = tl.load(x_ptr + k_idx, mask=k_ok, other=0.0)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
@@ -240,7 +168,7 @@ def _row_kernel(
 
 
 _tuned_row_kernel = triton.autotune(
-    configs=[c.as_triton() for c in CONFIGS], key=["N", "K", "PROLOGUE"], do_bench=_tuning_bench,
+    configs=[c.as_triton() for c in CONFIGS], key=["N", "K", "GATED"], do_bench=_tuning_bench,
 )(_row_kernel)
 
 
@@ -320,29 +248,18 @@ def skinny_linear_unchecked(
     features, depth = weight.shape
     if out is None:
         out = torch.empty(1, features, dtype=x.dtype, device=x.device)
-    pointers = (x, x, x, x, x, x)  # placeholders: read by the norm prologues only
-    constants = dict(PROLOGUE=SILU_MUL.value if gated else PLAIN.value, HAS_DELTA=False,
-                     HEAD_DIM=1, BLOCK_ROW=1, BLOCK_G=1, BLOCK_GS=1)
-    launch_row_kernel(x, weight, bias, out, pointers, (1.0, 0.0, 1), constants, config)
-    return out
-
-
-def launch_row_kernel(x, weight, bias, out, pointers, scalars, constants, config) -> None:
-    """One launch of _row_kernel, unchecked (for this module and norm_gemv.py) (autotuned when config is None, CONFIGS[0] under the
-    interpreter): pointers = (delta, residual_out, gate, skip_x, D, norm weight), scalars =
-    (multiplier, eps, group_size), constants = the prologue's constexprs."""
-    features, depth = weight.shape
     if config is None and _INTERPRETED:
         config = CONFIGS[0]
-    args = (x, weight, bias if bias is not None else out, out, features, depth, *pointers, *scalars)
+    args = (x, weight, bias if bias is not None else out, out, features, depth)
     grid = lambda meta: (triton.cdiv(features, meta["BLOCK_N"]),)  # noqa: E731
     if config is None:
-        _tuned_row_kernel[grid](*args, HAS_BIAS=bias is not None, **constants, **launch_options())
+        _tuned_row_kernel[grid](*args, HAS_BIAS=bias is not None, GATED=gated, **launch_options())
     else:
         _row_kernel[grid](
-            *args, HAS_BIAS=bias is not None, **constants, **config.as_triton().all_kwargs(),
+            *args, HAS_BIAS=bias is not None, GATED=gated, **config.as_triton().all_kwargs(),
             **launch_options(),
         )
+    return out
 
 
 def chosen_config() -> SkinnyConfig | None:
