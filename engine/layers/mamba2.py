@@ -37,6 +37,13 @@ class DepthwiseConv1dWeights(ShardedModule):
             self.checkpoint_shards["bias"] = TensorShard((full_channels,), 0, channel_ranges)
 
 
+# Decode-only steps of at most this many sequences take the fused conv + SSD kernel. On the
+# H200 (benchmarks/results/decode_kernels_20261202_fused.json, one layer's decode step) it is
+# faster at batch 1 (4.6 vs 6.7 us) and 16 (19.3 vs 20.0 us) and slower at 64 (86.4 vs
+# 83.1 us), where every one of its programs also convolves its group's B and C channels.
+FUSED_DECODE_MAX_ROWS = 16
+
+
 class Mamba2Mixer(ShardedModule):
     """in_proj -> [z | xBC | dt]; xBC -> causal conv + silu -> [x | B | C]; SSD scan over x with
     dt = clamp(softplus(dt + dt_bias), time_step_limit), A = -exp(A_log) and skip D;
@@ -216,11 +223,12 @@ class Mamba2Mixer(ShardedModule):
         captures: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Every chunk at once on CUDA: a decode-only step (no prefill chunk, no in-pass
-        capture: what the decode CUDA graphs run) takes mix_decode_only_gpu, two launches;
-        any other step mix_chunks_gpu. Both mutate the chunks' state slots in place.
-        Returns (y (T, H, P) fp32 without the D skip, x (T, I) the scan's input: the conv
-        output's x columns), so the caller adds D * x (the gated norm does, as it reads y)."""
-        if plan.num_prefill == 0 and plan.in_pass is None:
+        capture: what the decode CUDA graphs run) of at most FUSED_DECODE_MAX_ROWS sequences
+        takes mix_decode_only_gpu, two launches; any other step mix_chunks_gpu. Both mutate
+        the chunks' state slots in place. Returns (y (T, H, P) fp32 without the D skip, x
+        (T, I) the scan's input: the conv output's x columns), so the caller adds D * x (the
+        gated norm does, as it reads y)."""
+        if plan.num_prefill == 0 and plan.in_pass is None and plan.num_decode <= FUSED_DECODE_MAX_ROWS:
             return self.mix_decode_only_gpu(xBC, dt_raw, conv_state, ssm_state, plan)
         return self.mix_chunks_gpu(xBC, dt_raw, conv_state, ssm_state, plan, captures)
 

@@ -1,0 +1,34 @@
+"""Which GPU path Mamba2Mixer.mix_batch_gpu takes for a step (the paths themselves are device
+tests in tests/gpu/test_mamba_decode.py)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from engine.config import DEFAULT_MODEL_DIR
+from engine.layers.mamba2 import FUSED_DECODE_MAX_ROWS
+from engine.loader import load_model
+
+
+@pytest.fixture(scope="module")
+def mixer():
+    model, _ = load_model(DEFAULT_MODEL_DIR)
+    return next(layer.mamba for layer in model.layers if layer.mamba is not None)
+
+
+@pytest.mark.parametrize("num_decode, num_prefill, in_pass, expected", [
+    (1, 0, None, "fused"),
+    (FUSED_DECODE_MAX_ROWS, 0, None, "fused"),
+    (FUSED_DECODE_MAX_ROWS + 1, 0, None, "chunks"),  # large batches: the unfused pair is faster
+    (3, 1, None, "chunks"),  # a prefill chunk in the step
+    (0, 1, "capture", "chunks"),  # an in-pass capture
+])
+def test_mix_batch_gpu_routes_by_step_shape(mixer, monkeypatch, num_decode, num_prefill, in_pass, expected):
+    taken = []
+    monkeypatch.setattr(mixer, "mix_decode_only_gpu", lambda *args: taken.append("fused"))
+    monkeypatch.setattr(mixer, "mix_chunks_gpu", lambda *args: taken.append("chunks"))
+    plan = SimpleNamespace(num_decode=num_decode, num_prefill=num_prefill, in_pass=in_pass)
+    mixer.mix_batch_gpu(None, None, None, None, plan)
+    assert taken == [expected]
