@@ -44,6 +44,33 @@ class CacheCapacity:
     in_pass_capture: bool = False
 
 
+@dataclass(frozen=True)
+class HiddenRow:
+    """A request's last hidden row: row `index` of `rows` (n, D), the step's output it came
+    from, kept by reference so a step of n requests does not slice n rows it mostly never
+    needs alone (only a capture does)."""
+
+    rows: torch.Tensor
+    index: int
+
+    def row(self) -> torch.Tensor:
+        """(D,)"""
+        return self.rows[self.index]
+
+
+def gather_rows(refs: list[HiddenRow]) -> torch.Tensor:
+    """(len(refs), D): the referenced rows in order. A decode step samples every row of its
+    output in order: that tensor itself, with no launch; rows of one tensor: one gather;
+    otherwise one stack."""
+    source = refs[0].rows
+    if all(ref.rows is source for ref in refs):
+        indices = [ref.index for ref in refs]
+        if indices == list(range(source.shape[0])):
+            return source
+        return source[indices]
+    return torch.stack([ref.row() for ref in refs])
+
+
 class Worker:
     """tp: the tensor-parallel rank this worker is (None: the only one). Every rank loads only
     its shard and allocates its own KV heads and state channels. The cache byte budgets are per
@@ -79,7 +106,7 @@ class Worker:
         self.sampler = Sampler(seed=config.seed, device=self.device)
         self.checkpoints = CheckpointStore(self.caches)
         # Last hidden row of every request the previous step touched: what a capture saves.
-        self._last_hidden: dict[str, torch.Tensor] = {}
+        self._last_hidden: dict[str, HiddenRow] = {}
 
     def cache_capacity(self) -> CacheCapacity:
         return self.capacity
@@ -103,22 +130,22 @@ class Worker:
             if hidden_row is None:
                 continue  # unconfirmed: the scheduler drops the bundle (fail closed)
             self.checkpoints.capture(
-                capture.bundle_id, capture.state_slot, capture.num_tokens, capture.tail_block, hidden_row
+                capture.bundle_id, capture.state_slot, capture.num_tokens, capture.tail_block,
+                hidden_row.row(),
             )
             output.confirmed_captures[capture.bundle_id] = frozenset({self.rank})
-        last_hidden: dict[str, torch.Tensor] = {}
+        last_hidden: dict[str, HiddenRow] = {}
         for restore in scheduler_output.restores:
-            last_hidden[restore.request_id] = self.checkpoints.restore(
-                restore.bundle_id, restore.state_slot, restore.tail_block
-            )
+            restored = self.checkpoints.restore(restore.bundle_id, restore.state_slot, restore.tail_block)
+            last_hidden[restore.request_id] = HiddenRow(restored[None], 0)
         computed = [chunk for chunk in scheduler_output.chunks if chunk.token_ids]
         in_pass = [capture for capture in scheduler_output.captures if capture.in_pass]
         if computed and self.decode_graphs is not None and self.decode_graphs.accepts(computed):
             hidden = self.decode_graphs.forward(computed)  # (n, D), row i = chunk i
             for i, chunk in enumerate(computed):
-                last_hidden[chunk.request_id] = hidden[i]
+                last_hidden[chunk.request_id] = HiddenRow(hidden, i)
         elif computed and not in_pass and self.prefill_graphs is not None and self.prefill_graphs.accepts(computed):
-            last_hidden[computed[0].request_id] = self.prefill_graphs.forward(computed[0])
+            last_hidden[computed[0].request_id] = HiddenRow(self.prefill_graphs.forward(computed[0])[None], 0)
         elif computed:
             batch = build_forward_batch(computed, self.capacity.block_size, self.device)
             if in_pass:
@@ -126,15 +153,15 @@ class Worker:
             else:
                 hidden = self.model(batch, self.caches)  # (T, D)
             for chunk, end in zip(computed, batch.cu_seqlens[1:]):
-                last_hidden[chunk.request_id] = hidden[end - 1]
+                last_hidden[chunk.request_id] = HiddenRow(hidden, end - 1)
         self._last_hidden = last_hidden
 
         for chunk in scheduler_output.chunks:
             if chunk.capture_hidden:
-                output.hidden_rows[chunk.request_id] = last_hidden[chunk.request_id].float().cpu()
+                output.hidden_rows[chunk.request_id] = last_hidden[chunk.request_id].row().float().cpu()
         sampled = [chunk for chunk in scheduler_output.chunks if chunk.sample]
         if sampled:
-            rows = torch.stack([last_hidden[chunk.request_id] for chunk in sampled])
+            rows = gather_rows([last_hidden[chunk.request_id] for chunk in sampled])
             output.sampled_token_ids = self._sample(sampled, self.model.compute_logits(rows), output)
         output.worker_seconds = time.perf_counter() - started
         return output
@@ -181,9 +208,9 @@ class Worker:
         self, chunks: list[ScheduledChunk], logits: torch.Tensor, output: RunnerOutput
     ) -> dict[str, int]:
         """One token per chunk from its (V,) logits row; records rows asked for."""
-        for chunk, logits_row in zip(chunks, logits):
+        for i, chunk in enumerate(chunks):
             if chunk.sampling.return_logits:
-                output.logits[chunk.request_id] = logits_row.clone().cpu()
+                output.logits[chunk.request_id] = logits[i].clone().cpu()
         tokens = self.sampler.sample(
             logits,
             request_ids=[chunk.request_id for chunk in chunks],
