@@ -273,6 +273,33 @@ def bench_decode(worker: Worker, first_request: int, batch: int, context: int, b
     return sorted(times)[len(times) // 2], profile_step(worker, out, top=16)
 
 
+def host_profile(worker: Worker, first_request: int, batch: int, context: int, blocks_per_seq: int,
+                 steps: int = 10, top: int = 18) -> list[str]:
+    """cProfile of `steps` decode steps of the requests bench_decode left behind (they decode
+    on): the top functions by own time, per step, where a step's host time goes (the GPU's
+    time shows up as the wait in whatever reads the sampled tokens back)."""
+    import cProfile
+    import io
+    import pstats
+
+    requests = list(range(first_request, first_request + batch))
+    position = context + 64  # past what bench_decode wrote; the KV there is never read
+    profiler = cProfile.Profile()
+    for s in range(steps):
+        out = SchedulerOutput(tuple(chunk(r, (5,), position + s, blocks_per_seq, False) for r in requests))
+        torch.cuda.synchronize()
+        profiler.enable()
+        worker.execute(out)
+        torch.cuda.synchronize()
+        profiler.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(top)
+    lines = [line for line in text.getvalue().splitlines() if line.strip()]
+    start = next(i for i, line in enumerate(lines) if line.lstrip().startswith("ncalls"))
+    return [f"per step over {steps} steps (cProfile, seconds are totals):"] + lines[start:]
+
+
 def graph_replay_seconds(worker: Worker, batch: int, replays: int = 20) -> float | None:
     """Median seconds of one replay of the decode graph for `batch` rows on its own (the last
     staged inputs again, so the requests' states advance once more; the rows that use them
@@ -361,6 +388,7 @@ def main() -> None:
             for b in batches:
                 step_s, decode_profile = bench_decode(worker, first, b, args.context, blocks_per_seq)
                 replay_s = graph_replay_seconds(worker, b) if mode == "graphs" else None
+                host = host_profile(worker, first, b, args.context, blocks_per_seq) if b == 1 and mode == "graphs" else None
                 moved = decode_bytes(worker, b, args.context)
                 floor = moved / copy_bw
                 suffix = "" if mode == "graphs" else " (eager)"
@@ -368,7 +396,8 @@ def main() -> None:
                              "seconds": step_s, "floor_seconds": floor, "ratio_to_floor": floor / step_s,
                              "bytes": moved, "tokens_per_s": b / step_s,
                              **_decode_target(b), "profile": decode_profile,
-                             **({"graph_replay_seconds": replay_s} if replay_s is not None else {})})
+                             **({"graph_replay_seconds": replay_s} if replay_s is not None else {}),
+                             **({"host_profile": host} if host else {})})
                 first += b
                 print(f"decode batch {b} {mode}: {b / step_s:.0f} tok/s ({time.perf_counter() - t_start:.0f}s)",
                       flush=True)
@@ -389,6 +418,10 @@ def main() -> None:
         if "graph_replay_seconds" in r:
             print(f"{r['name']}: the graph replay alone {r['graph_replay_seconds'] * 1e3:.3f} ms of the "
                   f"{r['seconds'] * 1e3:.3f} ms step")
+    for r in rows:
+        if "host_profile" in r:
+            print(f"\n{r['name']}, host side:")
+            print("\n".join(r["host_profile"]))
     for r in rows:
         if "profile" not in r:
             continue
