@@ -14,6 +14,10 @@ import torch
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_DEVICE = torch.cuda.is_available() or INTERPRETED
 needs_device = pytest.mark.skipif(not HAS_DEVICE, reason="needs a CUDA device")
+# Kernels that call libdevice.log1p (dt's softplus) cannot run under Triton's interpreter.
+needs_log1p = pytest.mark.skipif(
+    INTERPRETED, reason="the kernel calls libdevice.log1p, which Triton's interpreter does not emulate"
+)
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import torch
 
 from engine.kernels import norm_reference as ref
 from engine.kernels.ssd_reference import ssd_step
-from tests.gpu.conftest import needs_device, relative_error
+from tests.gpu.conftest import INTERPRETED, needs_device, needs_log1p, relative_error
 
 pytestmark = [pytest.mark.gpu, needs_device]
 
@@ -20,7 +20,11 @@ def _nan(shape, dtype, device):
     return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [
+    torch.float32,
+    pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+        INTERPRETED, reason="the interpreter rounds fp32 to bf16 differently from torch (checked on the GPU)")),
+])
 @pytest.mark.parametrize("with_delta", [True, False])
 @pytest.mark.parametrize("num_tokens", [1, 5, 64])
 def test_add_rms_norm(device, dtype, with_delta, num_tokens):
@@ -86,6 +90,7 @@ def test_silu_and_mul(device, dtype, num_tokens):
     assert relative_error(out, ref.silu_and_mul(x)) < TOL[dtype]
 
 
+@needs_log1p
 def test_ssd_decode_update(device):
     """dt = clamp(softplus(dt_raw + dt_bias)) and A = -exp(A_log) inside the decode kernel, dt_raw
     read from a strided bf16 view (as in_proj's dt columns are); y without the D skip (the gated

@@ -12,7 +12,7 @@ import torch
 from engine.kernels.attention_reference import paged_attention
 from engine.kernels.conv_reference import causal_conv1d
 from engine.kernels.ssd_reference import ssd_chunk_scan, ssd_step
-from tests.gpu.conftest import INTERPRETED, needs_device, relative_error
+from tests.gpu.conftest import INTERPRETED, needs_device, needs_log1p, relative_error
 
 pytestmark = [pytest.mark.gpu, needs_device]
 
@@ -219,7 +219,7 @@ def test_causal_attention_from_start(device):
     assert relative_error(out, ref) < 1e-2
 
 
-@pytest.mark.skipif(INTERPRETED, reason="libdevice.log1p is not emulated by Triton's interpreter")
+@needs_log1p
 @pytest.mark.parametrize(
     "with_rows,with_valid,H,P", [(False, False, 16, 32), (True, False, 16, 32), (False, True, 16, 32),
                                  (False, False, 24, 32), (True, False, 48, 24)],  # a rank's share of 48 heads

@@ -19,13 +19,10 @@ import torch
 
 from engine.kernels.conv_reference import causal_conv1d_step
 from engine.kernels.ssd_reference import ssd_step_batched
-from tests.gpu.conftest import INTERPRETED, needs_device, relative_error
+from tests.gpu.conftest import INTERPRETED, needs_device, needs_log1p, relative_error
 
 pytestmark = [pytest.mark.gpu, needs_device]
 
-needs_log1p = pytest.mark.skipif(
-    INTERPRETED, reason="the SSD decode kernels call libdevice.log1p, which Triton's interpreter does not emulate"
-)
 DTYPES = [
     torch.float32,
     pytest.param(torch.bfloat16, marks=pytest.mark.skipif(INTERPRETED, reason="bf16 is checked on the GPU only")),

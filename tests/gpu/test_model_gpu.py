@@ -29,7 +29,7 @@ from engine.sampling_params import SamplingParams
 from engine.step_io import ScheduledChunk, SchedulerOutput
 from engine.tensor_parallel import TensorParallel
 from engine.worker import build_forward_batch
-from tests.gpu.conftest import INTERPRETED, needs_device, relative_error
+from tests.gpu.conftest import INTERPRETED, needs_device, needs_log1p, relative_error
 
 pytestmark = [pytest.mark.gpu, needs_device]
 needs_fla = pytest.mark.skipif(INTERPRETED, reason="fla-core kernels need a CUDA device")
@@ -95,8 +95,7 @@ def test_gpu_forward_matches_cpu(dtype, tol):
 
 @pytest.mark.parametrize(
     "lengths,tol",
-    [pytest.param([1, 1, 1, 1], 1e-5, marks=pytest.mark.skipif(  # decode rows only: our own kernels
-        INTERPRETED, reason="the SSD decode kernel calls libdevice.log1p, which Triton's interpreter does not emulate")),
+    [pytest.param([1, 1, 1, 1], 1e-5, marks=needs_log1p),  # decode rows only: our own kernels
      pytest.param([5, 1, 17, 1], 1e-2, marks=needs_fla)],  # and prefill rows: fla's tf32 scan
 )
 def test_mixer_gpu_path_matches_its_pytorch_path(device, lengths, tol):
