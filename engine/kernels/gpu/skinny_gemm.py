@@ -15,7 +15,8 @@ skinny_linear(activation.silu_and_mul(gate_up), weight, bias) bit for bit (the s
 in the same order; the device test checks it); the reference is F.linear in fp32 after
 norm_reference.silu_and_mul. Every program recomputes the whole activation (2K loads, from L2
 after the first programs, and K sigmoids) next to the BLOCK_N * K weight elements it streams.
-Not yet timed on a GPU.
+On the H200 at the MLP output shape (N 2048, K 5632) it takes 7.65 us per call against 8.07 us
+for silu_and_mul then skinny_linear (benchmarks/results/skinny_gemm_20261202_gated.json).
 
 When it is used: decode steps at batch size 1, where every linear layer sees one row. There
 the GEMM does one multiply-add per weight element loaded, so its time is the time to read the
