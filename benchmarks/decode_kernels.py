@@ -83,6 +83,7 @@ def mamba_decode_rows(copy_bw: float) -> list[dict]:
     from engine.kernels.gpu.conv import advance_conv_states, causal_conv1d_varlen
     from engine.kernels.gpu.mamba_decode import conv_ssd_decode
     from engine.kernels.gpu.ssd import decode_block_p, ssd_decode_update
+    from engine.layers.mamba2 import FUSED_DECODE_MAX_ROWS
 
     conv_dim, width = H * P + 2 * G * N, 4
     rows = []
@@ -111,8 +112,9 @@ def mamba_decode_rows(copy_bw: float) -> list[dict]:
                               c.view(batch, G, N), state, y, rows_t, rows_t, reset)
 
         seconds = graph_seconds(unfused)
+        fused_here = batch <= FUSED_DECODE_MAX_ROWS  # what the engine runs at this batch size
         rows.append({"kernel": "mamba decode, unfused", "batch": batch, "block_p": decode_block_p(P),
-                     "num_warps": 4, "default": False, "seconds": seconds,
+                     "num_warps": 4, "default": not fused_here, "seconds": seconds,
                      "share_of_copy_rate": moved / seconds / copy_bw})
         for block_p in (16, 32, 64):
             for warps in (4, 8):
@@ -123,7 +125,8 @@ def mamba_decode_rows(copy_bw: float) -> list[dict]:
 
                 seconds = graph_seconds(fused)
                 rows.append({"kernel": "mamba decode, fused", "batch": batch, "block_p": block_p,
-                             "num_warps": warps, "default": block_p == decode_block_p(P) and warps == 4,
+                             "num_warps": warps,
+                             "default": fused_here and block_p == decode_block_p(P) and warps == 4,
                              "seconds": seconds, "share_of_copy_rate": moved / seconds / copy_bw})
     return rows
 

@@ -283,7 +283,7 @@ def host_profile(worker: Worker, first_request: int, batch: int, context: int, b
     import pstats
 
     requests = list(range(first_request, first_request + batch))
-    position = context + 64  # past what bench_decode wrote; the KV there is never read
+    position = context + 24  # after bench_decode's 24 steps (its warm-up, timed and profiled ones)
     profiler = cProfile.Profile()
     for s in range(steps):
         out = SchedulerOutput(tuple(chunk(r, (5,), position + s, blocks_per_seq, False) for r in requests))
@@ -302,8 +302,8 @@ def host_profile(worker: Worker, first_request: int, batch: int, context: int, b
 
 def graph_replay_seconds(worker: Worker, batch: int, replays: int = 20) -> float | None:
     """Median seconds of one replay of the decode graph for `batch` rows on its own (the last
-    staged inputs again, so the requests' states advance once more; the rows that use them
-    are done): the step's GPU time without the host work around it (staging, the eager LM head
+    staged inputs again, so the requests' states advance once per replay; the rows that use
+    them are done): the step's GPU time without the host work around it (staging, the eager LM head
     and sampling, the read-back). None without decode graphs."""
     graphs = worker.decode_graphs
     if graphs is None:

@@ -4,8 +4,8 @@ with padding.
 A decode step (every chunk one token) of n sequences replays the graph of the smallest captured
 size b >= n. The step's inputs (token ids, positions, KV write slots, state slots, reset flags,
 key counts, block tables) are packed on the host into one pinned int64 buffer and copied to the
-graph's static input buffer in one host-to-device copy of the part the graph reads; the replay then launches every kernel of
-the pass at once. Rows n..b-1 are padding: they read and write only the scratch state slot and
+graph's static input buffer in one host-to-device copy of the part the graph reads; the replay
+then launches every kernel of the pass at once. Rows n..b-1 are padding: they read and write only the scratch state slot and
 the scratch KV block, which the worker allocates beyond what the scheduler may hand out, so a
 padded replay changes exactly the caches an eager step of the same n chunks changes.
 

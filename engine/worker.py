@@ -60,8 +60,8 @@ class HiddenRow:
 
 def gather_rows(refs: list[HiddenRow]) -> torch.Tensor:
     """(len(refs), D): the referenced rows in order. A decode step samples every row of its
-    output in order: that tensor itself, with no launch; rows of one tensor: one gather;
-    otherwise one stack."""
+    output in order: that tensor itself, with no launch; rows of one tensor: one gather (its
+    index list copied to the device first); otherwise one stack."""
     source = refs[0].rows
     if all(ref.rows is source for ref in refs):
         indices = [ref.index for ref in refs]
@@ -99,10 +99,6 @@ class Worker:
         self.decode_graphs = self.prefill_graphs = None
         if graphs:
             self.decode_graphs, self.prefill_graphs = _capture_graphs(self.model, self.caches, self.capacity, config)
-        if self.device.type == "cuda":  # the LM head's single-row GEMM autotunes on its first call
-            with torch.inference_mode():
-                self.model.compute_logits(torch.zeros(1, self.model.config.hidden_size, device=self.device,
-                                                      dtype=self.model.dtype))
         self.sampler = Sampler(seed=config.seed, device=self.device)
         self.checkpoints = CheckpointStore(self.caches)
         # Last hidden row of every request the previous step touched: what a capture saves.

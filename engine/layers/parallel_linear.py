@@ -25,19 +25,19 @@ def _total(ranges: tuple[IndexRange, ...]) -> int:
 
 # Every single-row linear takes the skinny GEMM kernel on CUDA. Measured on the H200 with
 # programmatic dependent launch (benchmarks/results/skinny_gemm_20261202_pdl.json, weights from
-# HBM, back-to-back calls in a CUDA graph): 1.54-2.69x faster than cuBLAS where N <= 2,048
-# (cuBLAS splits K and adds a reduce launch) and 1.01-1.11x on the wide weights (N 8,512,
-# 11,264 and the 49,152-row LM head), which cuBLAS had kept before PDL (within 6% either
-# way). For 2..16 rows a tiled variant gained at most 4% of a step's linear time over cuBLAS,
-# so it was not kept.
+# HBM, back-to-back calls in a CUDA graph): 1.32-2.69x faster than cuBLAS where N <= 2,048
+# (cuBLAS splits K and adds a reduce launch) and 1.01-1.11x on the wide weights (N 8,512 and
+# 11,264), which cuBLAS had kept before PDL (within 6% either way). The LM head does not come
+# through here: engine/layers/vocab_parallel.py keeps F.linear for it. For 2..16 rows a tiled
+# variant gained at most 4% of a step's linear time over cuBLAS, so it was not kept.
 
 
 def routes_to_skinny(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, gated: bool = False
 ) -> bool:
     """The routing rule of `linear` (and, gated, of RowParallelLinear.supports_gated): True for
-    a one-row x on CUDA whose operands engine/kernels/gpu/skinny_gemm.py supports (gated: x is the (1, 2K) [gate | up] row); those
-    run there, everything else runs F.linear. The checks are made here once, so callers launch
+    a one-row x on CUDA whose operands engine/kernels/gpu/skinny_gemm.py supports (gated: x is
+    the (1, 2K) [gate | up] row); those run there, everything else runs F.linear. The checks are made here once, so callers launch
     the kernel unchecked."""
     if not (x.is_cuda and x.shape[0] == 1):
         return False

@@ -11,7 +11,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers.parallel_linear import linear
 from engine.shard_layout import RankShardLayout, width
 from engine.tensor_parallel import ShardedModule, TensorParallel, TensorShard
 
@@ -64,9 +63,11 @@ def vocab_parallel_logits(
     layout: RankShardLayout,
     tp: TensorParallel,
 ) -> torch.Tensor:
-    """(n, vocab) logits in the weight's dtype, gathered from every rank's rows. One row on
-    CUDA takes the single-row GEMM (parallel_linear.linear)."""
-    local = linear(hidden, weight, None)  # (n, local rows)
+    """(n, vocab) logits in the weight's dtype, gathered from every rank's rows. F.linear
+    even for one row: the LM head runs eagerly after the decode graph, where the single-row
+    GEMM's 3.5 us kernel gain (benchmarks/results/skinny_gemm_20261202_pdl.json) does not pay
+    for its launch through Triton's autotuner."""
+    local = F.linear(hidden, weight)  # (n, local rows)
     if tp.world_size == 1:
         return local
     padded = F.pad(local, (0, layout.vocab_rows_per_rank - local.shape[-1]))

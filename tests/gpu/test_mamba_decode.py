@@ -211,7 +211,7 @@ def test_advance_conv_states_one_token_chunks(device, dtype):
 
 @needs_log1p
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_mixer_decode_only_path(device, dtype):
+def test_mixer_decode_only_path(device, dtype, monkeypatch):
     """Mamba2Mixer.mix_batch_gpu on a decode-only plan built as the decode CUDA graphs build it
     (decode_only_plan; the last two rows graph padding: reset, sharing a scratch slot) takes
     the fused path; it must match the general GPU path (mix_chunks_gpu) on the same plan: y,
@@ -247,12 +247,23 @@ def test_mixer_decode_only_path(device, dtype):
     )
     states = {path: (conv_state.clone(), ssm_state.clone()) for path in ("fused", "general", "pytorch")}
 
+    from engine.kernels.gpu import mamba_decode
+
+    fused_calls = []
+    fused_kernel = mamba_decode.conv_ssd_decode
+
+    def counted(*args, **kwargs):
+        fused_calls.append(1)
+        return fused_kernel(*args, **kwargs)
+
+    monkeypatch.setattr(mamba_decode, "conv_ssd_decode", counted)
     with torch.inference_mode():
         _, xBC, dt_raw = mixer.in_proj(hidden).split(
             [mixer.intermediate_size, mixer.conv_dim, mixer.num_heads], dim=-1
         )
         y, x = mixer.mix_batch_gpu(xBC, dt_raw, *states["fused"], plan)
         want_y, want_x = mixer.mix_chunks_gpu(xBC, dt_raw, *states["general"], plan)
+    assert fused_calls == [1], "the decode-only plan did not take the fused kernel"
     tol = TOL_UNFUSED[dtype]
     assert relative_error(y, want_y) < tol, "y"
     assert relative_error(x, want_x) < tol, "x"

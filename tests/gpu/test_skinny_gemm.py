@@ -37,7 +37,7 @@ GPU_DTYPES = [
 # alignment of x's and weight's rows); (16, 64) divides evenly.
 SMALL_SHAPES = [(40, 100), (72, 33), (16, 64)]
 # The (N, K) the engine sends here on the 1.5B model: attention k/v and q/o, Mamba out_proj, MLP
-# output; N = 4096; and a ragged one.
+# output; a 4,096-feature shape (a width no linear of the model has); and a ragged one.
 MODEL_SHAPES = [(512, 2048), (2048, 2048), (2048, 4096), (2048, 5632), (4096, 2048), (1000, 1000)]
 
 

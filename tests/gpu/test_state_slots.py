@@ -8,7 +8,7 @@ import torch
 
 from tests.gpu.conftest import needs_device
 
-pytestmark = needs_device
+pytestmark = [pytest.mark.gpu, needs_device]
 
 SLOT_SHAPE = (3, 8, 160)  # (H, P, N): 3840 elements, not a multiple of the kernel's block
 

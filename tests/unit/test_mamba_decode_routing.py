@@ -23,7 +23,8 @@ def mixer():
     (FUSED_DECODE_MAX_ROWS, 0, None, "fused"),
     (FUSED_DECODE_MAX_ROWS + 1, 0, None, "chunks"),  # large batches: the unfused pair is faster
     (3, 1, None, "chunks"),  # a prefill chunk in the step
-    (0, 1, "capture", "chunks"),  # an in-pass capture
+    (2, 0, "capture", "chunks"),  # an in-pass capture (in a decode-only plan, as a guard)
+    (0, 1, "capture", "chunks"),
 ])
 def test_mix_batch_gpu_routes_by_step_shape(mixer, monkeypatch, num_decode, num_prefill, in_pass, expected):
     taken = []

@@ -47,7 +47,8 @@ def _write_kv_kernel(
 def write_kv(
     key_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D) contiguous, written in place
     value_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D) contiguous, written in place
-    slot_mapping: torch.Tensor,  # (T,) int flat slots (block * block_size + offset), distinct
+    slot_mapping: torch.Tensor,  # (T,) int flat slots (block * block_size + offset); distinct
+    # except for graph padding rows, which may share a scratch slot (whose content is unused)
     key: torch.Tensor,  # (T, Hkv, D), each token's heads contiguous
     value: torch.Tensor,  # (T, Hkv, D)
 ) -> None:

@@ -20,8 +20,9 @@ for silu_and_mul then skinny_linear (benchmarks/results/skinny_gemm_20261202_gat
 
 When it is used: decode steps at batch size 1, where every linear layer sees one row. There
 the GEMM does one multiply-add per weight element loaded, so its time is the time to read the
-weight once. engine/layers/parallel_linear.py:linear sends every single row here and
-everything else to F.linear; `supports(x, weight, bias)` says whether the operands fit.
+weight once. engine/layers/parallel_linear.py:linear sends every single row of the model's
+linear layers here and everything else to F.linear (the LM head, eager after the decode
+graph, stays on F.linear: engine/layers/vocab_parallel.py); `supports(x, weight, bias)` says whether the operands fit.
 engine/layers/mlp.py:GatedMLP.forward_gpu sends the MLP's single [gate | up] row to the gated
 variant under the same rule (RowParallelLinear.forward_gated). A caller that has checked it
 launches through `skinny_linear_unchecked` (skinny_linear checks again). Measured on the H200

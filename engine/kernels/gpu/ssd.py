@@ -203,7 +203,7 @@ def _decode_kernel(
     n = tl.arange(0, BLOCK_N)
     p_mask, n_mask = p < P, n < N
     row = tl.load(rows_ptr + i)
-    slot = tl.load(slots_ptr + i)
+    slot = tl.load(slots_ptr + i).to(tl.int64)  # slot * stride passes 2**31 from slot 4,096
     keep_state = tl.load(reset_ptr + i) == 0
     g = h // heads_per_group
 
