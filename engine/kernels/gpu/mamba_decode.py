@@ -40,10 +40,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from engine.kernels.gpu.pdl import launch_options, release_next, wait_for_previous
-from engine.kernels.gpu.ssd import decode_block_p
+from engine.kernels.gpu.ssd import decode_block_p, ssd_decode_step
 
 
 @triton.jit
@@ -120,19 +119,12 @@ def _conv_ssd_decode_kernel(
     ).to(model_dtype)
     x, b, c = x.to(tl.float32), b.to(tl.float32), c.to(tl.float32)
 
-    # the SSD step, as ssd.py's _decode_kernel
-    dt = tl.load(dt_ptr + row * stride_dtt + h).to(tl.float32)
-    dt += tl.load(dt_bias_ptr + h)
-    dt = tl.where(dt > 20.0, dt, libdevice.log1p(tl.exp(dt)))  # F.softplus, threshold 20
-    dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
-    a = -tl.exp(tl.load(a_log_ptr + h))
-    decay = tl.exp(dt * a)
+    # the SSD step, ssd.py's (shared with _decode_kernel)
     tile = state_ptr + slot * stride_ss + h * stride_sh + p[:, None] * stride_sp + n[None, :]
-    pn_mask = p_mask[:, None] & n_mask[None, :]
-    state = tl.load(tile, mask=pn_mask & keep_state, other=0.0)  # (BLOCK_P, BLOCK_N)
-    state = state * decay + (dt * x)[:, None] * b[None, :]
-    tl.store(tile, state, mask=pn_mask)
-    y = tl.sum(state * c[None, :], axis=1)  # (BLOCK_P,)
+    y = ssd_decode_step(
+        x, b, c, tl.load(dt_ptr + row * stride_dtt + h).to(tl.float32), tl.load(dt_bias_ptr + h),
+        tl.load(a_log_ptr + h), dt_min, dt_max, tile, p_mask[:, None] & n_mask[None, :], keep_state,
+    )
     tl.store(y_ptr + row * stride_yt + h * stride_yh + p, y, mask=p_mask)
 
 

@@ -182,6 +182,29 @@ def ssd_prefill_scan(
 
 
 @triton.jit
+def ssd_decode_step(
+    x, b, c,  # (BLOCK_P,) the token's x slice of one head, (BLOCK_N,) its group's B and C; fp32
+    dt_raw, dt_bias, a_log,  # the head's raw dt, dt_bias and A_log, fp32 scalars
+    dt_min, dt_max,
+    tile, tile_mask,  # (BLOCK_P, BLOCK_N) pointers into the head's fp32 state (P rows, N columns)
+    keep_state,  # False: the old state reads as zeros
+):
+    """One SSD step of a head's BLOCK_P state rows, in place: dt = clamp(softplus(dt_raw +
+    dt_bias)) (F.softplus, threshold 20), A = -exp(A_log), state = exp(dt A) state + dt x B^T,
+    y = state C. Returns y (BLOCK_P,) fp32. The one definition of the step for _decode_kernel
+    and mamba_decode.py's fused kernel."""
+    dt = dt_raw + dt_bias
+    dt = tl.where(dt > 20.0, dt, libdevice.log1p(tl.exp(dt)))
+    dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
+    a = -tl.exp(a_log)
+    decay = tl.exp(dt * a)
+    state = tl.load(tile, mask=tile_mask & keep_state, other=0.0)
+    state = state * decay + (dt * x)[:, None] * b[None, :]
+    tl.store(tile, state, mask=tile_mask)
+    return tl.sum(state * c[None, :], axis=1)
+
+
+@triton.jit
 def _decode_kernel(
     x_ptr, stride_xt, stride_xh,  # (T, H, P), unit P stride
     dt_ptr, stride_dtt,  # (T, H): raw dt (in_proj's columns, before bias and softplus)
@@ -208,21 +231,13 @@ def _decode_kernel(
     g = h // heads_per_group
 
     x = tl.load(x_ptr + row * stride_xt + h * stride_xh + p, mask=p_mask, other=0.0).to(tl.float32)
-    dt = tl.load(dt_ptr + row * stride_dtt + h).to(tl.float32)
-    # dt = clamp(softplus(dt_raw + dt_bias)), A = -exp(A_log), as scan_inputs
-    dt += tl.load(dt_bias_ptr + h)
-    dt = tl.where(dt > 20.0, dt, libdevice.log1p(tl.exp(dt)))  # F.softplus, threshold 20
-    dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
-    a = -tl.exp(tl.load(a_log_ptr + h))
-    decay = tl.exp(dt * a)
     b = tl.load(b_ptr + row * stride_bt + g * stride_bg + n, mask=n_mask, other=0.0).to(tl.float32)
     c = tl.load(c_ptr + row * stride_ct + g * stride_cg + n, mask=n_mask, other=0.0).to(tl.float32)
     tile = state_ptr + slot * stride_ss + h * stride_sh + p[:, None] * stride_sp + n[None, :]
-    pn_mask = p_mask[:, None] & n_mask[None, :]
-    state = tl.load(tile, mask=pn_mask & keep_state, other=0.0)  # (BLOCK_P, BLOCK_N)
-    state = state * decay + (dt * x)[:, None] * b[None, :]
-    tl.store(tile, state, mask=pn_mask)
-    y = tl.sum(state * c[None, :], axis=1)  # (BLOCK_P,)
+    y = ssd_decode_step(
+        x, b, c, tl.load(dt_ptr + row * stride_dtt + h).to(tl.float32), tl.load(dt_bias_ptr + h),
+        tl.load(a_log_ptr + h), dt_min, dt_max, tile, p_mask[:, None] & n_mask[None, :], keep_state,
+    )
     tl.store(y_ptr + row * stride_yt + h * stride_yh + p, y, mask=p_mask)
 
 
