@@ -37,8 +37,8 @@ def routes_to_skinny(
 ) -> bool:
     """The routing rule of `linear` (and, gated, of RowParallelLinear.supports_gated): True for
     a one-row x on CUDA whose operands engine/kernels/gpu/skinny_gemm.py supports (gated: x is
-    the (1, 2K) [gate | up] row); those run there, everything else runs F.linear. The checks are made here once, so callers launch
-    the kernel unchecked."""
+    the (1, 2K) [gate | up] row); those run there, everything else runs F.linear. The checks
+    are made here once, so callers launch the kernel unchecked."""
     if not (x.is_cuda and x.shape[0] == 1):
         return False
     from engine.kernels.gpu.skinny_gemm import supports
