@@ -22,8 +22,8 @@ def _silu_and_mul_kernel(
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    wait_for_previous(USE_PDL)
     release_next(USE_PDL)
+    wait_for_previous(USE_PDL)
     t = tl.program_id(0)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = i < I

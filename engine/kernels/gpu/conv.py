@@ -33,8 +33,8 @@ def _conv_kernel(
     BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    wait_for_previous(USE_PDL)
     release_next(USE_PDL)
+    wait_for_previous(USE_PDL)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     t_mask, c_mask = t < T, c < C
@@ -78,8 +78,8 @@ def _state_kernel(
     KM1: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_C: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    wait_for_previous(USE_PDL)
     release_next(USE_PDL)
+    wait_for_previous(USE_PDL)
     s = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     j = tl.arange(0, BLOCK_J)

@@ -32,8 +32,8 @@ def _add_rms_norm_kernel(
     HAS_DELTA: tl.constexpr, BLOCK_D: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    wait_for_previous(USE_PDL)
     release_next(USE_PDL)
+    wait_for_previous(USE_PDL)
     t = tl.program_id(0)
     d = tl.arange(0, BLOCK_D)
     mask = d < D
@@ -100,8 +100,8 @@ def _gated_rms_norm_kernel(
     HAS_SKIP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    wait_for_previous(USE_PDL)
     release_next(USE_PDL)
+    wait_for_previous(USE_PDL)
     t, g = tl.program_id(0), tl.program_id(1)
     i = tl.arange(0, BLOCK)
     mask = i < group_size

@@ -32,8 +32,8 @@ def _write_kv_kernel(
     slots_ptr,  # (T,)
     WIDTH: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    wait_for_previous(USE_PDL)
     release_next(USE_PDL)
+    wait_for_previous(USE_PDL)
     t = tl.program_id(0)
     e = tl.arange(0, BLOCK)
     mask = e < WIDTH
@@ -81,8 +81,8 @@ def _paged_decode_kernel(
     KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    wait_for_previous(USE_PDL)
     release_next(USE_PDL)
+    wait_for_previous(USE_PDL)
     i, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     row = tl.load(rows_ptr + i)
     seq_len = tl.load(seq_lens_ptr + i)
@@ -134,8 +134,8 @@ def _decode_combine_kernel(
     HEAD_DIM: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    wait_for_previous(USE_PDL)
     release_next(USE_PDL)
+    wait_for_previous(USE_PDL)
     i, head = tl.program_id(0), tl.program_id(1)
     d = tl.arange(0, HEAD_DIM)
     ml = ml_ptr + i * stride_ml_t + head * 2
@@ -225,8 +225,8 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    wait_for_previous(USE_PDL)
     release_next(USE_PDL)
+    wait_for_previous(USE_PDL)
     m_block, head = tl.program_id(0), tl.program_id(2)
     s, split = tl.program_id(1) // num_splits, tl.program_id(1) % num_splits
     q_len = tl.load(lens_ptr + s)
@@ -289,8 +289,8 @@ def _combine_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    wait_for_previous(USE_PDL)
     release_next(USE_PDL)
+    wait_for_previous(USE_PDL)
     m_block, s, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_len = tl.load(lens_ptr + s)
     if m_block * BLOCK_M < q_len:

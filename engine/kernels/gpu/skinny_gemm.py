@@ -21,8 +21,9 @@ for silu_and_mul then skinny_linear (benchmarks/results/skinny_gemm_20261202_gat
 When it is used: decode steps at batch size 1, where every linear layer sees one row. There
 the GEMM does one multiply-add per weight element loaded, so its time is the time to read the
 weight once. engine/layers/parallel_linear.py:linear sends every single row of the model's
-linear layers here and everything else to F.linear (the LM head, eager after the decode
-graph, stays on F.linear: engine/layers/vocab_parallel.py); `supports(x, weight, bias)` says whether the operands fit.
+linear layers here and everything else to F.linear (the LM head stays on F.linear:
+engine/layers/vocab_parallel.py says why); `supports(x, weight, bias)` says whether the
+operands fit.
 engine/layers/mlp.py:GatedMLP.forward_gpu sends the MLP's single [gate | up] row to the gated
 variant under the same rule (RowParallelLinear.forward_gated). A caller that has checked it
 launches through `skinny_linear_unchecked` (skinny_linear checks again). Measured on the H200
@@ -52,6 +53,9 @@ Design (every weight byte is read exactly once, in wide loads along K):
 - the grid is cdiv(N, BLOCK_N) programs, each reading whole weight rows (K is not split):
   BLOCK_N of 4-32 gives 64-512 programs for N = 2048, 128 for N = 512 at BLOCK_N 4, on the
   H200's 132 SMs;
+- with PDL each program first asks L2 for its weight rows (engine/kernels/gpu/pdl.py:
+  prefetch_l2), then waits for the kernel that writes x: the weight stream starts while the
+  small kernels ahead of the GEMM (norms, the Mamba mixer) still run;
 - BLOCK_N, BLOCK_K, num_warps and num_stages are tuned with @triton.autotune over CONFIGS,
   keyed on (N, K, GATED) and the dtypes (the gated variant is tuned on its own). Every config
   keeps 32 fp32 accumulators per thread and at most 48 KiB of weight tiles in flight per
@@ -76,9 +80,12 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.gpu.pdl import launch_options, release_next, wait_for_previous
+from engine.kernels.gpu.pdl import launch_options, prefetch_l2, release_next, wait_for_previous
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Whether a launch with PDL asks L2 for the program's weight rows before its wait (read at
+# each launch; benchmarks/gpu_roofline.py turns it off for one comparison capture).
+PREFETCH_WEIGHTS = True
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -138,15 +145,21 @@ def _row_kernel(
     b_ptr,  # (N,) or a placeholder when HAS_BIAS is False
     y_ptr,  # (1, N) contiguous
     N, K,
-    HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
+    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, PREFETCH: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """Program i computes y[0, i*BLOCK_N : (i+1)*BLOCK_N]; GATED: of x = silu(gate) * up, each
-    x slice computed from gate and up as it is loaded (every program computes the whole x)."""
-    wait_for_previous(USE_PDL)
+    x slice computed from gate and up as it is loaded (every program computes the whole x).
+    With PDL and PREFETCH the program asks L2 for its weight rows (one contiguous range)
+    before it waits for the kernel that writes x."""
     release_next(USE_PDL)
-    features = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    first_feature = tl.program_id(0) * BLOCK_N
+    rows_here = tl.minimum(N - first_feature, BLOCK_N)
+    prefetch_l2(w_ptr + first_feature.to(tl.int64) * K,
+                rows_here * K * (w_ptr.dtype.element_ty.primitive_bitwidth // 8), USE_PDL and PREFETCH)
+    wait_for_previous(USE_PDL)
+    features = first_feature + tl.arange(0, BLOCK_N)
     feature_ok = features < N
     w_rows = w_ptr + features.to(tl.int64)[:, None] * K
     offs_k = tl.arange(0, BLOCK_K)
@@ -255,10 +268,13 @@ def skinny_linear_unchecked(
     args = (x, weight, bias if bias is not None else out, out, features, depth)
     grid = lambda meta: (triton.cdiv(features, meta["BLOCK_N"]),)  # noqa: E731
     if config is None:
-        _tuned_row_kernel[grid](*args, HAS_BIAS=bias is not None, GATED=gated, **launch_options())
+        _tuned_row_kernel[grid](
+            *args, HAS_BIAS=bias is not None, GATED=gated, PREFETCH=PREFETCH_WEIGHTS, **launch_options(),
+        )
     else:
         _row_kernel[grid](
-            *args, HAS_BIAS=bias is not None, GATED=gated, **config.as_triton().all_kwargs(),
+            *args, HAS_BIAS=bias is not None, GATED=gated, PREFETCH=PREFETCH_WEIGHTS,
+            **config.as_triton().all_kwargs(),
             **launch_options(),
         )
     return out

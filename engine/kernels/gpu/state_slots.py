@@ -32,8 +32,8 @@ def _gather_kernel(
     E,
     BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    wait_for_previous(USE_PDL)
     release_next(USE_PDL)
+    wait_for_previous(USE_PDL)
     s = tl.program_id(0)
     e = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = e < E
@@ -51,8 +51,8 @@ def _scatter_kernel(
     E,
     BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    wait_for_previous(USE_PDL)
     release_next(USE_PDL)
+    wait_for_previous(USE_PDL)
     s = tl.program_id(0)
     e = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = e < E
