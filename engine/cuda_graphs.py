@@ -9,10 +9,14 @@ then launches every kernel of the pass at once. Rows n..b-1 are padding: they re
 the scratch KV block, which the worker allocates beyond what the scheduler may hand out, so a
 padded replay changes exactly the caches an eager step of the same n chunks changes.
 
+The graph ends with the LM head (model.compute_logits), so a step's only work after the
+replay is sampling: the LM head's launch, scaling and dtype conversion leave the host's path
+between the replay and the read-back of the sampled tokens.
+
 Everything the graphs touch is captured by address: the weights and the cache tensors must not
 be replaced after capture (the caches are only ever written in place).
 
-Shapes: Bmax the largest captured size, M block-table width, D hidden size.
+Shapes: Bmax the largest captured size, M block-table width, D hidden size, V vocabulary.
 """
 
 from __future__ import annotations
@@ -142,7 +146,8 @@ class DecodeGraphRunner:
         self._copied = torch.cuda.Event()  # the last staging copy has left the host buffer
         self._copied.record()
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[int, torch.Tensor] = {}  # size -> (b, D) hidden, in the graph pool
+        # size -> ((b, D) hidden, (b, V) fp32 logits), in the graph pool
+        self._outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._pool = None
         self.replays = 0  # decode steps served by a graph (for tests and benchmarks)
         self.capture_seconds = 0.0  # wall time of capture(), warm-up runs included
@@ -183,9 +188,10 @@ class DecodeGraphRunner:
         table = self._inputs[num_fields * self.max_batch :].view(self.max_batch, self.max_blocks)
         return (*(fields[f, :size] for f in range(num_fields)), table[:size])
 
-    def _forward(self, size: int) -> torch.Tensor:
+    def _forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The model's forward over the static inputs of `size` rows, with a decode plan built
-        on those buffers instead of copied from the host. Returns (size, D)."""
+        on those buffers instead of copied from the host, then the LM head. Returns hidden
+        (size, D) and logits (size, V) fp32."""
         ids, positions, kv_slots, state_slots, reset, seq_lens, table = self._views(size)
         model = self.model
         batch = ForwardBatch(
@@ -193,11 +199,13 @@ class DecodeGraphRunner:
             cu_seqlens=tuple(range(size + 1)),
         )
         plan = decode_only_plan(state_slots, reset, seq_lens, table, self._arange)
-        return model(batch, self.caches, gpu_plan=plan)
+        hidden = model(batch, self.caches, gpu_plan=plan)
+        return hidden, model.compute_logits(hidden)
 
-    def forward(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+    def forward(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step of the chunks (accepts() must hold): the same cache writes as the
-        eager pass, returns hidden (n, D), a fresh tensor (row i = chunk i)."""
+        eager pass. Returns hidden (n, D), a fresh tensor, and logits (n, V) fp32, a view of
+        the graph's output that the next forward overwrites (row i = chunk i in both)."""
         size = next(s for s in self.batch_sizes if s >= len(chunks))
         self._copied.synchronize()  # usually long done: the last step read its sampled tokens
         self._staging.stage(chunks, size)
@@ -206,7 +214,8 @@ class DecodeGraphRunner:
         self._copied.record()
         self._graphs[size].replay()
         self.replays += 1
-        return self._outputs[size][: len(chunks)].clone()
+        hidden, logits = self._outputs[size]
+        return hidden[: len(chunks)].clone(), logits[: len(chunks)]
 
 
 __all__ = ["DecodeGraphRunner", "DecodeInputStaging", "decode_batch_sizes"]

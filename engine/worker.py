@@ -45,21 +45,21 @@ class CacheCapacity:
 
 
 @dataclass(frozen=True)
-class HiddenRow:
-    """A request's last hidden row: row `index` of `rows` (n, D), the step's output it came
-    from, kept by reference so a step of n requests does not slice n rows it mostly never
-    needs alone (only a capture does)."""
+class RowRef:
+    """Row `index` of `rows` (n, W), a step's output: a request's last hidden row (W = D) or
+    its logits (W = V), kept by reference so a step of n requests does not slice n rows it
+    mostly never needs alone (only a capture does)."""
 
     rows: torch.Tensor
     index: int
 
     def row(self) -> torch.Tensor:
-        """(D,)"""
+        """(W,)"""
         return self.rows[self.index]
 
 
-def gather_rows(refs: list[HiddenRow]) -> torch.Tensor:
-    """(len(refs), D): the referenced rows in order. A decode step samples every row of its
+def gather_rows(refs: list[RowRef]) -> torch.Tensor:
+    """(len(refs), W): the referenced rows in order. A decode step samples every row of its
     output in order: that tensor itself, with no launch; rows of one tensor: one gather (its
     index list copied to the device first); otherwise one stack."""
     source = refs[0].rows
@@ -102,7 +102,7 @@ class Worker:
         self.sampler = Sampler(seed=config.seed, device=self.device)
         self.checkpoints = CheckpointStore(self.caches)
         # Last hidden row of every request the previous step touched: what a capture saves.
-        self._last_hidden: dict[str, HiddenRow] = {}
+        self._last_hidden: dict[str, RowRef] = {}
 
     def cache_capacity(self) -> CacheCapacity:
         return self.capacity
@@ -130,18 +130,20 @@ class Worker:
                 hidden_row.row(),
             )
             output.confirmed_captures[capture.bundle_id] = frozenset({self.rank})
-        last_hidden: dict[str, HiddenRow] = {}
+        last_hidden: dict[str, RowRef] = {}
         for restore in scheduler_output.restores:
             restored = self.checkpoints.restore(restore.bundle_id, restore.state_slot, restore.tail_block)
-            last_hidden[restore.request_id] = HiddenRow(restored[None], 0)
+            last_hidden[restore.request_id] = RowRef(restored[None], 0)
         computed = [chunk for chunk in scheduler_output.chunks if chunk.token_ids]
         in_pass = [capture for capture in scheduler_output.captures if capture.in_pass]
+        step_logits: dict[str, RowRef] = {}  # logits rows this step's forward computed
         if computed and self.decode_graphs is not None and self.decode_graphs.accepts(computed):
-            hidden = self.decode_graphs.forward(computed)  # (n, D), row i = chunk i
+            hidden, logits = self.decode_graphs.forward(computed)  # (n, D), (n, V); row i = chunk i
             for i, chunk in enumerate(computed):
-                last_hidden[chunk.request_id] = HiddenRow(hidden, i)
+                last_hidden[chunk.request_id] = RowRef(hidden, i)
+                step_logits[chunk.request_id] = RowRef(logits, i)
         elif computed and not in_pass and self.prefill_graphs is not None and self.prefill_graphs.accepts(computed):
-            last_hidden[computed[0].request_id] = HiddenRow(self.prefill_graphs.forward(computed[0])[None], 0)
+            last_hidden[computed[0].request_id] = RowRef(self.prefill_graphs.forward(computed[0])[None], 0)
         elif computed:
             batch = build_forward_batch(computed, self.capacity.block_size, self.device)
             if in_pass:
@@ -149,7 +151,7 @@ class Worker:
             else:
                 hidden = self.model(batch, self.caches)  # (T, D)
             for chunk, end in zip(computed, batch.cu_seqlens[1:]):
-                last_hidden[chunk.request_id] = HiddenRow(hidden, end - 1)
+                last_hidden[chunk.request_id] = RowRef(hidden, end - 1)
         self._last_hidden = last_hidden
 
         for chunk in scheduler_output.chunks:
@@ -157,8 +159,12 @@ class Worker:
                 output.hidden_rows[chunk.request_id] = last_hidden[chunk.request_id].row().float().cpu()
         sampled = [chunk for chunk in scheduler_output.chunks if chunk.sample]
         if sampled:
-            rows = gather_rows([last_hidden[chunk.request_id] for chunk in sampled])
-            output.sampled_token_ids = self._sample(sampled, self.model.compute_logits(rows), output)
+            if all(chunk.request_id in step_logits for chunk in sampled):
+                logits = gather_rows([step_logits[chunk.request_id] for chunk in sampled])
+            else:
+                rows = gather_rows([last_hidden[chunk.request_id] for chunk in sampled])
+                logits = self.model.compute_logits(rows)
+            output.sampled_token_ids = self._sample(sampled, logits, output)
         output.worker_seconds = time.perf_counter() - started
         return output
 

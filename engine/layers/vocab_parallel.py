@@ -64,9 +64,10 @@ def vocab_parallel_logits(
     tp: TensorParallel,
 ) -> torch.Tensor:
     """(n, vocab) logits in the weight's dtype, gathered from every rank's rows. F.linear
-    even for one row: the LM head runs eagerly after the decode graph, where the single-row
-    GEMM's 3.5 us kernel gain (benchmarks/results/skinny_gemm_20261202_pdl.json) does not pay
-    for its launch through Triton's autotuner."""
+    even for one row: the single-row GEMM would gain 3.5 us of kernel time
+    (benchmarks/results/skinny_gemm_20261202_pdl.json), but eager callers (the sampled row of a
+    prefill step) would pay for its launch through Triton's autotuner; the decode graphs
+    capture this call (engine/cuda_graphs.py)."""
     local = F.linear(hidden, weight)  # (n, local rows)
     if tp.world_size == 1:
         return local

@@ -2,7 +2,7 @@
 
 Two copies of the same caches, filled by the same eager prefill: one then decodes eagerly, the
 other through DecodeGraphRunner, for batch sizes on and between the captured sizes. Hidden
-states, logits and greedy tokens must agree, every real state slot and KV block must hold the
+states, logits (the graph's own LM head against the eager one) and greedy tokens must agree, every real state slot and KV block must hold the
 same values, and slots and blocks of requests outside the batch must be bit-for-bit untouched
 (padding rows write only the scratch slot and block).
 """
@@ -100,9 +100,9 @@ def test_graph_decode_matches_eager(dtype, tol):
         with torch.inference_mode():
             h_eager = model(build_forward_batch(chunks, BLOCK_SIZE, device), eager)
             assert runner.accepts(chunks)
-            h_graph = runner.forward(chunks)
-            l_eager, l_graph = model.compute_logits(h_eager), model.compute_logits(h_graph)
-        assert h_graph.shape == h_eager.shape
+            h_graph, l_graph = runner.forward(chunks)  # the LM head ran inside the graph
+            l_eager = model.compute_logits(h_eager)
+        assert h_graph.shape == h_eager.shape and l_graph.shape == l_eager.shape
         assert relative_error(h_graph, h_eager) < tol, f"step {step} (n={n}) hidden"
         assert relative_error(l_graph, l_eager) < tol, f"step {step} (n={n}) logits"
         top2 = l_eager.topk(2, dim=-1).values

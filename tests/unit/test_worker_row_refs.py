@@ -1,26 +1,26 @@
-"""engine/worker.py's hidden-row references: what a step samples from and what a capture saves."""
+"""engine/worker.py's row references (RowRef): what a step samples from and what a capture saves."""
 
 from __future__ import annotations
 
 import torch
 
-from engine.worker import HiddenRow, gather_rows
+from engine.worker import RowRef, gather_rows
 
 
 def test_all_rows_in_order_are_the_step_output_itself():
     hidden = torch.randn(4, 8)
-    rows = gather_rows([HiddenRow(hidden, i) for i in range(4)])
+    rows = gather_rows([RowRef(hidden, i) for i in range(4)])
     assert rows is hidden  # no copy, no launch
 
 
 def test_some_rows_of_one_output_are_gathered_in_order():
     hidden = torch.randn(5, 8)
-    rows = gather_rows([HiddenRow(hidden, i) for i in (3, 0, 4)])
+    rows = gather_rows([RowRef(hidden, i) for i in (3, 0, 4)])
     assert torch.equal(rows, hidden[[3, 0, 4]])
 
 
 def test_rows_of_several_outputs_are_stacked():
     decoded, restored = torch.randn(3, 8), torch.randn(8)
-    refs = [HiddenRow(decoded, 2), HiddenRow(restored[None], 0), HiddenRow(decoded, 0)]
+    refs = [RowRef(decoded, 2), RowRef(restored[None], 0), RowRef(decoded, 0)]
     assert torch.equal(gather_rows(refs), torch.stack([decoded[2], restored, decoded[0]]))
     assert torch.equal(refs[1].row(), restored)
