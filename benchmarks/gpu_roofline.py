@@ -207,7 +207,31 @@ def profile_step(worker: Worker, step: SchedulerOutput, top: int = 8) -> dict:
     launches = sum(k[2] for k in kernels)
     return {"wall_s": wall, "gpu_kernel_s": gpu, "gpu_share": gpu / wall, "kernel_launches": launches,
             "gpu_span_s": _kernel_span(prof),
-            "top": [{"kernel": k[0][:90], "seconds": k[1], "count": k[2]} for k in kernels[:top]]}
+            "top": [{"kernel": k[0][:90], "seconds": k[1], "count": k[2]} for k in kernels[:top]],
+            "critical_path": _critical_path(prof)[:top]}
+
+
+def _critical_path(prof) -> list[dict]:
+    """What each kernel adds to the GPU timeline, summed by kernel name, largest first: kernels
+    in order of their end, each charged the time from the previous kernel's end to its own
+    (the first its whole duration). The charges add up to the first-to-last span. Unlike
+    kernel durations this stays meaningful under PDL, where a kernel starts early and its
+    duration includes the wait for its predecessor."""
+    kernels = sorted(
+        (e.time_range.end, e.time_range.start, e.name)
+        for e in prof.events()
+        if str(getattr(e, "device_type", "")).endswith("CUDA") and e.time_range.end > e.time_range.start
+    )
+    charged: dict[str, list] = {}
+    previous_end = None
+    for end, start, name in kernels:
+        seconds = (end - (start if previous_end is None else previous_end)) / 1e6
+        entry = charged.setdefault(name[:90], [0.0, 0])
+        entry[0] += max(seconds, 0.0)
+        entry[1] += 1
+        previous_end = end
+    ranked = sorted(charged.items(), key=lambda item: -item[1][0])
+    return [{"kernel": name, "seconds": seconds, "count": count} for name, (seconds, count) in ranked]
 
 
 def _kernel_span(prof) -> float | None:
@@ -321,6 +345,55 @@ def graph_replay_seconds(worker: Worker, batch: int, replays: int = 20) -> float
     return sorted(times)[len(times) // 2]
 
 
+def launch_variants(worker: Worker, request: int, position: int, blocks_per_seq: int,
+                    steps: int = 30) -> list[dict]:
+    """The batch-1 decode graph captured afresh three ways, each replayed `steps` times on
+    request `request` (decoding on from `position`): PDL with the single-row GEMM's L2 weight
+    prefetch (the engine's default), PDL without the prefetch, and no PDL
+    (engine/kernels/gpu/pdl.py, engine/kernels/gpu/skinny_gemm.py:PREFETCH_WEIGHTS). Each row:
+    median host seconds of DecodeGraphRunner.forward (staging, the input copy and the replay's
+    submission; no wait) and median GPU seconds from an event before it to one after it
+    (the replay, plus whatever time the GPU waited for the submission)."""
+    from engine.cuda_graphs import DecodeGraphRunner
+    from engine.kernels.gpu import pdl, skinny_gemm
+
+    graphs = worker.decode_graphs
+    if graphs is None:
+        return []
+    default_enabled, default_prefetch = pdl.enabled, skinny_gemm.PREFETCH_WEIGHTS
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    rows = []
+    try:
+        for name, use_pdl, prefetch in (("PDL + weight prefetch", default_enabled(), True),
+                                        ("PDL, no prefetch", default_enabled(), False),
+                                        ("no PDL", False, False)):
+            pdl.enabled = lambda on=use_pdl: on  # read by launch_options() at every launch
+            skinny_gemm.PREFETCH_WEIGHTS = prefetch
+            runner = DecodeGraphRunner(
+                worker.model, worker.caches, (1,), graphs.max_blocks,
+                scratch_slot=worker.capacity.num_state_slots, scratch_block=worker.capacity.num_blocks,
+            )
+            runner.capture()
+            host, gpu = [], []
+            for _ in range(steps):
+                step = [chunk(request, (5,), position, blocks_per_seq, False)]
+                position += 1
+                torch.cuda.synchronize()
+                start.record()
+                t0 = time.perf_counter()
+                runner.forward(step)
+                host.append(time.perf_counter() - t0)
+                end.record()
+                torch.cuda.synchronize()
+                gpu.append(start.elapsed_time(end) / 1e3)
+            rows.append({"name": name, "host_submit_s": sorted(host)[steps // 2],
+                         "gpu_s": sorted(gpu)[steps // 2], "capture_s": runner.capture_seconds})
+            del runner
+    finally:
+        pdl.enabled, skinny_gemm.PREFETCH_WEIGHTS = default_enabled, default_prefetch
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="benchmarks/results/gpu_roofline.json")
@@ -405,6 +478,9 @@ def main() -> None:
         worker.decode_graphs = graphs
         if graphs is not None:
             report["decode_graph_replays"] = graphs.replays
+        # batch 1's request after bench_decode (24 steps) and host_profile (10)
+        report["batch1_launch_variants"] = launch_variants(worker, 1, args.context + 34, blocks_per_seq)
+        print(f"launch variants done ({time.perf_counter() - t_start:.0f}s)", flush=True)
         report["rows"] = rows
     report["wall_seconds"] = time.perf_counter() - t_start
 
@@ -418,6 +494,10 @@ def main() -> None:
         if "graph_replay_seconds" in r:
             print(f"{r['name']}: the graph replay alone {r['graph_replay_seconds'] * 1e3:.3f} ms of the "
                   f"{r['seconds'] * 1e3:.3f} ms step")
+    if report.get("batch1_launch_variants"):
+        print(f"\n{'decode batch 1 graph, captured as':<28}{'host submit ms':>16}{'GPU ms':>10}")
+        for v in report["batch1_launch_variants"]:
+            print(f"{v['name']:<28}{v['host_submit_s'] * 1e3:>16.3f}{v['gpu_s'] * 1e3:>10.3f}")
     for r in rows:
         if "host_profile" in r:
             print(f"\n{r['name']}, host side:")
@@ -431,6 +511,10 @@ def main() -> None:
               f"({prof['gpu_share']:.0%}){span}, {prof['kernel_launches']} launches")
         for k in prof["top"]:
             print(f"  {k['seconds'] * 1e3:8.3f} ms {k['count']:5d}x  {k['kernel']}")
+        if r["name"].startswith("decode"):
+            print("  critical path (time each kernel adds after the previous one ends):")
+            for k in prof["critical_path"]:
+                print(f"  {k['seconds'] * 1e3:8.3f} ms {k['count']:5d}x  {k['kernel']}")
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(f"wrote {args.out}")
 
