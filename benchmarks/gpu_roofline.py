@@ -348,9 +348,10 @@ def graph_replay_seconds(worker: Worker, batch: int, replays: int = 20) -> float
 def launch_variants(worker: Worker, request: int, position: int, blocks_per_seq: int,
                     steps: int = 30) -> list[dict]:
     """The batch-1 decode graph captured afresh three ways, each replayed `steps` times on
-    request `request` (decoding on from `position`): PDL with the single-row GEMM's L2 weight
-    prefetch (the engine's default), PDL without the prefetch, and no PDL
-    (engine/kernels/gpu/pdl.py, engine/kernels/gpu/skinny_gemm.py:PREFETCH_WEIGHTS). Each row:
+    request `request` (decoding on from `position`): PDL with the single-row GEMM loading its
+    first weight tile before its wait (the engine's default), PDL with every weight load after
+    the wait, and no PDL (engine/kernels/gpu/pdl.py,
+    engine/kernels/gpu/skinny_gemm.py:PRELOAD_FIRST_TILE). Each row:
     median host seconds of DecodeGraphRunner.forward (staging, the input copy and the replay's
     submission; no wait) and median GPU seconds from an event before it to one after it
     (the replay, plus whatever time the GPU waited for the submission)."""
@@ -360,15 +361,15 @@ def launch_variants(worker: Worker, request: int, position: int, blocks_per_seq:
     graphs = worker.decode_graphs
     if graphs is None:
         return []
-    default_enabled, default_prefetch = pdl.enabled, skinny_gemm.PREFETCH_WEIGHTS
+    default_enabled, default_preload = pdl.enabled, skinny_gemm.PRELOAD_FIRST_TILE
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     rows = []
     try:
-        for name, use_pdl, prefetch in (("PDL + weight prefetch", default_enabled(), True),
-                                        ("PDL, no prefetch", default_enabled(), False),
-                                        ("no PDL", False, False)):
+        for name, use_pdl, preload in (("PDL, first weight tile early", default_enabled(), True),
+                                       ("PDL, weights after the wait", default_enabled(), False),
+                                       ("no PDL", False, False)):
             pdl.enabled = lambda on=use_pdl: on  # read by launch_options() at every launch
-            skinny_gemm.PREFETCH_WEIGHTS = prefetch
+            skinny_gemm.PRELOAD_FIRST_TILE = preload
             runner = DecodeGraphRunner(
                 worker.model, worker.caches, (1,), graphs.max_blocks,
                 scratch_slot=worker.capacity.num_state_slots, scratch_block=worker.capacity.num_blocks,
@@ -390,7 +391,7 @@ def launch_variants(worker: Worker, request: int, position: int, blocks_per_seq:
                          "gpu_s": sorted(gpu)[steps // 2], "capture_s": runner.capture_seconds})
             del runner
     finally:
-        pdl.enabled, skinny_gemm.PREFETCH_WEIGHTS = default_enabled, default_prefetch
+        pdl.enabled, skinny_gemm.PRELOAD_FIRST_TILE = default_enabled, default_preload
     return rows
 
 
@@ -495,9 +496,9 @@ def main() -> None:
             print(f"{r['name']}: the graph replay alone {r['graph_replay_seconds'] * 1e3:.3f} ms of the "
                   f"{r['seconds'] * 1e3:.3f} ms step")
     if report.get("batch1_launch_variants"):
-        print(f"\n{'decode batch 1 graph, captured as':<28}{'host submit ms':>16}{'GPU ms':>10}")
+        print(f"\n{'decode batch 1 graph, captured as':<34}{'host submit ms':>16}{'GPU ms':>10}")
         for v in report["batch1_launch_variants"]:
-            print(f"{v['name']:<28}{v['host_submit_s'] * 1e3:>16.3f}{v['gpu_s'] * 1e3:>10.3f}")
+            print(f"{v['name']:<34}{v['host_submit_s'] * 1e3:>16.3f}{v['gpu_s'] * 1e3:>10.3f}")
     for r in rows:
         if "host_profile" in r:
             print(f"\n{r['name']}, host side:")

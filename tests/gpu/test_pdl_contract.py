@@ -1,9 +1,12 @@
 """engine/kernels/gpu/pdl.py's contract, checked in the PTX the compiler emitted for every
 kernel a model's forward pass compiled: with PDL, a kernel first releases its successor
-(griddepcontrol.launch_dependents), then touches no global or shared memory (L2 prefetches
-aside) until it waits for its predecessor (griddepcontrol.wait). A load or store hoisted
-above the wait would read what the previous kernel has not yet written: a race that numeric
-tests catch only by luck.
+(griddepcontrol.launch_dependents), then touches no global or shared memory until it waits
+for its predecessor (griddepcontrol.wait). A load or store hoisted above the wait would read
+what the previous kernel has not yet written: a race that numeric tests catch only by luck.
+
+One exception, by design: the single-row GEMM loads its first weight tile before the wait
+(weights are never written by the pass). PTX does not say which tensor a load reads, so for
+it the check is narrower: loads only, no store, atomic or asynchronous copy before the wait.
 """
 
 from __future__ import annotations
@@ -28,14 +31,19 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, re
 MEMORY_ACCESS = re.compile(r"^\s*(@!?%p\d+\s+)?(ld|st|atom|red|cp\.async|cp\.reduce)\.")
 
 
-def _accesses_before_wait(ptx: str) -> list[str]:
+# kernels that load weights before their wait (the module docstring says why)
+LOADS_WEIGHTS_BEFORE_WAIT = {"skinny_gemm._row_kernel", "skinny_gemm._tuned_row_kernel"}
+
+
+def _accesses_before_wait(ptx: str, loads_allowed: bool = False) -> list[str]:
     """The memory instructions of a kernel's PTX ahead of its griddepcontrol.wait (parameter
-    loads and prefetches are not memory accesses here)."""
+    loads are not memory accesses here; with loads_allowed, global loads are not either)."""
     lines = ptx.splitlines()
     wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
     return [
         line.strip() for line in lines[:wait]
-        if MEMORY_ACCESS.search(line) and "ld.param" not in line and "prefetch" not in line
+        if MEMORY_ACCESS.search(line) and "ld.param" not in line
+        and not (loads_allowed and "ld.global" in line)
     ]
 
 
@@ -101,17 +109,18 @@ def test_every_pdl_kernel_releases_then_waits_before_touching_memory():
             release = ptx.find("griddepcontrol.launch_dependents")
             wait = ptx.find("griddepcontrol.wait")
             assert 0 <= release < wait, f"{name}: launch_dependents must come before the wait"
-            assert _accesses_before_wait(ptx) == [], f"{name} touches memory before its wait"
+            allowed = name in LOADS_WEIGHTS_BEFORE_WAIT
+            assert _accesses_before_wait(ptx, allowed) == [], f"{name} touches memory before its wait"
 
 
 def test_the_checker_sees_a_load_before_the_wait():
-    """The PTX check itself: a global load ahead of the wait is reported, a prefetch is not."""
+    """The PTX check itself: a global load ahead of the wait is reported unless loads are
+    allowed, a store always, a parameter load or anything after the wait never."""
+    load = "@%p1 ld.global.v4.b32 { %r1, %r2, %r3, %r4 }, [ %rd2 + 0 ];"
+    store = "st.global.b16 [ %rd3 + 0 ], { %rs1 };"
     ptx = "\n".join([
-        "griddepcontrol.launch_dependents;",
-        "ld.param.u64 %rd1, [k_param_0];",
-        "prefetch.global.L2 [%rd1];",
-        "@%p1 ld.global.v4.b32 { %r1, %r2, %r3, %r4 }, [ %rd2 + 0 ];",
-        "griddepcontrol.wait;",
-        "st.global.b16 [ %rd3 + 0 ], { %rs1 };",
+        "griddepcontrol.launch_dependents;", "ld.param.u64 %rd1, [k_param_0];", load, store,
+        "griddepcontrol.wait;", store,
     ])
-    assert _accesses_before_wait(ptx) == ["@%p1 ld.global.v4.b32 { %r1, %r2, %r3, %r4 }, [ %rd2 + 0 ];"]
+    assert _accesses_before_wait(ptx) == [load, store]
+    assert _accesses_before_wait(ptx, loads_allowed=True) == [store]

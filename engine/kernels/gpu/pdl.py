@@ -14,14 +14,14 @@ the forward pass launches):
   the next kernel's programs be scheduled as soon as every program of this one has started,
   then `wait_for_previous(USE_PDL)` before its first load or store of anything an earlier
   kernel may have written;
-- between the two it may touch only what no kernel of the pass writes (the weights): the
-  single-row GEMM asks L2 for its weight slice there (`prefetch_l2`), so a chain of small
-  kernels ahead of a GEMM overlaps the GEMM's weight stream instead of idling the memory;
+- between the two it may load only what no kernel of the pass writes (the weights): the
+  single-row GEMM loads its first weight tile there, so its weight stream starts while the
+  kernel ahead of it still runs;
 - its launch passes `**launch_options()`: USE_PDL and Triton's `launch_pdl` option together.
 Every participant waits before it reads or writes a cache or an activation, and a kernel's
 wait returns only once its predecessor has finished (which waited for its own predecessor),
 so the order of memory effects is exactly the stream order; PDL only overlaps launches,
-scheduling and weight prefetches with the kernels before. No deadlock: a kernel is launched
+scheduling and first weight loads with the kernels before. No deadlock: a kernel is launched
 only after every program of its predecessor has started, so the programs that wait never hold
 back one they wait for. Kernels that do not take part (cuBLAS, fla-core, PyTorch) are
 serialised as usual on both sides.
@@ -73,19 +73,3 @@ def release_next(USE_PDL: tl.constexpr):
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
 
-
-@triton.jit
-def prefetch_l2(base, num_bytes, USE_PDL: tl.constexpr, LANES: tl.constexpr = 256):
-    """Ask L2 for the num_bytes bytes from pointer `base` (one PTX prefetch.global.L2 per
-    128-byte line, LANES lines per step), without waiting for them; a no-op without PDL, where
-    there is nothing to overlap (and Triton's interpreter has no inline assembly). For
-    memory no kernel of the pass writes, called between release_next and wait_for_previous.
-    Lines past the range are clamped to its last byte, so nothing outside it is touched."""
-    if USE_PDL:
-        first = base.to(tl.pointer_type(tl.int8))
-        for start in range(0, num_bytes, 128 * LANES):
-            offsets = tl.minimum(start + tl.arange(0, LANES) * 128, num_bytes - 1)
-            tl.inline_asm_elementwise(
-                "prefetch.global.L2 [$1]; // dummy $0", "=r,l", [first + offsets],
-                dtype=tl.int32, is_pure=False, pack=1,
-            )

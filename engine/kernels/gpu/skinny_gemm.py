@@ -53,9 +53,12 @@ Design (every weight byte is read exactly once, in wide loads along K):
 - the grid is cdiv(N, BLOCK_N) programs, each reading whole weight rows (K is not split):
   BLOCK_N of 4-32 gives 64-512 programs for N = 2048, 128 for N = 512 at BLOCK_N 4, on the
   H200's 132 SMs;
-- with PDL each program first asks L2 for its weight rows (engine/kernels/gpu/pdl.py:
-  prefetch_l2), then waits for the kernel that writes x: the weight stream starts while the
-  small kernels ahead of the GEMM (norms, the Mamba mixer) still run;
+- with PDL each program loads its first weight tile before it waits for the kernel that
+  writes x (engine/kernels/gpu/pdl.py allows touching weights there): the weight stream starts
+  while the kernel ahead of the GEMM (a norm, the Mamba mixer) still runs. In the batch-1
+  decode graph of benchmarks/gpu_roofline.py this took the replay from 1.503 to 1.411 ms,
+  where asking L2 for the whole weight slice instead (prefetch.global.L2) made it slower,
+  1.571 ms (gpu_roofline_20261203_session5_variants.json);
 - BLOCK_N, BLOCK_K, num_warps and num_stages are tuned with @triton.autotune over CONFIGS,
   keyed on (N, K, GATED) and the dtypes (the gated variant is tuned on its own). Every config
   keeps 32 fp32 accumulators per thread and at most 48 KiB of weight tiles in flight per
@@ -80,12 +83,13 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.gpu.pdl import launch_options, prefetch_l2, release_next, wait_for_previous
+from engine.kernels.gpu.pdl import launch_options, release_next, wait_for_previous
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# Whether a launch with PDL asks L2 for the program's weight rows before its wait (read at
-# each launch; benchmarks/gpu_roofline.py turns it off for one comparison capture).
-PREFETCH_WEIGHTS = True
+# Whether a program under PDL loads the first BLOCK_K columns of its weight rows before it
+# waits for the kernel that writes x (read at each launch; benchmarks/gpu_roofline.py
+# captures the batch-1 decode graph with and without it to compare).
+PRELOAD_FIRST_TILE = True
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -139,43 +143,51 @@ def _silu_and_mul(gate, up):
 
 
 @triton.jit
+def _x_slice(x_ptr, K, k_idx, k_ok, GATED: tl.constexpr):
+    """x[k_idx] (masked lanes 0); GATED: silu(gate) * up of those columns of [gate | up]."""
+    if GATED:
+        return _silu_and_mul(
+            tl.load(x_ptr + k_idx, mask=k_ok, other=0.0),
+            tl.load(x_ptr + K + k_idx, mask=k_ok, other=0.0),
+        )
+    return tl.load(x_ptr + k_idx, mask=k_ok, other=0.0)
+
+
+@triton.jit
 def _row_kernel(
     x_ptr,  # (1, K), unit K stride; GATED: (1, 2K) = [gate | up], unit stride
     w_ptr,  # (N, K) contiguous
     b_ptr,  # (N,) or a placeholder when HAS_BIAS is False
     y_ptr,  # (1, N) contiguous
     N, K,
-    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, PREFETCH: tl.constexpr,
+    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, PRELOAD: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """Program i computes y[0, i*BLOCK_N : (i+1)*BLOCK_N]; GATED: of x = silu(gate) * up, each
     x slice computed from gate and up as it is loaded (every program computes the whole x).
-    With PDL and PREFETCH the program asks L2 for its weight rows (one contiguous range)
-    before it waits for the kernel that writes x."""
+    With PDL and PRELOAD the program loads the first BLOCK_K columns of its weight rows before
+    it waits for the kernel that writes x, so its weight stream starts while that kernel runs."""
     release_next(USE_PDL)
-    first_feature = tl.program_id(0) * BLOCK_N
-    rows_here = tl.minimum(N - first_feature, BLOCK_N)
-    prefetch_l2(w_ptr + first_feature.to(tl.int64) * K,
-                rows_here * K * (w_ptr.dtype.element_ty.primitive_bitwidth // 8), USE_PDL and PREFETCH)
-    wait_for_previous(USE_PDL)
-    features = first_feature + tl.arange(0, BLOCK_N)
+    features = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     feature_ok = features < N
     w_rows = w_ptr + features.to(tl.int64)[:, None] * K
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+    if USE_PDL and PRELOAD:
+        first_ok = offs_k < K
+        w_first = tl.load(w_rows + offs_k[None, :], mask=feature_ok[:, None] & first_ok[None, :], other=0.0)
+        wait_for_previous(USE_PDL)
+        acc += w_first.to(tl.float32) * _x_slice(x_ptr, K, offs_k, first_ok, GATED).to(tl.float32)[None, :]
+        k_start = BLOCK_K
+    else:
+        wait_for_previous(USE_PDL)
+        k_start = 0
+    for k in tl.range(k_start, K, BLOCK_K, num_stages=STAGES):
         k_idx = k + offs_k
         k_ok = k_idx < K
         w = tl.load(w_rows + k_idx[None, :], mask=feature_ok[:, None] & k_ok[None, :], other=0.0)
-        if GATED:
-            x = _silu_and_mul(
-                tl.load(x_ptr + k_idx, mask=k_ok, other=0.0),
-                tl.load(x_ptr + K + k_idx, mask=k_ok, other=0.0),
-            )
-        else:
-            x = tl.load(x_ptr + k_idx, mask=k_ok, other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        acc += w.to(tl.float32) * _x_slice(x_ptr, K, k_idx, k_ok, GATED).to(tl.float32)[None, :]
     y = tl.sum(acc, axis=1)  # (BLOCK_N,)
     if HAS_BIAS:
         y += tl.load(b_ptr + features, mask=feature_ok, other=0.0).to(tl.float32)
@@ -269,11 +281,11 @@ def skinny_linear_unchecked(
     grid = lambda meta: (triton.cdiv(features, meta["BLOCK_N"]),)  # noqa: E731
     if config is None:
         _tuned_row_kernel[grid](
-            *args, HAS_BIAS=bias is not None, GATED=gated, PREFETCH=PREFETCH_WEIGHTS, **launch_options(),
+            *args, HAS_BIAS=bias is not None, GATED=gated, PRELOAD=PRELOAD_FIRST_TILE, **launch_options(),
         )
     else:
         _row_kernel[grid](
-            *args, HAS_BIAS=bias is not None, GATED=gated, PREFETCH=PREFETCH_WEIGHTS,
+            *args, HAS_BIAS=bias is not None, GATED=gated, PRELOAD=PRELOAD_FIRST_TILE,
             **config.as_triton().all_kwargs(),
             **launch_options(),
         )
