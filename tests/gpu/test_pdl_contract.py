@@ -4,9 +4,10 @@ kernel a model's forward pass compiled: with PDL, a kernel first releases its su
 for its predecessor (griddepcontrol.wait). A load or store hoisted above the wait would read
 what the previous kernel has not yet written: a race that numeric tests catch only by luck.
 
-One exception, by design: the single-row GEMM loads its first weight tile before the wait
-(weights are never written by the pass). PTX does not say which tensor a load reads, so for
-it the check is narrower: loads only, no store, atomic or asynchronous copy before the wait.
+The exceptions, by design: the single-row GEMM loads its first weight tile before the wait,
+and the two norms their weights (weights are never written by the pass). PTX does not say
+which tensor a load reads, so for these the check is narrower: loads only, no store, atomic
+or asynchronous copy before the wait.
 """
 
 from __future__ import annotations
@@ -32,7 +33,10 @@ MEMORY_ACCESS = re.compile(r"^\s*(@!?%p\d+\s+)?(ld|st|atom|red|cp\.async|cp\.red
 
 
 # kernels that load weights before their wait (the module docstring says why)
-LOADS_WEIGHTS_BEFORE_WAIT = {"skinny_gemm._row_kernel", "skinny_gemm._tuned_row_kernel"}
+LOADS_WEIGHTS_BEFORE_WAIT = {
+    "skinny_gemm._row_kernel", "skinny_gemm._tuned_row_kernel",
+    "fused_norm._add_rms_norm_kernel", "fused_norm._gated_rms_norm_kernel",
+}
 
 
 def _accesses_before_wait(ptx: str, loads_allowed: bool = False) -> list[str]:

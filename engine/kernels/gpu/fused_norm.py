@@ -33,10 +33,11 @@ def _add_rms_norm_kernel(
     USE_PDL: tl.constexpr,
 ):
     release_next(USE_PDL)
-    wait_for_previous(USE_PDL)
-    t = tl.program_id(0)
     d = tl.arange(0, BLOCK_D)
     mask = d < D
+    w = tl.load(w_ptr + d, mask=mask, other=0.0).to(tl.float32)  # a weight: before the wait
+    wait_for_previous(USE_PDL)
+    t = tl.program_id(0)
     x = tl.load(x_ptr + t * stride_x + d, mask=mask, other=0.0)
     dtype = x.dtype
     x = x.to(tl.float32)
@@ -47,7 +48,6 @@ def _add_rms_norm_kernel(
         tl.store(residual_ptr + t * stride_r + d, x.to(dtype), mask=mask)
     mean_square = tl.sum(x * x, axis=0) / D
     normed = (x * tl.rsqrt(mean_square + eps)).to(dtype).to(tl.float32)
-    w = tl.load(w_ptr + d, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * stride_o + d, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -101,19 +101,22 @@ def _gated_rms_norm_kernel(
     USE_PDL: tl.constexpr,
 ):
     release_next(USE_PDL)
-    wait_for_previous(USE_PDL)
     t, g = tl.program_id(0), tl.program_id(1)
     i = tl.arange(0, BLOCK)
     mask = i < group_size
     c = g * group_size + i
+    # the weights, before the wait
+    w = tl.load(w_ptr + c, mask=mask, other=0.0).to(tl.float32)
+    if HAS_SKIP:
+        skip_weight = tl.load(d_ptr + c // HEAD_DIM, mask=mask, other=0.0)
+    wait_for_previous(USE_PDL)
     y = tl.load(y_ptr + t * stride_y + c, mask=mask, other=0.0).to(tl.float32)
     if HAS_SKIP:  # Mamba2's D skip: y + D[h] * x, head h = c // HEAD_DIM
         x = tl.load(x_ptr + t * stride_x + c, mask=mask, other=0.0).to(tl.float32)
-        y += tl.load(d_ptr + c // HEAD_DIM, mask=mask, other=0.0) * x
+        y += skip_weight * x
     z = tl.load(z_ptr + t * stride_z + c, mask=mask, other=0.0).to(tl.float32)
     gated = y * (z * tl.sigmoid(z))
     mean_square = tl.sum(gated * gated, axis=0) / group_size
-    w = tl.load(w_ptr + c, mask=mask, other=0.0).to(tl.float32)
     out = w * (gated * tl.rsqrt(mean_square + eps))
     tl.store(out_ptr + t * stride_o + c, out.to(out_ptr.dtype.element_ty), mask=mask)
 

@@ -108,7 +108,6 @@ def _conv_ssd_decode_kernel(
         xbc_row, conv_slot, stride_csc, conv_w_ptr, conv_b_ptr, x_channels, p_mask, keep_state,
         K, HAS_BIAS, BLOCK_P,
     ).to(model_dtype)
-    tl.store(x_out_ptr + row * stride_xot + h * stride_xoh + p, x, mask=p_mask)
     b = _conv_silu_step(
         xbc_row, conv_slot, stride_csc, conv_w_ptr, conv_b_ptr, b_channels, n_mask, keep_state,
         K, HAS_BIAS, BLOCK_N,
@@ -117,15 +116,18 @@ def _conv_ssd_decode_kernel(
         xbc_row, conv_slot, stride_csc, conv_w_ptr, conv_b_ptr, c_channels, n_mask, keep_state,
         K, HAS_BIAS, BLOCK_N,
     ).to(model_dtype)
-    x, b, c = x.to(tl.float32), b.to(tl.float32), c.to(tl.float32)
 
     # the SSD step, ssd.py's (shared with _decode_kernel)
     tile = state_ptr + slot * stride_ss + h * stride_sh + p[:, None] * stride_sp + n[None, :]
     y = ssd_decode_step(
-        x, b, c, tl.load(dt_ptr + row * stride_dtt + h).to(tl.float32), tl.load(dt_bias_ptr + h),
+        x.to(tl.float32), b.to(tl.float32), c.to(tl.float32),
+        tl.load(dt_ptr + row * stride_dtt + h).to(tl.float32), tl.load(dt_bias_ptr + h),
         tl.load(a_log_ptr + h), dt_min, dt_max, tile, p_mask[:, None] & n_mask[None, :], keep_state,
     )
     tl.store(y_ptr + row * stride_yt + h * stride_yh + p, y, mask=p_mask)
+    # stored last: a store ahead of the state tile's load would keep the compiler from
+    # issuing that load (the kernel's largest) until the conv step is done
+    tl.store(x_out_ptr + row * stride_xot + h * stride_xoh + p, x, mask=p_mask)
 
 
 def conv_ssd_decode(
