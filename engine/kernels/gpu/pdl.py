@@ -1,12 +1,13 @@
 """Programmatic dependent launch (PDL) for our Triton kernels.
 
 In a CUDA graph a kernel still starts only after the previous one has drained and its launch
-has been processed: about a microsecond per kernel on the H200, which at decode batch 1 (about
-280 small kernels a step) is a fifth of the step. With PDL (Hopper and later) a kernel launched
-with the programmatic-serialization attribute may start while its predecessor is still
-running; it must then wait (`griddepcontrol.wait`) before it touches memory, and the wait
-returns once the predecessor has finished and its writes are visible. The launch and the
-block scheduling overlap the predecessor instead of following it.
+has been processed. With PDL (Hopper and later) a kernel launched with the
+programmatic-serialization attribute may start while its predecessor is still running; it must
+then wait (`griddepcontrol.wait`) before it touches memory the predecessor may write, and the
+wait returns once the predecessor has finished and its writes are visible. The launch, the
+block scheduling and loads of weights overlap the predecessor instead of following it. On the
+H200 a chain of dependent one-program kernels in a graph costs 0.54 us a kernel with PDL and
+0.97 us without (benchmarks/pdl_overlap.py).
 
 Contract for every kernel that takes part (each @triton.jit kernel of engine/kernels/gpu that
 the forward pass launches):
@@ -14,9 +15,10 @@ the forward pass launches):
   the next kernel's programs be scheduled as soon as every program of this one has started,
   then `wait_for_previous(USE_PDL)` before its first load or store of anything an earlier
   kernel may have written;
-- between the two it may load only what no kernel of the pass writes (the weights): the
-  single-row GEMM loads its first weight tile there, so its weight stream starts while the
-  kernel ahead of it still runs;
+- between the two it may load only what no kernel of the pass writes (the weights), because
+  with every kernel releasing first, any earlier kernel of the chain may still be running
+  there: the single-row GEMM loads its first weight tile there, so its weight stream starts
+  while the kernel ahead of it still runs, and the norms load their weights;
 - its launch passes `**launch_options()`: USE_PDL and Triton's `launch_pdl` option together.
 Every participant waits before it reads or writes a cache or an activation, and a kernel's
 wait returns only once its predecessor has finished (which waited for its own predecessor),
@@ -27,10 +29,11 @@ back one they wait for. Kernels that do not take part (cuBLAS, fla-core, PyTorch
 serialised as usual on both sides.
 
 `enabled()` decides once per process: on for CUDA devices of compute capability 9.0 or
-later, off under Triton's interpreter and when HYBRID_SERVE_PDL=0 (set it to compare). On the
-H200 the batch-1 decode step of benchmarks/gpu_roofline.py took 1.79 ms in the run before PDL
-and 1.63 ms in the run with it (two machines, so the gain is approximate; see
-benchmarks/gpu_roofline_notes.md, fourth session).
+later, off under Triton's interpreter and when HYBRID_SERVE_PDL=0 (set it to compare). The
+batch-1 decode graph of benchmarks/gpu_roofline.py, captured both ways in one run, replayed in
+1.411 ms with PDL and 1.708 ms without (benchmarks/gpu_roofline_notes.md, fifth session; an
+earlier run on another machine saw no difference, 1.534 against 1.519 ms, before the
+single-row GEMM loaded weights ahead of its wait).
 """
 
 from __future__ import annotations
