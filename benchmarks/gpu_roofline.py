@@ -327,8 +327,9 @@ def host_profile(worker: Worker, first_request: int, batch: int, context: int, b
 def graph_replay_seconds(worker: Worker, batch: int, replays: int = 20) -> float | None:
     """Median seconds of one replay of the decode graph for `batch` rows on its own (the last
     staged inputs again, so the requests' states advance once per replay; the rows that use
-    them are done): the step's GPU time without the host work around it (staging, the eager LM head
-    and sampling, the read-back). None without decode graphs."""
+    them are done): the step's GPU time without the host work around it (staging, sampling,
+    the read-back), the replay queued behind a GPU sleep so that the host's submission does
+    not show. None without decode graphs."""
     graphs = worker.decode_graphs
     if graphs is None:
         return None
@@ -337,12 +338,20 @@ def graph_replay_seconds(worker: Worker, batch: int, replays: int = 20) -> float
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(replays):
+        _keep_gpu_busy()
         start.record()
         graph.replay()
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
     return sorted(times)[len(times) // 2]
+
+
+def _keep_gpu_busy(seconds: float = 2e-3) -> None:
+    """Queue about `seconds` of GPU sleep (at a 2 GHz clock), so that work queued right after
+    it is all submitted before the GPU reaches it: events around that work then time the GPU
+    alone, not the host's submission."""
+    torch.cuda._sleep(int(seconds * 2e9))
 
 
 def launch_variants(worker: Worker, request: int, position: int, blocks_per_seq: int,
@@ -353,8 +362,9 @@ def launch_variants(worker: Worker, request: int, position: int, blocks_per_seq:
     the wait, and no PDL (engine/kernels/gpu/pdl.py,
     engine/kernels/gpu/skinny_gemm.py:PRELOAD_FIRST_TILE). Each row:
     median host seconds of DecodeGraphRunner.forward (staging, the input copy and the replay's
-    submission; no wait) and median GPU seconds from an event before it to one after it
-    (the replay, plus whatever time the GPU waited for the submission)."""
+    submission; no wait) and median GPU seconds from an event before it to one after it, the
+    step queued behind a GPU sleep so that the host's submission time does not count (the
+    input copy, the replay and the hidden rows' copy)."""
     from engine.cuda_graphs import DecodeGraphRunner
     from engine.kernels.gpu import pdl, skinny_gemm
 
@@ -380,6 +390,7 @@ def launch_variants(worker: Worker, request: int, position: int, blocks_per_seq:
                 step = [chunk(request, (5,), position, blocks_per_seq, False)]
                 position += 1
                 torch.cuda.synchronize()
+                _keep_gpu_busy()
                 start.record()
                 t0 = time.perf_counter()
                 runner.forward(step)

@@ -34,8 +34,7 @@ MEMORY_ACCESS = re.compile(r"^\s*(@!?%p\d+\s+)?(ld|st|atom|red|cp\.async|cp\.red
 
 # kernels that load weights before their wait (the module docstring says why)
 LOADS_WEIGHTS_BEFORE_WAIT = {
-    "skinny_gemm._row_kernel", "skinny_gemm._tuned_row_kernel",
-    "fused_norm._add_rms_norm_kernel", "fused_norm._gated_rms_norm_kernel",
+    "skinny_gemm._row_kernel", "fused_norm._add_rms_norm_kernel", "fused_norm._gated_rms_norm_kernel",
 }
 
 
@@ -53,23 +52,27 @@ def _accesses_before_wait(ptx: str, loads_allowed: bool = False) -> list[str]:
 
 def _compiled_pdl_kernels() -> dict[str, list[str]]:
     """Kernel name -> the PTX of each compiled variant that uses PDL, over every Triton kernel
-    defined in engine.kernels.gpu."""
+    defined in engine.kernels.gpu (an autotuned kernel under its JIT function's name)."""
     import triton
 
     import engine.kernels.gpu as package
 
     found: dict[str, list[str]] = {}
+    seen: set[int] = set()
     for info in pkgutil.iter_modules(package.__path__):
         module = importlib.import_module(f"{package.__name__}.{info.name}")
         for name, obj in vars(module).items():
             fn = obj.fn if isinstance(obj, triton.runtime.Autotuner) else obj
             if not isinstance(fn, triton.runtime.JITFunction) or fn.__module__ != module.__name__:
                 continue
+            if id(fn) in seen:
+                continue
+            seen.add(id(fn))
             for kernel_cache, *_ in fn.device_caches.values():
                 for compiled in kernel_cache.values():
                     ptx = compiled.asm["ptx"]
                     if "griddepcontrol" in ptx:
-                        found.setdefault(f"{info.name}.{name}", []).append(ptx)
+                        found.setdefault(f"{info.name}.{fn.__name__}", []).append(ptx)
     return found
 
 
@@ -115,6 +118,57 @@ def test_every_pdl_kernel_releases_then_waits_before_touching_memory():
             assert 0 <= release < wait, f"{name}: launch_dependents must come before the wait"
             allowed = name in LOADS_WEIGHTS_BEFORE_WAIT
             assert _accesses_before_wait(ptx, allowed) == [], f"{name} touches memory before its wait"
+            if allowed:  # and its weight loads are really there
+                assert len(_accesses_before_wait(ptx)) > 0, f"{name} loads nothing before its wait"
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("consumer", ["linear", "gated linear", "add_rms_norm", "gated_rms_norm"])
+def test_a_kernel_launched_behind_a_slow_writer_reads_what_it_wrote(consumer):
+    """The kernels that load before their wait, replayed in a CUDA graph right behind a PDL
+    kernel that spins for 300 us and only then writes their activation input (NaN until then):
+    their pre-wait part runs during the spin, so an activation load hoisted above the wait
+    would read NaN. The result must equal, bit for bit, the same call on the input written
+    first."""
+    from engine.kernels.gpu import pdl
+    from engine.kernels.gpu.fused_norm import add_rms_norm, gated_rms_norm
+    from engine.kernels.gpu.skinny_gemm import CONFIGS, skinny_linear
+    from tests.gpu.pdl_probe_kernels import copy_late
+
+    if not pdl.enabled():
+        pytest.skip("PDL is off on this device (compute capability below 9.0 or HYBRID_SERVE_PDL=0)")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    bf16 = torch.bfloat16
+    randn = lambda *shape: torch.randn(*shape, device="cuda", generator=g).to(bf16)  # noqa: E731
+    if consumer in ("linear", "gated linear"):
+        gated = consumer == "gated linear"
+        weight = randn(2048, 1024) / 32
+        late = randn(1, 2048 if gated else 1024)
+        run = lambda x: skinny_linear(x, weight, gated=gated, config=CONFIGS[0])  # noqa: E731
+    elif consumer == "add_rms_norm":
+        delta, weight = randn(1, 2048), randn(2048)
+        late = randn(1, 2048)
+        run = lambda x: torch.cat(add_rms_norm(x, delta, 0.5, weight, 1e-5))  # noqa: E731
+    else:
+        gate, weight, skip_x = randn(1, 4096), randn(4096), randn(1, 4096)
+        skip_d = torch.rand(64, device="cuda", generator=g)
+        late = torch.randn(1, 4096, device="cuda", generator=g)  # the scan's fp32 y
+        run = lambda y: gated_rms_norm(y, gate, weight, 4096, 1e-5, bf16, skip=(skip_x, skip_d))  # noqa: E731
+    expected = run(late)  # compiles, and the reference value
+    target = torch.empty_like(late)
+    copy_late(late, target, spin_us=1)  # compiles
+    torch.cuda.synchronize()
+    # in a CUDA graph, where PDL overlaps (benchmarks/pdl_overlap.py; eager launches from
+    # Python can take longer than the spin)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        copy_late(late, target, spin_us=300)
+        got = run(target)
+    target.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(got, expected)
 
 
 def test_the_checker_sees_a_load_before_the_wait():
