@@ -11,7 +11,9 @@ padded replay changes exactly the caches an eager step of the same n chunks chan
 
 The graph ends with the LM head (model.compute_logits), so a step's only work after the
 replay is sampling: the LM head's launch, scaling and dtype conversion leave the host's path
-between the replay and the read-back of the sampled tokens.
+between the replay and the read-back of the sampled tokens. Each captured size keeps its
+(b, V) fp32 logits in the graph pool, outside the cache budgets: V * 4 bytes times the sum of
+the sizes (with a 49,152-token vocabulary, 116 MB for the sizes up to 128, the most captured).
 
 Everything the graphs touch is captured by address: the weights and the cache tensors must not
 be replaced after capture (the caches are only ever written in place).

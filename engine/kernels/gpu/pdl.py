@@ -64,7 +64,8 @@ def launch_options() -> dict:
 @triton.jit
 def wait_for_previous(USE_PDL: tl.constexpr):
     """Block until the previous kernel in the stream has finished and its writes are visible
-    (a no-op without PDL). Call before the kernel's first memory access."""
+    (a no-op without PDL). Call after release_next and before the kernel's first access to
+    anything but weights (the module docstring's contract)."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
 
