@@ -171,6 +171,50 @@ def test_a_kernel_launched_behind_a_slow_writer_reads_what_it_wrote(consumer):
     assert torch.equal(got, expected)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not INTERPRETED, reason="runs under Triton's interpreter (on a GPU the tests above cover it)")
+def test_pdl_code_paths_compute_what_the_plain_paths_do_under_the_interpreter(monkeypatch):
+    """The kernels' USE_PDL=True branches (the GEMM's first tile accumulated ahead of its loop,
+    the norms' weights loaded before the wait) on the CPU: the interpreter has no inline
+    assembly, so griddepcontrol becomes a no-op here; the results must equal the USE_PDL=False
+    launches bit for bit."""
+    import triton
+    import torch.nn.functional as F
+
+    from engine.kernels.gpu import fused_norm, pdl, skinny_gemm
+
+    monkeypatch.setattr(pdl.tl.extra.cuda, "gdc_wait", lambda *args, **kwargs: None)
+    monkeypatch.setattr(pdl.tl.extra.cuda, "gdc_launch_dependents", lambda *args, **kwargs: None)
+    g = torch.Generator().manual_seed(0)
+    config = skinny_gemm.CONFIGS[0].as_triton()
+    for gated in (False, True):
+        for features, depth in ((40, 1100), (16, 300)):  # K over and under one BLOCK_K tile
+            x = torch.randn(1, 2 * depth if gated else depth, generator=g)
+            weight, bias = torch.randn(features, depth, generator=g) / depth**0.5, torch.randn(features, generator=g)
+            outs = []
+            for use_pdl in (False, True):
+                out = torch.full((1, features), float("nan"))
+                skinny_gemm._row_kernel[(triton.cdiv(features, config.kwargs["BLOCK_N"]),)](
+                    x, weight, bias, out, features, depth, HAS_BIAS=True, GATED=gated, PRELOAD=True,
+                    USE_PDL=use_pdl, **config.all_kwargs(),
+                )
+                outs.append(out)
+            assert torch.equal(outs[0], outs[1]), (gated, features, depth)
+            x_in = F.silu(x[:, :depth]) * x[:, depth:] if gated else x
+            assert (outs[1] - F.linear(x_in, weight, bias)).abs().max() < 1e-3
+    hidden, delta, weight = torch.randn(3, 2048, generator=g), torch.randn(3, 2048, generator=g), torch.randn(2048, generator=g)
+    y, gate, skip_x = (torch.randn(2, 4096, generator=g) for _ in range(3))
+    skip_d, gate_weight = torch.rand(64, generator=g), torch.randn(4096, generator=g)
+    results = []
+    for use_pdl in (False, True):
+        monkeypatch.setattr(fused_norm, "launch_options", lambda on=use_pdl: {"USE_PDL": on})
+        results.append((
+            *fused_norm.add_rms_norm(hidden, delta, 0.5, weight, 1e-5),
+            fused_norm.gated_rms_norm(y, gate, gate_weight, 4096, 1e-5, torch.float32, skip=(skip_x, skip_d)),
+        ))
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
 def test_the_checker_sees_a_load_before_the_wait():
     """The PTX check itself: a global load ahead of the wait is reported unless loads are
     allowed, a store always, a parameter load or anything after the wait never."""
