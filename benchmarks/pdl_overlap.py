@@ -22,36 +22,27 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.gpu.pdl import release_next, wait_for_previous
+from engine.kernels.gpu.pdl import global_timer, release_next, spin_for, wait_for_previous
 
 SPIN_US = 20
 CHAIN = 200
 
 
 @triton.jit
-def _global_timer():
-    """The GPU's global nanosecond timer."""
-    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
-
-
-@triton.jit
 def _spin_kernel(times_ptr, spin_ns, USE_PDL: tl.constexpr):
     release_next(USE_PDL)
     wait_for_previous(USE_PDL)
-    start = _global_timer()
-    now = start
-    while now - start < spin_ns:
-        now = _global_timer()
+    start, end = spin_for(spin_ns)
     tl.store(times_ptr, start)
-    tl.store(times_ptr + 1, now)
+    tl.store(times_ptr + 1, end)
 
 
 @triton.jit
 def _probe_kernel(times_ptr, USE_PDL: tl.constexpr):
     release_next(USE_PDL)
-    before = _global_timer()
+    before = global_timer()
     wait_for_previous(USE_PDL)
-    after = _global_timer()
+    after = global_timer()
     tl.store(times_ptr + 2, before)
     tl.store(times_ptr + 3, after)
 
@@ -64,20 +55,28 @@ def _step_kernel(src_ptr, dst_ptr, USE_PDL: tl.constexpr):
     tl.store(dst_ptr + offsets, tl.load(src_ptr + offsets) + 1.0)
 
 
+def _compiled(run, graphed: bool):
+    """`run` after one call (Triton compiles), or the replay of a CUDA graph of it."""
+    run()
+    torch.cuda.synchronize()
+    if not graphed:
+        return run
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    return graph.replay
+
+
 def overlap(use_pdl: bool, graphed: bool) -> dict:
+    """The probe's first timer read and its wait's return, relative to the spinner's end
+    (negative: before it), in the middle of five runs."""
     times = torch.zeros(4, dtype=torch.int64, device="cuda")
 
-    def run() -> None:
+    def launch() -> None:
         _spin_kernel[(1,)](times, SPIN_US * 1000, USE_PDL=use_pdl, launch_pdl=use_pdl)
         _probe_kernel[(1,)](times, USE_PDL=use_pdl, launch_pdl=use_pdl)
 
-    run()
-    torch.cuda.synchronize()
-    if graphed:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            run()
-        run = graph.replay
+    run = _compiled(launch, graphed)
     samples = []
     for _ in range(5):
         run()
@@ -85,25 +84,19 @@ def overlap(use_pdl: bool, graphed: bool) -> dict:
         spin_start, spin_end, probe_start, probe_after_wait = times.tolist()
         samples.append({"probe_start_minus_spin_end_us": (probe_start - spin_end) / 1e3,
                         "wait_return_minus_spin_end_us": (probe_after_wait - spin_end) / 1e3})
-    return samples[len(samples) // 2]
+    return sorted(samples, key=lambda s: s["probe_start_minus_spin_end_us"])[len(samples) // 2]
 
 
 def chain(use_pdl: bool, graphed: bool) -> float:
     """Microseconds per kernel of CHAIN dependent one-program kernels."""
     a, b = torch.zeros(256, device="cuda"), torch.zeros(256, device="cuda")
 
-    def run() -> None:
+    def launch() -> None:
         for i in range(CHAIN):
             src, dst = (a, b) if i % 2 == 0 else (b, a)
             _step_kernel[(1,)](src, dst, USE_PDL=use_pdl, launch_pdl=use_pdl)
 
-    run()
-    torch.cuda.synchronize()
-    if graphed:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            run()
-        run = graph.replay
+    run = _compiled(launch, graphed)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     results = []
     for _ in range(5):

@@ -9,23 +9,14 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.gpu.pdl import launch_options, release_next, wait_for_previous
-
-
-@triton.jit
-def _global_timer():
-    """The GPU's global nanosecond timer."""
-    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+from engine.kernels.gpu.pdl import launch_options, release_next, spin_for, wait_for_previous
 
 
 @triton.jit
 def _late_copy_kernel(src_ptr, dst_ptr, numel, spin_ns, USE_PDL: tl.constexpr, BLOCK: tl.constexpr):
     release_next(USE_PDL)
     wait_for_previous(USE_PDL)
-    start = _global_timer()
-    now = start
-    while now - start < spin_ns:
-        now = _global_timer()
+    spin_for(spin_ns)
     for first in range(0, numel, BLOCK):
         offsets = first + tl.arange(0, BLOCK)
         mask = offsets < numel

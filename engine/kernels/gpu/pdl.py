@@ -78,3 +78,21 @@ def release_next(USE_PDL: tl.constexpr):
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
 
+
+@triton.jit
+def global_timer():
+    """The GPU's global nanosecond timer (%globaltimer; coarse, but shared by all SMs). For
+    diagnostics: benchmarks/pdl_overlap.py and tests/gpu/test_pdl_contract.py time and hold
+    back kernels with it."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def spin_for(duration_ns):
+    """Busy-wait about duration_ns nanoseconds; returns (start, end) global timer readings.
+    For diagnostics, as global_timer."""
+    start = global_timer()
+    now = start
+    while now - start < duration_ns:
+        now = global_timer()
+    return start, now
