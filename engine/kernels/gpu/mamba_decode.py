@@ -17,9 +17,10 @@ in the stream (advance_conv_states) does, after all of them have finished.
 Each program owns (decode row i, head h, BLOCK_P rows of P), like `_decode_kernel`: it convolves
 its BLOCK_P x channels and its group's N B and N C channels, updates its (BLOCK_P, N) state
 tile in place, writes y, and last writes the x channels to x_out (the gated norm reads
-post-conv x for the D skip): a store ahead of the state tile's load would hold that load back. The B/C conv is recomputed by the H/G * P/BLOCK_P programs of a group
-(2 N channels x K taps each, read from L2); the state tile each program streams
-(BLOCK_P x N fp32, read and written) is the larger traffic.
+post-conv x for the D skip): a store ahead of the state tile's load would hold that load
+back. The B/C conv is recomputed by the H/G * P/BLOCK_P programs of a group (2 N channels x
+K taps each, read from L2); the state tile each program streams (BLOCK_P x N fp32, read and
+written) is the larger traffic.
 
 Numerics, those of the unfused pair: the conv accumulates in fp32 over the taps in
 `_conv_kernel`'s order (the K-1 state columns, oldest first, then the new input), adds the
