@@ -2,9 +2,10 @@
 
 Two copies of the same caches, filled by the same eager prefill: one then decodes eagerly, the
 other through DecodeGraphRunner, for batch sizes on and between the captured sizes. Hidden
-states, logits (the graph's own LM head against the eager one) and greedy tokens must agree, every real state slot and KV block must hold the
-same values, and slots and blocks of requests outside the batch must be bit-for-bit untouched
-(padding rows write only the scratch slot and block).
+states, logits (the graph's own LM head against the eager one) and greedy tokens must agree,
+every real state slot and KV block must hold the same values, and slots and blocks of
+requests outside the batch must be bit-for-bit untouched (padding rows write only the
+scratch slot and block).
 """
 
 from __future__ import annotations

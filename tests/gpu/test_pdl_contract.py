@@ -61,7 +61,7 @@ def _compiled_pdl_kernels() -> dict[str, list[str]]:
     seen: set[int] = set()
     for info in pkgutil.iter_modules(package.__path__):
         module = importlib.import_module(f"{package.__name__}.{info.name}")
-        for name, obj in vars(module).items():
+        for obj in vars(module).values():
             fn = obj.fn if isinstance(obj, triton.runtime.Autotuner) else obj
             if not isinstance(fn, triton.runtime.JITFunction) or fn.__module__ != module.__name__:
                 continue
@@ -79,7 +79,7 @@ def _compiled_pdl_kernels() -> dict[str, list[str]]:
 def _run_model_steps() -> None:
     """A bf16 prefill of three sequences, then decode steps of one and of three sequences, on
     the GPU path: compiles the forward pass's kernels, the single-row GEMM among them."""
-    model, config = load_model(DEFAULT_MODEL_DIR, dtype=torch.bfloat16, device=torch.device("cuda"))
+    model, _ = load_model(DEFAULT_MODEL_DIR, dtype=torch.bfloat16, device=torch.device("cuda"))
     caches = model.allocate_caches(num_blocks=12, block_size=16, num_state_slots=3)
 
     def chunk(r: int, tokens: list[int], start: int) -> ScheduledChunk:
