@@ -3,11 +3,14 @@ with padding.
 
 A decode step (every chunk one token) of n sequences replays the graph of the smallest captured
 size b >= n. The step's inputs (token ids, positions, KV write slots, state slots, reset flags,
-key counts, block tables) are packed on the host into one pinned int64 buffer and copied to the
-graph's static input buffer in one host-to-device copy of the part the graph reads; the replay
-then launches every kernel of the pass at once. Rows n..b-1 are padding: they read and write only the scratch state slot and
-the scratch KV block, which the worker allocates beyond what the scheduler may hand out, so a
-padded replay changes exactly the caches an eager step of the same n chunks changes.
+key counts, block tables) are packed on the host into one pinned int64 buffer; each graph
+begins with the host-to-device copy of the part of that buffer it reads into its static input
+buffer, so a step's host work before the GPU starts is the packing and one graph launch (the
+copy enqueued on its own took 0.05 ms of host time a step on the H200's host,
+benchmarks/results/decode_submission_20261203.json). Rows n..b-1 are padding: they read and
+write only the scratch state slot and the scratch KV block, which the worker allocates beyond
+what the scheduler may hand out, so a padded replay changes exactly the caches an eager step
+of the same n chunks changes.
 
 The graph ends with the LM head (model.compute_logits), so a step's only work after the
 replay is sampling: the LM head's launch, scaling and dtype conversion leave the host's path
@@ -83,19 +86,25 @@ class DecodeInputStaging:
         return fields, table
 
     def stage(self, chunks: list[ScheduledChunk], size: int) -> None:
-        """Rows 0..n-1 from the chunks (row i = chunk i), rows n..size-1 padding."""
+        """Rows 0..n-1 from the chunks (row i = chunk i), rows n..size-1 padding. Each chunk's
+        block table must cover its position. The fields are gathered in Python and written
+        with one numpy assignment: at batch 1 a numpy call per field took most of the 0.06 ms
+        this used to cost before every decode graph's replay."""
         n = len(chunks)
         fields, table = self.views()
         bs = self.block_size
-        positions = np.fromiter((c.start_position for c in chunks), dtype=np.int64, count=n)
-        self._stage_block_tables(chunks, positions // bs + 1)
-        fields[self.IDS, :n] = [c.token_ids[0] for c in chunks]
-        fields[self.POSITIONS, :n] = positions
-        fields[self.KV_SLOTS, :n] = table[np.arange(n), positions // bs] * bs + positions % bs
-        fields[self.STATE_SLOTS, :n] = [c.state_slot for c in chunks]
-        fields[self.RESET, :n] = [c.reset_state for c in chunks]
-        fields[self.SEQ_LENS, :n] = positions + 1
-        self.fill_padding(n, size)
+        rows = []
+        for i, chunk in enumerate(chunks):
+            position = chunk.start_position
+            blocks = chunk.block_table[: position // bs + 1]  # the blocks holding keys 0..position
+            if self._staged_tables[i] != blocks:
+                table[i, : len(blocks)] = blocks
+                self._staged_tables[i] = blocks
+            kv_slot = blocks[-1] * bs + position % bs
+            rows.append((chunk.token_ids[0], position, kv_slot, chunk.state_slot, chunk.reset_state, position + 1))
+        fields[:, :n] = np.array(rows, dtype=np.int64).reshape(n, self.NUM_FIELDS).T
+        if size > n:
+            self.fill_padding(n, size)
 
     def fill_padding(self, start: int, end: int) -> None:
         """Rows [start, end) become padding rows."""
@@ -108,14 +117,6 @@ class DecodeInputStaging:
         fields[self.SEQ_LENS, start:end] = 1
         table[start:end, 0] = self.scratch_block
         self._staged_tables[start:end] = [None] * (end - start)
-
-    def _stage_block_tables(self, chunks: list[ScheduledChunk], blocks_used: np.ndarray) -> None:
-        _, table = self.views()
-        for i, (chunk, used) in enumerate(zip(chunks, blocks_used.tolist())):
-            blocks = chunk.block_table[:used]
-            if self._staged_tables[i] != blocks:
-                table[i, :used] = blocks
-                self._staged_tables[i] = blocks
 
 
 class DecodeGraphRunner:
@@ -145,8 +146,8 @@ class DecodeGraphRunner:
         )
         self._inputs = torch.zeros(width, dtype=torch.int64, device=device)
         self._arange = torch.arange(self.max_batch + 1, dtype=torch.int64, device=device)
-        self._copied = torch.cuda.Event()  # the last staging copy has left the host buffer
-        self._copied.record()
+        self._replayed = torch.cuda.Event()  # the last replay (its input copy too) has finished
+        self._replayed.record()
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # size -> ((b, D) hidden, (b, V) fp32 logits), in the graph pool
         self._outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -163,9 +164,9 @@ class DecodeGraphRunner:
 
 
     def capture(self) -> None:
-        """Capture every batch size, largest first, into one memory pool. Each size is run
-        eagerly once first (Triton JIT, cuBLAS handles) with padding only, which writes only the
-        scratch slot and block."""
+        """Capture every batch size, largest first, into one memory pool: the input copy, then
+        the forward pass and the LM head. Each size is run eagerly once first (Triton JIT,
+        cuBLAS handles) with padding only, which writes only the scratch slot and block."""
         started = time.perf_counter()
         self._staging.fill_padding(0, self.max_batch)
         self._inputs.copy_(self._host)
@@ -177,6 +178,9 @@ class DecodeGraphRunner:
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self._pool):
+                    used = self._staging.used_length(size)
+                    # from pinned memory: a copy node that reads the host buffer at each replay
+                    self._inputs[:used].copy_(self._host[:used], non_blocking=True)
                     self._outputs[size] = self._forward(size)
                 self._graphs[size] = graph
         torch.cuda.synchronize()
@@ -206,18 +210,17 @@ class DecodeGraphRunner:
 
     def forward(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step of the chunks (accepts() must hold): the same cache writes as the
-        eager pass. Returns hidden (n, D), a fresh tensor, and logits (n, V) fp32, a view of
-        the graph's output that the next forward overwrites (row i = chunk i in both)."""
+        eager pass. Returns hidden (n, D) and logits (n, V) fp32 (row i = chunk i in both),
+        views of the graph's outputs: valid until the next forward, which overwrites them
+        (the worker reads a step's hidden rows, for captures, before its next forward)."""
         size = next(s for s in self.batch_sizes if s >= len(chunks))
-        self._copied.synchronize()  # usually long done: the last step read its sampled tokens
+        self._replayed.synchronize()  # the host buffer is free: usually long done
         self._staging.stage(chunks, size)
-        used = self._staging.used_length(size)
-        self._inputs[:used].copy_(self._host[:used], non_blocking=True)
-        self._copied.record()
         self._graphs[size].replay()
+        self._replayed.record()
         self.replays += 1
         hidden, logits = self._outputs[size]
-        return hidden[: len(chunks)].clone(), logits[: len(chunks)]
+        return hidden[: len(chunks)], logits[: len(chunks)]
 
 
 __all__ = ["DecodeGraphRunner", "DecodeInputStaging", "decode_batch_sizes"]

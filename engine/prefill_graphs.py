@@ -16,7 +16,10 @@ do not depend on later rows), and attention serves the n real queries only. The 
 and block are the ones the decode graphs pad with (engine/cuda_graphs.py), which the scheduler
 never hands out.
 
-Everything the graphs touch is captured by address, as for the decode graphs.
+Each graph begins with the copy of the pinned host input buffer into its static input buffer
+(as the decode graphs do), so the step's host work before the GPU starts is filling that buffer
+and one graph launch. Everything the graphs touch is captured by address, as for the decode
+graphs.
 Shapes: Tmax the largest size, M block-table width, D hidden size.
 """
 
@@ -74,8 +77,8 @@ class PrefillGraphRunner:
         self._inputs = torch.zeros(width, dtype=torch.int64, device=device)
         self._arange = torch.arange(2, dtype=torch.int64, device=device)
         self._scan_bounds = {s: torch.tensor([0, s], dtype=torch.int64, device=device) for s in self.sizes}
-        self._copied = torch.cuda.Event()  # the last staging copy has left the host buffer
-        self._copied.record()
+        self._replayed = torch.cuda.Event()  # the last replay (its input copy too) has finished
+        self._replayed.record()
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}  # size -> (1, D) hidden of the last real row
         self.replays = 0  # prefill steps served by a graph (for tests and benchmarks)
@@ -102,6 +105,8 @@ class PrefillGraphRunner:
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
+                    # from pinned memory: a copy node that reads the host buffer at each replay
+                    self._inputs.copy_(self._host, non_blocking=True)
                     self._outputs[size] = self._forward(size)
                 self._graphs[size] = graph
         torch.cuda.synchronize()
@@ -133,15 +138,15 @@ class PrefillGraphRunner:
 
     def forward(self, chunk: ScheduledChunk) -> torch.Tensor:
         """The prefill of the one chunk (accepts() must hold): the same cache writes as the
-        eager pass; returns the hidden row of its last token, (D,), a fresh tensor."""
+        eager pass; returns the hidden row of its last token, (D,): a view of the graph's
+        output, valid until the next forward (as the decode graphs' outputs are)."""
         size = next(s for s in self.sizes if s >= len(chunk.token_ids))
-        self._copied.synchronize()  # usually long done: the last step read its sampled tokens
+        self._replayed.synchronize()  # the host buffer is free: usually long done
         self._fill(chunk, size)
-        self._inputs.copy_(self._host, non_blocking=True)
-        self._copied.record()
         self._graphs[size].replay()
+        self._replayed.record()
         self.replays += 1
-        return self._outputs[size][0].clone()
+        return self._outputs[size][0]
 
     def _fill(self, chunk: ScheduledChunk | None, size: int) -> None:
         """The host buffer for `chunk` padded to `size` rows (None: padding only, at the
@@ -154,11 +159,12 @@ class PrefillGraphRunner:
         start = 0 if chunk is None else chunk.start_position
         if chunk is not None:
             positions = np.arange(start, start + n)
+            used = -(-(start + n) // bs)  # blocks holding keys 0 .. start + n - 1
+            blocks = np.asarray(chunk.block_table[:used], dtype=np.int64)
             rows[self._IDS, :n] = chunk.token_ids
             rows[self._POSITIONS, :n] = positions
-            rows[self._KV_SLOTS, :n] = np.asarray(chunk.block_table)[positions // bs] * bs + positions % bs
-            used = -(-(start + n) // bs)  # blocks holding keys 0 .. start + n - 1
-            table[:used] = chunk.block_table[:used]
+            rows[self._KV_SLOTS, :n] = blocks[positions // bs] * bs + positions % bs
+            table[:used] = blocks
         else:
             table[0] = self.scratch_block
         rows[self._IDS, n:size] = 0
