@@ -356,30 +356,30 @@ def _keep_gpu_busy(seconds: float = 2e-3) -> None:
 
 def launch_variants(worker: Worker, request: int, position: int, blocks_per_seq: int,
                     steps: int = 30) -> list[dict]:
-    """The batch-1 decode graph captured afresh three ways, each replayed `steps` times on
-    request `request` (decoding on from `position`): PDL with the single-row GEMM loading its
-    first weight tile before its wait (the engine's default), PDL with every weight load after
-    the wait, and no PDL (engine/kernels/gpu/pdl.py,
-    engine/kernels/gpu/skinny_gemm.py:PRELOAD_FIRST_TILE). Each row:
-    median host seconds of DecodeGraphRunner.forward (staging, the input copy and the replay's
-    submission; no wait) and median GPU seconds from an event before it to one after it, the
-    step queued behind a GPU sleep so that the host's submission time does not count (the
-    input copy, the replay and the hidden rows' copy)."""
+    """The batch-1 decode graph captured afresh four ways, each replayed `steps` times on
+    request `request` (decoding on from `position`): PDL with the single-row GEMM loading two
+    weight tiles before its wait, one tile, every weight load after the wait, and no PDL
+    (engine/kernels/gpu/pdl.py, engine/kernels/gpu/skinny_gemm.py:PRELOAD_TILES). Each row:
+    median host seconds of DecodeGraphRunner.forward (staging and the replay's submission; no
+    wait) and median GPU seconds from an event before it to one after it, the step queued
+    behind a GPU sleep so that the host's submission time does not count (the graph: its input
+    copy, the forward pass and the LM head)."""
     from engine.cuda_graphs import DecodeGraphRunner
     from engine.kernels.gpu import pdl, skinny_gemm
 
     graphs = worker.decode_graphs
     if graphs is None:
         return []
-    default_enabled, default_preload = pdl.enabled, skinny_gemm.PRELOAD_FIRST_TILE
+    default_enabled, default_preload = pdl.enabled, skinny_gemm.PRELOAD_TILES
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     rows = []
     try:
-        for name, use_pdl, preload in (("PDL, first weight tile early", default_enabled(), True),
-                                       ("PDL, weights after the wait", default_enabled(), False),
-                                       ("no PDL", False, False)):
+        for name, use_pdl, preload in (("PDL, two weight tiles early", default_enabled(), 2),
+                                       ("PDL, one weight tile early", default_enabled(), 1),
+                                       ("PDL, weights after the wait", default_enabled(), 0),
+                                       ("no PDL", False, 0)):
             pdl.enabled = lambda on=use_pdl: on  # read by launch_options() at every launch
-            skinny_gemm.PRELOAD_FIRST_TILE = preload
+            skinny_gemm.PRELOAD_TILES = preload
             runner = DecodeGraphRunner(
                 worker.model, worker.caches, (1,), graphs.max_blocks,
                 scratch_slot=worker.capacity.num_state_slots, scratch_block=worker.capacity.num_blocks,
@@ -402,7 +402,7 @@ def launch_variants(worker: Worker, request: int, position: int, blocks_per_seq:
                          "gpu_s": sorted(gpu)[steps // 2], "capture_s": runner.capture_seconds})
             del runner
     finally:
-        pdl.enabled, skinny_gemm.PRELOAD_FIRST_TILE = default_enabled, default_preload
+        pdl.enabled, skinny_gemm.PRELOAD_TILES = default_enabled, default_preload
     return rows
 
 

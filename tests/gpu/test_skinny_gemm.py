@@ -115,25 +115,28 @@ def test_each_tuned_config(device, index, dtype):
 
 @on_gpu_only
 @pytest.mark.parametrize("gated", [False, True])
-@pytest.mark.parametrize("features,depth", [(40, 1100), (2048, 300)])
-def test_first_tile_preload_gives_the_same_bits(device, features, depth, gated, monkeypatch):
-    """Under PDL the first weight tile is loaded before the wait (PRELOAD_FIRST_TILE) and
-    accumulated ahead of the loop: the same products in the same order as without it, so the
-    output is bitwise the same, and right. K = 300 < BLOCK_K: the preloaded tile is all of K."""
+@pytest.mark.parametrize("features,depth", [(40, 1100), (2048, 300), (64, 700)])
+def test_preloaded_tiles_give_the_same_bits(device, features, depth, gated, monkeypatch):
+    """Under PDL the first PRELOAD_TILES weight tiles are loaded before the wait and
+    accumulated ahead of the loop: the same products in the same order as without them, so
+    the output is bitwise the same for 0, 1 and 2 tiles, and right. BLOCK_K is 512 here:
+    K = 300 is all in the first tile (the second is all masked), K = 700 ends in the second,
+    K = 1100 runs on into the loop."""
     from engine.kernels.gpu import pdl, skinny_gemm
 
     if not pdl.enabled():
         pytest.skip("PDL is off on this device: the preload is not compiled in")
     make = _gated_operands if gated else _operands
-    x, weight, bias, out = make(features, depth, True, torch.bfloat16, device, seed=7)
+    x, weight, bias, _ = make(features, depth, True, torch.bfloat16, device, seed=7)
     config = skinny_gemm.CONFIGS[0]
-    monkeypatch.setattr(skinny_gemm, "PRELOAD_FIRST_TILE", True)
-    preloaded = skinny_gemm.skinny_linear(x, weight, bias, gated=gated, config=config)
-    monkeypatch.setattr(skinny_gemm, "PRELOAD_FIRST_TILE", False)
-    plain = skinny_gemm.skinny_linear(x, weight, bias, gated=gated, out=out, config=config)
-    assert torch.equal(preloaded, plain)
+    assert config.block_k == 512
+    outs = []
+    for tiles in (0, 1, 2):
+        monkeypatch.setattr(skinny_gemm, "PRELOAD_TILES", tiles)
+        outs.append(skinny_gemm.skinny_linear(x, weight, bias, gated=gated, config=config))
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
     if not gated:
-        assert relative_error(preloaded, _reference(x, weight, bias)) < TOL[torch.bfloat16]
+        assert relative_error(outs[2], _reference(x, weight, bias)) < TOL[torch.bfloat16]
 
 
 def test_default_call_allocates_out(device):

@@ -53,12 +53,13 @@ Design (every weight byte is read exactly once, in wide loads along K):
 - the grid is cdiv(N, BLOCK_N) programs, each reading whole weight rows (K is not split):
   BLOCK_N of 4-32 gives 64-512 programs for N = 2048, 128 for N = 512 at BLOCK_N 4, on the
   H200's 132 SMs;
-- with PDL each program loads its first weight tile before it waits for the kernel that
-  writes x (engine/kernels/gpu/pdl.py allows touching weights there): the weight stream starts
-  while the kernel ahead of the GEMM (a norm, the Mamba mixer) still runs. In the batch-1
-  decode graph of benchmarks/gpu_roofline.py this took the replay from 1.503 to 1.411 ms,
-  where asking L2 for the whole weight slice instead (prefetch.global.L2) made it slower,
-  1.571 ms (gpu_roofline_20261203_session5_variants.json);
+- with PDL each program loads its first PRELOAD_TILES weight tiles (into registers) before it
+  waits for the kernel that writes x (engine/kernels/gpu/pdl.py allows touching weights
+  there): the weight stream starts while the kernel ahead of the GEMM (a norm, the Mamba
+  mixer, the GEMM before) still runs. In the batch-1 decode graph of
+  benchmarks/gpu_roofline.py one tile took the replay from 1.503 to 1.411 ms, where asking L2
+  for the whole weight slice instead (prefetch.global.L2) made it slower, 1.571 ms
+  (gpu_roofline_20261203_session5_variants.json);
 - BLOCK_N, BLOCK_K, num_warps and num_stages are tuned with @triton.autotune over CONFIGS,
   keyed on (N, K, GATED) and the dtypes (the gated variant is tuned on its own). Every config
   keeps 32 fp32 accumulators per thread and at most 48 KiB of weight tiles in flight per
@@ -86,10 +87,10 @@ import triton.language as tl
 from engine.kernels.gpu.pdl import launch_options, release_next, wait_for_previous
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# Whether a program under PDL loads the first BLOCK_K columns of its weight rows before it
-# waits for the kernel that writes x (read at each launch; benchmarks/gpu_roofline.py
-# captures the batch-1 decode graph with and without it to compare).
-PRELOAD_FIRST_TILE = True
+# How many BLOCK_K-column tiles of its weight rows (0, 1 or 2) a program under PDL loads before
+# it waits for the kernel that writes x (read at each launch; benchmarks/gpu_roofline.py
+# captures the batch-1 decode graph with each to compare).
+PRELOAD_TILES = 2
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -160,26 +161,33 @@ def _row_kernel(
     b_ptr,  # (N,) or a placeholder when HAS_BIAS is False
     y_ptr,  # (1, N) contiguous
     N, K,
-    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, PRELOAD: tl.constexpr,
+    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, PRELOAD_TILES: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """Program i computes y[0, i*BLOCK_N : (i+1)*BLOCK_N]; GATED: of x = silu(gate) * up, each
     x slice computed from gate and up as it is loaded (every program computes the whole x).
-    With PDL and PRELOAD the program loads the first BLOCK_K columns of its weight rows before
-    it waits for the kernel that writes x, so its weight stream starts while that kernel runs."""
+    With PDL the program loads the first PRELOAD_TILES (0-2) BLOCK_K-column tiles of its weight
+    rows before it waits for the kernel that writes x, so its weight stream starts while that
+    kernel runs; they are accumulated ahead of the loop in the loop's order (the same bits)."""
     release_next(USE_PDL)
     features = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     feature_ok = features < N
     w_rows = w_ptr + features.to(tl.int64)[:, None] * K
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    if USE_PDL and PRELOAD:
+    if USE_PDL and PRELOAD_TILES >= 1:
         first_ok = offs_k < K
         w_first = tl.load(w_rows + offs_k[None, :], mask=feature_ok[:, None] & first_ok[None, :], other=0.0)
+        if PRELOAD_TILES >= 2:
+            second_idx = BLOCK_K + offs_k
+            second_ok = second_idx < K
+            w_second = tl.load(w_rows + second_idx[None, :], mask=feature_ok[:, None] & second_ok[None, :], other=0.0)
         wait_for_previous(USE_PDL)
         acc += w_first.to(tl.float32) * _x_slice(x_ptr, K, offs_k, first_ok, GATED).to(tl.float32)[None, :]
-        k_start = BLOCK_K
+        if PRELOAD_TILES >= 2:
+            acc += w_second.to(tl.float32) * _x_slice(x_ptr, K, second_idx, second_ok, GATED).to(tl.float32)[None, :]
+        k_start = PRELOAD_TILES * BLOCK_K
     else:
         wait_for_previous(USE_PDL)
         k_start = 0
@@ -281,11 +289,11 @@ def skinny_linear_unchecked(
     grid = lambda meta: (triton.cdiv(features, meta["BLOCK_N"]),)  # noqa: E731
     if config is None:
         _tuned_row_kernel[grid](
-            *args, HAS_BIAS=bias is not None, GATED=gated, PRELOAD=PRELOAD_FIRST_TILE, **launch_options(),
+            *args, HAS_BIAS=bias is not None, GATED=gated, PRELOAD_TILES=PRELOAD_TILES, **launch_options(),
         )
     else:
         _row_kernel[grid](
-            *args, HAS_BIAS=bias is not None, GATED=gated, PRELOAD=PRELOAD_FIRST_TILE,
+            *args, HAS_BIAS=bias is not None, GATED=gated, PRELOAD_TILES=PRELOAD_TILES,
             **config.as_triton().all_kwargs(),
             **launch_options(),
         )
