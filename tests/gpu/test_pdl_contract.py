@@ -4,10 +4,12 @@ kernel a model's forward pass compiled: with PDL, a kernel first releases its su
 for its predecessor (griddepcontrol.wait). A load or store hoisted above the wait would read
 what the previous kernel has not yet written: a race that numeric tests catch only by luck.
 
-The exceptions, by design: the single-row GEMM loads its first weight tile before the wait,
-and the two norms their weights (weights are never written by the pass). PTX does not say
-which tensor a load reads, so for these the check is narrower: loads only, no store, atomic
-or asynchronous copy before the wait.
+The exceptions, by design: the single-row GEMM loads its first weight tiles before the wait,
+the two norms their weights (weights are never written by the pass), the fused Mamba decode
+kernel its plan inputs, weights and its own layer's old state, and the conv-window shift the
+plan and the old window (pdl.py says why). PTX
+does not say which tensor a load reads, so for these the check is narrower: loads only, no
+store, atomic or asynchronous copy before the wait.
 """
 
 from __future__ import annotations
@@ -32,9 +34,10 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, re
 MEMORY_ACCESS = re.compile(r"^\s*(@!?%p\d+\s+)?(ld|st|atom|red|cp\.async|cp\.reduce)\.")
 
 
-# kernels that load weights before their wait (the module docstring says why)
-LOADS_WEIGHTS_BEFORE_WAIT = {
+# kernels that load before their wait (the module docstring says what and why)
+LOADS_BEFORE_WAIT = {
     "skinny_gemm._row_kernel", "fused_norm._add_rms_norm_kernel", "fused_norm._gated_rms_norm_kernel",
+    "mamba_decode._conv_ssd_decode_kernel", "conv._state_kernel",
 }
 
 
@@ -111,12 +114,13 @@ def test_every_pdl_kernel_releases_then_waits_before_touching_memory():
     # norms, conv, SSD, paged attention, KV write, the single-row GEMM at the least
     assert len(kernels) >= 8, sorted(kernels)
     assert any("skinny" in name for name in kernels), sorted(kernels)
+    assert "mamba_decode._conv_ssd_decode_kernel" in kernels, sorted(kernels)
     for name, variants in kernels.items():
         for ptx in variants:
             release = ptx.find("griddepcontrol.launch_dependents")
             wait = ptx.find("griddepcontrol.wait")
             assert 0 <= release < wait, f"{name}: launch_dependents must come before the wait"
-            allowed = name in LOADS_WEIGHTS_BEFORE_WAIT
+            allowed = name in LOADS_BEFORE_WAIT
             assert _accesses_before_wait(ptx, allowed) == [], f"{name} touches memory before its wait"
             if allowed:  # and its weight loads are really there
                 assert len(_accesses_before_wait(ptx)) > 0, f"{name} loads nothing before its wait"
@@ -124,15 +128,16 @@ def test_every_pdl_kernel_releases_then_waits_before_touching_memory():
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("consumer", ["linear", "gated linear", "add_rms_norm", "gated_rms_norm"])
+@pytest.mark.parametrize("consumer", ["linear", "gated linear", "add_rms_norm", "gated_rms_norm", "conv_ssd_decode"])
 def test_a_kernel_launched_behind_a_slow_writer_reads_what_it_wrote(consumer):
     """The kernels that load before their wait, replayed in a CUDA graph right behind a PDL
     kernel that spins for 300 us and only then writes their activation input (NaN until then):
     their pre-wait part runs during the spin, so an activation load hoisted above the wait
     would read NaN. The result must equal, bit for bit, the same call on the input written
-    first."""
+    first (for the Mamba decode kernel: its outputs and the new state, from the same old state)."""
     from engine.kernels.gpu import pdl
     from engine.kernels.gpu.fused_norm import add_rms_norm, gated_rms_norm
+    from engine.kernels.gpu.mamba_decode import conv_ssd_decode
     from engine.kernels.gpu.skinny_gemm import CONFIGS, skinny_linear
     from tests.gpu.pdl_probe_kernels import copy_late
 
@@ -150,11 +155,28 @@ def test_a_kernel_launched_behind_a_slow_writer_reads_what_it_wrote(consumer):
         delta, weight = randn(1, 2048), randn(2048)
         late = randn(1, 2048)
         run = lambda x: torch.cat(add_rms_norm(x, delta, 0.5, weight, 1e-5))  # noqa: E731
-    else:
+    elif consumer == "gated_rms_norm":
         gate, weight, skip_x = randn(1, 4096), randn(4096), randn(1, 4096)
         skip_d = torch.rand(64, device="cuda", generator=g)
         late = torch.randn(1, 4096, device="cuda", generator=g)  # the scan's fp32 y
         run = lambda y: gated_rms_norm(y, gate, weight, 4096, 1e-5, bf16, skip=(skip_x, skip_d))  # noqa: E731
+    else:
+        heads, head_dim, state_size, taps = 8, 64, 128, 4
+        conv_dim = heads * head_dim + 2 * state_size
+        late = randn(1, conv_dim)  # in_proj's xBC columns
+        dt_raw, conv_state, conv_w, conv_b = randn(1, heads), randn(3, conv_dim, taps - 1), randn(conv_dim, taps), randn(conv_dim)
+        dt_bias = torch.zeros(heads, device="cuda")
+        a_log = torch.rand(heads, device="cuda", generator=g)
+        old_state = torch.randn(3, heads, head_dim, state_size, device="cuda", generator=g)
+        ssm = old_state.clone()
+        rows, slots, reset = (torch.tensor([v], device="cuda") for v in (0, 1, 0))
+
+        def run(xbc):
+            x_out = torch.empty(1, heads, head_dim, dtype=bf16, device="cuda")
+            y = torch.empty(1, heads, head_dim, device="cuda")
+            conv_ssd_decode(xbc, dt_raw, conv_state, conv_w, conv_b, dt_bias, a_log, (1e-3, 0.1), ssm,
+                            x_out, y, rows, slots, reset)
+            return torch.cat([y.flatten(), x_out.float().flatten(), ssm[1].flatten()])
     expected = run(late)  # compiles, and the reference value
     target = torch.empty_like(late)
     copy_late(late, target, spin_us=1)  # compiles
@@ -166,6 +188,8 @@ def test_a_kernel_launched_behind_a_slow_writer_reads_what_it_wrote(consumer):
         copy_late(late, target, spin_us=300)
         got = run(target)
     target.fill_(float("nan"))
+    if consumer == "conv_ssd_decode":
+        ssm.copy_(old_state)  # the graph's step starts from the state the reference started from
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(got, expected)

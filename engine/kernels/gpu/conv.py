@@ -79,7 +79,8 @@ def _state_kernel(
     USE_PDL: tl.constexpr,
 ):
     release_next(USE_PDL)
-    wait_for_previous(USE_PDL)
+    # Before the wait (pdl.py's contract): the plan and the slot's old window, which no kernel
+    # of the pass before this one writes; the chunk's inputs (in_proj's output) after it.
     s = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     j = tl.arange(0, BLOCK_J)
@@ -89,11 +90,12 @@ def _state_kernel(
     keep_state = tl.load(reset_ptr + s) == 0
     pos = n - KM1 + j  # window column j of the new state, relative to the chunk's first input
     mask = (c < C)[:, None] & (j < KM1)[None, :]
+    base = state_ptr + slot * stride_ss + c[:, None] * stride_sc
+    from_state = tl.load(base + (KM1 + pos)[None, :], mask=mask & (pos < 0)[None, :] & keep_state, other=0.0)
+    wait_for_previous(USE_PDL)
     from_x = tl.load(
         x_ptr + (start + pos)[None, :] * stride_xt + c[:, None], mask=mask & (pos >= 0)[None, :], other=0.0
     )
-    base = state_ptr + slot * stride_ss + c[:, None] * stride_sc
-    from_state = tl.load(base + (KM1 + pos)[None, :], mask=mask & (pos < 0)[None, :] & keep_state, other=0.0)
     new_state = from_x.to(tl.float32) + from_state.to(tl.float32)
     tl.debug_barrier()  # every read of the old state lands before any write to the slot
     tl.store(base + j[None, :], new_state.to(state_ptr.dtype.element_ty), mask=mask)

@@ -16,11 +16,18 @@ in the stream (advance_conv_states) does, after all of them have finished.
 
 Each program owns (decode row i, head h, BLOCK_P rows of P), like `_decode_kernel`: it convolves
 its BLOCK_P x channels and its group's N B and N C channels, updates its (BLOCK_P, N) state
-tile in place, writes y, and last writes the x channels to x_out (the gated norm reads
-post-conv x for the D skip): a store ahead of the state tile's load would hold that load
-back. The B/C conv is recomputed by the H/G * P/BLOCK_P programs of a group (2 N channels x
-K taps each, read from L2); the state tile each program streams (BLOCK_P x N fp32, read and
-written) is the larger traffic.
+tile in place, writes y, and writes the x channels to x_out (the gated norm reads post-conv x
+for the D skip). The B/C conv is recomputed by the H/G * P/BLOCK_P programs of a group (2 N
+channels x K taps each, read from L2); the state tile each program streams (BLOCK_P x N fp32,
+read and written) is the larger traffic.
+
+Under PDL everything that does not depend on in_proj's output is loaded before the wait: the
+plan's row, slot and reset flag, the weights, the old conv window's K-1 taps (summed then)
+and the old SSD state tile. pdl.py's contract allows it: within a forward pass only this
+layer's decode kernel writes this layer's state of a decode row (advance_conv_states, which
+writes the conv window, runs after it), and the pass begins with kernels launched without
+PDL (the embedding), so whatever was enqueued before the pass (a restore, the previous step)
+has finished. After the wait come only the token's xBC and dt, read from L2.
 
 Numerics, those of the unfused pair: the conv accumulates in fp32 over the taps in
 `_conv_kernel`'s order (the K-1 state columns, oldest first, then the new input), adds the
@@ -47,21 +54,33 @@ from engine.kernels.gpu.ssd import decode_block_p, ssd_decode_step
 
 
 @triton.jit
-def _conv_silu_step(
-    x_row_ptr,  # the token's pre-conv row, unit channel stride
+def _conv_state_taps(
     state_ptr, stride_sc,  # the slot's conv state (conv_dim, K-1), unit last stride
-    w_ptr, b_ptr,  # (conv_dim, K) contiguous, (conv_dim,) (HAS_BIAS)
+    w_ptr,  # (conv_dim, K) contiguous
     channels, mask, keep_state,  # (BLOCK,) channel indices, their mask; False: a zero state
-    K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+    K: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """silu(bias + sum_k w[c, k] window[c, k]) in fp32 over the window [old state (zeros when
-    not keep_state) | the new input]: `_conv_kernel` for a one-token chunk, same tap order.
-    Reads the state; writes nothing."""
+    """The conv's first K-1 taps in fp32: sum_k w[c, k] state[c, k] over the old state
+    (zeros when not keep_state), oldest first: `_conv_kernel`'s order. Reads only the slot's
+    state and the weights, so the fused kernel runs it before its PDL wait."""
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for k in tl.static_range(K - 1):
         sv = tl.load(state_ptr + channels * stride_sc + k, mask=mask & keep_state, other=0.0)
         w = tl.load(w_ptr + channels * K + k, mask=mask, other=0.0).to(tl.float32)
         acc += sv.to(tl.float32) * w
+    return acc
+
+
+@triton.jit
+def _conv_silu_finish(
+    acc,  # (BLOCK,) fp32, _conv_state_taps of these channels
+    x_row_ptr,  # the token's pre-conv row, unit channel stride
+    w_ptr, b_ptr,  # (conv_dim, K) contiguous, (conv_dim,) (HAS_BIAS)
+    channels, mask,
+    K: tl.constexpr, HAS_BIAS: tl.constexpr,
+):
+    """silu(bias + acc + w[c, K-1] x[c]) in fp32, the new input's tap then the bias added in
+    `_conv_kernel`'s order: the conv step of a one-token chunk."""
     xv = tl.load(x_row_ptr + channels, mask=mask, other=0.0)
     w = tl.load(w_ptr + channels * K + (K - 1), mask=mask, other=0.0).to(tl.float32)
     acc += xv.to(tl.float32) * w
@@ -87,7 +106,10 @@ def _conv_ssd_decode_kernel(
     USE_PDL: tl.constexpr,
 ):
     release_next(USE_PDL)
-    wait_for_previous(USE_PDL)
+    # Before the wait (engine/kernels/gpu/pdl.py's contract): the plan's row, slot and reset,
+    # the weights, and the slot's old conv and SSD state of this layer, which no kernel of the
+    # pass before this one writes. The state tile is the kernel's largest load; issued here it
+    # streams while in_proj, the kernel ahead, still runs.
     i, h = tl.program_id(0), tl.program_id(1)
     p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
     n = tl.arange(0, BLOCK_N)
@@ -96,38 +118,34 @@ def _conv_ssd_decode_kernel(
     slot = tl.load(slots_ptr + i).to(tl.int64)  # slot * stride passes 2**31 from slot 4,096
     keep_state = tl.load(reset_ptr + i) == 0
     g = h // heads_per_group
-
-    # conv step of this program's x channels and its group's B and C channels, from the old
-    # conv state (not written here: see the module docstring), rounded to the model dtype
-    xbc_row = xbc_ptr + row * stride_xbct
     conv_slot = conv_state_ptr + slot * stride_css
-    model_dtype = x_out_ptr.dtype.element_ty
     x_channels = h * P + p
     b_channels = x_width + g * N + n
     c_channels = b_channels + group_width
-    x = _conv_silu_step(
-        xbc_row, conv_slot, stride_csc, conv_w_ptr, conv_b_ptr, x_channels, p_mask, keep_state,
-        K, HAS_BIAS, BLOCK_P,
-    ).to(model_dtype)
-    b = _conv_silu_step(
-        xbc_row, conv_slot, stride_csc, conv_w_ptr, conv_b_ptr, b_channels, n_mask, keep_state,
-        K, HAS_BIAS, BLOCK_N,
-    ).to(model_dtype)
-    c = _conv_silu_step(
-        xbc_row, conv_slot, stride_csc, conv_w_ptr, conv_b_ptr, c_channels, n_mask, keep_state,
-        K, HAS_BIAS, BLOCK_N,
-    ).to(model_dtype)
+    x_taps = _conv_state_taps(conv_slot, stride_csc, conv_w_ptr, x_channels, p_mask, keep_state, K, BLOCK_P)
+    b_taps = _conv_state_taps(conv_slot, stride_csc, conv_w_ptr, b_channels, n_mask, keep_state, K, BLOCK_N)
+    c_taps = _conv_state_taps(conv_slot, stride_csc, conv_w_ptr, c_channels, n_mask, keep_state, K, BLOCK_N)
+    tile = state_ptr + slot * stride_ss + h * stride_sh + p[:, None] * stride_sp + n[None, :]
+    tile_mask = p_mask[:, None] & n_mask[None, :]
+    old_state = tl.load(tile, mask=tile_mask & keep_state, other=0.0)
+    dt_bias, a_log = tl.load(dt_bias_ptr + h), tl.load(a_log_ptr + h)
+    wait_for_previous(USE_PDL)
+
+    # the conv step of this program's x channels and its group's B and C channels (the conv
+    # state is not written here: see the module docstring), rounded to the model dtype
+    xbc_row = xbc_ptr + row * stride_xbct
+    model_dtype = x_out_ptr.dtype.element_ty
+    x = _conv_silu_finish(x_taps, xbc_row, conv_w_ptr, conv_b_ptr, x_channels, p_mask, K, HAS_BIAS).to(model_dtype)
+    b = _conv_silu_finish(b_taps, xbc_row, conv_w_ptr, conv_b_ptr, b_channels, n_mask, K, HAS_BIAS).to(model_dtype)
+    c = _conv_silu_finish(c_taps, xbc_row, conv_w_ptr, conv_b_ptr, c_channels, n_mask, K, HAS_BIAS).to(model_dtype)
 
     # the SSD step, ssd.py's (shared with _decode_kernel)
-    tile = state_ptr + slot * stride_ss + h * stride_sh + p[:, None] * stride_sp + n[None, :]
     y = ssd_decode_step(
         x.to(tl.float32), b.to(tl.float32), c.to(tl.float32),
-        tl.load(dt_ptr + row * stride_dtt + h).to(tl.float32), tl.load(dt_bias_ptr + h),
-        tl.load(a_log_ptr + h), dt_min, dt_max, tile, p_mask[:, None] & n_mask[None, :], keep_state,
+        tl.load(dt_ptr + row * stride_dtt + h).to(tl.float32), dt_bias, a_log, dt_min, dt_max,
+        old_state, tile, tile_mask,
     )
     tl.store(y_ptr + row * stride_yt + h * stride_yh + p, y, mask=p_mask)
-    # stored last: a store ahead of the state tile's load would keep the compiler from
-    # issuing that load (the kernel's largest) until the conv step is done
     tl.store(x_out_ptr + row * stride_xot + h * stride_xoh + p, x, mask=p_mask)
 
 

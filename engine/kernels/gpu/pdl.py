@@ -15,10 +15,17 @@ the forward pass launches):
   the next kernel's programs be scheduled as soon as every program of this one has started,
   then `wait_for_previous(USE_PDL)` before its first load or store of anything an earlier
   kernel may have written;
-- between the two it may load only what no kernel of the pass writes (the weights), because
-  with every kernel releasing first, any earlier kernel of the chain may still be running
-  there: the single-row GEMM loads its first weight tile there, so its weight stream starts
-  while the kernel ahead of it still runs, and the norms load their weights;
+- between the two it may load only what no kernel of the pass before it writes, because with
+  every kernel releasing first, any earlier kernel of the chain may still be running there.
+  That is the weights: the single-row GEMM loads its first weight tiles there, so its weight
+  stream starts while the kernel ahead of it still runs, and the norms load their weights.
+  It is also what was settled before the pass began: a forward pass starts with kernels
+  launched without PDL (the embedding, PyTorch's), which start only once everything enqueued
+  before them has finished, and every kernel of the pass starts after them. So the fused
+  Mamba decode kernel (mamba_decode.py) loads there the step's plan (rows, slots, resets,
+  copied in before the pass) and its own layer's conv and SSD state of its rows, which only
+  it and the conv-window shift after it write within the pass; and that shift (conv.py's
+  `_state_kernel`) loads the plan and the old window it shifts;
 - its launch passes `**launch_options()`: USE_PDL and Triton's `launch_pdl` option together.
 Every participant waits before it reads or writes a cache or an activation, and a kernel's
 wait returns only once its predecessor has finished (which waited for its own predecessor),

@@ -186,19 +186,19 @@ def ssd_decode_step(
     x, b, c,  # (BLOCK_P,) the token's x slice of one head, (BLOCK_N,) its group's B and C; fp32
     dt_raw, dt_bias, a_log,  # the head's raw dt, dt_bias and A_log, fp32 scalars
     dt_min, dt_max,
+    state,  # (BLOCK_P, BLOCK_N) fp32, the old state (zeros for a reset row), loaded by the caller
     tile, tile_mask,  # (BLOCK_P, BLOCK_N) pointers into the head's fp32 state (P rows, N columns)
-    keep_state,  # False: the old state reads as zeros
 ):
-    """One SSD step of a head's BLOCK_P state rows, in place: dt = clamp(softplus(dt_raw +
-    dt_bias)) (F.softplus, threshold 20), A = -exp(A_log), state = exp(dt A) state + dt x B^T,
-    y = state C. Returns y (BLOCK_P,) fp32. The one definition of the step for _decode_kernel
-    and mamba_decode.py's fused kernel."""
+    """One SSD step of a head's BLOCK_P state rows: dt = clamp(softplus(dt_raw + dt_bias))
+    (F.softplus, threshold 20), A = -exp(A_log), state = exp(dt A) state + dt x B^T, stored to
+    `tile`, y = state C. Returns y (BLOCK_P,) fp32. The one definition of the step for
+    _decode_kernel and mamba_decode.py's fused kernel (which loads the old state before its
+    PDL wait, so the load is the caller's)."""
     dt = dt_raw + dt_bias
     dt = tl.where(dt > 20.0, dt, libdevice.log1p(tl.exp(dt)))
     dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
     a = -tl.exp(a_log)
     decay = tl.exp(dt * a)
-    state = tl.load(tile, mask=tile_mask & keep_state, other=0.0)
     state = state * decay + (dt * x)[:, None] * b[None, :]
     tl.store(tile, state, mask=tile_mask)
     return tl.sum(state * c[None, :], axis=1)
@@ -234,9 +234,11 @@ def _decode_kernel(
     b = tl.load(b_ptr + row * stride_bt + g * stride_bg + n, mask=n_mask, other=0.0).to(tl.float32)
     c = tl.load(c_ptr + row * stride_ct + g * stride_cg + n, mask=n_mask, other=0.0).to(tl.float32)
     tile = state_ptr + slot * stride_ss + h * stride_sh + p[:, None] * stride_sp + n[None, :]
+    tile_mask = p_mask[:, None] & n_mask[None, :]
     y = ssd_decode_step(
         x, b, c, tl.load(dt_ptr + row * stride_dtt + h).to(tl.float32), tl.load(dt_bias_ptr + h),
-        tl.load(a_log_ptr + h), dt_min, dt_max, tile, p_mask[:, None] & n_mask[None, :], keep_state,
+        tl.load(a_log_ptr + h), dt_min, dt_max, tl.load(tile, mask=tile_mask & keep_state, other=0.0),
+        tile, tile_mask,
     )
     tl.store(y_ptr + row * stride_yt + h * stride_yh + p, y, mask=p_mask)
 
