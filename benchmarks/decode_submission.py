@@ -1,18 +1,23 @@
-"""Where the host's time goes in a batch-1 decode step replayed from a CUDA graph, and does the
-GPU wait for the whole graph's submission before it starts?
+"""Where the host's time goes in a batch-1 decode step replayed from a CUDA graph.
 
 On the ~1.5B config of benchmarks/gpu_roofline.py (random bf16 weights), one worker with
 decode graphs for batch 1, request 0 decoding on from position 0. Rows (medians over STEPS):
 
-  * step: Worker.execute, synchronised before and after (what gpu_roofline's decode row times);
-  * runner: DecodeGraphRunner.forward then a synchronisation, and its parts on the host:
-    staging, the input copy's enqueue, graph.replay()'s own host time;
-  * GPU alone: the same forward queued behind a GPU sleep, timed by events around it;
-  * GPU from idle: the same events without the sleep. If the GPU waits for the whole graph's
-    submission, this exceeds "GPU alone" by about replay()'s host time;
-  * split graphs: the same forward captured as several graphs cut between decoder layers
-    (the first pieces small, so the GPU starts while the host still submits the rest), each
-    replayed in order; wall time of staging + copy + replays + synchronisation.
+  * step: Worker.execute, synchronised before and after (what gpu_roofline's decode row times),
+    and its parts on the host, from wrappers around the runner's forward and the sampler:
+    before the forward, the forward, between it and sampling, sampling (which waits for the
+    GPU: argmax and the read-back), after sampling;
+  * runner: staging, graph.replay() and a synchronisation, and the host time of the first two
+    (each graph copies its own inputs from the staging buffer first);
+  * GPU alone: the runner's forward queued behind a GPU sleep, timed by events around it;
+  * GPU from idle: the same events without the sleep: the GPU's view of a step that starts
+    when the host does.
+
+The first run (results/decode_submission_20261203.json, before the graphs copied their own
+inputs) also replayed the forward captured as two to four graphs cut between decoder layers,
+so that the GPU could start while the host still submitted the rest: 1.325-1.345 ms against
+1.334 ms for one graph. graph.replay() costs 0.014 ms of host time; submission is not where
+the host's time goes, and that experiment is gone from the script.
 
     python benchmarks/decode_submission.py --out benchmarks/results/decode_submission.json
 """
@@ -23,6 +28,7 @@ import argparse
 import json
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -53,51 +59,39 @@ class _Steps:
         return step
 
 
-def _split_graphs(worker: Worker, cuts: tuple[int, ...]):
-    """The batch-1 decode forward captured as len(cuts) + 1 graphs, cut before each decoder
-    layer in `cuts`: a benchmark's reach into the runner and the model (layer.forward_gpu is
-    wrapped for the capture only). Returns (graphs, runner) with the runner's static inputs."""
-    from engine.cuda_graphs import DecodeGraphRunner
+def _execute_parts(worker: Worker, steps: _Steps) -> dict[str, float]:
+    """Medians of the host intervals inside Worker.execute, timed by wrappers around the decode
+    runner's forward and the sampler's sample (instance attributes, removed afterwards)."""
+    marks: dict[str, float] = {}
 
-    runner = DecodeGraphRunner(
-        worker.model, worker.caches, (1,), worker.decode_graphs.max_blocks,
-        scratch_slot=worker.capacity.num_state_slots, scratch_block=worker.capacity.num_blocks,
-    )
-    runner._staging.fill_padding(0, 1)
-    runner._inputs.copy_(runner._host)
-    torch.cuda.synchronize()
-    pool = torch.cuda.graph_pool_handle()
-    graphs = [torch.cuda.CUDAGraph() for _ in range(len(cuts) + 1)]
-    layers = worker.model.layers
-    originals = {i: layers[i].forward_gpu for i in cuts}
-    piece = [0]
+    def timed(name, fn):
+        def wrapper(*args, **kwargs):
+            marks[name + " in"] = time.perf_counter()
+            result = fn(*args, **kwargs)
+            marks[name + " out"] = time.perf_counter()
+            return result
+        return wrapper
 
-    def cut_before(i):
-        def forward_gpu(*args, **kwargs):
-            graphs[piece[0]].capture_end()
-            piece[0] += 1
-            graphs[piece[0]].capture_begin(pool=pool)
-            return originals[i](*args, **kwargs)
-        return forward_gpu
-
-    with torch.inference_mode():
-        runner._forward(1)  # warm-up
-        torch.cuda.synchronize()
-        for i in cuts:
-            layers[i].forward_gpu = cut_before(i)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        try:
-            with torch.cuda.stream(stream):
-                graphs[0].capture_begin(pool=pool)
-                outputs = runner._forward(1)
-                graphs[-1].capture_end()
-        finally:
-            for i in cuts:
-                del layers[i].forward_gpu  # back to the class's method
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
-    return graphs, runner, outputs
+    worker.decode_graphs.forward = timed("forward", worker.decode_graphs.forward)
+    worker.sampler.sample = timed("sample", worker.sampler.sample)
+    parts: dict[str, list[float]] = {
+        "execute: before the forward": [], "execute: runner forward (host)": [],
+        "execute: forward to sampling": [], "execute: sampling (waits for the GPU)": [],
+        "execute: after sampling": [],
+    }
+    try:
+        for _ in range(STEPS):
+            out = SchedulerOutput(tuple(steps.next()))
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            worker.execute(out)
+            t1 = time.perf_counter()
+            bounds = (t0, marks["forward in"], marks["forward out"], marks["sample in"], marks["sample out"], t1)
+            for values, start, end in zip(parts.values(), bounds, bounds[1:]):
+                values.append(end - start)
+    finally:
+        del worker.decode_graphs.forward, worker.sampler.sample
+    return {name: _median(values) for name, values in parts.items()}
 
 
 def main() -> None:
@@ -110,7 +104,6 @@ def main() -> None:
         write_random_checkpoint(model_dir)
         probe = EngineConfig(model_dir=str(model_dir), dtype="bfloat16", device="cuda")
         config = _sized(probe, 2, BLOCKS_PER_SEQ)
-        from dataclasses import replace
         worker = Worker(replace(config, max_num_batched_tokens=32))  # no prefill graphs
         runner = worker.decode_graphs
         steps = _Steps()
@@ -125,24 +118,21 @@ def main() -> None:
             torch.cuda.synchronize()
             wall.append(time.perf_counter() - t0)
         rows["step: Worker.execute"] = _median(wall)
+        rows.update(_execute_parts(worker, steps))
 
         graph = runner._graphs[1]
-        parts = {"runner: forward + sync": [], "host: staging": [], "host: input copy enqueue": [],
-                 "host: graph.replay()": []}
+        parts = {"runner: staging + replay + sync": [], "host: staging": [], "host: graph.replay()": []}
         for _ in range(STEPS):
             step = steps.next()
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             runner._staging.stage(step, 1)
             t1 = time.perf_counter()
-            used = runner._staging.used_length(1)
-            runner._inputs[:used].copy_(runner._host[:used], non_blocking=True)
+            graph.replay()  # the graph copies its inputs from the staging buffer first
             t2 = time.perf_counter()
-            graph.replay()
-            t3 = time.perf_counter()
             torch.cuda.synchronize()
-            t4 = time.perf_counter()
-            for name, value in zip(parts, (t4 - t0, t1 - t0, t2 - t1, t3 - t2)):
+            t3 = time.perf_counter()
+            for name, value in zip(parts, (t3 - t0, t1 - t0, t2 - t1)):
                 parts[name].append(value)
         rows.update({name: _median(values) for name, values in parts.items()})
 
@@ -160,36 +150,6 @@ def main() -> None:
                 torch.cuda.synchronize()
                 times.append(start.elapsed_time(end) / 1e3)
             rows[name] = _median(times)
-
-        for cuts in ((1,), (1, 5), (1, 4, 12), (2, 8)):
-            graphs, split, _ = _split_graphs(worker, cuts)
-            times, gpu = [], []
-            for _ in range(STEPS):
-                step = steps.next()
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                split._staging.stage(step, 1)
-                used = split._staging.used_length(1)
-                split._inputs[:used].copy_(split._host[:used], non_blocking=True)
-                for g in graphs:
-                    g.replay()
-                torch.cuda.synchronize()
-                times.append(time.perf_counter() - t0)
-            for _ in range(STEPS):
-                step = steps.next()
-                split._staging.stage(step, 1)
-                torch.cuda.synchronize()
-                _keep_gpu_busy()
-                start.record()
-                split._inputs[:used].copy_(split._host[:used], non_blocking=True)
-                for g in graphs:
-                    g.replay()
-                end.record()
-                torch.cuda.synchronize()
-                gpu.append(start.elapsed_time(end) / 1e3)
-            rows[f"split before layers {cuts}: wall"] = _median(times)
-            rows[f"split before layers {cuts}: GPU alone"] = _median(gpu)
-            del graphs, split
 
     report["rows_s"] = rows
     width = max(len(n) for n in rows)
