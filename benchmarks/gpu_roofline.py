@@ -356,9 +356,9 @@ def _keep_gpu_busy(seconds: float = 2e-3) -> None:
 
 def launch_variants(worker: Worker, request: int, position: int, blocks_per_seq: int,
                     steps: int = 30) -> list[dict]:
-    """The batch-1 decode graph captured afresh four ways, each replayed `steps` times on
-    request `request` (decoding on from `position`): PDL with the single-row GEMM loading two
-    weight tiles before its wait, one tile, every weight load after the wait, and no PDL
+    """The batch-1 decode graph captured afresh five ways, each replayed `steps` times on
+    request `request` (decoding on from `position`): PDL with the single-row GEMM loading four,
+    three or two weight tiles before its wait, every weight load after the wait, and no PDL
     (engine/kernels/gpu/pdl.py, engine/kernels/gpu/skinny_gemm.py:PRELOAD_TILES). Each row:
     median host seconds of DecodeGraphRunner.forward (staging and the replay's submission; no
     wait) and median GPU seconds from an event before it to one after it, the step queued
@@ -374,8 +374,9 @@ def launch_variants(worker: Worker, request: int, position: int, blocks_per_seq:
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     rows = []
     try:
-        for name, use_pdl, preload in (("PDL, two weight tiles early", default_enabled(), 2),
-                                       ("PDL, one weight tile early", default_enabled(), 1),
+        for name, use_pdl, preload in (("PDL, four weight tiles early", default_enabled(), 4),
+                                       ("PDL, three weight tiles early", default_enabled(), 3),
+                                       ("PDL, two weight tiles early", default_enabled(), 2),
                                        ("PDL, weights after the wait", default_enabled(), 0),
                                        ("no PDL", False, 0)):
             pdl.enabled = lambda on=use_pdl: on  # read by launch_options() at every launch

@@ -212,18 +212,19 @@ def test_pdl_code_paths_compute_what_the_plain_paths_do_under_the_interpreter(mo
     g = torch.Generator().manual_seed(0)
     config = skinny_gemm.CONFIGS[0].as_triton()
     for gated in (False, True):
-        for features, depth in ((40, 1100), (16, 700), (16, 300)):  # K = 300 ends in the first 512-column tile, 700 in the second, 1100 after both
+        # K ends in the first 512-column tile, the second, the third, the fourth, or after them
+        for features, depth in ((16, 300), (16, 700), (40, 1100), (8, 1900), (8, 2600)):
             x = torch.randn(1, 2 * depth if gated else depth, generator=g)
             weight, bias = torch.randn(features, depth, generator=g) / depth**0.5, torch.randn(features, generator=g)
             outs = []
-            for use_pdl, tiles in ((False, 0), (True, 1), (True, 2)):
+            for use_pdl, tiles in ((False, 0), (True, 1), (True, 2), (True, 3), (True, 4)):
                 out = torch.full((1, features), float("nan"))
                 skinny_gemm._row_kernel[(triton.cdiv(features, config.kwargs["BLOCK_N"]),)](
                     x, weight, bias, out, features, depth, HAS_BIAS=True, GATED=gated,
                     PRELOAD_TILES=tiles, USE_PDL=use_pdl, **config.all_kwargs(),
                 )
                 outs.append(out)
-            assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2]), (gated, features, depth)
+            assert all(torch.equal(outs[0], out) for out in outs[1:]), (gated, features, depth)
             x_in = F.silu(x[:, :depth]) * x[:, depth:] if gated else x
             assert (outs[1] - F.linear(x_in, weight, bias)).abs().max() < 1e-3
     hidden, delta, weight = torch.randn(3, 2048, generator=g), torch.randn(3, 2048, generator=g), torch.randn(2048, generator=g)

@@ -115,13 +115,13 @@ def test_each_tuned_config(device, index, dtype):
 
 @on_gpu_only
 @pytest.mark.parametrize("gated", [False, True])
-@pytest.mark.parametrize("features,depth", [(40, 1100), (2048, 300), (64, 700)])
+@pytest.mark.parametrize("features,depth", [(2048, 300), (64, 700), (40, 1100), (24, 1900), (40, 2600)])
 def test_preloaded_tiles_give_the_same_bits(device, features, depth, gated, monkeypatch):
     """Under PDL the first PRELOAD_TILES weight tiles are loaded before the wait and
     accumulated ahead of the loop: the same products in the same order as without them, so
-    the output is bitwise the same for 0, 1 and 2 tiles, and right. BLOCK_K is 512 here:
-    K = 300 is all in the first tile (the second is all masked), K = 700 ends in the second,
-    K = 1100 runs on into the loop."""
+    the output is bitwise the same for 0 to 4 tiles, and right. BLOCK_K is 512 here: K ends
+    in the first tile (the others all masked), the second, the third, the fourth, or runs on
+    into the loop."""
     from engine.kernels.gpu import pdl, skinny_gemm
 
     if not pdl.enabled():
@@ -131,12 +131,12 @@ def test_preloaded_tiles_give_the_same_bits(device, features, depth, gated, monk
     config = skinny_gemm.CONFIGS[0]
     assert config.block_k == 512
     outs = []
-    for tiles in (0, 1, 2):
+    for tiles in range(5):
         monkeypatch.setattr(skinny_gemm, "PRELOAD_TILES", tiles)
         outs.append(skinny_gemm.skinny_linear(x, weight, bias, gated=gated, config=config))
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    assert all(torch.equal(outs[0], out) for out in outs[1:])
     if not gated:
-        assert relative_error(outs[2], _reference(x, weight, bias)) < TOL[torch.bfloat16]
+        assert relative_error(outs[-1], _reference(x, weight, bias)) < TOL[torch.bfloat16]
 
 
 def test_default_call_allocates_out(device):

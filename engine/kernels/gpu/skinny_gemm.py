@@ -56,10 +56,11 @@ Design (every weight byte is read exactly once, in wide loads along K):
 - with PDL each program loads its first PRELOAD_TILES weight tiles (into registers) before it
   waits for the kernel that writes x (engine/kernels/gpu/pdl.py allows touching weights
   there): the weight stream starts while the kernel ahead of the GEMM (a norm, the Mamba
-  mixer, the GEMM before) still runs. In the batch-1 decode graph of
-  benchmarks/gpu_roofline.py one tile took the replay from 1.503 to 1.411 ms, where asking L2
-  for the whole weight slice instead (prefetch.global.L2) made it slower, 1.571 ms
-  (gpu_roofline_20261203_session5_variants.json);
+  mixer, the GEMM before) still runs. At K = 2,048 and BLOCK_K 512, four tiles are a
+  program's whole slice. The batch-1 decode graph of benchmarks/gpu_roofline.py took 1.266 ms
+  on the GPU with no tile before the wait, 1.216 with one, 1.165 with two
+  (gpu_roofline_20261203_session6_host_and_state.json); asking L2 for the whole weight slice
+  instead (prefetch.global.L2) had made it slower (gpu_roofline_20261203_session5_variants.json);
 - BLOCK_N, BLOCK_K, num_warps and num_stages are tuned with @triton.autotune over CONFIGS,
   keyed on (N, K, GATED) and the dtypes (the gated variant is tuned on its own). Every config
   keeps 32 fp32 accumulators per thread and at most 48 KiB of weight tiles in flight per
@@ -87,10 +88,10 @@ import triton.language as tl
 from engine.kernels.gpu.pdl import launch_options, release_next, wait_for_previous
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# How many BLOCK_K-column tiles of its weight rows (0, 1 or 2) a program under PDL loads before
+# How many BLOCK_K-column tiles of its weight rows (0 to 4) a program under PDL loads before
 # it waits for the kernel that writes x (read at each launch; benchmarks/gpu_roofline.py
 # captures the batch-1 decode graph with each to compare).
-PRELOAD_TILES = 2
+PRELOAD_TILES = 4
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -155,6 +156,20 @@ def _x_slice(x_ptr, K, k_idx, k_ok, GATED: tl.constexpr):
 
 
 @triton.jit
+def _weight_tile(w_rows, feature_ok, k0, K, BLOCK_K: tl.constexpr):
+    """The (BLOCK_N, BLOCK_K) weight tile of columns k0 .. k0 + BLOCK_K - 1 (masked: 0)."""
+    k_idx = k0 + tl.arange(0, BLOCK_K)
+    return tl.load(w_rows + k_idx[None, :], mask=feature_ok[:, None] & (k_idx < K)[None, :], other=0.0)
+
+
+@triton.jit
+def _tile_products(w, x_ptr, k0, K, BLOCK_K: tl.constexpr, GATED: tl.constexpr):
+    """w times the x slice of columns k0 .. k0 + BLOCK_K - 1, elementwise in fp32."""
+    k_idx = k0 + tl.arange(0, BLOCK_K)
+    return w.to(tl.float32) * _x_slice(x_ptr, K, k_idx, k_idx < K, GATED).to(tl.float32)[None, :]
+
+
+@triton.jit
 def _row_kernel(
     x_ptr,  # (1, K), unit K stride; GATED: (1, 2K) = [gate | up], unit stride
     w_ptr,  # (N, K) contiguous
@@ -167,35 +182,37 @@ def _row_kernel(
 ):
     """Program i computes y[0, i*BLOCK_N : (i+1)*BLOCK_N]; GATED: of x = silu(gate) * up, each
     x slice computed from gate and up as it is loaded (every program computes the whole x).
-    With PDL the program loads the first PRELOAD_TILES (0-2) BLOCK_K-column tiles of its weight
-    rows before it waits for the kernel that writes x, so its weight stream starts while that
-    kernel runs; they are accumulated ahead of the loop in the loop's order (the same bits)."""
+    With PDL the program loads the first PRELOAD_TILES (0-4) BLOCK_K-column tiles of its weight
+    rows into registers before it waits for the kernel that writes x, so its weight stream
+    starts while that kernel runs; they are accumulated ahead of the loop in the loop's order
+    (the same bits)."""
     release_next(USE_PDL)
     features = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     feature_ok = features < N
     w_rows = w_ptr + features.to(tl.int64)[:, None] * K
-    offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     if USE_PDL and PRELOAD_TILES >= 1:
-        first_ok = offs_k < K
-        w_first = tl.load(w_rows + offs_k[None, :], mask=feature_ok[:, None] & first_ok[None, :], other=0.0)
+        w0 = _weight_tile(w_rows, feature_ok, 0, K, BLOCK_K)
         if PRELOAD_TILES >= 2:
-            second_idx = BLOCK_K + offs_k
-            second_ok = second_idx < K
-            w_second = tl.load(w_rows + second_idx[None, :], mask=feature_ok[:, None] & second_ok[None, :], other=0.0)
+            w1 = _weight_tile(w_rows, feature_ok, BLOCK_K, K, BLOCK_K)
+        if PRELOAD_TILES >= 3:
+            w2 = _weight_tile(w_rows, feature_ok, 2 * BLOCK_K, K, BLOCK_K)
+        if PRELOAD_TILES >= 4:
+            w3 = _weight_tile(w_rows, feature_ok, 3 * BLOCK_K, K, BLOCK_K)
         wait_for_previous(USE_PDL)
-        acc += w_first.to(tl.float32) * _x_slice(x_ptr, K, offs_k, first_ok, GATED).to(tl.float32)[None, :]
+        acc += _tile_products(w0, x_ptr, 0, K, BLOCK_K, GATED)
         if PRELOAD_TILES >= 2:
-            acc += w_second.to(tl.float32) * _x_slice(x_ptr, K, second_idx, second_ok, GATED).to(tl.float32)[None, :]
+            acc += _tile_products(w1, x_ptr, BLOCK_K, K, BLOCK_K, GATED)
+        if PRELOAD_TILES >= 3:
+            acc += _tile_products(w2, x_ptr, 2 * BLOCK_K, K, BLOCK_K, GATED)
+        if PRELOAD_TILES >= 4:
+            acc += _tile_products(w3, x_ptr, 3 * BLOCK_K, K, BLOCK_K, GATED)
         k_start = PRELOAD_TILES * BLOCK_K
     else:
         wait_for_previous(USE_PDL)
         k_start = 0
     for k in tl.range(k_start, K, BLOCK_K, num_stages=STAGES):
-        k_idx = k + offs_k
-        k_ok = k_idx < K
-        w = tl.load(w_rows + k_idx[None, :], mask=feature_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += w.to(tl.float32) * _x_slice(x_ptr, K, k_idx, k_ok, GATED).to(tl.float32)[None, :]
+        acc += _tile_products(_weight_tile(w_rows, feature_ok, k, K, BLOCK_K), x_ptr, k, K, BLOCK_K, GATED)
     y = tl.sum(acc, axis=1)  # (BLOCK_N,)
     if HAS_BIAS:
         y += tl.load(b_ptr + features, mask=feature_ok, other=0.0).to(tl.float32)
