@@ -12,9 +12,10 @@ write only the scratch state slot and the scratch KV block, which the worker all
 what the scheduler may hand out, so a padded replay changes exactly the caches an eager step
 of the same n chunks changes.
 
-The graph ends with the LM head (model.compute_logits), so a step's only work after the
-replay is sampling: the LM head's launch, scaling and dtype conversion leave the host's path
-between the replay and the read-back of the sampled tokens. Each captured size keeps its
+The graph ends with the LM head (model.compute_logits) and the argmax of each row, so a greedy
+step's only work after the replay is reading the tokens back: the LM head's launch, scaling,
+dtype conversion and the argmax leave the host's path (the sampler still draws the rows that
+are not greedy from the logits). Each captured size keeps its
 (b, V) fp32 logits in the graph pool, outside the cache budgets: V * 4 bytes times the sum of
 the sizes (with a 49,152-token vocabulary, 116 MB for the sizes up to 128, the most captured).
 
@@ -149,8 +150,8 @@ class DecodeGraphRunner:
         self._replayed = torch.cuda.Event()  # the last replay (its input copy too) has finished
         self._replayed.record()
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        # size -> ((b, D) hidden, (b, V) fp32 logits), in the graph pool
-        self._outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # size -> ((b, D) hidden, (b, V) fp32 logits, (b,) int64 argmax), in the graph pool
+        self._outputs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._pool = None
         self.replays = 0  # decode steps served by a graph (for tests and benchmarks)
         self.capture_seconds = 0.0  # wall time of capture(), warm-up runs included
@@ -165,7 +166,7 @@ class DecodeGraphRunner:
 
     def capture(self) -> None:
         """Capture every batch size, largest first, into one memory pool: the input copy, then
-        the forward pass and the LM head. Each size is run eagerly once first (Triton JIT,
+        the forward pass, the LM head and the argmax. Each size is run eagerly once first (Triton JIT,
         cuBLAS handles) with padding only, which writes only the scratch slot and block."""
         started = time.perf_counter()
         self._staging.fill_padding(0, self.max_batch)
@@ -194,10 +195,10 @@ class DecodeGraphRunner:
         table = self._inputs[num_fields * self.max_batch :].view(self.max_batch, self.max_blocks)
         return (*(fields[f, :size] for f in range(num_fields)), table[:size])
 
-    def _forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The model's forward over the static inputs of `size` rows, with a decode plan built
-        on those buffers instead of copied from the host, then the LM head. Returns hidden
-        (size, D) and logits (size, V) fp32."""
+        on those buffers instead of copied from the host, then the LM head and the argmax.
+        Returns hidden (size, D), logits (size, V) fp32 and their argmax (size,) int64."""
         ids, positions, kv_slots, state_slots, reset, seq_lens, table = self._views(size)
         model = self.model
         batch = ForwardBatch(
@@ -206,21 +207,24 @@ class DecodeGraphRunner:
         )
         plan = decode_only_plan(state_slots, reset, seq_lens, table, self._arange)
         hidden = model(batch, self.caches, gpu_plan=plan)
-        return hidden, model.compute_logits(hidden)
+        logits = model.compute_logits(hidden)
+        return hidden, logits, torch.argmax(logits, dim=-1)
 
-    def forward(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One decode step of the chunks (accepts() must hold): the same cache writes as the
-        eager pass. Returns hidden (n, D) and logits (n, V) fp32 (row i = chunk i in both),
-        views of the graph's outputs: valid until the next forward, which overwrites them
-        (the worker reads a step's hidden rows, for captures, before its next forward)."""
+        eager pass. Returns hidden (n, D), logits (n, V) fp32 and their argmax (n,) int64 (row
+        i = chunk i), views of the graph's outputs: valid until the next forward, which
+        overwrites them (the worker reads a step's hidden rows, for captures, before its next
+        forward)."""
         size = next(s for s in self.batch_sizes if s >= len(chunks))
         self._replayed.synchronize()  # the host buffer is free: usually long done
         self._staging.stage(chunks, size)
         self._graphs[size].replay()
         self._replayed.record()
         self.replays += 1
-        hidden, logits = self._outputs[size]
-        return hidden[: len(chunks)], logits[: len(chunks)]
+        outputs = self._outputs[size]
+        n = len(chunks)
+        return outputs if n == size else tuple(out[:n] for out in outputs)
 
 
 __all__ = ["DecodeGraphRunner", "DecodeInputStaging", "decode_batch_sizes"]

@@ -30,8 +30,11 @@ class Sampler:
         request_ids: list[str],
         params: list[SamplingParams],
         num_output_tokens: list[int],
+        argmax: torch.Tensor | None = None,  # (n,) int64, torch.argmax(logits, -1) computed already
     ) -> list[int]:
-        """One token per row. `logits` is masked in place for min_tokens."""
+        """One token per row. `logits` is masked in place for min_tokens. `argmax` (the decode
+        graphs compute it after their LM head) stands in for the greedy rows' argmax unless a
+        row's min_tokens masking changed the logits."""
         for row, (sampling, generated) in enumerate(zip(params, num_output_tokens)):
             if generated < sampling.min_tokens:
                 banned = list(sampling.stop_token_ids)
@@ -39,8 +42,9 @@ class Sampler:
                     banned += list(sampling.eos_token_ids)
                 if banned:
                     logits[row, banned] = float("-inf")
+                    argmax = None
 
-        tokens = torch.argmax(logits, dim=-1).tolist()
+        tokens = (torch.argmax(logits, dim=-1) if argmax is None else argmax).tolist()
         for row, sampling in enumerate(params):
             if not sampling.greedy:
                 generator = self._generator_for(request_ids[row], sampling)

@@ -46,8 +46,8 @@ class CacheCapacity:
 
 @dataclass(frozen=True)
 class RowRef:
-    """Row `index` of `rows` (n, W), a step's output: a request's last hidden row (W = D) or
-    its logits (W = V), kept by reference so a step of n requests does not slice n rows it
+    """Row `index` of `rows` (n, W), a step's output: a request's last hidden row (W = D),
+    its logits (W = V) or their argmax (rows (n,)), kept by reference so a step of n requests does not slice n rows it
     mostly never needs alone (only a capture does)."""
 
     rows: torch.Tensor
@@ -59,7 +59,7 @@ class RowRef:
 
 
 def gather_rows(refs: list[RowRef]) -> torch.Tensor:
-    """(len(refs), W): the referenced rows in order. A decode step samples every row of its
+    """(len(refs), W) (or (len(refs),) from 1-D rows): the referenced rows in order. A decode step samples every row of its
     output in order: that tensor itself, with no launch; rows of one tensor: one gather (its
     index list copied to the device first); otherwise one stack."""
     source = refs[0].rows
@@ -137,11 +137,13 @@ class Worker:
         computed = [chunk for chunk in scheduler_output.chunks if chunk.token_ids]
         in_pass = [capture for capture in scheduler_output.captures if capture.in_pass]
         step_logits: dict[str, RowRef] = {}  # logits rows this step's forward computed
+        step_argmax: dict[str, RowRef] = {}  # and their argmax
         if computed and self.decode_graphs is not None and self.decode_graphs.accepts(computed):
-            hidden, logits = self.decode_graphs.forward(computed)  # (n, D), (n, V); row i = chunk i
+            hidden, logits, argmax = self.decode_graphs.forward(computed)  # (n, D), (n, V), (n,)
             for i, chunk in enumerate(computed):
                 last_hidden[chunk.request_id] = RowRef(hidden, i)
                 step_logits[chunk.request_id] = RowRef(logits, i)
+                step_argmax[chunk.request_id] = RowRef(argmax, i)
         elif computed and not in_pass and self.prefill_graphs is not None and self.prefill_graphs.accepts(computed):
             last_hidden[computed[0].request_id] = RowRef(self.prefill_graphs.forward(computed[0])[None], 0)
         elif computed:
@@ -161,10 +163,11 @@ class Worker:
         if sampled:
             if all(chunk.request_id in step_logits for chunk in sampled):
                 logits = gather_rows([step_logits[chunk.request_id] for chunk in sampled])
+                argmax = gather_rows([step_argmax[chunk.request_id] for chunk in sampled])
             else:
                 rows = gather_rows([last_hidden[chunk.request_id] for chunk in sampled])
-                logits = self.model.compute_logits(rows)
-            output.sampled_token_ids = self._sample(sampled, logits, output)
+                logits, argmax = self.model.compute_logits(rows), None
+            output.sampled_token_ids = self._sample(sampled, logits, argmax, output)
         output.worker_seconds = time.perf_counter() - started
         return output
 
@@ -207,9 +210,11 @@ class Worker:
         return hidden
 
     def _sample(
-        self, chunks: list[ScheduledChunk], logits: torch.Tensor, output: RunnerOutput
+        self, chunks: list[ScheduledChunk], logits: torch.Tensor, argmax: torch.Tensor | None,
+        output: RunnerOutput,
     ) -> dict[str, int]:
-        """One token per chunk from its (V,) logits row; records rows asked for."""
+        """One token per chunk from its (V,) logits row (argmax: their argmax, when the decode
+        graph computed it); records rows asked for."""
         for i, chunk in enumerate(chunks):
             if chunk.sampling.return_logits:
                 output.logits[chunk.request_id] = logits[i].clone().cpu()
@@ -218,6 +223,7 @@ class Worker:
             request_ids=[chunk.request_id for chunk in chunks],
             params=[chunk.sampling for chunk in chunks],
             num_output_tokens=[chunk.num_output_tokens for chunk in chunks],
+            argmax=argmax,
         )
         return {chunk.request_id: token for chunk, token in zip(chunks, tokens)}
 

@@ -101,11 +101,12 @@ def test_graph_decode_matches_eager(dtype, tol):
         with torch.inference_mode():
             h_eager = model(build_forward_batch(chunks, BLOCK_SIZE, device), eager)
             assert runner.accepts(chunks)
-            h_graph, l_graph = runner.forward(chunks)  # the LM head ran inside the graph
+            h_graph, l_graph, argmax = runner.forward(chunks)  # the LM head ran inside the graph
             l_eager = model.compute_logits(h_eager)
         assert h_graph.shape == h_eager.shape and l_graph.shape == l_eager.shape
         assert relative_error(h_graph, h_eager) < tol, f"step {step} (n={n}) hidden"
         assert relative_error(l_graph, l_eager) < tol, f"step {step} (n={n}) logits"
+        assert torch.equal(argmax, l_graph.argmax(-1)), f"step {step} (n={n}) the graph's argmax"
         top2 = l_eager.topk(2, dim=-1).values
         near_tie = (top2[:, 0] - top2[:, 1]) <= 2 * (l_graph - l_eager).abs().max(-1).values
         assert bool(((l_graph.argmax(-1) == l_eager.argmax(-1)) | near_tie).all()), f"step {step} tokens"

@@ -20,6 +20,19 @@ def test_greedy_takes_the_argmax():
     assert tokens == logits.argmax(-1).tolist()
 
 
+def test_a_given_argmax_stands_in_unless_min_tokens_masks_a_row():
+    logits = random_logits()
+    params = [SamplingParams(temperature=0)] * 4
+    marker = torch.tensor([7, 8, 9, 10])  # not the argmax: shows which one was used
+    assert Sampler().sample(logits.clone(), ["a", "b", "c", "d"], params, [0] * 4, argmax=marker) == [7, 8, 9, 10]
+    banned = logits.argmax(-1)[1].item()
+    params[1] = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=(banned,))
+    masked = logits.clone()
+    masked[1, banned] = float("-inf")
+    tokens = Sampler().sample(logits.clone(), ["a", "b", "c", "d"], params, [0] * 4, argmax=marker)
+    assert tokens == masked.argmax(-1).tolist()
+
+
 def test_top_k_one_and_tiny_top_p_are_greedy():
     logits = random_logits()
     params = [SamplingParams(temperature=1.0, top_k=1), SamplingParams(temperature=1.0, top_p=1e-6)] * 2

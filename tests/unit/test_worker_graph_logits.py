@@ -4,7 +4,9 @@ step (a request restored from a checkpoint that samples from the bundle's hidden
 
 CPU only: a stand-in for DecodeGraphRunner runs the model eagerly and returns the negated
 logits, so a token sampled from the "graph" logits (their argmax is the eager argmin) is told
-apart from one sampled from the eager LM head.
+apart from one sampled from the eager LM head. Its argmax output is the eager argmin plus one,
+so a greedy token taken from the graph's argmax (what the worker does unless min_tokens masks
+the row) is told apart from one recomputed from the graph's logits.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ BLOCKS = 4
 
 
 class NegatedLogitsGraphs:
-    """accepts/forward as DecodeGraphRunner's; forward returns (hidden, -logits) and remembers
-    the eager argmax and argmin of each row."""
+    """accepts/forward as DecodeGraphRunner's; forward returns (hidden, -logits, the eager
+    argmin + 1) and remembers the eager argmax and argmin of each row."""
 
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
@@ -31,19 +33,20 @@ class NegatedLogitsGraphs:
     def accepts(self, chunks: list[ScheduledChunk]) -> bool:
         return all(len(c.token_ids) == 1 for c in chunks)
 
-    def forward(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         w = self.worker
         hidden = w.model(build_forward_batch(chunks, w.capacity.block_size, w.device), w.caches)
         logits = w.model.compute_logits(hidden)
         self.eager_argmax, self.eager_argmin = logits.argmax(-1).tolist(), logits.argmin(-1).tolist()
-        return hidden.clone(), -logits
+        return hidden.clone(), -logits, logits.argmin(-1) + 1
 
 
-def _chunk(request: int, tokens: tuple[int, ...], start: int, slot: int, sample: bool = True) -> ScheduledChunk:
+def _chunk(request: int, tokens: tuple[int, ...], start: int, slot: int, sample: bool = True,
+           sampling: SamplingParams = SamplingParams(temperature=0.0), generated: int = 0) -> ScheduledChunk:
     return ScheduledChunk(
         request_id=f"r{request}", token_ids=tokens, start_position=start,
         block_table=tuple(range(slot * BLOCKS, (slot + 1) * BLOCKS)), state_slot=slot,
-        reset_state=start == 0, sample=sample, sampling=SamplingParams(temperature=0.0),
+        reset_state=start == 0, sample=sample, sampling=sampling, num_output_tokens=generated,
     )
 
 
@@ -65,5 +68,11 @@ def test_graph_step_samples_the_graph_logits_unless_a_sampled_request_was_not_in
     assert out.sampled_token_ids["r1"] == graphs.eager_argmax[0]  # the eager LM head for all
 
     out = worker.execute(SchedulerOutput((_chunk(1, (7,), 6, 1), _chunk(2, (9,), 16, 2))))
-    assert [out.sampled_token_ids[r] for r in ("r1", "r2")] == graphs.eager_argmin  # the graph's
+    assert [out.sampled_token_ids[r] for r in ("r1", "r2")] == [t + 1 for t in graphs.eager_argmin]  # the graph's argmax
     assert graphs.eager_argmin != graphs.eager_argmax
+
+    # min_tokens masks r2's stop token: the argmax is taken again, from the graph's logits
+    unbanned = SamplingParams(temperature=0.0, min_tokens=5, stop_token_ids=(0,))
+    out = worker.execute(SchedulerOutput((_chunk(1, (7,), 7, 1), _chunk(2, (9,), 17, 2, sampling=unbanned))))
+    assert [out.sampled_token_ids[r] for r in ("r1", "r2")] == graphs.eager_argmin
+    assert 0 not in graphs.eager_argmin
