@@ -68,6 +68,11 @@ class DecodeInputStaging:
         self.max_batch, self.max_blocks, self.block_size = max_batch, max_blocks, block_size
         self.scratch_slot, self.scratch_block = scratch_slot, scratch_block
         self._staged_tables: list[tuple[int, ...] | None] = [None] * max_batch  # None: padding
+        fields_end = self.NUM_FIELDS * max_batch
+        self._views = (
+            buffer[:fields_end].reshape(self.NUM_FIELDS, max_batch),
+            buffer[fields_end:].reshape(max_batch, max_blocks),
+        )
 
     @classmethod
     def width(cls, max_batch: int, max_blocks: int) -> int:
@@ -81,10 +86,8 @@ class DecodeInputStaging:
         return self.NUM_FIELDS * self.max_batch + size * self.max_blocks
 
     def views(self) -> tuple[np.ndarray, np.ndarray]:
-        """The buffer as the (6, Bmax) fields and the (Bmax, M) block table."""
-        fields = self.buffer[: self.NUM_FIELDS * self.max_batch].reshape(self.NUM_FIELDS, self.max_batch)
-        table = self.buffer[self.NUM_FIELDS * self.max_batch :].reshape(self.max_batch, self.max_blocks)
-        return fields, table
+        """The buffer as the (6, Bmax) fields and the (Bmax, M) block table (views made once)."""
+        return self._views
 
     def stage(self, chunks: list[ScheduledChunk], size: int) -> None:
         """Rows 0..n-1 from the chunks (row i = chunk i), rows n..size-1 padding. Each chunk's
