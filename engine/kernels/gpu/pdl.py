@@ -37,11 +37,10 @@ serialised as usual on both sides.
 
 `enabled()` decides once per process: on for CUDA devices of compute capability 9.0 or
 later, off under Triton's interpreter and when HYBRID_SERVE_PDL=0 (set it to compare). The
-batch-1 decode graph of benchmarks/gpu_roofline.py, captured both ways in one run, took
-1.411 ms with PDL and 1.708 ms without, timings that also count the host's submission, which
-was 0.21 and 0.41 ms (benchmarks/gpu_roofline_notes.md, fifth session; an earlier run on
-another machine saw no difference, 1.534 against 1.519 ms, before the single-row GEMM loaded
-weights ahead of its wait).
+batch-1 decode graph of benchmarks/gpu_roofline.py, captured both ways in one run and timed
+on the GPU alone, took 1.190 ms with PDL and 1.350 ms without; with PDL but every load after
+the wait, 1.276 ms (gpu_roofline_20261203_session6_final.json; benchmarks/gpu_roofline_notes.md,
+sixth session).
 """
 
 from __future__ import annotations

@@ -59,8 +59,11 @@ Design (every weight byte is read exactly once, in wide loads along K):
   mixer, the GEMM before) still runs. At K = 2,048 and BLOCK_K 512, four tiles are a
   program's whole slice. The batch-1 decode graph of benchmarks/gpu_roofline.py took 1.266 ms
   on the GPU with no tile before the wait, 1.216 with one, 1.165 with two
-  (gpu_roofline_20261203_session6_host_and_state.json); asking L2 for the whole weight slice
-  instead (prefetch.global.L2) had made it slower (gpu_roofline_20261203_session5_variants.json);
+  (gpu_roofline_20261203_session6_host_and_state.json); in another run 1.276 with none and
+  1.193, 1.201 and 1.190 with two, three and four (the same within the runs' spread; four is
+  the default those runs' rows used, gpu_roofline_20261203_session6_final.json). Asking L2 for
+  the whole weight slice instead (prefetch.global.L2) had made it slower
+  (gpu_roofline_20261203_session5_variants.json);
 - BLOCK_N, BLOCK_K, num_warps and num_stages are tuned with @triton.autotune over CONFIGS,
   keyed on (N, K, GATED) and the dtypes (the gated variant is tuned on its own). Every config
   keeps 32 fp32 accumulators per thread and at most 48 KiB of weight tiles in flight per
