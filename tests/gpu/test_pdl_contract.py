@@ -116,26 +116,31 @@ def test_every_pdl_kernel_releases_then_waits_before_touching_memory():
     assert any("skinny" in name for name in kernels), sorted(kernels)
     assert "mamba_decode._conv_ssd_decode_kernel" in kernels, sorted(kernels)
     for name, variants in kernels.items():
+        allowed = name in LOADS_BEFORE_WAIT
         for ptx in variants:
             release = ptx.find("griddepcontrol.launch_dependents")
             wait = ptx.find("griddepcontrol.wait")
             assert 0 <= release < wait, f"{name}: launch_dependents must come before the wait"
-            allowed = name in LOADS_BEFORE_WAIT
             assert _accesses_before_wait(ptx, allowed) == [], f"{name} touches memory before its wait"
-            if allowed:  # and its weight loads are really there
-                assert len(_accesses_before_wait(ptx)) > 0, f"{name} loads nothing before its wait"
+        if allowed:  # and its early loads are really there, in the variant the model compiled
+            # (other tests may have compiled more: the GEMM with PRELOAD_TILES=0 loads nothing early)
+            assert any(_accesses_before_wait(ptx) for ptx in variants), f"{name} loads nothing before its wait"
 
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("consumer", ["linear", "gated linear", "add_rms_norm", "gated_rms_norm", "conv_ssd_decode"])
+@pytest.mark.parametrize(
+    "consumer", ["linear", "gated linear", "add_rms_norm", "gated_rms_norm", "conv_ssd_decode", "advance_conv_states"],
+)
 def test_a_kernel_launched_behind_a_slow_writer_reads_what_it_wrote(consumer):
     """The kernels that load before their wait, replayed in a CUDA graph right behind a PDL
     kernel that spins for 300 us and only then writes their activation input (NaN until then):
     their pre-wait part runs during the spin, so an activation load hoisted above the wait
     would read NaN. The result must equal, bit for bit, the same call on the input written
-    first (for the Mamba decode kernel: its outputs and the new state, from the same old state)."""
+    first (for the Mamba decode kernels: their outputs and the new state, from the same old
+    state; their late input is in_proj's whole row, xBC and dt)."""
     from engine.kernels.gpu import pdl
+    from engine.kernels.gpu.conv import advance_conv_states
     from engine.kernels.gpu.fused_norm import add_rms_norm, gated_rms_norm
     from engine.kernels.gpu.mamba_decode import conv_ssd_decode
     from engine.kernels.gpu.skinny_gemm import CONFIGS, skinny_linear
@@ -160,18 +165,24 @@ def test_a_kernel_launched_behind_a_slow_writer_reads_what_it_wrote(consumer):
         skip_d = torch.rand(64, device="cuda", generator=g)
         late = torch.randn(1, 4096, device="cuda", generator=g)  # the scan's fp32 y
         run = lambda y: gated_rms_norm(y, gate, weight, 4096, 1e-5, bf16, skip=(skip_x, skip_d))  # noqa: E731
-    else:
+    else:  # the Mamba decode kernels; late: in_proj's row [xBC | dt], as the model splits it
         heads, head_dim, state_size, taps = 8, 64, 128, 4
         conv_dim = heads * head_dim + 2 * state_size
-        late = randn(1, conv_dim)  # in_proj's xBC columns
-        dt_raw, conv_state, conv_w, conv_b = randn(1, heads), randn(3, conv_dim, taps - 1), randn(conv_dim, taps), randn(conv_dim)
+        late = randn(1, conv_dim + heads)
+        conv_w, conv_b = randn(conv_dim, taps), randn(conv_dim)
         dt_bias = torch.zeros(heads, device="cuda")
         a_log = torch.rand(heads, device="cuda", generator=g)
-        old_state = torch.randn(3, heads, head_dim, state_size, device="cuda", generator=g)
-        ssm = old_state.clone()
+        old_conv = randn(3, conv_dim, taps - 1)
+        old_ssm = torch.randn(3, heads, head_dim, state_size, device="cuda", generator=g)
+        conv_state, ssm = old_conv.clone(), old_ssm.clone()
         rows, slots, reset = (torch.tensor([v], device="cuda") for v in (0, 1, 0))
+        cu_seqlens = torch.tensor([0, 1], device="cuda")
 
-        def run(xbc):
+        def run(row):
+            xbc, dt_raw = row[:, :conv_dim], row[:, conv_dim:]
+            if consumer == "advance_conv_states":
+                advance_conv_states(xbc, conv_state, cu_seqlens, slots, reset)
+                return conv_state[1].float().flatten().clone()  # a copy: the state changes later
             x_out = torch.empty(1, heads, head_dim, dtype=bf16, device="cuda")
             y = torch.empty(1, heads, head_dim, device="cuda")
             conv_ssd_decode(xbc, dt_raw, conv_state, conv_w, conv_b, dt_bias, a_log, (1e-3, 0.1), ssm,
@@ -188,8 +199,9 @@ def test_a_kernel_launched_behind_a_slow_writer_reads_what_it_wrote(consumer):
         copy_late(late, target, spin_us=300)
         got = run(target)
     target.fill_(float("nan"))
-    if consumer == "conv_ssd_decode":
-        ssm.copy_(old_state)  # the graph's step starts from the state the reference started from
+    if consumer in ("conv_ssd_decode", "advance_conv_states"):
+        conv_state.copy_(old_conv)  # the graph's step starts from the state the reference did
+        ssm.copy_(old_ssm)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(got, expected)
