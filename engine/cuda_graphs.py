@@ -90,10 +90,10 @@ class DecodeInputStaging:
         return self._views
 
     def stage(self, chunks: list[ScheduledChunk], size: int) -> None:
-        """Rows 0..n-1 from the chunks (row i = chunk i), rows n..size-1 padding. Each chunk's
-        block table must cover its position. The fields are gathered in Python and written
-        with one numpy assignment: at batch 1 a numpy call per field took most of the 0.06 ms
-        this used to cost before every decode graph's replay."""
+        """Rows 0..n-1 from the chunks (row i = chunk i), rows n..size-1 padding. A chunk whose
+        block table does not cover its position: ValueError (as the eager path). The fields are
+        gathered in Python and written with one numpy assignment: at batch 1 a numpy call per
+        field took most of the 0.06 ms this used to cost before every decode graph's replay."""
         n = len(chunks)
         fields, table = self.views()
         bs = self.block_size
@@ -101,6 +101,9 @@ class DecodeInputStaging:
         for i, chunk in enumerate(chunks):
             position = chunk.start_position
             blocks = chunk.block_table[: position // bs + 1]  # the blocks holding keys 0..position
+            if len(blocks) <= position // bs:
+                raise ValueError(f"{chunk.request_id}: block table of {len(blocks)} blocks does not "
+                                 f"cover position {position}")
             if self._staged_tables[i] != blocks:
                 table[i, : len(blocks)] = blocks
                 self._staged_tables[i] = blocks

@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 
 import numpy as np
+import pytest
 
 from engine.cuda_graphs import DecodeInputStaging
 from engine.sampling_params import SamplingParams
@@ -70,3 +71,14 @@ def test_staging_matches_per_row_oracle():
         for r in requests:
             positions[r] += 1
     assert max(positions.values()) // BLOCK_SIZE > 3, "the steps never crossed a block boundary"
+
+
+def test_a_block_table_that_does_not_cover_the_position_is_refused():
+    buffer = np.zeros(DecodeInputStaging.width(MAX_BATCH, MAX_BLOCKS), dtype=np.int64)
+    staging = DecodeInputStaging(buffer, MAX_BATCH, MAX_BLOCKS, BLOCK_SIZE, SCRATCH_SLOT, SCRATCH_BLOCK)
+    covered = _chunk(0, 5, 2 * BLOCK_SIZE - 1, (3, 4), reset=False)  # last key of block 4
+    staging.stage([covered], 1)
+    _check_rows(staging, [covered], 1)
+    short = _chunk(0, 5, 2 * BLOCK_SIZE, (3, 4), reset=False)  # needs a third block
+    with pytest.raises(ValueError, match="does not cover position"):
+        staging.stage([short], 1)
