@@ -10,7 +10,12 @@ tile and warp counts. Paged decode attention
 at small batches. For each batch size this prints the time of each launch shape and, for the
 SSD update, the bytes it must move over that time as a share of the device-to-device copy
 bandwidth measured in the same run. Times are the median of CUDA-graph replays of 20
-back-to-back calls (launch gaps as in the engine's decode graphs), divided by 20.
+back-to-back calls (launch gaps as in the engine's decode graphs), divided by 20. The Mamba
+layer rows give each of the 20 calls its own conv and SSD state, as the model's 20 Mamba
+layers have: the fused kernel loads its old state before its PDL wait, which
+engine/kernels/gpu/pdl.py allows only because no kernel ahead of it in a forward pass writes
+that state, so back-to-back calls on one state would race (results before 2026-12-03's
+session 6 chained one state; the fused kernel then loaded it after its wait).
 
     python benchmarks/decode_kernels.py --out benchmarks/results/decode_kernels.json
 """
@@ -32,15 +37,19 @@ BATCHES = (1, 16, 64)
 CONTEXT = 1024
 
 
-def graph_seconds(fn, calls: int = 20, repeats: int = 15) -> float:
-    """Median seconds of one call of fn, from CUDA-graph replays of `calls` back-to-back calls."""
-    for _ in range(2):
-        fn()
+CALLS = 20
+
+
+def graph_seconds(fn, calls: int = CALLS, repeats: int = 15) -> float:
+    """Median seconds of one call, from CUDA-graph replays of `calls` back-to-back calls
+    fn(0), fn(1), ..., fn(calls - 1)."""
+    for i in range(2):
+        fn(i)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
+        for i in range(calls):
+            fn(i)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(repeats):
@@ -68,7 +77,7 @@ def ssd_rows(copy_bw: float) -> list[dict]:
         moved = 2 * batch * H * P * N * 4  # state read and written
         for block_p in (8, 16, 32, 64):
             for warps in (1, 2, 4, 8):
-                seconds = graph_seconds(lambda: ssd_decode_update(
+                seconds = graph_seconds(lambda _: ssd_decode_update(
                     x, dt, dt_bias, a_log, (0.0, float("inf")), bc[:, 0], bc[:, 1], state, y,
                     rows_t, rows_t, reset, block_p=block_p, num_warps=warps))
                 rows.append({"kernel": "ssd_decode_update", "batch": batch, "block_p": block_p,
@@ -93,8 +102,9 @@ def mamba_decode_rows(copy_bw: float) -> list[dict]:
         weight = torch.randn(conv_dim, width, device="cuda", dtype=torch.bfloat16)
         bias = torch.randn(conv_dim, device="cuda", dtype=torch.bfloat16)
         dt_bias, a_log = torch.zeros(H, device="cuda"), torch.zeros(H, device="cuda")
-        conv_state = torch.randn(batch + 1, conv_dim, width - 1, device="cuda", dtype=torch.bfloat16)
-        state = torch.randn(batch + 1, H, P, N, device="cuda")
+        # one (conv, SSD) state per call of a graph, as one per Mamba layer (module docstring)
+        layers = [(torch.randn(batch + 1, conv_dim, width - 1, device="cuda", dtype=torch.bfloat16),
+                   torch.randn(batch + 1, H, P, N, device="cuda")) for _ in range(CALLS)]
         conv_out = torch.empty_like(xbc)
         x_out = torch.empty(batch, H, P, device="cuda", dtype=torch.bfloat16)
         y = torch.empty(batch, H, P, device="cuda")
@@ -104,7 +114,8 @@ def mamba_decode_rows(copy_bw: float) -> list[dict]:
         moved = 2 * batch * H * P * N * 4
         limits = (0.0, float("inf"))
 
-        def unfused():
+        def unfused(layer):
+            conv_state, state = layers[layer]
             causal_conv1d_varlen(xbc, conv_state, weight, bias, cu, rows_t, reset, rows_t,
                                  apply_silu=True, out=conv_out)
             x, b, c = conv_out.split([H * P, G * N, G * N], dim=-1)
@@ -118,7 +129,8 @@ def mamba_decode_rows(copy_bw: float) -> list[dict]:
                      "share_of_copy_rate": moved / seconds / copy_bw})
         for block_p in (16, 32, 64):
             for warps in (4, 8):
-                def fused():
+                def fused(layer):
+                    conv_state, state = layers[layer]
                     conv_ssd_decode(xbc, dt, conv_state, weight, bias, dt_bias, a_log, limits, state,
                                     x_out, y, rows_t, rows_t, reset, block_p=block_p, num_warps=warps)
                     advance_conv_states(xbc, conv_state, cu, rows_t, reset)
@@ -146,7 +158,7 @@ def attention_rows() -> list[dict]:
         lens = torch.full((batch,), CONTEXT, device="cuda")
         auto = decode_splits(batch, KV_HEADS)
         for splits in sorted({1, 2, 4, 8, 16, auto}):
-            seconds = graph_seconds(lambda: paged_attention_decode(
+            seconds = graph_seconds(lambda _: paged_attention_decode(
                 query, cache[0], cache[1], out, rows_t, lens, table, HEAD_DIM**-0.5, num_splits=splits))
             rows.append({"kernel": "paged_attention_decode", "batch": batch, "num_splits": splits,
                          "default": splits == auto, "seconds": seconds})

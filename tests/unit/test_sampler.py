@@ -33,6 +33,17 @@ def test_a_given_argmax_stands_in_unless_min_tokens_masks_a_row():
     assert tokens == masked.argmax(-1).tolist()
 
 
+def test_rows_that_are_not_greedy_are_drawn_whatever_argmax_is_given():
+    logits = random_logits()
+    drawn = SamplingParams(temperature=1.0, top_k=1)  # a draw that can only give the row's argmax
+    params = [SamplingParams(temperature=0), drawn, SamplingParams(temperature=0), drawn]
+    marker = torch.tensor([7, 8, 9, 10])
+    tokens = Sampler().sample(logits.clone(), ["a", "b", "c", "d"], params, [0] * 4, argmax=marker)
+    expected = logits.argmax(-1).tolist()
+    assert tokens == [7, expected[1], 9, expected[3]]
+    assert expected[1] != 8 and expected[3] != 10
+
+
 def test_top_k_one_and_tiny_top_p_are_greedy():
     logits = random_logits()
     params = [SamplingParams(temperature=1.0, top_k=1), SamplingParams(temperature=1.0, top_p=1e-6)] * 2

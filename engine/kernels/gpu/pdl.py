@@ -25,7 +25,9 @@ the forward pass launches):
   Mamba decode kernel (mamba_decode.py) loads there the step's plan (rows, slots, resets,
   copied in before the pass) and its own layer's conv and SSD state of its rows, which only
   it and the conv-window shift after it write within the pass; and that shift (conv.py's
-  `_state_kernel`) loads the plan and the old window it shifts;
+  `_state_kernel`) loads the plan and the old window it shifts. A caller outside a forward
+  pass must keep that true: two of these launches on the same state with no kernel without
+  PDL between them would race (benchmarks/decode_kernels.py gives each call its own state);
 - its launch passes `**launch_options()`: USE_PDL and Triton's `launch_pdl` option together.
 Every participant waits before it reads or writes a cache or an activation, and a kernel's
 wait returns only once its predecessor has finished (which waited for its own predecessor),

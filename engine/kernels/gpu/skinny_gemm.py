@@ -189,6 +189,7 @@ def _row_kernel(
     rows into registers before it waits for the kernel that writes x, so its weight stream
     starts while that kernel runs; they are accumulated ahead of the loop in the loop's order
     (the same bits)."""
+    tl.static_assert(PRELOAD_TILES <= 4, "at most four tiles are loaded before the wait")
     release_next(USE_PDL)
     features = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     feature_ok = features < N
