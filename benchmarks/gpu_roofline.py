@@ -41,6 +41,12 @@ from engine.worker import Worker, build_forward_batch
 from roofline_checkpoints import checkpoint_rows  # noqa: E402  (this script's folder)
 
 BLOCK_SIZE = 16
+# bench_decode's steps: warm-up, timed (the median is reported; 20 timed steps had let the
+# batch-1 row move by 5% between runs whose steps measured the same elsewhere), then one
+# profiled; host_profile and launch_variants decode on after them
+DECODE_WARMUP, DECODE_TIMED = 3, 50
+DECODE_STEPS_RUN = DECODE_WARMUP + DECODE_TIMED + 1
+HOST_PROFILE_STEPS = 10
 CONFIG_1P5B = {
     "architectures": ["GraniteMoeHybridForCausalLM"], "model_type": "granitemoehybrid",
     "hidden_size": 2048, "num_hidden_layers": 24,
@@ -271,7 +277,7 @@ def decode_bytes(worker: Worker, batch: int, context: int) -> float:
 
 
 def bench_decode(worker: Worker, first_request: int, batch: int, context: int, blocks_per_seq: int,
-                 warmup: int = 3, steps: int = 20) -> float:
+                 warmup: int = DECODE_WARMUP, steps: int = DECODE_TIMED) -> float:
     """Decode steps/s of `batch` sequences prefilled to `context` tokens (8K-token prefill steps)."""
     requests = list(range(first_request, first_request + batch))
     per_step = max(1, 8192 // context)
@@ -298,7 +304,7 @@ def bench_decode(worker: Worker, first_request: int, batch: int, context: int, b
 
 
 def host_profile(worker: Worker, first_request: int, batch: int, context: int, blocks_per_seq: int,
-                 steps: int = 10, top: int = 18) -> list[str]:
+                 steps: int = HOST_PROFILE_STEPS, top: int = 18) -> list[str]:
     """cProfile of `steps` decode steps of the requests bench_decode left behind (they decode
     on): the top functions by own time, per step, where a step's host time goes (the GPU's
     time shows up as the wait in whatever reads the sampled tokens back)."""
@@ -307,7 +313,7 @@ def host_profile(worker: Worker, first_request: int, batch: int, context: int, b
     import pstats
 
     requests = list(range(first_request, first_request + batch))
-    position = context + 24  # after bench_decode's 24 steps (its warm-up, timed and profiled ones)
+    position = context + DECODE_STEPS_RUN  # after bench_decode's steps
     profiler = cProfile.Profile()
     for s in range(steps):
         out = SchedulerOutput(tuple(chunk(r, (5,), position + s, blocks_per_seq, False) for r in requests))
@@ -435,7 +441,9 @@ def main() -> None:
     batches = (1, 16, 64)
     num_requests = 1 + sum(batches)
     suffix = 256  # the user message after the instruction checkpoint
-    blocks_per_seq = -(-max(args.prefill_tokens + suffix, args.context + 64) // BLOCK_SIZE)
+    # decode runs on past the context: bench_decode, host_profile and launch_variants take
+    # about 250 steps of batch 1's request
+    blocks_per_seq = -(-max(args.prefill_tokens + suffix, args.context + 512) // BLOCK_SIZE)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "granite-hybrid-1p5b-random"
         write_random_checkpoint(model_dir)
@@ -491,8 +499,9 @@ def main() -> None:
         worker.decode_graphs = graphs
         if graphs is not None:
             report["decode_graph_replays"] = graphs.replays
-        # batch 1's request after bench_decode (24 steps) and host_profile (10)
-        report["batch1_launch_variants"] = launch_variants(worker, 1, args.context + 34, blocks_per_seq)
+        # batch 1's request after bench_decode's steps and host_profile's
+        position = args.context + DECODE_STEPS_RUN + HOST_PROFILE_STEPS
+        report["batch1_launch_variants"] = launch_variants(worker, 1, position, blocks_per_seq)
         print(f"launch variants done ({time.perf_counter() - t_start:.0f}s)", flush=True)
         report["rows"] = rows
     report["wall_seconds"] = time.perf_counter() - t_start
