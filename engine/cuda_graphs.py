@@ -15,9 +15,9 @@ of the same n chunks changes.
 The graph ends with the LM head (model.compute_logits) and the argmax of each row, so a greedy
 step's only work after the replay is reading the tokens back: the LM head's launch, scaling,
 dtype conversion and the argmax leave the host's path (the sampler still draws the rows that
-are not greedy from the logits). Each captured size keeps its
-(b, V) fp32 logits in the graph pool, outside the cache budgets: V * 4 bytes times the sum of
-the sizes (with a 49,152-token vocabulary, 116 MB for the sizes up to 128, the most captured).
+are not greedy from the logits). Each captured size keeps its (b, V) fp32 logits in the graph
+pool, outside the cache budgets: V * 4 bytes times the sum of the sizes (with a 49,152-token
+vocabulary, 116 MB for the sizes up to 128, the most captured).
 
 Everything the graphs touch is captured by address: the weights and the cache tensors must not
 be replaced after capture (the caches are only ever written in place).
@@ -172,8 +172,9 @@ class DecodeGraphRunner:
 
     def capture(self) -> None:
         """Capture every batch size, largest first, into one memory pool: the input copy, then
-        the forward pass, the LM head and the argmax. Each size is run eagerly once first (Triton JIT,
-        cuBLAS handles) with padding only, which writes only the scratch slot and block."""
+        the forward pass, the LM head and the argmax. Each size is run eagerly once first
+        (Triton JIT, cuBLAS handles) with padding only, which writes only the scratch slot and
+        block."""
         started = time.perf_counter()
         self._staging.fill_padding(0, self.max_batch)
         self._inputs.copy_(self._host)

@@ -47,8 +47,8 @@ class CacheCapacity:
 @dataclass(frozen=True)
 class RowRef:
     """Row `index` of `rows` (n, W), a step's output: a request's last hidden row (W = D),
-    its logits (W = V) or their argmax (rows (n,)), kept by reference so a step of n requests does not slice n rows it
-    mostly never needs alone (only a capture does)."""
+    its logits (W = V) or their argmax (rows (n,)), kept by reference so a step of n requests
+    does not slice n rows it mostly never needs alone (only a capture does)."""
 
     rows: torch.Tensor
     index: int
@@ -59,9 +59,9 @@ class RowRef:
 
 
 def gather_rows(refs: list[RowRef]) -> torch.Tensor:
-    """(len(refs), W) (or (len(refs),) from 1-D rows): the referenced rows in order. A decode step samples every row of its
-    output in order: that tensor itself, with no launch; rows of one tensor: one gather (its
-    index list copied to the device first); otherwise one stack."""
+    """(len(refs), W), or (len(refs),) from 1-D rows: the referenced rows in order. A decode
+    step samples every row of its output in order: that tensor itself, with no launch; rows of
+    one tensor: one gather (its index list copied to the device first); otherwise one stack."""
     source = refs[0].rows
     if all(ref.rows is source for ref in refs):
         indices = [ref.index for ref in refs]
