@@ -369,7 +369,7 @@ def launch_variants(worker: Worker, request: int, position: int, blocks_per_seq:
     median host seconds of DecodeGraphRunner.forward (staging and the replay's submission; no
     wait) and median GPU seconds from an event before it to one after it, the step queued
     behind a GPU sleep so that the host's submission time does not count (the graph: its input
-    copy, the forward pass and the LM head)."""
+    copy, the forward pass, the LM head and the argmax)."""
     from engine.cuda_graphs import DecodeGraphRunner
     from engine.kernels.gpu import pdl, skinny_gemm
 
@@ -442,7 +442,7 @@ def main() -> None:
     num_requests = 1 + sum(batches)
     suffix = 256  # the user message after the instruction checkpoint
     # decode runs on past the context: bench_decode, host_profile and launch_variants take
-    # about 250 steps of batch 1's request
+    # about 215 steps of batch 1's request
     blocks_per_seq = -(-max(args.prefill_tokens + suffix, args.context + 512) // BLOCK_SIZE)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "granite-hybrid-1p5b-random"
