@@ -43,13 +43,16 @@ LOADS_BEFORE_WAIT = {
 
 def _accesses_before_wait(ptx: str, loads_allowed: bool = False) -> list[str]:
     """The memory instructions of a kernel's PTX ahead of its griddepcontrol.wait (parameter
-    loads are not memory accesses here; with loads_allowed, global loads are not either)."""
+    loads are not memory accesses here). With loads_allowed, global loads are not either, nor
+    is shared memory: it belongs to the block alone (no other grid can write it), and the
+    compiler may stage the early loads' values through it (the conv-window shift's layout
+    change does, seen on the H200)."""
     lines = ptx.splitlines()
     wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
     return [
         line.strip() for line in lines[:wait]
         if MEMORY_ACCESS.search(line) and "ld.param" not in line
-        and not (loads_allowed and "ld.global" in line)
+        and not (loads_allowed and ("ld.global" in line or ".shared" in line))
     ]
 
 
