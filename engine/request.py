@@ -8,6 +8,10 @@ from dataclasses import dataclass, field
 from engine.sampling_params import SamplingParams
 
 
+# Stands for a sampled token whose value the scheduler does not know yet (Request docstring).
+PENDING_TOKEN = -1
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -26,8 +30,15 @@ class Request:
     """One generation request.
 
     Progress rule: num_computed_tokens chases num_tokens. Prefill, chunked prefill and decode
-    are the same rule; a request whose computed count reaches num_tokens gets a sampled token,
-    which makes num_tokens one larger.
+    are the same rule; a chunk that reaches num_tokens samples a token, which makes num_tokens
+    one larger.
+
+    Both counts move when a chunk is scheduled, not when its step's output comes back: the
+    engine may schedule the next step before it has the tokens of the step in flight
+    (EngineConfig.async_scheduling). Until its value arrives, a sampled token is pending
+    (num_pending_tokens, at most the last two positions): it counts in num_tokens, and
+    token_slice gives PENDING_TOKEN for it, which the worker replaces on the device with the
+    token its previous step sampled for the request.
 
     block_ids cover positions [0, num_computed_tokens + scheduled tokens); state_slot is the
     recurrent state row, None while the request holds no cache (waiting or preempted).
@@ -54,6 +65,7 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     state_slot: int | None = None
     num_preemptions: int = 0
+    num_pending_tokens: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -61,24 +73,39 @@ class Request:
 
     @property
     def num_output_tokens(self) -> int:
+        """Output tokens whose values are known (pending ones not counted)."""
         return len(self.output_token_ids)
 
     @property
-    def num_tokens(self) -> int:
+    def num_known_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def num_tokens(self) -> int:
+        """Prompt, known output and pending tokens."""
+        return self.num_known_tokens + self.num_pending_tokens
+
+    @property
     def all_token_ids(self) -> tuple[int, ...]:
+        """Prompt and known output tokens."""
         return self.prompt_token_ids + tuple(self.output_token_ids)
 
     def token_slice(self, start: int, end: int) -> tuple[int, ...]:
-        """Token ids at positions [start, end) of prompt + output."""
+        """Token ids at positions [start, end) of prompt + output, PENDING_TOKEN at the
+        positions of pending tokens."""
         prompt_len = len(self.prompt_token_ids)
         if end <= prompt_len:
             return self.prompt_token_ids[start:end]
         head = self.prompt_token_ids[start:prompt_len] if start < prompt_len else ()
         tail = self.output_token_ids[max(start - prompt_len, 0) : end - prompt_len]
-        return tuple(head) + tuple(tail)
+        pending = max(0, end - max(start, self.num_known_tokens))
+        return tuple(head) + tuple(tail) + (PENDING_TOKEN,) * pending
+
+    def resolve_pending_token(self, token: int) -> None:
+        """The oldest pending token's value has arrived."""
+        assert self.num_pending_tokens > 0, f"{self.request_id}: no pending token to resolve"
+        self.output_token_ids.append(token)
+        self.num_pending_tokens -= 1
 
     def next_pause_after(self, position: int) -> int | None:
         """The first pause position strictly after `position`, or None."""
@@ -101,6 +128,6 @@ def token_stop_reason(request: Request, max_model_len: int) -> FinishReason | No
             return FinishReason.STOP
         if last in params.stop_token_ids:
             return FinishReason.STOP
-    if request.num_output_tokens >= params.max_tokens or request.num_tokens >= max_model_len:
+    if request.num_output_tokens >= params.max_tokens or request.num_known_tokens >= max_model_len:
         return FinishReason.LENGTH
     return None

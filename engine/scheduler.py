@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from cache.cache_manager import CacheManager, PoolUsage
 from cache.checkpoint_ledger import CheckpointKind
-from engine.request import FinishReason, Request, RequestStatus, token_stop_reason
+from engine.request import PENDING_TOKEN, FinishReason, Request, RequestStatus, token_stop_reason
 from engine.step_io import CaptureOp, RestoreOp, RunnerOutput, ScheduledChunk, SchedulerOutput
 
 
@@ -108,9 +108,13 @@ class Scheduler:
     # ----------------------------------------------------------------- the step
 
     def schedule(self) -> SchedulerOutput:
-        """Pick this step's chunks. Mutates block tables, state slots and the queues."""
+        """Pick this step's chunks. Mutates block tables, state slots and the queues, and
+        advances each scheduled request as if its chunk had run (Request's docstring): the
+        next schedule() may come before this step's update_from_output()."""
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
+        # reserved before this step: taken at its start (this step's chunks reserve for the next)
+        captures, self._captures = self._captures, []
 
         index = 0
         while index < len(self.running) and budget > 0:
@@ -131,7 +135,6 @@ class Scheduler:
             budget -= len(chunk.token_ids)
 
         finished, self._finished_since_last_step = self._finished_since_last_step, []
-        captures, self._captures = self._captures, []
         if self.in_pass_capture:
             captures += self._in_pass_captures(chunks)
         return SchedulerOutput(
@@ -144,11 +147,15 @@ class Scheduler:
 
     def abandon_step(self, scheduler_output: SchedulerOutput) -> None:
         """The runner failed `scheduler_output`: none of it is known to have happened. Its
-        captures are dropped (fail closed), its restores' pins released, and the bundles it
-        was to free are handed to the next step again. Requests are left as they were; the
-        caller fails them."""
+        captures are dropped (fail closed), and so are those its chunks reserved for the next
+        step; its restores' pins are released, and the bundles it was to free are handed to
+        the next step again. Requests are left as they were; the caller fails them."""
         self._settle_checkpoints(scheduler_output, {})
         self.cache.return_dropped_bundles(scheduler_output.dropped_bundle_ids)
+        failed = {chunk.request_id for chunk in scheduler_output.chunks}
+        reserved = [capture for capture in self._captures if capture.request_id in failed]
+        self._captures = [capture for capture in self._captures if capture.request_id not in failed]
+        self._settle_checkpoints(SchedulerOutput((), captures=tuple(reserved)), {})
 
     def _settle_checkpoints(
         self, scheduler_output: SchedulerOutput, confirmed_captures: dict[int, frozenset[int]]
@@ -164,7 +171,9 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput
     ) -> list[Request]:
-        """Advance progress by what ran; append sampled tokens and stop on token-level rules.
+        """Settle the step's checkpoints, resolve the tokens it sampled (schedule() counted
+        them pending) and stop on token-level rules. Steps are updated in the order they were
+        scheduled.
 
         Returns the requests that received a new token this step (finished ones included,
         with status FINISHED and their finish_reason set).
@@ -174,14 +183,9 @@ class Scheduler:
         updated: list[Request] = []
         for chunk in scheduler_output.chunks:
             request = self.requests.get(chunk.request_id)
-            if request is None:
-                continue  # finished while the step ran
-            request.num_computed_tokens += len(chunk.token_ids)
-            if chunk.token_ids:
-                self._reserve_boundary_captures(request)
-            if not chunk.sample:
-                continue
-            request.output_token_ids.append(runner_output.sampled_token_ids[chunk.request_id])
+            if request is None or not chunk.sample:
+                continue  # finished while the step ran, or sampled nothing
+            request.resolve_pending_token(runner_output.sampled_token_ids[chunk.request_id])
             reason = token_stop_reason(request, self.max_model_len)
             if reason is not None:
                 self.finish_request(request.request_id, reason)
@@ -203,10 +207,13 @@ class Scheduler:
         return length
 
     def _make_chunk(self, request: Request, num_new: int) -> ScheduledChunk:
+        """The chunk of tokens [computed, computed + num_new); advances the request past it
+        (one more pending token if it samples) and reserves the captures that fall due where
+        it ends, to be taken at the start of the next step."""
         start = request.num_computed_tokens
         end = start + num_new
         assert request.state_slot is not None
-        return ScheduledChunk(
+        chunk = ScheduledChunk(
             request_id=request.request_id,
             token_ids=request.token_slice(start, end),
             start_position=start,
@@ -215,9 +222,14 @@ class Scheduler:
             reset_state=start == 0,
             sample=end == request.num_tokens,
             sampling=request.sampling,
-            num_output_tokens=request.num_output_tokens,
+            num_output_tokens=request.num_output_tokens + request.num_pending_tokens,
             capture_hidden=end in request.pause_positions,
         )
+        request.num_computed_tokens = end
+        request.num_pending_tokens += int(chunk.sample)
+        if num_new:
+            self._reserve_boundary_captures(request)
+        return chunk
 
     def _grow_blocks_or_preempt(self, request: Request, num_new: int) -> bool:
         """Give a running request blocks for num_new more tokens, preempting the newest
@@ -307,6 +319,7 @@ class Scheduler:
         if kind not in self.checkpoint_kinds or position == 0 or request.state_slot is None:
             return None
         tokens = request.token_slice(0, position)
+        assert PENDING_TOKEN not in tokens, "a capture covers only tokens whose values are known"
         endpoint = (request.namespace, tokens)
         if endpoint in self._pending_endpoints.values():
             return None
