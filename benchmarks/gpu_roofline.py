@@ -9,9 +9,11 @@ to its floor:
   * cold prefill of 8,192 tokens (time to first token) vs model FLOPs / matmul rate;
   * decode tokens/s at batch 1, 16, 64 with 1,024 tokens of context vs the bytes a step must
     move (weights + SSM/conv state read and written + KV read) / copy bandwidth, replaying the
-    worker's CUDA graphs (engine/cuda_graphs.py), then the same steps eagerly for comparison;
-    each graph row also reports the replay of its graph alone (the step's GPU time without
-    the host work around it);
+    worker's CUDA graphs (engine/cuda_graphs.py), then the same steps eagerly for comparison.
+    The row's time is a step of the engine's default async scheduling (each step submitted
+    before the one before is collected, its token read on the device); each row also reports
+    the step collected before the next is staged (sync) and the replay of its graph alone
+    (the step's GPU time without the host work around it);
   * checkpoint rows (benchmarks/roofline_checkpoints.py): capture and restore of an 8,192-token
     bundle, restore + 256-token prefill (a prefill CUDA graph, engine/prefill_graphs.py, and the
     same step eagerly) vs the cold 8,448-token prefill, and the cold 8,448-token prefill that
@@ -34,6 +36,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.loader import load_model
+from engine.request import PENDING_TOKEN
 from engine.sampling_params import SamplingParams
 from engine.step_io import ScheduledChunk, SchedulerOutput
 from engine.worker import Worker, build_forward_batch
@@ -45,7 +48,7 @@ BLOCK_SIZE = 16
 # batch-1 row move by 5% between runs whose steps measured the same elsewhere), then one
 # profiled; host_profile and launch_variants decode on after them
 DECODE_WARMUP, DECODE_TIMED = 3, 50
-DECODE_STEPS_RUN = DECODE_WARMUP + DECODE_TIMED + 1
+DECODE_STEPS_RUN = 2 * (DECODE_WARMUP + DECODE_TIMED + 1)  # bench_decode's two runs
 HOST_PROFILE_STEPS = 10
 CONFIG_1P5B = {
     "architectures": ["GraniteMoeHybridForCausalLM"], "model_type": "granitemoehybrid",
@@ -277,8 +280,15 @@ def decode_bytes(worker: Worker, batch: int, context: int) -> float:
 
 
 def bench_decode(worker: Worker, first_request: int, batch: int, context: int, blocks_per_seq: int,
-                 warmup: int = DECODE_WARMUP, steps: int = DECODE_TIMED) -> float:
-    """Decode steps/s of `batch` sequences prefilled to `context` tokens (8K-token prefill steps)."""
+                 warmup: int = DECODE_WARMUP, steps: int = DECODE_TIMED) -> tuple[float, float, dict]:
+    """Decode step seconds of `batch` sequences prefilled to `context` tokens (8K-token prefill
+    steps), two ways, the same requests decoding on:
+      async: as the engine runs by default (EngineConfig.async_scheduling): each step is
+        submitted before the one before is collected, its tokens PENDING_TOKEN, read on the
+        device; wall time of `steps` consecutive steps / steps;
+      sync: each step collected before the next is staged, the GPU idle in between (the
+        median of `steps` single steps, each from an idle GPU).
+    Returns (async seconds, sync seconds, a profile of one more (sync) step)."""
     requests = list(range(first_request, first_request + batch))
     per_step = max(1, 8192 // context)
     for i in range(0, batch, per_step):
@@ -288,9 +298,13 @@ def bench_decode(worker: Worker, first_request: int, batch: int, context: int, b
         )
         worker.execute(SchedulerOutput(chunks))
     position, last = context, {r: 5 for r in requests}
+
+    def step_at(tokens: dict[int, int]) -> SchedulerOutput:
+        return SchedulerOutput(tuple(chunk(r, (tokens[r],), position, blocks_per_seq, False) for r in requests))
+
     times = []
     for s in range(warmup + steps):
-        out = SchedulerOutput(tuple(chunk(r, (last[r],), position, blocks_per_seq, False) for r in requests))
+        out = step_at(last)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         result = worker.execute(out)
@@ -299,8 +313,21 @@ def bench_decode(worker: Worker, first_request: int, batch: int, context: int, b
             times.append(time.perf_counter() - t0)
         last = {r: result.sampled_token_ids[f"r{r}"] for r in requests}
         position += 1
-    out = SchedulerOutput(tuple(chunk(r, (last[r],), position, blocks_per_seq, False) for r in requests))
-    return sorted(times)[len(times) // 2], profile_step(worker, out, top=16)
+    sync_s = sorted(times)[len(times) // 2]
+
+    pending = {r: PENDING_TOKEN for r in requests}
+    worker.submit(step_at(last))
+    for s in range(warmup + steps):
+        if s == warmup:
+            t0 = time.perf_counter()
+        position += 1
+        worker.submit(step_at(pending))
+        worker.collect()
+    async_s = (time.perf_counter() - t0) / steps
+    result = worker.collect()
+    last = {r: result.sampled_token_ids[f"r{r}"] for r in requests}
+    position += 1
+    return async_s, sync_s, profile_step(worker, step_at(last), top=16)
 
 
 def host_profile(worker: Worker, first_request: int, batch: int, context: int, blocks_per_seq: int,
@@ -442,7 +469,7 @@ def main() -> None:
     num_requests = 1 + sum(batches)
     suffix = 256  # the user message after the instruction checkpoint
     # decode runs on past the context: bench_decode, host_profile and launch_variants take
-    # about 215 steps of batch 1's request
+    # about 270 steps of batch 1's request
     blocks_per_seq = -(-max(args.prefill_tokens + suffix, args.context + 512) // BLOCK_SIZE)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "granite-hybrid-1p5b-random"
@@ -480,7 +507,7 @@ def main() -> None:
             worker.decode_graphs = runner
             first = 1
             for b in batches:
-                step_s, decode_profile = bench_decode(worker, first, b, args.context, blocks_per_seq)
+                step_s, sync_s, decode_profile = bench_decode(worker, first, b, args.context, blocks_per_seq)
                 replay_s = graph_replay_seconds(worker, b) if mode == "graphs" else None
                 host = host_profile(worker, first, b, args.context, blocks_per_seq) if b == 1 and mode == "graphs" else None
                 moved = decode_bytes(worker, b, args.context)
@@ -489,6 +516,7 @@ def main() -> None:
                 rows.append({"name": f"decode batch {b} ctx {args.context}{suffix}", "mode": mode,
                              "seconds": step_s, "floor_seconds": floor, "ratio_to_floor": floor / step_s,
                              "bytes": moved, "tokens_per_s": b / step_s,
+                             "sync_seconds": sync_s, "sync_ratio_to_floor": floor / sync_s,
                              **_decode_target(b), "profile": decode_profile,
                              **({"graph_replay_seconds": replay_s} if replay_s is not None else {}),
                              **({"host_profile": host} if host else {})})
@@ -512,6 +540,11 @@ def main() -> None:
         rate = f"{r['tokens_per_s']:>12.0f}" if "tokens_per_s" in r else f"{'-':>12}"
         print(f"{r['name']:<40}{r['seconds'] * 1e3:>10.2f}{r['floor_seconds'] * 1e3:>10.2f}"
               f"{r['ratio_to_floor']:>8.2f}{target}{rate}")
+    for r in rows:
+        if "sync_seconds" in r:
+            print(f"{r['name']}: {r['seconds'] * 1e3:.3f} ms a step with async scheduling, "
+                  f"{r['sync_seconds'] * 1e3:.3f} ms ({r['sync_ratio_to_floor']:.2f} of the floor) "
+                  "with each step collected before the next is staged")
     for r in rows:
         if "graph_replay_seconds" in r:
             print(f"{r['name']}: the graph replay alone {r['graph_replay_seconds'] * 1e3:.3f} ms of the "

@@ -148,6 +148,8 @@ def decode_speed(engine: LLMEngine, batch: int, vocab: int, context: int) -> dic
         started = time.perf_counter()
         engine.step()
         wall = time.perf_counter() - started
+        if engine.last_step is None:
+            continue  # collected nothing (async scheduling's first call)
         chunks = engine.last_step.scheduler_output.chunks
         if len(chunks) == batch and all(len(c.token_ids) == 1 for c in chunks):
             walls.append(wall)

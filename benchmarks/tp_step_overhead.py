@@ -16,8 +16,8 @@ off. Only steps where every request decodes one token are measured (median over 
 
   step ms        engine.step() wall time
   model ms       rank 0's time inside Worker.execute (forward with its collectives, sampling)
-  transport ms   executor.execute() wall minus model: Ray call or pipe, step broadcast, gathers
-  engine ms      step wall minus executor.execute(): scheduling, updating, detokenizing
+  transport ms   executor.submit() + collect() wall minus model: Ray call or pipe, step broadcast, gathers
+  engine ms      step wall minus submit() + collect(): scheduling, updating, detokenizing
   overhead ms    step - model: everything a step costs outside the model
   decode tok/s   batch / step
 
@@ -63,19 +63,24 @@ class Row:
 
 
 class TimedExecutor:
-    """Wraps an executor and records the wall time of each execute() call."""
+    """Wraps an executor and records the wall time of each step's submit() + collect() (the
+    engine runs without async_scheduling here, so collect() follows its own submit())."""
 
     def __init__(self, inner) -> None:
         self.inner = inner
         self.last_execute_s = 0.0
+        self._submitted = 0.0
 
     def cache_capacity(self):
         return self.inner.cache_capacity()
 
-    def execute(self, scheduler_output):
-        started = time.perf_counter()
-        output = self.inner.execute(scheduler_output)
-        self.last_execute_s = time.perf_counter() - started
+    def submit(self, scheduler_output) -> None:
+        self._submitted = time.perf_counter()
+        self.inner.submit(scheduler_output)
+
+    def collect(self):
+        output = self.inner.collect()
+        self.last_execute_s = time.perf_counter() - self._submitted
         return output
 
     def shutdown(self) -> None:
@@ -169,7 +174,10 @@ def main() -> None:
     torch.set_num_threads(args.threads_per_rank)
     from engine.config import EngineConfig
 
+    # async_scheduling off: the columns split one step's wall time, which overlapping the
+    # next step's submission with this one's would blur
     config = EngineConfig(max_model_len=512, max_num_seqs=max(args.batch), checkpoint_slots=(),
+                          async_scheduling=False,
                           device=args.device, dtype=args.dtype,
                           **({"model_dir": args.model_dir} if args.model_dir else {}))
     prompt_ids = [(7 * i) % 200 + 3 for i in range(args.prompt_tokens)]

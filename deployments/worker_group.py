@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import ray
@@ -110,26 +111,32 @@ class RayWorkerExecutor:
 
     def __init__(self, ranks: list[ActorHandle]) -> None:
         self._ranks = ranks
-        self._step_started: float | None = None  # time.monotonic() of the step in flight
+        # the steps submitted and not collected: (rank 0's answer, time.monotonic() at submit)
+        self._in_flight: deque[tuple[ray.ObjectRef, float]] = deque()
 
     def cache_capacity(self) -> CacheCapacity:
         return ray.get(self._ranks[0].cache_capacity.remote())
 
-    def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
-        self._step_started = time.monotonic()
+    def submit(self, scheduler_output: SchedulerOutput) -> None:
+        """Call rank 0's execute without waiting: the actor runs its calls in order, so a step
+        submitted while the one before runs starts as soon as that one ends."""
+        self._in_flight.append((self._ranks[0].execute.remote(scheduler_output), time.monotonic()))
+
+    def collect(self) -> RunnerOutput:
+        answer, _ = self._in_flight[0]
         try:
-            return ray.get(self._ranks[0].execute.remote(scheduler_output))
+            return ray.get(answer)
         except RayActorError as exc:
             raise ExecutorDiedError(f"tensor-parallel rank 0 died: {exc}") from None
         except ExecutorDiedError as exc:  # raised by rank 0, wrapped by Ray
             raise ExecutorDiedError(str(getattr(exc, "cause", exc))) from None
         finally:
-            self._step_started = None
+            self._in_flight.popleft()
 
     async def check_health(self, timeout_s: float) -> None:
         """Raise RayActorError if any rank is dead, TimeoutError if one does not answer or
         the step in flight has run longer than STEP_STALL_S."""
-        started = self._step_started
+        started = self._in_flight[0][1] if self._in_flight else None
         if started is not None and time.monotonic() - started > STEP_STALL_S:
             raise TimeoutError(f"a step has run for over {STEP_STALL_S:.0f} s")
         pings = [actor.ping.remote() for actor in self._ranks]

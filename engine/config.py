@@ -30,6 +30,13 @@ class EngineConfig:
     in_pass_capture: where the worker supports it (one rank on CUDA), take the instruction
         checkpoint inside the prefill chunk's forward pass instead of cutting the chunk at the
         boundary; False always cuts (the split path).
+    async_scheduling: schedule and submit step k+1 before step k's tokens are back, so the
+        device starts it as soon as step k ends and the engine's host work (updating,
+        detokenizing, scheduling) overlaps the device; each step() returns the outputs of the
+        step before. A request that stops then has computed one token more than it would
+        without (its last sampled token, fed by the step already in flight), so its response
+        checkpoint covers that token too. False: each step is collected before the next is
+        scheduled.
     """
 
     model_dir: str = str(DEFAULT_MODEL_DIR)
@@ -46,6 +53,7 @@ class EngineConfig:
     seed: int = 0
     tensor_parallel_size: int = 1
     in_pass_capture: bool = True
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

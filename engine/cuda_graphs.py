@@ -3,11 +3,15 @@ with padding.
 
 A decode step (every chunk one token) of n sequences replays the graph of the smallest captured
 size b >= n. The step's inputs (token ids, positions, KV write slots, state slots, reset flags,
-key counts, block tables) are packed on the host into one pinned int64 buffer; each graph
-begins with the host-to-device copy of the part of that buffer it reads into its static input
-buffer, so a step's host work before the GPU starts is the packing and one graph launch (the
-copy enqueued on its own took 0.05 ms of host time a step on the H200's host,
-benchmarks/results/decode_submission_20261203.json). Rows n..b-1 are padding: they read and
+key counts, token sources, block tables) are packed on the host into one of two pinned int64
+buffers, used in turn, and copied into the graphs' static input buffer just before the replay.
+With async scheduling the worker stages step k+1 while step k runs on the device; the buffer
+step k was copied from may not be rewritten before that copy is done, hence two. (A copy
+inside the graph, as the fifth session had it, saved 0.03 ms of host time a step, but then
+the host can only know the buffer is free when the whole graph is done, which would serialise
+the steps again; benchmarks/gpu_roofline_notes.md, seventh session.) A row's token is read
+on the device, from the token pool: its own field, or the token the previous step sampled for
+the request when the scheduler had only PENDING_TOKEN for it. Rows n..b-1 are padding: they read and
 write only the scratch state slot and the scratch KV block, which the worker allocates beyond
 what the scheduler may hand out, so a padded replay changes exactly the caches an eager step
 of the same n chunks changes.
@@ -34,6 +38,7 @@ import torch
 
 from engine.forward_batch import ForwardBatch, ModelCaches
 from engine.kernels.gpu.batch_plan import decode_only_plan
+from engine.request import PENDING_TOKEN
 from engine.step_io import ScheduledChunk
 
 
@@ -45,10 +50,15 @@ def decode_batch_sizes(max_batch: int) -> tuple[int, ...]:
 
 class DecodeInputStaging:
     """The host half of a decode graph's inputs: n one-token chunks, padded to a captured size,
-    packed into a flat int64 buffer laid out as the graph's static input tensor: the (6, Bmax)
-    fields (token id, position, KV write slot, state slot, reset flag, keys to attend), then the
-    (Bmax, M) block table. Padding rows: token 0 at position 0 of the scratch slot (reset) and
-    the scratch block. Pure numpy, so it runs (and is tested) without a GPU.
+    packed into a flat int64 buffer laid out as the graph's static input tensor: the (7, Bmax)
+    fields (token id, position, KV write slot, state slot, reset flag, keys to attend, token
+    source), then the (Bmax, M) block table. Padding rows: token 0 at position 0 of the scratch
+    slot (reset) and the scratch block. Pure numpy, so it runs (and is tested) without a GPU.
+
+    Token source: the graph reads row i's token at index SOURCE[i] of its token pool, the
+    previous step's S sampled tokens followed by this buffer (DecodeGraphRunner). A known
+    token is read from the buffer itself (S + i, the ID field's row i); a pending one
+    (PENDING_TOKEN) from the previous step's sampled row given for it in `pending_rows`.
 
     Block tables: row i of the table holds the blocks of chunk i that hold keys 0..position; a
     row that already holds exactly those blocks (the same request decoding again, most steps)
@@ -56,17 +66,19 @@ class DecodeInputStaging:
     Entries past a row's blocks are stale and never read (the keys to attend bound every read).
     """
 
-    IDS, POSITIONS, KV_SLOTS, STATE_SLOTS, RESET, SEQ_LENS = range(6)
-    NUM_FIELDS = 6
+    IDS, POSITIONS, KV_SLOTS, STATE_SLOTS, RESET, SEQ_LENS, SOURCE = range(7)
+    NUM_FIELDS = 7
 
     def __init__(
         self, buffer: np.ndarray, max_batch: int, max_blocks: int, block_size: int,
-        scratch_slot: int, scratch_block: int,
+        scratch_slot: int, scratch_block: int, num_sampled: int = 0,
     ) -> None:
+        """num_sampled: S, the sampled-token rows ahead of this buffer in the graph's pool."""
         assert buffer.shape == (self.width(max_batch, max_blocks),) and buffer.dtype == np.int64
         self.buffer = buffer
         self.max_batch, self.max_blocks, self.block_size = max_batch, max_blocks, block_size
         self.scratch_slot, self.scratch_block = scratch_slot, scratch_block
+        self.num_sampled = num_sampled
         self._staged_tables: list[tuple[int, ...] | None] = [None] * max_batch  # None: padding
         fields_end = self.NUM_FIELDS * max_batch
         self._views = (
@@ -89,11 +101,12 @@ class DecodeInputStaging:
         """The buffer as the (6, Bmax) fields and the (Bmax, M) block table (views made once)."""
         return self._views
 
-    def stage(self, chunks: list[ScheduledChunk], size: int) -> None:
+    def stage(self, chunks: list[ScheduledChunk], size: int, pending_rows: dict[str, int] | None = None) -> None:
         """Rows 0..n-1 from the chunks (row i = chunk i), rows n..size-1 padding. A chunk whose
-        block table does not cover its position: ValueError (as the eager path). The fields are
-        gathered in Python and written with one numpy assignment: at batch 1 a numpy call per
-        field took most of the 0.06 ms this used to cost before every decode graph's replay."""
+        block table does not cover its position, or whose pending token has no row in
+        `pending_rows` (request id -> the previous step's sampled row): ValueError. The fields
+        are gathered in Python and written with one numpy assignment: at batch 1 a numpy call
+        per field took most of the 0.06 ms this used to cost before every decode graph's replay."""
         n = len(chunks)
         fields, table = self.views()
         bs = self.block_size
@@ -108,7 +121,11 @@ class DecodeInputStaging:
                 table[i, : len(blocks)] = blocks
                 self._staged_tables[i] = blocks
             kv_slot = blocks[-1] * bs + position % bs
-            rows.append((chunk.token_ids[0], position, kv_slot, chunk.state_slot, chunk.reset_state, position + 1))
+            token = chunk.token_ids[0]
+            source = self.num_sampled + i
+            if token == PENDING_TOKEN:
+                token, source = 0, _pending_row(chunk.request_id, pending_rows)
+            rows.append((token, position, kv_slot, chunk.state_slot, chunk.reset_state, position + 1, source))
         fields[:, :n] = np.array(rows, dtype=np.int64).reshape(n, self.NUM_FIELDS).T
         if size > n:
             self.fill_padding(n, size)
@@ -122,8 +139,17 @@ class DecodeInputStaging:
         fields[self.STATE_SLOTS, start:end] = self.scratch_slot
         fields[self.RESET, start:end] = 1
         fields[self.SEQ_LENS, start:end] = 1
+        fields[self.SOURCE, start:end] = np.arange(start, end) + self.num_sampled
         table[start:end, 0] = self.scratch_block
         self._staged_tables[start:end] = [None] * (end - start)
+
+
+def _pending_row(request_id: str, pending_rows: dict[str, int] | None) -> int:
+    """The previous step's sampled row that holds request_id's pending token."""
+    row = (pending_rows or {}).get(request_id)
+    if row is None:
+        raise ValueError(f"{request_id}: a pending token, but the previous step sampled none for it")
+    return row
 
 
 class DecodeGraphRunner:
@@ -132,11 +158,17 @@ class DecodeGraphRunner:
     scratch_slot / scratch_block: a state slot and a KV block no request ever owns; padding
     rows point there (the caller keeps the scheduler from handing them out).
     max_blocks_per_seq: block-table width; a chunk with a longer table runs eagerly.
+    num_sampled: S >= the largest batch size, the rows of `sampled_tokens`.
+
+    sampled_tokens (S,) int64 is where the worker keeps each step's sampled tokens (row i =
+    the step's i-th sampling chunk); a graph writes its argmax there (rows 0..b-1), and reads a
+    pending token from it (DecodeInputStaging). It lies just ahead of the static input buffer
+    in one token pool, so the graph reads every row's token with one gather.
     """
 
     def __init__(
         self, model, caches: ModelCaches, batch_sizes: tuple[int, ...], max_blocks_per_seq: int,
-        scratch_slot: int, scratch_block: int,
+        scratch_slot: int, scratch_block: int, num_sampled: int | None = None,
     ) -> None:
         self.model = model
         self.caches = caches
@@ -146,15 +178,23 @@ class DecodeGraphRunner:
         self.block_size = caches.block_size
         device = model.embed_tokens.weight.device
         width = DecodeInputStaging.width(self.max_batch, self.max_blocks)
-        # Host staging buffer (pinned) and the graphs' static input buffer, same layout.
-        self._host = torch.zeros(width, dtype=torch.int64, pin_memory=True)
-        self._staging = DecodeInputStaging(
-            self._host.numpy(), self.max_batch, self.max_blocks, self.block_size, scratch_slot, scratch_block
-        )
-        self._inputs = torch.zeros(width, dtype=torch.int64, device=device)
+        num_sampled = self.max_batch if num_sampled is None else num_sampled
+        assert num_sampled >= self.max_batch
+        # Two pinned host staging buffers, used in turn (a step is staged while the one before
+        # may still be copying from the other), each with the event of its last copy; and the
+        # graphs' static input buffer, same layout, in the token pool behind the sampled tokens.
+        self._hosts = [torch.zeros(width, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        self._stagings = [
+            DecodeInputStaging(host.numpy(), self.max_batch, self.max_blocks, self.block_size, scratch_slot,
+                               scratch_block, num_sampled=num_sampled)
+            for host in self._hosts
+        ]
+        self._copied = [torch.cuda.Event() for _ in self._hosts]
+        self._next_host = 0
+        self._token_pool = torch.zeros(num_sampled + width, dtype=torch.int64, device=device)
+        self.sampled_tokens = self._token_pool[:num_sampled]
+        self._inputs = self._token_pool[num_sampled:]
         self._arange = torch.arange(self.max_batch + 1, dtype=torch.int64, device=device)
-        self._replayed = torch.cuda.Event()  # the last replay (its input copy too) has finished
-        self._replayed.record()
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # size -> ((b, D) hidden, (b, V) fp32 logits, (b,) int64 argmax), in the graph pool
         self._outputs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -171,13 +211,13 @@ class DecodeGraphRunner:
 
 
     def capture(self) -> None:
-        """Capture every batch size, largest first, into one memory pool: the input copy, then
-        the forward pass, the LM head and the argmax. Each size is run eagerly once first
+        """Capture every batch size, largest first, into one memory pool: the forward pass over
+        the static inputs, the LM head and the argmax. Each size is run eagerly once first
         (Triton JIT, cuBLAS handles) with padding only, which writes only the scratch slot and
         block."""
         started = time.perf_counter()
-        self._staging.fill_padding(0, self.max_batch)
-        self._inputs.copy_(self._host)
+        self._stagings[0].fill_padding(0, self.max_batch)
+        self._inputs.copy_(self._hosts[0])
         torch.cuda.synchronize()
         self._pool = torch.cuda.graph_pool_handle()
         with torch.inference_mode():
@@ -186,17 +226,14 @@ class DecodeGraphRunner:
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self._pool):
-                    used = self._staging.used_length(size)
-                    # from pinned memory: a copy node that reads the host buffer at each replay
-                    self._inputs[:used].copy_(self._host[:used], non_blocking=True)
                     self._outputs[size] = self._forward(size)
                 self._graphs[size] = graph
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - started
 
     def _views(self, size: int) -> tuple[torch.Tensor, ...]:
-        """The static input buffer as (ids, positions, kv_slots, state_slots, reset, seq_lens)
-        of `size` rows and the (size, M) block table (DecodeInputStaging's layout)."""
+        """The static input buffer as (ids, positions, kv_slots, state_slots, reset, seq_lens,
+        source) of `size` rows and the (size, M) block table (DecodeInputStaging's layout)."""
         num_fields = DecodeInputStaging.NUM_FIELDS
         fields = self._inputs[: num_fields * self.max_batch].view(num_fields, self.max_batch)
         table = self._inputs[num_fields * self.max_batch :].view(self.max_batch, self.max_blocks)
@@ -206,8 +243,9 @@ class DecodeGraphRunner:
         """The model's forward over the static inputs of `size` rows, with a decode plan built
         on those buffers instead of copied from the host, then the LM head and the argmax.
         Returns hidden (size, D), logits (size, V) fp32 and their argmax (size,) int64."""
-        ids, positions, kv_slots, state_slots, reset, seq_lens, table = self._views(size)
+        _, positions, kv_slots, state_slots, reset, seq_lens, source, table = self._views(size)
         model = self.model
+        ids = self._token_pool.index_select(0, source)  # known tokens and pending ones
         batch = ForwardBatch(
             input_ids=ids, positions=positions, slot_mapping=kv_slots, chunks=(),
             cu_seqlens=tuple(range(size + 1)),
@@ -215,19 +253,28 @@ class DecodeGraphRunner:
         plan = decode_only_plan(state_slots, reset, seq_lens, table, self._arange)
         hidden = model(batch, self.caches, gpu_plan=plan)
         logits = model.compute_logits(hidden)
-        return hidden, logits, torch.argmax(logits, dim=-1)
+        argmax = torch.argmax(logits, dim=-1, out=self.sampled_tokens[:size])
+        return hidden, logits, argmax
 
-    def forward(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(
+        self, chunks: list[ScheduledChunk], pending_rows: dict[str, int] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One decode step of the chunks (accepts() must hold): the same cache writes as the
-        eager pass. Returns hidden (n, D), logits (n, V) fp32 and their argmax (n,) int64 (row
-        i = chunk i), views of the graph's outputs: valid until the next forward, which
-        overwrites them (the worker reads a step's hidden rows, for captures, before its next
-        forward)."""
+        eager pass. A chunk's PENDING_TOKEN is read from sampled_tokens[pending_rows[its
+        request id]]. Returns hidden (n, D), logits (n, V) fp32 and their argmax (n,) int64
+        (row i = chunk i; the argmax is sampled_tokens[:n]), views of the graph's outputs:
+        valid until the next forward, which overwrites them (the worker reads a step's hidden
+        rows, for captures, before its next forward)."""
         size = next(s for s in self.batch_sizes if s >= len(chunks))
-        self._replayed.synchronize()  # the host buffer is free: usually long done
-        self._staging.stage(chunks, size)
+        turn = self._next_host
+        self._next_host = 1 - turn
+        self._copied[turn].synchronize()  # this buffer's copy two steps ago: long done
+        staging = self._stagings[turn]
+        staging.stage(chunks, size, pending_rows)
+        used = staging.used_length(size)
+        self._inputs[:used].copy_(self._hosts[turn][:used], non_blocking=True)
+        self._copied[turn].record()
         self._graphs[size].replay()
-        self._replayed.record()
         self.replays += 1
         outputs = self._outputs[size]
         n = len(chunks)

@@ -4,7 +4,11 @@ Three executors implement `ModelExecutor`:
   * engine.worker.Worker: the model in this process (tensor_parallel_size 1);
   * engine.multiprocess_executor.MultiprocessExecutor: one spawned process per rank on this host;
   * deployments.worker_group.RayWorkerGroup: one Ray actor per rank in a placement group.
-Each step costs the engine one call, `execute`, whatever the number of ranks.
+Each step costs the engine two calls, whatever the number of ranks: `submit` hands the step to
+the ranks and returns without waiting for it; `collect` returns the oldest submitted step's
+output. Between the two the engine may submit the next step (EngineConfig.async_scheduling),
+so the ranks start it as soon as they finish the one before, while the engine is still
+updating its requests from that one's tokens.
 """
 
 from __future__ import annotations
@@ -21,8 +25,14 @@ class ModelExecutor(Protocol):
         """Blocks and state slots every rank allocated (the same on all ranks)."""
         ...
 
-    def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
-        """Run one step on every rank; rank 0's output with all ranks' capture confirmations.
+    def submit(self, scheduler_output: SchedulerOutput) -> None:
+        """Start one step on every rank. Its chunks may end with PENDING_TOKEN: the token the
+        step submitted just before sampled for the request. At most two steps are in flight
+        (submitted, not collected). Raises ExecutorDiedError when a rank is gone."""
+        ...
+
+    def collect(self) -> RunnerOutput:
+        """The oldest submitted step's output: rank 0's, with all ranks' capture confirmations.
         Raises ExecutorDiedError when a rank is gone or the ranks can no longer agree."""
         ...
 

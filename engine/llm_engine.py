@@ -13,6 +13,7 @@ an executor that forwards steps to worker actors) rather than re-implementing it
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -45,7 +46,9 @@ class EngineStats:
 
 @dataclass(frozen=True)
 class StepTrace:
-    """What the last step ran and returned (for tests and diagnostics)."""
+    """What a step ran and returned (for tests and diagnostics): LLMEngine.last_step is the
+    step the last step() call collected, None if it collected none (with async_scheduling,
+    the first call after the engine was idle)."""
 
     scheduler_output: SchedulerOutput
     runner_output: RunnerOutput
@@ -87,6 +90,9 @@ class LLMEngine:
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.last_step: StepTrace | None = None
+        # Steps submitted to the executor and not yet collected, oldest first (at most one
+        # between step() calls with async_scheduling, none without).
+        self._in_flight: deque[SchedulerOutput] = deque()
         self._arrival_counter = itertools.count()
         self._pending_outputs: list[RequestOutput] = []
 
@@ -150,7 +156,7 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         """Requests to run or outputs to emit, or checkpoint work the runner has not done yet."""
-        return self.scheduler.has_pending_work() or bool(self._pending_outputs)
+        return self.scheduler.has_pending_work() or bool(self._pending_outputs or self._in_flight)
 
     def shutdown(self) -> None:
         """Release the executor's ranks (spawned processes at tensor_parallel_size > 1)."""
@@ -169,23 +175,40 @@ class LLMEngine:
         )
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, execute, update, emit: one step of every running request."""
+        """Schedule and submit one step of every running request; collect, update and emit the
+        step before it (async_scheduling) or this one. A step that fails is abandoned
+        (Scheduler.abandon_step) and its exception raised; the caller fails the requests."""
+        self.last_step = None
         scheduler_output = self.scheduler.schedule()
-        runner_output = RunnerOutput()
         if scheduler_output.has_work:
             try:
-                runner_output = self.executor.execute(scheduler_output)
+                self.executor.submit(scheduler_output)
             except BaseException:
                 self.scheduler.abandon_step(scheduler_output)
                 raise
+            self._in_flight.append(scheduler_output)
+        keep = int(self.config.async_scheduling and scheduler_output.has_work)
+        outputs = []
+        while len(self._in_flight) > keep:
+            outputs += self._collect_oldest()
+        pending, self._pending_outputs = self._pending_outputs, []
+        return pending + outputs
+
+    def _collect_oldest(self) -> list[RequestOutput]:
+        """Collect the oldest step in flight, update the requests from it, emit their outputs."""
+        scheduler_output = self._in_flight.popleft()
+        try:
+            runner_output = self.executor.collect()
+        except BaseException:
+            self.scheduler.abandon_step(scheduler_output)
+            raise
         self.last_step = StepTrace(scheduler_output, runner_output)
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
         outputs = self.output_processor.process(updated, runner_output)
         for output in outputs:
             if output.finished and output.request_id in self.scheduler.requests:
                 self.scheduler.finish_request(output.request_id, FinishReason.STOP)  # stop string
-        pending, self._pending_outputs = self._pending_outputs, []
-        return pending + outputs
+        return outputs
 
     def _finish(self, request_id: str, reason: FinishReason, error: str | None = None) -> None:
         request = self.scheduler.finish_request(request_id, reason)

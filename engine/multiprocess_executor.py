@@ -66,7 +66,9 @@ class MultiprocessExecutor:
     def cache_capacity(self) -> CacheCapacity:
         return self._capacity
 
-    def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+    def submit(self, scheduler_output: SchedulerOutput) -> None:
+        """Send the step to rank 0, which runs the steps it is sent in order (a step sent
+        while the one before runs waits in the pipe)."""
         if self._dead is not None:
             raise ExecutorDiedError(str(self._dead))
         try:
@@ -74,6 +76,9 @@ class MultiprocessExecutor:
         except OSError as exc:
             self._dead = ExecutorDiedError(f"rank 0 is gone: {exc!r}")
             raise self._dead from exc
+
+    def collect(self) -> RunnerOutput:
+        """Rank 0's answer to the oldest step sent."""
         return self._receive(timeout_s=None)
 
     def shutdown(self) -> None:

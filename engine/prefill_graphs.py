@@ -32,6 +32,7 @@ import torch
 
 from engine.forward_batch import ForwardBatch, ModelCaches
 from engine.kernels.gpu.batch_plan import single_prefill_plan
+from engine.request import PENDING_TOKEN
 from engine.step_io import ScheduledChunk
 
 
@@ -85,11 +86,14 @@ class PrefillGraphRunner:
         self.capture_seconds = 0.0
 
     def accepts(self, chunks: list[ScheduledChunk]) -> bool:
-        """A graph serves the step: exactly one chunk, of 2..Tmax tokens, whose block table fits."""
+        """A graph serves the step: exactly one chunk, of 2..Tmax tokens, whose block table fits
+        and which holds no pending token (engine/request.py: a preempted request re-admitted
+        while its last token was in flight; it runs eagerly)."""
         return (
             len(chunks) == 1
             and 2 <= len(chunks[0].token_ids) <= self.max_rows
             and len(chunks[0].block_table) <= self.max_blocks
+            and chunks[0].token_ids[-1] != PENDING_TOKEN
         )
 
     def capture(self) -> None:

@@ -32,9 +32,21 @@ class Sampler:
         num_output_tokens: list[int],
         argmax: torch.Tensor | None = None,  # (n,) int64, torch.argmax(logits, -1) computed already
     ) -> list[int]:
-        """One token per row. `logits` is masked in place for min_tokens. `argmax` (the decode
-        graphs compute it after their LM head) stands in for the greedy rows' argmax unless a
-        row's min_tokens masking changed the logits."""
+        """One token per row, read back to the host (sample_on_device's tokens)."""
+        return self.sample_on_device(logits, request_ids, params, num_output_tokens, argmax).tolist()
+
+    def sample_on_device(
+        self,
+        logits: torch.Tensor,  # (n, V) fp32
+        request_ids: list[str],
+        params: list[SamplingParams],
+        num_output_tokens: list[int],
+        argmax: torch.Tensor | None = None,  # (n,) int64, torch.argmax(logits, -1) computed already
+    ) -> torch.Tensor:
+        """(n,) int64 on the logits' device, one token per row, with no wait for the device
+        (the worker reads the tokens back later). `logits` is masked in place for min_tokens.
+        `argmax` (the decode graphs compute it after their LM head) stands in for the greedy
+        rows' argmax unless a row's min_tokens masking changed the logits; it is not written."""
         for row, (sampling, generated) in enumerate(zip(params, num_output_tokens)):
             if generated < sampling.min_tokens:
                 banned = list(sampling.stop_token_ids)
@@ -44,11 +56,13 @@ class Sampler:
                     logits[row, banned] = float("-inf")
                     argmax = None
 
-        tokens = (torch.argmax(logits, dim=-1) if argmax is None else argmax).tolist()
-        for row, sampling in enumerate(params):
-            if not sampling.greedy:
-                generator = self._generator_for(request_ids[row], sampling)
-                tokens[row] = sample_row(logits[row], sampling, generator)
+        tokens = torch.argmax(logits, dim=-1) if argmax is None else argmax
+        drawn = [row for row, sampling in enumerate(params) if not sampling.greedy]
+        if drawn:
+            tokens = tokens.clone()
+            for row in drawn:
+                generator = self._generator_for(request_ids[row], params[row])
+                tokens[row] = sample_row(logits[row], params[row], generator)
         return tokens
 
     def _generator_for(self, request_id: str, sampling: SamplingParams) -> torch.Generator:
@@ -62,8 +76,9 @@ class Sampler:
         return generator
 
 
-def sample_row(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator) -> int:
-    """Draw one token from a (V,) logits row with temperature, top-k and top-p."""
+def sample_row(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator) -> torch.Tensor:
+    """Draw one token from a (V,) logits row with temperature, top-k and top-p: a 0-d int64
+    tensor on the row's device."""
     scaled = logits / sampling.temperature
     if 0 < sampling.top_k < scaled.shape[-1]:
         kth_value = torch.topk(scaled, sampling.top_k).values[-1]
@@ -75,4 +90,4 @@ def sample_row(logits: torch.Tensor, sampling: SamplingParams, generator: torch.
         mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
         sorted_probs = sorted_probs.masked_fill(mass_before >= sampling.top_p, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-    return int(torch.multinomial(probs, 1, generator=generator).item())
+    return torch.multinomial(probs, 1, generator=generator)[0]

@@ -119,6 +119,9 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            if request.num_output_tokens + request.num_pending_tokens >= request.sampling.max_tokens:
+                index += 1  # its last token is in flight: it stops by length when that returns
+                continue
             num_new = self._chunk_length(request, budget)
             if not self._grow_blocks_or_preempt(request, num_new):
                 break  # the request itself was preempted; everything after it too

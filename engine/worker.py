@@ -8,6 +8,7 @@ SchedulerOutput.
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,6 +21,7 @@ from engine.forward_batch import ForwardBatch, SequenceChunk
 from engine.host_index import concat_ranges, cumulative_bounds, flat_int64, int64_array, range_index
 from engine.kernels.dispatch import plan_for_device
 from engine.loader import load_model
+from engine.request import PENDING_TOKEN
 from engine.sampler import Sampler
 from engine.step_io import CaptureOp, RunnerOutput, ScheduledChunk, SchedulerOutput
 from engine.tensor_parallel import TensorParallel
@@ -52,10 +54,15 @@ class RowRef:
 
     rows: torch.Tensor
     index: int
+    owned: bool = False  # `rows` is no step's output (a copy, a restored row): nothing overwrites it
 
     def row(self) -> torch.Tensor:
         """(W,)"""
         return self.rows[self.index]
+
+    def kept(self) -> RowRef:
+        """This row, safe from the next forward pass (which overwrites a graph's outputs)."""
+        return self if self.owned else RowRef(self.row()[None].clone(), 0, owned=True)
 
 
 def gather_rows(refs: list[RowRef]) -> torch.Tensor:
@@ -101,8 +108,20 @@ class Worker:
             self.decode_graphs, self.prefill_graphs = _capture_graphs(self.model, self.caches, self.capacity, config)
         self.sampler = Sampler(seed=config.seed, device=self.device)
         self.checkpoints = CheckpointStore(self.caches)
-        # Last hidden row of every request the previous step touched: what a capture saves.
+        # Last hidden row of every unfinished request a step computed: what a capture saves.
+        # With async scheduling, a request's response capture may come two steps after the
+        # last step that computed it (it stopped while the next one was in flight, without it).
         self._last_hidden: dict[str, RowRef] = {}
+        # The previous step's sampled tokens on the device (row i: its i-th sampling chunk), in
+        # the decode graphs' token pool where they read pending tokens from; request id -> row.
+        num_sampled = max(config.max_num_seqs, 1)
+        self._sampled = (
+            self.decode_graphs.sampled_tokens if self.decode_graphs is not None
+            else torch.zeros(num_sampled, dtype=torch.int64, device=self.device)
+        )
+        self._sampled_rows: dict[str, int] = {}
+        self._in_flight: deque[_SubmittedStep] = deque()
+        self._token_readback = _TokenReadback(num_sampled, self.device)
 
     def cache_capacity(self) -> CacheCapacity:
         return self.capacity
@@ -110,11 +129,38 @@ class Worker:
     def shutdown(self) -> None:
         """Nothing to release in process (ModelExecutor protocol)."""
 
-    @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
-        """Run one step, in this order: free dropped bundles, take captures (from what the
+        """Run one step and return its output (submit, then collect); no step may be in flight."""
+        if self._in_flight:
+            raise RuntimeError("execute() with a step in flight: collect() it first")
+        self.submit(scheduler_output)
+        return self.collect()
+
+    def collect(self) -> RunnerOutput:
+        """The output of the oldest submitted step not yet collected: waits for its sampled
+        tokens to reach the host (the step's only wait on the device)."""
+        if not self._in_flight:
+            raise RuntimeError("collect() with no step in flight")
+        step = self._in_flight.popleft()
+        started = time.perf_counter()
+        tokens = step.tokens.read()
+        step.output.sampled_token_ids = dict(zip(step.sampled_ids, tokens))
+        step.output.worker_seconds += time.perf_counter() - started
+        return step.output
+
+    @torch.inference_mode()
+    def submit(self, scheduler_output: SchedulerOutput) -> None:
+        """Launch one step, in this order: free dropped bundles, take captures (from what the
         previous step left), restore bundles into new requests, forward every chunk that has
-        tokens, sample where asked. Returns sampled tokens and this rank's capture confirmations."""
+        tokens, sample where asked; start copying the sampled tokens to the host and return
+        without waiting for the device. collect() returns the step's output (sampled tokens,
+        this rank's capture confirmations); steps are collected in the order submitted, and at
+        most two may be in flight.
+
+        A chunk whose last token is PENDING_TOKEN is fed the token the previously submitted
+        step sampled for its request (ValueError if it sampled none), read on the device."""
+        if len(self._in_flight) >= _MAX_IN_FLIGHT:
+            raise RuntimeError(f"submit() with {_MAX_IN_FLIGHT} steps in flight: collect() first")
         started = time.perf_counter()
         self.sampler.forget(scheduler_output.finished_request_ids)
         self.checkpoints.drop(scheduler_output.dropped_bundle_ids)
@@ -130,16 +176,17 @@ class Worker:
                 hidden_row.row(),
             )
             output.confirmed_captures[capture.bundle_id] = frozenset({self.rank})
-        last_hidden: dict[str, RowRef] = {}
+        computed = [chunk for chunk in scheduler_output.chunks if chunk.token_ids]
+        last_hidden = self._rows_kept_over(scheduler_output, computed)
         for restore in scheduler_output.restores:
             restored = self.checkpoints.restore(restore.bundle_id, restore.state_slot, restore.tail_block)
-            last_hidden[restore.request_id] = RowRef(restored[None], 0)
-        computed = [chunk for chunk in scheduler_output.chunks if chunk.token_ids]
+            last_hidden[restore.request_id] = RowRef(restored[None], 0, owned=True)
         in_pass = [capture for capture in scheduler_output.captures if capture.in_pass]
         step_logits: dict[str, RowRef] = {}  # logits rows this step's forward computed
         step_argmax: dict[str, RowRef] = {}  # and their argmax
         if computed and self.decode_graphs is not None and self.decode_graphs.accepts(computed):
-            hidden, logits, argmax = self.decode_graphs.forward(computed)  # (n, D), (n, V), (n,)
+            # (n, D), (n, V), (n,)
+            hidden, logits, argmax = self.decode_graphs.forward(computed, self._sampled_rows)
             for i, chunk in enumerate(computed):
                 last_hidden[chunk.request_id] = RowRef(hidden, i)
                 step_logits[chunk.request_id] = RowRef(logits, i)
@@ -148,6 +195,7 @@ class Worker:
             last_hidden[computed[0].request_id] = RowRef(self.prefill_graphs.forward(computed[0])[None], 0)
         elif computed:
             batch = build_forward_batch(computed, self.capacity.block_size, self.device)
+            self._feed_pending_tokens(batch, computed)
             if in_pass:
                 hidden = self._forward_capturing(batch, computed, in_pass, output)
             else:
@@ -160,6 +208,7 @@ class Worker:
             if chunk.capture_hidden:
                 output.hidden_rows[chunk.request_id] = last_hidden[chunk.request_id].row().float().cpu()
         sampled = [chunk for chunk in scheduler_output.chunks if chunk.sample]
+        tokens = self._sampled[:0]
         if sampled:
             if all(chunk.request_id in step_logits for chunk in sampled):
                 logits = gather_rows([step_logits[chunk.request_id] for chunk in sampled])
@@ -167,9 +216,36 @@ class Worker:
             else:
                 rows = gather_rows([last_hidden[chunk.request_id] for chunk in sampled])
                 logits, argmax = self.model.compute_logits(rows), None
-            output.sampled_token_ids = self._sample(sampled, logits, argmax, output)
+            tokens = self._sample(sampled, logits, argmax, output)
+            if tokens.data_ptr() != self._sampled.data_ptr():  # a decode graph's argmax is there already
+                self._sampled[: len(sampled)].copy_(tokens)
+        self._sampled_rows = {chunk.request_id: i for i, chunk in enumerate(sampled)}
+        self._in_flight.append(_SubmittedStep(
+            output, [chunk.request_id for chunk in sampled], self._token_readback.start(tokens)
+        ))
         output.worker_seconds = time.perf_counter() - started
-        return output
+
+    def _rows_kept_over(self, scheduler_output: SchedulerOutput, computed: list[ScheduledChunk]) -> dict[str, RowRef]:
+        """The last hidden rows of unfinished requests this step neither computes nor restores,
+        copied out of earlier steps' outputs (once) before this step's forward overwrites them."""
+        replaced = {chunk.request_id for chunk in computed}
+        replaced.update(restore.request_id for restore in scheduler_output.restores)
+        replaced.update(scheduler_output.finished_request_ids)
+        return {rid: ref.kept() for rid, ref in self._last_hidden.items() if rid not in replaced}
+
+    def _feed_pending_tokens(self, batch: ForwardBatch, chunks: list[ScheduledChunk]) -> None:
+        """Write into batch.input_ids, on the device, the token the previous step sampled for
+        each chunk that ends with PENDING_TOKEN (ValueError if it sampled none)."""
+        pending = [i for i, chunk in enumerate(chunks) if chunk.token_ids[-1] == PENDING_TOKEN]
+        if not pending:
+            return
+        missing = [chunks[i].request_id for i in pending if chunks[i].request_id not in self._sampled_rows]
+        if missing:
+            raise ValueError(f"{missing[0]}: a pending token, but the previous step sampled none for it")
+        flat = [batch.cu_seqlens[i + 1] - 1 for i in pending]
+        rows = [self._sampled_rows[chunks[i].request_id] for i in pending]
+        index = lambda values: torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)  # noqa: E731
+        batch.input_ids[index(flat)] = self._sampled[index(rows)]
 
     def _forward_capturing(
         self, batch: ForwardBatch, computed: list[ScheduledChunk], captures: list[CaptureOp],
@@ -212,20 +288,19 @@ class Worker:
     def _sample(
         self, chunks: list[ScheduledChunk], logits: torch.Tensor, argmax: torch.Tensor | None,
         output: RunnerOutput,
-    ) -> dict[str, int]:
-        """One token per chunk from its (V,) logits row (argmax: their argmax, when the decode
-        graph computed it); records rows asked for."""
+    ) -> torch.Tensor:
+        """(n,) int64 on the device: one token per chunk from its (V,) logits row (argmax:
+        their argmax, when the decode graph computed it); records rows asked for."""
         for i, chunk in enumerate(chunks):
             if chunk.sampling.return_logits:
                 output.logits[chunk.request_id] = logits[i].clone().cpu()
-        tokens = self.sampler.sample(
+        return self.sampler.sample_on_device(
             logits,
             request_ids=[chunk.request_id for chunk in chunks],
             params=[chunk.sampling for chunk in chunks],
             num_output_tokens=[chunk.num_output_tokens for chunk in chunks],
             argmax=argmax,
         )
-        return {chunk.request_id: token for chunk, token in zip(chunks, tokens)}
 
     def read_state_slot(self, slot: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """A copy of one request's recurrent state: Mamba layer -> (conv_state, ssm_state)."""
@@ -236,6 +311,56 @@ class Worker:
 
     def copy_state_slot(self, src_slot: int, dst_slot: int) -> None:
         self.caches.copy_state_slot(src_slot, dst_slot)
+
+
+# A step's tokens are read back while the next one runs: at most two steps in flight.
+_MAX_IN_FLIGHT = 2
+
+
+class _TokenReadback:
+    """Copies of a step's sampled tokens to the host, started without waiting for the device.
+    On CUDA, a ring of _MAX_IN_FLIGHT pinned buffers, each with the event of its copy; on the
+    CPU the tokens are on the host already."""
+
+    def __init__(self, num_rows: int, device: torch.device) -> None:
+        self._cuda = device.type == "cuda"
+        ring = _MAX_IN_FLIGHT if self._cuda else 0
+        self._buffers = [torch.zeros(num_rows, dtype=torch.int64, pin_memory=True) for _ in range(ring)]
+        self._next = 0
+
+    def start(self, tokens: torch.Tensor) -> _PendingTokens:
+        """Begin the copy of `tokens` (n,) int64 (the caller may overwrite them once the device
+        has passed this point: the copy is ordered before anything launched after it)."""
+        if not self._cuda:
+            return _PendingTokens(tokens.clone(), None)
+        host = self._buffers[self._next][: tokens.shape[0]]
+        self._next = (self._next + 1) % len(self._buffers)
+        host.copy_(tokens, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return _PendingTokens(host, done)
+
+
+@dataclass
+class _PendingTokens:
+    host: torch.Tensor
+    done: torch.cuda.Event | None
+
+    def read(self) -> list[int]:
+        """Wait for the copy, then the tokens."""
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host.tolist()
+
+
+@dataclass
+class _SubmittedStep:
+    """A step submitted and not yet collected: its output but for the sampled tokens, the
+    request id of each sampled row, and their copy to the host."""
+
+    output: RunnerOutput
+    sampled_ids: list[str]
+    tokens: _PendingTokens
 
 
 def _capture_graphs(model, caches, capacity: CacheCapacity, config: EngineConfig):
@@ -250,7 +375,10 @@ def _capture_graphs(model, caches, capacity: CacheCapacity, config: EngineConfig
         scratch_slot=capacity.num_state_slots,
         scratch_block=capacity.num_blocks,
     )
-    decode = DecodeGraphRunner(model, caches, batch_sizes=decode_batch_sizes(min(config.max_num_seqs, 128)), **scratch)
+    decode = DecodeGraphRunner(
+        model, caches, batch_sizes=decode_batch_sizes(min(config.max_num_seqs, 128)),
+        num_sampled=config.max_num_seqs, **scratch,
+    )
     decode.capture()
     sizes = prefill_graph_sizes(config.max_num_batched_tokens)
     prefill = PrefillGraphRunner(model, caches, sizes=sizes, **scratch) if sizes else None

@@ -47,8 +47,9 @@ def run(engine: LLMEngine, request_id: str, conversation, salt="", params=GREEDY
             result.cached = out.num_cached_tokens
             if out.logits is not None:
                 result.logits.append(out.logits)
-        result.chunk_sizes += [len(c.token_ids) for c in engine.last_step.scheduler_output.chunks
-                               if c.request_id == request_id]
+        if engine.last_step is not None:  # the step this call collected
+            result.chunk_sizes += [len(c.token_ids) for c in engine.last_step.scheduler_output.chunks
+                                   if c.request_id == request_id]
     return result
 
 

@@ -87,8 +87,11 @@ class DroppingConfirmations:
     def cache_capacity(self):
         return self.worker.cache_capacity()
 
-    def execute(self, scheduler_output) -> RunnerOutput:
-        output = self.worker.execute(scheduler_output)
+    def submit(self, scheduler_output) -> None:
+        self.worker.submit(scheduler_output)
+
+    def collect(self) -> RunnerOutput:
+        output = self.worker.collect()
         output.confirmed_captures.clear()
         return output
 
@@ -116,10 +119,13 @@ class FailingCaptureSteps:
     def cache_capacity(self):
         return self.worker.cache_capacity()
 
-    def execute(self, scheduler_output) -> RunnerOutput:
+    def submit(self, scheduler_output) -> None:
         if self.failing and (scheduler_output.captures or scheduler_output.restores):
             raise RuntimeError("injected worker failure")
-        return self.worker.execute(scheduler_output)
+        self.worker.submit(scheduler_output)
+
+    def collect(self) -> RunnerOutput:
+        return self.worker.collect()
 
     def shutdown(self) -> None:
         pass

@@ -161,3 +161,45 @@ def test_worker_uses_graphs_for_decode(tmp_path):
         for r in range(3):
             lengths[r] += 1
     assert worker.decode_graphs.replays == 4
+
+
+def test_pipelined_graph_steps_read_the_pending_token_on_the_device():
+    """Worker on CUDA, steps submitted before the one before is collected, each decode chunk
+    given PENDING_TOKEN: the graphs read the token the previous step sampled (its argmax, or
+    a drawn row's token) from the token pool, so the tokens and logits equal those of a worker
+    that is given every token."""
+    from engine.config import EngineConfig
+    from engine.request import PENDING_TOKEN
+    from engine.step_io import SchedulerOutput
+    from engine.worker import Worker
+
+    config = EngineConfig(model_dir=str(DEFAULT_MODEL_DIR), device="cuda", dtype="float32", max_num_seqs=6)
+    known, pipelined = Worker(config), Worker(config)
+    blocks = -(-64 // known.capacity.block_size)
+    params = [SamplingParams(temperature=0.0, return_logits=True),
+              SamplingParams(temperature=1.0, seed=7, return_logits=True),
+              SamplingParams(temperature=0.0, return_logits=True)]
+
+    def chunk(r, tokens, start):
+        return ScheduledChunk(
+            request_id=f"r{r}", token_ids=tuple(tokens), start_position=start,
+            block_table=tuple(range(r * blocks, (r + 1) * blocks)), state_slot=r, reset_state=start == 0,
+            sample=True, sampling=params[r],
+        )
+
+    g = torch.Generator().manual_seed(2)
+    history = {r: torch.randint(2, 100, (5 + r,), generator=g).tolist() for r in range(3)}
+    first = SchedulerOutput(tuple(chunk(r, history[r], 0) for r in range(3)))
+    expected = known.execute(first)
+    pipelined.submit(first)
+    for _ in range(5):
+        for r in range(3):
+            history[r].append(expected.sampled_token_ids[f"r{r}"])
+        pipelined.submit(SchedulerOutput(tuple(chunk(r, (PENDING_TOKEN,), len(history[r]) - 1) for r in range(3))))
+        got = pipelined.collect()
+        assert got.sampled_token_ids == expected.sampled_token_ids
+        for request_id, logits in expected.logits.items():
+            assert relative_error(got.logits[request_id], logits) < 1e-4, request_id
+        expected = known.execute(SchedulerOutput(tuple(chunk(r, history[r][-1:], len(history[r]) - 1) for r in range(3))))
+    assert pipelined.collect().sampled_token_ids == expected.sampled_token_ids
+    assert pipelined.decode_graphs.replays == known.decode_graphs.replays == 5

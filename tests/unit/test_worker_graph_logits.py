@@ -33,7 +33,7 @@ class NegatedLogitsGraphs:
     def accepts(self, chunks: list[ScheduledChunk]) -> bool:
         return all(len(c.token_ids) == 1 for c in chunks)
 
-    def forward(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(self, chunks: list[ScheduledChunk], pending_rows=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         w = self.worker
         hidden = w.model(build_forward_batch(chunks, w.capacity.block_size, w.device), w.caches)
         logits = w.model.compute_logits(hidden)
