@@ -38,6 +38,8 @@ class AppConfig(BaseModel):
     seed: int = 0
     tensor_parallel_size: int = Field(
         1, ge=1, description="Ranks the model is split over: one worker actor (one GPU) each.")
+    async_scheduling: bool = Field(
+        True, description="Submit each engine step before the previous one's tokens are back.")
 
     # Request-boundary checkpoints (DESIGN.md section 2).
     checkpoint_slots: tuple[str, ...] = Field(
@@ -89,6 +91,7 @@ class AppConfig(BaseModel):
             device=self.device,
             seed=self.seed,
             tensor_parallel_size=self.tensor_parallel_size,
+            async_scheduling=self.async_scheduling,
         )
 
 
