@@ -37,6 +37,9 @@ START_TIMEOUT_S = 900.0
 STEP_STALL_S = 600.0
 # A threaded actor: ranks 1.. sit in follow() while health pings still get answered.
 RANK_ACTOR_CONCURRENCY = 2
+# Rank 0's steps run in a concurrency group of one thread, so a step submitted while the one
+# before runs (async scheduling) waits for it and they run in the order submitted.
+STEP_GROUP = "steps"
 
 
 class WorkerGroupStartError(RuntimeError):
@@ -77,7 +80,7 @@ class WorkerGroup:
 
         rendezvous = await _rendezvous_on_this_node.options(
             scheduling_strategy=in_bundle(0)).remote(world_size)
-        rank_actor = ray.remote(RankWorker)
+        rank_actor = ray.remote(concurrency_groups={STEP_GROUP: 1})(RankWorker)
         ranks = [
             rank_actor.options(
                 num_cpus=num_cpus_per_rank, num_gpus=1 if on_gpu else 0,
@@ -118,9 +121,11 @@ class RayWorkerExecutor:
         return ray.get(self._ranks[0].cache_capacity.remote())
 
     def submit(self, scheduler_output: SchedulerOutput) -> None:
-        """Call rank 0's execute without waiting: the actor runs its calls in order, so a step
-        submitted while the one before runs starts as soon as that one ends."""
-        self._in_flight.append((self._ranks[0].execute.remote(scheduler_output), time.monotonic()))
+        """Call rank 0's execute without waiting: its steps run one at a time in the order
+        called (STEP_GROUP), so a step submitted while the one before runs starts as soon as
+        that one ends."""
+        call = self._ranks[0].execute.options(concurrency_group=STEP_GROUP).remote(scheduler_output)
+        self._in_flight.append((call, time.monotonic()))
 
     def collect(self) -> RunnerOutput:
         answer, _ = self._in_flight[0]

@@ -1,0 +1,55 @@
+"""The Ray executor under async scheduling: steps submitted to rank 0 before the ones before are
+collected run one at a time, in the order submitted, on every rank, each reading its pending
+tokens from what the step before sampled.
+
+Exercised on a private worker group so the session's application keeps running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from deployments.worker_group import RayWorkerExecutor, WorkerGroup
+from engine.config import EngineConfig
+from engine.request import PENDING_TOKEN
+from engine.sampling_params import SamplingParams
+from engine.step_io import ScheduledChunk, SchedulerOutput
+
+BLOCKS = 4
+PROMPT = (5, 17, 29, 41, 53, 65, 77)
+STEPS = 6
+
+
+def _step(slot: int, tokens, start: int) -> SchedulerOutput:
+    chunk = ScheduledChunk(
+        request_id=f"r{slot}", token_ids=tuple(tokens), start_position=start,
+        block_table=tuple(range(slot * BLOCKS, (slot + 1) * BLOCKS)), state_slot=slot,
+        reset_state=start == 0, sample=True, sampling=SamplingParams(temperature=0),
+    )
+    return SchedulerOutput((chunk,))
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_queued_steps_run_in_order_and_read_their_pending_tokens(ray_session, world_size):
+    config = EngineConfig(max_model_len=64, max_num_seqs=2, kv_cache_bytes=8 * 1024 * 1024,
+                          state_cache_bytes=8 * 1024 * 1024, tensor_parallel_size=world_size)
+    group = asyncio.run(WorkerGroup.start(config, num_cpus_per_rank=0.2))
+    executor = RayWorkerExecutor(group.ranks)
+    try:
+        # request 0, one step at a time, every token known
+        expected, tokens = [], list(PROMPT)
+        for _ in range(STEPS + 1):
+            start = len(tokens) - (1 if expected else len(PROMPT))
+            executor.submit(_step(0, tokens[start:], start))
+            expected.append(executor.collect().sampled_token_ids["r0"])
+            tokens.append(expected[-1])
+        # request 1, the same prompt: every step queued before any is collected
+        executor.submit(_step(1, PROMPT, 0))
+        for i in range(STEPS):
+            executor.submit(_step(1, (PENDING_TOKEN,), len(PROMPT) + i))
+        got = [executor.collect().sampled_token_ids["r1"] for _ in range(STEPS + 1)]
+        assert got == expected
+    finally:
+        group.shutdown()
