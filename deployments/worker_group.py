@@ -38,7 +38,7 @@ STEP_STALL_S = 600.0
 # A threaded actor: ranks 1.. sit in follow() while health pings still get answered.
 RANK_ACTOR_CONCURRENCY = 2
 # Rank 0's steps run in a concurrency group of one thread, so a step submitted while the one
-# before runs (async scheduling) waits for it and they run in the order submitted.
+# before runs (async scheduling) cannot run beside it.
 STEP_GROUP = "steps"
 
 
@@ -121,10 +121,13 @@ class RayWorkerExecutor:
         return ray.get(self._ranks[0].cache_capacity.remote())
 
     def submit(self, scheduler_output: SchedulerOutput) -> None:
-        """Call rank 0's execute without waiting: its steps run one at a time in the order
-        called (STEP_GROUP), so a step submitted while the one before runs starts as soon as
-        that one ends."""
-        call = self._ranks[0].execute.options(concurrency_group=STEP_GROUP).remote(scheduler_output)
+        """Call rank 0's execute without waiting. The call takes the previous step's answer as
+        an argument: Ray sends it to rank 0 only once that step has finished. A threaded actor
+        starts calls as their arguments become ready, not in the order made, so without that a
+        step could overtake the one before (whose arguments take longer to arrive) and read
+        pending tokens that step has not sampled yet. One thread (STEP_GROUP) runs the steps."""
+        previous = self._in_flight[-1][0] if self._in_flight else None
+        call = self._ranks[0].execute.options(concurrency_group=STEP_GROUP).remote(scheduler_output, previous)
         self._in_flight.append((call, time.monotonic()))
 
     def collect(self) -> RunnerOutput:

@@ -22,11 +22,14 @@ PROMPT = (5, 17, 29, 41, 53, 65, 77)
 STEPS = 6
 
 
-def _step(slot: int, tokens, start: int) -> SchedulerOutput:
+def _step(slot: int, tokens, start: int, bulky: bool = False) -> SchedulerOutput:
+    """bulky: the step's message is large enough (a block table padded with 60,000 unused
+    entries) that Ray passes it through the object store, so it reaches rank 0 later than a
+    small step sent after it."""
+    blocks = tuple(range(slot * BLOCKS, (slot + 1) * BLOCKS)) + (0,) * (60_000 if bulky else 0)
     chunk = ScheduledChunk(
-        request_id=f"r{slot}", token_ids=tuple(tokens), start_position=start,
-        block_table=tuple(range(slot * BLOCKS, (slot + 1) * BLOCKS)), state_slot=slot,
-        reset_state=start == 0, sample=True, sampling=SamplingParams(temperature=0),
+        request_id=f"r{slot}", token_ids=tuple(tokens), start_position=start, block_table=blocks,
+        state_slot=slot, reset_state=start == 0, sample=True, sampling=SamplingParams(temperature=0),
     )
     return SchedulerOutput((chunk,))
 
@@ -48,7 +51,7 @@ def test_queued_steps_run_in_order_and_read_their_pending_tokens(ray_session, wo
         # request 1, the same prompt: every step queued before any is collected
         executor.submit(_step(1, PROMPT, 0))
         for i in range(STEPS):
-            executor.submit(_step(1, (PENDING_TOKEN,), len(PROMPT) + i))
+            executor.submit(_step(1, (PENDING_TOKEN,), len(PROMPT) + i, bulky=i % 2 == 0))
         got = [executor.collect().sampled_token_ids["r1"] for _ in range(STEPS + 1)]
         assert got == expected
     finally:
