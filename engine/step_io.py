@@ -24,7 +24,9 @@ class ScheduledChunk:
         from its last row. A prefill chunk that stops short (budget, or a requested stop
         position) does not sample. A chunk with no tokens (a restore covered everything)
         samples from the restored hidden row.
-    num_output_tokens: tokens generated so far (for min_tokens).
+    num_output_tokens: tokens generated so far, pending ones included (for min_tokens).
+    token_ids may end with PENDING_TOKEN (engine/request.py): the token the step submitted
+    just before sampled for this request, which the worker reads on the device.
     capture_hidden: return the final hidden row of this chunk (a stop at a requested position).
     """
 
@@ -106,6 +108,7 @@ class RunnerOutput:
     logits: dict[str, "torch.Tensor"] = field(default_factory=dict)
     # Only for chunks with capture_hidden: the final hidden row (after the final norm).
     hidden_rows: dict[str, "torch.Tensor"] = field(default_factory=dict)
-    # Seconds rank 0 spent inside Worker.execute (captures, restores, forward, sampling): the
+    # Seconds rank 0 spent in Worker.submit and Worker.collect for this step (captures,
+    # restores, launching the forward pass and sampling, then waiting for the tokens): the
     # step's model time. Everything else a step costs is overhead (scheduling, transport).
     worker_seconds: float = 0.0

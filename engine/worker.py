@@ -1,8 +1,10 @@
 """The worker: holds the model, its KV and state tensors, and runs one step at a time.
 
-In process it is called directly; under Ray it is the worker actor (`ray.remote(Worker)`),
-one per tensor-parallel rank. It knows nothing of queues or requests beyond one
-SchedulerOutput.
+In process it is called directly (submit() launches a step, collect() returns its output, so
+the next step can be launched before this one's tokens are read back); under Ray each
+tensor-parallel rank's actor holds one (engine/rank_worker.py) and runs execute(), submit then
+collect. It knows nothing of queues or requests beyond the SchedulerOutputs it is given and
+the tokens its previous step sampled (which a PENDING_TOKEN stands for).
 """
 
 from __future__ import annotations
