@@ -31,17 +31,6 @@ class Sampler:
         params: list[SamplingParams],
         num_output_tokens: list[int],
         argmax: torch.Tensor | None = None,  # (n,) int64, torch.argmax(logits, -1) computed already
-    ) -> list[int]:
-        """One token per row, read back to the host (sample_on_device's tokens)."""
-        return self.sample_on_device(logits, request_ids, params, num_output_tokens, argmax).tolist()
-
-    def sample_on_device(
-        self,
-        logits: torch.Tensor,  # (n, V) fp32
-        request_ids: list[str],
-        params: list[SamplingParams],
-        num_output_tokens: list[int],
-        argmax: torch.Tensor | None = None,  # (n,) int64, torch.argmax(logits, -1) computed already
     ) -> torch.Tensor:
         """(n,) int64 on the logits' device, one token per row, with no wait for the device
         (the worker reads the tokens back later). `logits` is masked in place for min_tokens.

@@ -296,7 +296,7 @@ class Worker:
         for i, chunk in enumerate(chunks):
             if chunk.sampling.return_logits:
                 output.logits[chunk.request_id] = logits[i].clone().cpu()
-        return self.sampler.sample_on_device(
+        return self.sampler.sample(
             logits,
             request_ids=[chunk.request_id for chunk in chunks],
             params=[chunk.sampling for chunk in chunks],
