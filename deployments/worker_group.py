@@ -144,7 +144,10 @@ class RayWorkerExecutor:
     async def check_health(self, timeout_s: float) -> None:
         """Raise RayActorError if any rank is dead, TimeoutError if one does not answer or
         the step in flight has run longer than STEP_STALL_S."""
-        started = self._in_flight[0][1] if self._in_flight else None
+        try:  # the step thread may pop the entry meanwhile
+            started = self._in_flight[0][1]
+        except IndexError:
+            started = None
         if started is not None and time.monotonic() - started > STEP_STALL_S:
             raise TimeoutError(f"a step has run for over {STEP_STALL_S:.0f} s")
         pings = [actor.ping.remote() for actor in self._ranks]

@@ -125,6 +125,10 @@ class LLMEngine:
             )
         if request_id in self.scheduler.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if any(chunk.request_id == request_id for step in self._in_flight for chunk in step.chunks):
+            # its output would be taken for the new request's (async scheduling)
+            raise InvalidRequestError(
+                f"request id {request_id!r} is still in use by the step in flight; retry after the next step()")
         if any(not 0 < p <= len(prompt) for p in pause_positions):
             raise InvalidRequestError(f"pause positions must lie in [1, {len(prompt)}]")
         if instruction_boundary is not None and not 0 < instruction_boundary < len(prompt):
@@ -195,12 +199,22 @@ class LLMEngine:
         return pending + outputs
 
     def _collect_oldest(self) -> list[RequestOutput]:
-        """Collect the oldest step in flight, update the requests from it, emit their outputs."""
+        """Collect the oldest step in flight, update the requests from it, emit their outputs.
+        If collecting fails, every step in flight is abandoned (the later ones collected first,
+        their outputs ignored, so the executor holds no step of a failed sequence), and the
+        exception raised."""
         scheduler_output = self._in_flight.popleft()
         try:
             runner_output = self.executor.collect()
         except BaseException:
             self.scheduler.abandon_step(scheduler_output)
+            while self._in_flight:
+                later = self._in_flight.popleft()
+                try:
+                    self.executor.collect()
+                except Exception:
+                    pass  # failed as well: abandoned all the same
+                self.scheduler.abandon_step(later)
             raise
         self.last_step = StepTrace(scheduler_output, runner_output)
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)

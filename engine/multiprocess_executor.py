@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import queue
+import threading
 import traceback
 from dataclasses import replace
 from multiprocessing.connection import Connection
@@ -157,12 +159,25 @@ def run_rank(config: EngineConfig, rank: int, rendezvous, conn: Connection | Non
 
 
 def lead(rank_worker, conn: Connection) -> None:
-    """Rank 0's loop: execute each step the engine sends until "stop" or the pipe closes."""
+    """Rank 0's loop: execute each step the engine sends, in order, until "stop" or the pipe
+    closes. A thread takes the engine's messages off the pipe as they come: with async
+    scheduling the engine sends step k+1 while step k runs, and if both that message and step
+    k's answer outgrew the pipe's buffer, each end would block in send() on the other."""
+    commands: queue.Queue = queue.Queue()
+
+    def receive() -> None:
+        while True:
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                message = ("stop", None)
+            commands.put(message)
+            if message[0] == "stop":
+                return
+
+    threading.Thread(target=receive, name="rank0-steps", daemon=True).start()
     while True:
-        try:
-            command, scheduler_output = conn.recv()
-        except EOFError:
-            command = "stop"
+        command, scheduler_output = commands.get()
         if command == "stop":
             rank_worker.stop()
             return

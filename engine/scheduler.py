@@ -151,10 +151,13 @@ class Scheduler:
     def abandon_step(self, scheduler_output: SchedulerOutput) -> None:
         """The runner failed `scheduler_output`: none of it is known to have happened. Its
         captures are dropped (fail closed), and so are those its chunks reserved for the next
-        step; its restores' pins are released, and the bundles it was to free are handed to
-        the next step again. Requests are left as they were; the caller fails them."""
+        step; its restores' pins are released, and the bundles it was to free and the requests
+        it was to forget are handed to the next step again. Requests are left as they were;
+        the caller fails them. (A step scheduled after it carries the captures its chunks
+        reserved: the engine abandons every step in flight when one fails.)"""
         self._settle_checkpoints(scheduler_output, {})
         self.cache.return_dropped_bundles(scheduler_output.dropped_bundle_ids)
+        self._finished_since_last_step.extend(scheduler_output.finished_request_ids)
         failed = {chunk.request_id for chunk in scheduler_output.chunks}
         reserved = [capture for capture in self._captures if capture.request_id in failed]
         self._captures = [capture for capture in self._captures if capture.request_id not in failed]

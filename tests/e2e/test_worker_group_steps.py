@@ -56,3 +56,50 @@ def test_queued_steps_run_in_order_and_read_their_pending_tokens(ray_session, wo
         assert got == expected
     finally:
         group.shutdown()
+
+
+def test_after_a_failed_step_later_steps_run(ray_session):
+    """Rank 0 fails one step while the next is already submitted (chained on it, so it fails
+    too). The engine abandons both; the steps after them must not be chained on a failed one."""
+    import ray
+
+    from deployments.worker_group import STEP_GROUP
+    from engine.llm_engine import LLMEngine
+    from engine.worker import Worker
+
+    config = EngineConfig(max_num_seqs=4, kv_cache_bytes=8 * 1024 * 1024, state_cache_bytes=8 * 1024 * 1024)
+
+    class FailsOnce:
+        def __init__(self) -> None:
+            self.worker, self.calls = Worker(config), 0
+
+        def cache_capacity(self):
+            return self.worker.cache_capacity()
+
+        def execute(self, scheduler_output, after=None):
+            self.calls += 1
+            if self.calls == 4:
+                raise RuntimeError("injected step failure")
+            return self.worker.execute(scheduler_output)
+
+    rank = ray.remote(concurrency_groups={STEP_GROUP: 1})(FailsOnce).options(max_concurrency=2, num_cpus=0.2).remote()
+    engine = LLMEngine(config, executor=RayWorkerExecutor([rank]))
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    try:
+        failures, reasons = 0, []
+        for i in range(12):
+            engine.add_request(f"r{i}", [5 + i, 9, 11, 13, 17], params)
+            try:
+                outputs = engine.step()
+            except Exception:
+                failures += 1
+                engine.fail_all("injected")
+                continue
+            reasons += [out.finish_reason for out in outputs if out.finished]
+        while engine.has_unfinished_requests():
+            reasons += [out.finish_reason for out in engine.step() if out.finished]
+        assert failures == 1
+        # the requests in flight at the failure (r0..r4) failed, every later one finished normally
+        assert sorted(reasons) == ["error"] * 5 + ["length"] * 7
+    finally:
+        ray.kill(rank)

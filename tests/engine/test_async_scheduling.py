@@ -15,7 +15,7 @@ import torch
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.request import PENDING_TOKEN
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import InvalidRequestError, SamplingParams
 from engine.step_io import RunnerOutput, ScheduledChunk, SchedulerOutput
 from engine.worker import Worker
 
@@ -189,3 +189,83 @@ def test_a_request_that_stops_during_a_step_in_flight_checkpoints_its_last_token
         covered[async_scheduling] = restored[3]
     assert covered[False] == len(prompt) + 4  # the stop token was sampled, never computed
     assert covered[True] == len(prompt) + 5  # computed by the step already in flight
+
+
+def test_a_request_id_is_refused_while_a_step_in_flight_still_computes_it():
+    """A request that stopped on a stop token is still in the step in flight (its last token);
+    a new request with its id would be handed that step's token, so it is refused until the
+    step is collected."""
+    engine = LLMEngine(EngineConfig())
+    prompt = _prompts(1, engine.vocab_size, seed=8)[0]
+    probe = _run(engine, {"probe": (prompt, GREEDY)})["probe"][0]
+    engine.add_request("a", prompt, dataclasses.replace(GREEDY, stop_token_ids=(probe[1],)))
+    finished = False
+    while not finished:
+        finished = any(out.finished for out in engine.step())
+    with pytest.raises(InvalidRequestError, match="still in use by the step in flight"):
+        engine.add_request("a", prompt, GREEDY)
+    engine.step()  # collects it
+    again = _run(engine, {"a": (prompt, GREEDY)}, salt="again")["a"]
+    assert again[0] == probe and engine.pool_usage().idle
+
+
+class FailingCollect:
+    """The in-process worker, whose `fail_at`-th collect raises after the step ran (an error on
+    the way back)."""
+
+    def __init__(self, config: EngineConfig, fail_at: int) -> None:
+        self.worker, self.fail_at, self.collects = Worker(config), fail_at, 0
+
+    def cache_capacity(self):
+        return self.worker.cache_capacity()
+
+    def submit(self, scheduler_output: SchedulerOutput) -> None:
+        self.worker.submit(scheduler_output)
+
+    def collect(self) -> RunnerOutput:
+        self.collects += 1
+        output = self.worker.collect()
+        if self.collects == self.fail_at:
+            raise RuntimeError("injected failure")
+        return output
+
+    def shutdown(self) -> None:
+        pass
+
+
+def test_after_a_failed_step_the_engine_drains_the_step_in_flight_and_runs_on():
+    config = EngineConfig(max_num_seqs=4)
+    engine = LLMEngine(config, executor=FailingCollect(config, fail_at=4))
+    prompts = _prompts(3, engine.vocab_size, seed=9)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"f{i}", prompt, GREEDY)
+    failures = 0
+    while engine.has_unfinished_requests():
+        try:
+            engine.step()
+        except RuntimeError:
+            failures += 1
+            engine.fail_all("injected")
+    assert failures == 1
+    assert engine.pool_usage().idle
+    # the worker holds no step of the failed sequence: later requests run as on a fresh engine
+    expected = _run(LLMEngine(config), {f"g{i}": (p, GREEDY) for i, p in enumerate(prompts)})
+    got = _run(engine, {f"g{i}": (p, GREEDY) for i, p in enumerate(prompts)}, salt="after")
+    assert {k: v[0] for k, v in got.items()} == {k: v[0] for k, v in expected.items()}
+
+
+def test_preemption_while_a_token_is_pending_changes_nothing():
+    """The exactness workload under the tight budget (preemption and eviction, requests
+    preempted while their last token is in flight and re-admitted with it pending), with and
+    without async scheduling: the same tokens and logits."""
+    from tests.engine.exactness import Tally, compare, run_workload, tight_config
+
+    outcomes, preemptions = {}, {}
+    for async_scheduling in (False, True):
+        engine = LLMEngine(dataclasses.replace(tight_config(), async_scheduling=async_scheduling))
+        outcomes[async_scheduling] = run_workload(engine, seed=21, num_requests=24, tally=Tally())
+        preemptions[async_scheduling] = engine.stats().scheduler.preemptions
+    assert preemptions[True] > 0
+    assert outcomes[True].keys() == outcomes[False].keys()
+    for request_id, want in outcomes[False].items():
+        compare(outcomes[True][request_id], want, Tally(), f"{request_id} async vs sync")

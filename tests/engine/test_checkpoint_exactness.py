@@ -33,7 +33,7 @@ from tests.engine.exactness import Tally, run_workload, tight_config
     "label, config, num_requests, min_hit_rate",
     [
         ("roomy, budget 61", EngineConfig(max_num_batched_tokens=61, max_num_seqs=16), 72, 0.5),
-        ("tight: eviction + preemption, budget 64", None, 64, 0.0),
+        ("tight: eviction + preemption, budget 64", None, 64, None),
         ("tight: eviction + preemption, budget 64, no async scheduling", {"async_scheduling": False}, 64, 0.05),
         ("budget 256, 4 seqs", EngineConfig(max_num_batched_tokens=256, max_num_seqs=4), 64, 0.5),
     ],
@@ -48,7 +48,8 @@ def test_checkpointed_requests_match_requests_computed_from_scratch(label, confi
     print(f"\n[{label}] requests={tally.requests} hits={tally.hits} cached_tokens={tally.cached_tokens} "
           f"near_ties={tally.near_ties} preemptions={stats.scheduler.preemptions} "
           f"evicted={ {k: c.evicted for k, c in stats.checkpoints.items()} }")
-    assert tally.hits >= min_hit_rate * tally.requests, "the suite must exercise restores, not pass by missing"
+    if min_hit_rate is not None:  # None: the case is about preemption and eviction (docstring)
+        assert tally.hits >= min_hit_rate * tally.requests, "the suite must exercise restores, not pass by missing"
     if "no async" not in label:
         assert config.async_scheduling
     assert engine.pool_usage().idle
