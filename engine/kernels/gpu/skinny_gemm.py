@@ -60,8 +60,9 @@ Design (every weight byte is read exactly once, in wide loads along K):
   program's whole slice. The batch-1 decode graph of benchmarks/gpu_roofline.py took 1.266 ms
   on the GPU with no tile before the wait, 1.216 with one, 1.165 with two
   (gpu_roofline_20261203_session6_host_and_state.json); in another run 1.276 with none and
-  1.193, 1.201 and 1.190 with two, three and four (the same within the runs' spread; four is
-  the default those runs' rows used, gpu_roofline_20261203_session6_final.json). Asking L2 for
+  1.193, 1.201 and 1.190 with two, three and four (gpu_roofline_20261203_session6_final.json);
+  in the seventh session's runs two 1.197 and 1.182, four 1.202 and 1.237 (..._session7_async,
+  ..._session7_final): two is the default. Asking L2 for
   the whole weight slice instead (prefetch.global.L2) had made it slower
   (gpu_roofline_20261203_session5_variants.json);
 - BLOCK_N, BLOCK_K, num_warps and num_stages are tuned with @triton.autotune over CONFIGS,
@@ -93,8 +94,10 @@ from engine.kernels.gpu.pdl import launch_options, release_next, wait_for_previo
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # How many BLOCK_K-column tiles of its weight rows (0 to 4) a program under PDL loads before
 # it waits for the kernel that writes x (read at each launch; benchmarks/gpu_roofline.py
-# captures the batch-1 decode graph with each to compare).
-PRELOAD_TILES = 4
+# captures the batch-1 decode graph with each to compare). Two: the batch-1 graph took
+# 1.165-1.197 ms with two over four H200 runs, 1.190-1.237 ms with four over three of them
+# (gpu_roofline_notes.md, seventh session); the output is the same bits for 0-4.
+PRELOAD_TILES = 2
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
