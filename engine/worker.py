@@ -25,8 +25,13 @@ from engine.kernels.dispatch import plan_for_device
 from engine.loader import load_model
 from engine.request import PENDING_TOKEN
 from engine.sampler import Sampler
+from engine.token_readback import PendingTokens, TokenReadback
 from engine.step_io import CaptureOp, RunnerOutput, ScheduledChunk, SchedulerOutput
 from engine.tensor_parallel import TensorParallel
+
+
+# A step's tokens are read back while the next one runs: at most two steps in flight.
+_MAX_IN_FLIGHT = 2
 
 
 class CacheBudgetError(ValueError):
@@ -123,7 +128,7 @@ class Worker:
         )
         self._sampled_rows: dict[str, int] = {}
         self._in_flight: deque[_SubmittedStep] = deque()
-        self._token_readback = _TokenReadback(num_sampled, self.device)
+        self._token_readback = TokenReadback(num_sampled, self.device, depth=_MAX_IN_FLIGHT)
 
     def cache_capacity(self) -> CacheCapacity:
         return self.capacity
@@ -315,46 +320,6 @@ class Worker:
         self.caches.copy_state_slot(src_slot, dst_slot)
 
 
-# A step's tokens are read back while the next one runs: at most two steps in flight.
-_MAX_IN_FLIGHT = 2
-
-
-class _TokenReadback:
-    """Copies of a step's sampled tokens to the host, started without waiting for the device.
-    On CUDA, a ring of _MAX_IN_FLIGHT pinned buffers, each with the event of its copy; on the
-    CPU the tokens are on the host already."""
-
-    def __init__(self, num_rows: int, device: torch.device) -> None:
-        self._cuda = device.type == "cuda"
-        ring = _MAX_IN_FLIGHT if self._cuda else 0
-        self._buffers = [torch.zeros(num_rows, dtype=torch.int64, pin_memory=True) for _ in range(ring)]
-        self._next = 0
-
-    def start(self, tokens: torch.Tensor) -> _PendingTokens:
-        """Begin the copy of `tokens` (n,) int64 (the caller may overwrite them once the device
-        has passed this point: the copy is ordered before anything launched after it)."""
-        if not self._cuda:
-            return _PendingTokens(tokens.clone(), None)
-        host = self._buffers[self._next][: tokens.shape[0]]
-        self._next = (self._next + 1) % len(self._buffers)
-        host.copy_(tokens, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        return _PendingTokens(host, done)
-
-
-@dataclass
-class _PendingTokens:
-    host: torch.Tensor
-    done: torch.cuda.Event | None
-
-    def read(self) -> list[int]:
-        """Wait for the copy, then the tokens."""
-        if self.done is not None:
-            self.done.synchronize()
-        return self.host.tolist()
-
-
 @dataclass
 class _SubmittedStep:
     """A step submitted and not yet collected: its output but for the sampled tokens, the
@@ -362,7 +327,7 @@ class _SubmittedStep:
 
     output: RunnerOutput
     sampled_ids: list[str]
-    tokens: _PendingTokens
+    tokens: PendingTokens
 
 
 def _capture_graphs(model, caches, capacity: CacheCapacity, config: EngineConfig):
