@@ -101,6 +101,12 @@ class Request:
         pending = max(0, end - max(start, self.num_known_tokens))
         return tuple(head) + tuple(tail) + (PENDING_TOKEN,) * pending
 
+    @property
+    def sampled_all_it_may(self) -> bool:
+        """max_tokens output tokens are sampled, pending ones included: it samples no more and
+        stops by length once they are known."""
+        return self.num_output_tokens + self.num_pending_tokens >= self.sampling.max_tokens
+
     def resolve_pending_token(self, token: int) -> None:
         """The oldest pending token's value has arrived."""
         assert self.num_pending_tokens > 0, f"{self.request_id}: no pending token to resolve"

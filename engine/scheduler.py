@@ -119,7 +119,7 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            if request.num_output_tokens + request.num_pending_tokens >= request.sampling.max_tokens:
+            if request.sampled_all_it_may:
                 index += 1  # its last token is in flight: it stops by length when that returns
                 continue
             num_new = self._chunk_length(request, budget)
@@ -226,7 +226,8 @@ class Scheduler:
             block_table=tuple(request.block_ids),
             state_slot=request.state_slot,
             reset_state=start == 0,
-            sample=end == request.num_tokens,
+            # (a request re-admitted with its last token pending computes it, samples nothing)
+            sample=end == request.num_tokens and not request.sampled_all_it_may,
             sampling=request.sampling,
             num_output_tokens=request.num_output_tokens + request.num_pending_tokens,
             capture_hidden=end in request.pause_positions,

@@ -151,9 +151,13 @@ class Worker:
         step = self._in_flight.popleft()
         started = time.perf_counter()
         tokens = step.tokens.read()
-        step.output.sampled_token_ids = dict(zip(step.sampled_ids, tokens))
-        step.output.worker_seconds += time.perf_counter() - started
-        return step.output
+        output = step.output
+        output.sampled_token_ids = dict(zip(step.sampled_ids, tokens))
+        # rows asked for (return_logits, a pause position): copied on the device at submit
+        output.logits = {rid: row.cpu() for rid, row in output.logits.items()}
+        output.hidden_rows = {rid: row.cpu() for rid, row in output.hidden_rows.items()}
+        output.worker_seconds += time.perf_counter() - started
+        return output
 
     @torch.inference_mode()
     def submit(self, scheduler_output: SchedulerOutput) -> None:
@@ -213,7 +217,8 @@ class Worker:
 
         for chunk in scheduler_output.chunks:
             if chunk.capture_hidden:
-                output.hidden_rows[chunk.request_id] = last_hidden[chunk.request_id].row().float().cpu()
+                row = last_hidden[chunk.request_id].row()
+                output.hidden_rows[chunk.request_id] = row.to(torch.float32, copy=True)  # to the host at collect
         sampled = [chunk for chunk in scheduler_output.chunks if chunk.sample]
         tokens = self._sampled[:0]
         if sampled:
@@ -300,7 +305,7 @@ class Worker:
         their argmax, when the decode graph computed it); records rows asked for."""
         for i, chunk in enumerate(chunks):
             if chunk.sampling.return_logits:
-                output.logits[chunk.request_id] = logits[i].clone().cpu()
+                output.logits[chunk.request_id] = logits[i].clone()  # to the host at collect
         return self.sampler.sample(
             logits,
             request_ids=[chunk.request_id for chunk in chunks],
