@@ -7,7 +7,7 @@ key counts, token sources, block tables) are packed on the host into one of two 
 buffers, used in turn, and copied into the graphs' static input buffer just before the replay.
 With async scheduling the worker stages step k+1 while step k runs on the device; the buffer
 step k was copied from may not be rewritten before that copy is done, hence two. (A copy
-inside the graph, as the fifth session had it, saved 0.03 ms of host time a step, but then
+inside the graph, as the sixth session had it, saved 0.03 ms of host time a step, but then
 the host can only know the buffer is free when the whole graph is done, which would serialise
 the steps again; benchmarks/gpu_roofline_notes.md, seventh session.) A row's token is read
 on the device, from the token pool: its own field, or the token the previous step sampled for
