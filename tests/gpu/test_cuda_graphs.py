@@ -173,8 +173,12 @@ def test_pipelined_graph_steps_read_the_pending_token_on_the_device():
     from engine.step_io import SchedulerOutput
     from engine.worker import Worker
 
-    config = EngineConfig(model_dir=str(DEFAULT_MODEL_DIR), device="cuda", dtype="float32", max_num_seqs=6)
+    # steps of at most 18 tokens: a budget below 64 captures no prefill graphs, whose warm-up
+    # would compile and autotune fla's single-sequence scan in fp32 for nothing here
+    config = EngineConfig(model_dir=str(DEFAULT_MODEL_DIR), device="cuda", dtype="float32", max_num_seqs=6,
+                          max_num_batched_tokens=63)
     known, pipelined = Worker(config), Worker(config)
+    assert known.prefill_graphs is None
     blocks = -(-64 // known.capacity.block_size)
     params = [SamplingParams(temperature=0.0, return_logits=True),
               SamplingParams(temperature=1.0, seed=7, return_logits=True),
