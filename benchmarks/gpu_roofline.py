@@ -20,6 +20,15 @@ to its floor:
     captures at 8,192 (split and in-pass) vs the same prefill without capture;
   * for each row, one step under torch.profiler: GPU kernel time vs wall time (what dominates).
 
+Time to first token (the cold prefill rows, restore + prefill) is the time to the sampled
+token on the host, as serving it takes: no timed step asks for a logits row
+(SamplingParams.return_logits, a copy of the row to the host that serving does not make).
+The logits that the restore row compares with the cold prefill's come from one more, untimed
+run of each of the two steps; the numerics check runs apart from every timed step. In results
+up to gpu_roofline_20261203_session7_final.json the restore + prefill row, the cold
+8,448-token prefill and the capture rows timed against it paid that copy; the cold
+8,192-token row never did.
+
     python benchmarks/gpu_roofline.py --out benchmarks/results/gpu_roofline.json
 """
 

@@ -13,6 +13,10 @@ in process with hand-built SchedulerOutputs, the way the scheduler would:
     second) and, on CUDA, the in-pass path (one uncut step, CaptureOp.in_pass), with the
     in-pass bundle's relative difference from the split one.
 
+Time to first token is the time to the sampled token on the host: no timed step asks for a
+logits row (SamplingParams.return_logits, a copy of the row that serving a token does not
+make). The logits compared come from one more, untimed run of each of the two steps.
+
 Requests 0 and 1 (state slots 0 and 1, blocks [r * blocks_per_seq, (r + 1) * blocks_per_seq))
 are used; the caller reuses them afterwards (every later chunk resets its state).
 """
@@ -29,11 +33,12 @@ from engine.worker import Worker
 
 
 def _chunk(request: int, tokens: list[int], start: int, table: tuple[int, ...], reset: bool,
-           sample: bool) -> ScheduledChunk:
+           sample: bool, logits: bool = False) -> ScheduledChunk:
+    """A greedy chunk; logits: its sampled row's logits come back too (untimed runs only)."""
     return ScheduledChunk(
         request_id=f"c{request}", token_ids=tuple(tokens), start_position=start, block_table=table,
         state_slot=request, reset_state=reset, sample=sample,
-        sampling=SamplingParams(temperature=0.0, max_tokens=16, return_logits=True),
+        sampling=SamplingParams(temperature=0.0, max_tokens=16, return_logits=logits),
     )
 
 
@@ -73,8 +78,11 @@ def checkpoint_rows(worker: Worker, blocks_per_seq: int, block_size: int, prefix
     cold_prefix = SchedulerOutput((_chunk(0, tokens[:prefix], 0, table_a, True, False),))
     worker.execute(cold)  # compile / autotune at these lengths
     worker.execute(cold_prefix)
-    cold_s, cold_out = min((_timed(worker, [cold]) for _ in range(repeats)), key=lambda r: r[0])
+    cold_s = min(_timed(worker, [cold])[0] for _ in range(repeats))
     cold_prefix_s = min(_timed(worker, [cold_prefix])[0] for _ in range(repeats))
+    cold_logits = worker.execute(
+        SchedulerOutput((_chunk(0, tokens, 0, table_a, True, True, logits=True),))
+    ).logits["c0"]
 
     # Split path: chunk cut at the boundary, capture at the start of the next step.
     bundle = 1000
@@ -129,9 +137,12 @@ def checkpoint_rows(worker: Worker, blocks_per_seq: int, block_size: int, prefix
             (_chunk(1, tokens[prefix:], prefix, table_b, False, True),),
             restores=(RestoreOp(bundle, "c1", 1, tail_b),),
         )
-        seconds, hit_out = _timed(worker, [hit])
-        hit_s.append(seconds)
+        hit_s.append(_timed(worker, [hit])[0])
     restore_s, hit_s = min(restore_s[1:]), min(hit_s[1:])
+    hit_logits = worker.execute(SchedulerOutput(
+        (_chunk(1, tokens[prefix:], prefix, table_b, False, True, logits=True),),
+        restores=(RestoreOp(bundle, "c1", 1, tail_b),),
+    )).logits["c1"]
     hit_profile = profile(hit) if profile is not None else None
     # The same step with the prefill graphs detached: what they remove.
     hit_eager_s, graphs = None, getattr(worker, "prefill_graphs", None)
@@ -141,7 +152,7 @@ def checkpoint_rows(worker: Worker, blocks_per_seq: int, block_size: int, prefix
         worker.prefill_graphs = graphs
     worker.execute(SchedulerOutput((), dropped_bundle_ids=(bundle,)))
 
-    ref, got = cold_out.logits["c0"], hit_out.logits["c1"]
+    ref, got = cold_logits, hit_logits
     agree = int(ref.argmax()) == int(got.argmax())
     logits_error = float((got - ref).norm() / ref.norm())
     model = worker.model
