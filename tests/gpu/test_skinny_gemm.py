@@ -327,3 +327,139 @@ def test_gated_layout_checks(device):
         assert not supports(a, weight, gated=True), name
     with pytest.raises(AssertionError, match="2K"):
         skinny_linear(torch.randn(1, 64, device=device), weight, gated=True)
+
+
+# The norm before the GEMM and the residual add after it (norm=RowNorm, residual=ResidualAdd),
+# against engine/kernels/fused_linear_reference.py's fused_linear computed in fp64 from the same
+# inputs; the residual add alone also bit for bit against norm_reference.add_rms_norm's update of
+# the plain kernel's output (the roundings the unfused decoder layer makes).
+def _normed_operands(features: int, depth: int, dtype: torch.dtype, device, seed: int,
+                     x_dtype: torch.dtype | None = None):
+    """A residual-stream row x (1, depth) at a decoder's scale (x_dtype, default dtype), weight,
+    bias, the norm's weight (depth,), a residual (1, features), and a NaN-filled out."""
+    from engine.kernels.fused_linear_reference import ResidualAdd, RowNorm
+
+    _, weight, bias, out = _operands(features, depth, True, dtype, device, seed)
+    g = torch.Generator(device="cpu").manual_seed(2000 + seed)
+    x = (3 * torch.randn(1, depth, generator=g)).to(device=device, dtype=x_dtype or dtype)
+    norm = RowNorm((0.5 + torch.rand(depth, generator=g)).to(device=device, dtype=dtype), 1e-5)
+    residual = ResidualAdd(torch.randn(1, features, generator=g).to(device=device, dtype=dtype), 0.22)
+    return x, weight, bias, norm, residual, out
+
+
+def _fused_reference(x, weight, bias, norm, residual):
+    """fused_linear in fp64 on the same (rounded) inputs."""
+    from engine.kernels.fused_linear_reference import ResidualAdd, RowNorm, fused_linear
+
+    d = lambda t: None if t is None else t.double()  # noqa: E731
+    return fused_linear(
+        d(x), d(weight), d(bias),
+        norm=None if norm is None else RowNorm(d(norm.weight), norm.eps),
+        residual=None if residual is None else ResidualAdd(d(residual.residual), residual.multiplier),
+    )
+
+
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("parts", ["norm", "residual", "norm+residual"])
+@pytest.mark.parametrize("features,depth", SMALL_SHAPES)
+def test_norm_and_residual_small_shapes_explicit_config(device, features, depth, parts, dtype):
+    from engine.kernels.gpu.skinny_gemm import skinny_linear
+
+    x, weight, bias, norm, residual, out = _normed_operands(features, depth, dtype, device, seed=depth)
+    norm = norm if "norm" in parts else None
+    residual = residual if "residual" in parts else None
+    got = skinny_linear(x, weight, bias, norm=norm, residual=residual, out=out, config=_small_config())
+    assert got.data_ptr() == out.data_ptr()
+    assert relative_error(got, _fused_reference(x, weight, bias, norm, residual)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("index", range(6))
+def test_norm_and_residual_each_tuned_config(device, index, dtype):
+    """Every config on N = 40, K = 1100 (K not a multiple of any BLOCK_K): the sum of squares
+    must cover the ragged last tile and nothing past it."""
+    from engine.kernels.gpu.skinny_gemm import CONFIGS, skinny_linear
+
+    x, weight, bias, norm, residual, out = _normed_operands(40, 1100, dtype, device, seed=index)
+    got = skinny_linear(x, weight, bias, norm=norm, residual=residual, out=out, config=CONFIGS[index])
+    assert relative_error(got, _fused_reference(x, weight, bias, norm, residual)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", GATED_DTYPES)
+@pytest.mark.parametrize("gated", [False, True])
+def test_residual_add_rounds_as_the_decoder_layer_does(device, gated, dtype):
+    """skinny_linear(..., residual=ResidualAdd(r, m)) equals norm_reference.add_rms_norm's new
+    hidden r + y * m of the same kernel's output y without it, bit for bit (same config)."""
+    from engine.kernels.fused_linear_reference import ResidualAdd
+    from engine.kernels.gpu.skinny_gemm import skinny_linear
+    from engine.kernels.norm_reference import add_rms_norm
+
+    make = _gated_operands if gated else _operands
+    x, weight, bias, _ = make(40, 1100, True, dtype, device, seed=11)
+    r = torch.randn(1, 40, generator=torch.Generator().manual_seed(12)).to(device=device, dtype=dtype)
+    config = _small_config()
+    y = skinny_linear(x, weight, bias, gated=gated, config=config)
+    want = add_rms_norm(r, y, 0.22, torch.ones(40, dtype=dtype, device=device), 1e-5)[0]
+    got = skinny_linear(x, weight, bias, gated=gated, residual=ResidualAdd(r, 0.22), config=config)
+    assert torch.equal(got, want)
+
+
+@on_gpu_only
+@pytest.mark.parametrize("features,depth,x_dtype,residual", [
+    (8512, 2048, torch.bfloat16, False),  # Mamba in_proj
+    (2048, 2048, torch.bfloat16, False),  # attention q
+    (512, 2048, torch.bfloat16, False),  # attention k/v
+    (11264, 2048, torch.bfloat16, False),  # MLP input
+    (2048, 4096, torch.float32, True),  # Mamba out_proj: the gated fp32 row, then the residual
+])
+def test_norm_autotuned_model_shapes(device, features, depth, x_dtype, residual):
+    """The shapes the 1.5B model's decode step sends with a norm, autotuned, in bf16 weights."""
+    from engine.kernels.gpu.skinny_gemm import skinny_linear
+
+    x, weight, bias, norm, add, out = _normed_operands(
+        features, depth, torch.bfloat16, device, seed=features, x_dtype=x_dtype
+    )
+    add = add if residual else None
+    got = skinny_linear(x, weight, None, norm=norm, residual=add, out=out)
+    assert relative_error(got, _fused_reference(x, weight, None, norm, add)) < TOL[torch.bfloat16]
+
+
+@on_gpu_only
+def test_norm_preloaded_tiles_give_the_same_bits(device, monkeypatch):
+    """As test_preloaded_tiles_give_the_same_bits, with the norm and the residual add."""
+    from engine.kernels.gpu import pdl, skinny_gemm
+
+    if not pdl.enabled():
+        pytest.skip("PDL is off on this device: the preload is not compiled in")
+    x, weight, bias, norm, residual, _ = _normed_operands(64, 1900, torch.bfloat16, device, seed=3)
+    outs = []
+    for tiles in range(5):
+        monkeypatch.setattr(skinny_gemm, "PRELOAD_TILES", tiles)
+        outs.append(skinny_gemm.skinny_linear(
+            x, weight, bias, norm=norm, residual=residual, config=skinny_gemm.CONFIGS[0]))
+    assert all(torch.equal(outs[0], out) for out in outs[1:])
+
+
+def test_norm_and_residual_layout_checks(device):
+    from engine.kernels.fused_linear_reference import ResidualAdd, RowNorm
+    from engine.kernels.gpu.skinny_gemm import layout_problem
+
+    x = torch.randn(1, 64, device=device, dtype=torch.float16)
+    weight = torch.randn(32, 64, device=device, dtype=torch.float16)
+    norm = RowNorm(torch.ones(64, device=device, dtype=torch.float16), 1e-5)
+    residual = ResidualAdd(torch.zeros(1, 32, device=device, dtype=torch.float16), 1.0)
+    assert layout_problem(x, weight, norm=norm, residual=residual) is None
+    assert layout_problem(x.float(), weight, norm=norm) is None  # a normalised row may be fp32
+    rejected = {
+        "fp32 row without a norm": dict(x=x.float()),
+        "norm weight of N": dict(norm=RowNorm(torch.ones(32, device=device, dtype=torch.float16), 1e-5)),
+        "strided norm weight": dict(norm=RowNorm(torch.ones(128, device=device, dtype=torch.float16)[::2], 1e-5)),
+        "residual of K": dict(residual=ResidualAdd(torch.zeros(1, 64, device=device, dtype=torch.float16), 1.0)),
+        "residual dtype": dict(residual=ResidualAdd(torch.zeros(1, 32, device=device), 1.0)),
+        "gated and normalised": dict(x=torch.randn(1, 128, device=device, dtype=torch.float16),
+                                     gated=True, norm=norm),
+    }
+    for name, change in rejected.items():
+        args = dict(x=x, gated=False, norm=None, residual=None) | change
+        problem = layout_problem(args.pop("x"), weight, **args)
+        assert problem is not None, name
