@@ -9,8 +9,11 @@ gives each program one (sequence, KV head) pair and all the query heads that sha
 K/V byte is read once per step; softmax is online, in fp32. When the pairs are too few to fill
 the GPU (small batches), each pair's keys are also split over several programs and a second
 launch combines their partial results. The prefill kernel gives each
-program BLOCK_M queries of one chunk and one query head, and walks the keys up to its last
-query's position BLOCK_N at a time. `write_kv` stores a step's K/V into the cache in one launch.
+program BLOCK_M queries of one chunk and HEADS_PER_PROGRAM (G) query heads that share one KV
+head, stacked as one (G * BLOCK_M, D) tile, and walks the keys up to its last query's position
+BLOCK_N at a time: each K/V tile is loaded once for all G heads (G = 1: one head a program,
+the kernel before grouping; G, BLOCK_M and the rest default as prefill_launch.py says).
+`write_kv` stores a step's K/V into the cache in one launch.
 
 Shapes: T tokens, H heads, Hkv KV heads, D head dim, Bd decode sequences.
 """
@@ -23,6 +26,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.gpu.pdl import launch_options, release_next, wait_for_previous
+from engine.kernels.gpu.prefill_launch import prefill_launch
 
 
 @triton.jit
@@ -221,32 +225,38 @@ def _prefill_kernel(
     rows_ptr, lens_ptr, positions_ptr, table_ptr, stride_table,  # (Sp,) x 3, (Sp, max_blocks)
     scale_log2,  # softmax scale * log2(e)
     num_splits, max_len,  # partial row of query j of chunk s: s * max_len + j
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, KV_BLOCK: tl.constexpr,
+    GROUP: tl.constexpr,  # query heads per KV head
+    HEADS_PER_PROGRAM: tl.constexpr,  # G, a power of two dividing GROUP
+    HEAD_DIM: tl.constexpr, KV_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     release_next(USE_PDL)
     wait_for_previous(USE_PDL)
-    m_block, head = tl.program_id(0), tl.program_id(2)
+    m_block, head_group = tl.program_id(0), tl.program_id(2)
     s, split = tl.program_id(1) // num_splits, tl.program_id(1) % num_splits
     q_len = tl.load(lens_ptr + s)
     if m_block * BLOCK_M < q_len:
         first_row = tl.load(rows_ptr + s)
         start_position = tl.load(positions_ptr + s)
-        i = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+        # tile row r: query i = m_block * BLOCK_M + r // G of the chunk, in query head
+        # head_group * G + r % G (a query's G heads on adjacent rows, as they lie in memory)
+        r = tl.arange(0, BLOCK_M * HEADS_PER_PROGRAM)
+        i = m_block * BLOCK_M + r // HEADS_PER_PROGRAM
+        head = head_group * HEADS_PER_PROGRAM + r % HEADS_PER_PROGRAM
         i_mask = i < q_len
         d = tl.arange(0, HEAD_DIM)
-        q = tl.load(q_ptr + (first_row + i)[:, None] * stride_qt + head * stride_qh + d[None, :],
-                    mask=i_mask[:, None], other=0.0)  # (BLOCK_M, D)
-        q_pos = start_position + i
-        kv_head = head // GROUP
+        q = tl.load(q_ptr + (first_row + i)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                    mask=i_mask[:, None], other=0.0)  # (G * BLOCK_M, D)
+        q_pos = start_position + i  # the G rows of one query share its position
+        kv_head = head_group * HEADS_PER_PROGRAM // GROUP  # the same for all G heads
         # keys 0 .. the position of this block's last query, this split's share of them
         num_keys = start_position + tl.minimum((m_block + 1) * BLOCK_M, q_len)
         span = tl.cdiv(tl.cdiv(num_keys, num_splits), BLOCK_N) * BLOCK_N
         key_end = tl.minimum((split + 1) * span, num_keys)
-        m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-        l = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
+        m = tl.full((BLOCK_M * HEADS_PER_PROGRAM,), float("-inf"), dtype=tl.float32)
+        l = tl.zeros((BLOCK_M * HEADS_PER_PROGRAM,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M * HEADS_PER_PROGRAM, HEAD_DIM), dtype=tl.float32)
         for key_start in range(split * span, key_end, BLOCK_N):
             tok = key_start + tl.arange(0, BLOCK_N)
             t_mask = tok < key_end
@@ -268,14 +278,14 @@ def _prefill_kernel(
         if SPLIT:
             part = s * max_len + i
             base = split * stride_split
-            tl.store(out_ptr + base + part[:, None] * stride_ot + head * stride_oh + d[None, :], acc,
+            tl.store(out_ptr + base + part[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :], acc,
                      mask=i_mask[:, None])
             ml = ml_ptr + split * stride_ml_split + part * stride_ml_t + head * 2
             tl.store(ml, m, mask=i_mask)
             tl.store(ml + 1, l, mask=i_mask)
         else:
             rows = first_row + i
-            tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + d[None, :],
+            tl.store(out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                      (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=i_mask[:, None])
 
 
@@ -316,18 +326,6 @@ def _combine_kernel(
                  (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=i_mask[:, None])
 
 
-def prefill_block_m(max_length: int) -> int:
-    """Queries per program of the prefill kernel for chunks of at most max_length queries."""
-    return 64 if max_length > 32 else 16
-
-
-def prefill_splits(num_query_blocks: int, num_sms: int = 132) -> int:
-    """Key splits per query block (num_query_blocks: over all chunks and heads) so that the
-    launch has about two programs per SM: 1 when the query blocks alone give that many, at
-    most 8."""
-    return max(1, min(8, (2 * num_sms) // max(num_query_blocks, 1)))
-
-
 def paged_attention_prefill(
     query: torch.Tensor,  # (T, H, D)
     key_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D)
@@ -339,11 +337,13 @@ def paged_attention_prefill(
     block_tables: torch.Tensor,  # (Sp, max_blocks) int, covering start_position + length keys
     max_length: int,  # >= every lengths[s] (bounds the launch grid)
     scale: float,
-    num_splits: int | None = None,  # key splits per query block; None: prefill_splits()
-    block_m: int | None = None,  # queries per program; None: prefill_block_m()
+    num_splits: int | None = None,  # key splits per query block
+    block_m: int | None = None,  # queries per program
     block_n: int = 64,  # keys per loop step
-    num_warps: int = 4,
+    num_warps: int | None = None,
     num_stages: int = 3,
+    heads_per_program: int | None = None,  # G, query heads per program
+    # (each None: prefill_launch.py's default)
 ) -> None:
     """Causal attention of Sp prefill chunks over their paged K/V, every chunk's metadata on
     the device (so a CUDA graph can replay it with new chunks): for each s, query rows
@@ -352,9 +352,12 @@ def paged_attention_prefill(
     written). Touches no other row of out. Equal to paged_attention per chunk within the input
     dtype's rounding (fp32 inputs multiply in full fp32; softmax in fp32, online).
 
-    One launch, or with num_splits > 1 (few long-context queries: the user message after a
-    restored prefix) each query block's keys split over that many programs, whose fp32
-    partials a second launch combines."""
+    Each program takes block_m queries in heads_per_program query heads of one KV head (a
+    power of two dividing H / Hkv; 1 is the ungrouped kernel), a (G * block_m, D) tile; the
+    defaults are prefill_launch.py's. One launch, or with num_splits > 1 (few long-context
+    queries: the user message after a restored prefix) each query block's keys split over
+    that many programs, whose fp32 partials a second launch combines. The launches and the
+    partials' size depend on Sp, max_length and the shapes only, never on the device metadata."""
     num_chunks = first_rows.shape[0]
     if num_chunks == 0 or max_length == 0:
         return
@@ -362,10 +365,11 @@ def paged_attention_prefill(
     _, block_size, num_kv_heads, _ = key_cache.shape
     assert key_cache.stride() == value_cache.stride() and key_cache.stride(3) == 1
     assert query.stride(2) == 1 and out.stride(2) == 1 and head_dim == triton.next_power_of_2(head_dim)
-    if block_m is None:
-        block_m = prefill_block_m(max_length)
-    if num_splits is None:
-        num_splits = prefill_splits(triton.cdiv(max_length, block_m) * num_chunks * num_heads)
+    group = num_heads // num_kv_heads
+    launch = prefill_launch(query.dtype, num_heads, num_kv_heads, max_length, num_chunks,
+                            heads_per_program, block_m, block_n, num_warps, num_stages, num_splits)
+    heads, block_m, num_splits = launch.heads_per_program, launch.block_m, launch.num_splits
+    assert group % heads == 0 and heads * block_m == triton.next_power_of_2(heads * block_m)
     split = num_splits > 1
     if split:  # partials of the served queries only: (splits, Sp * max_length, H, D), small
         partial = query.new_empty(num_splits, num_chunks * max_length, num_heads, head_dim, dtype=torch.float32)
@@ -374,19 +378,19 @@ def paged_attention_prefill(
         ml_strides = (ml.stride(0), ml.stride(1))
     else:  # the output directly; no partials
         ml, target, strides, ml_strides = out, out, (out.stride(0), out.stride(1), 0), (0, 0)
-    grid = (triton.cdiv(max_length, block_m), num_chunks * num_splits, num_heads)
+    grid = (triton.cdiv(max_length, block_m), num_chunks * num_splits, num_heads // heads)
     _prefill_kernel[grid](
         query, query.stride(0), query.stride(1),
         key_cache, value_cache, key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         target, *strides, ml, *ml_strides,
         first_rows, lengths, start_positions, block_tables, block_tables.stride(0),
         scale * 1.4426950408889634, num_splits, max_length,
-        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, KV_BLOCK=block_size,
-        BLOCK_M=block_m, BLOCK_N=block_n,
+        GROUP=group, HEADS_PER_PROGRAM=heads, HEAD_DIM=head_dim, KV_BLOCK=block_size,
+        BLOCK_M=block_m, BLOCK_N=launch.block_n,
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",  # fp32 models: no tf32
-        SPLIT=split, num_warps=num_warps, num_stages=num_stages, **launch_options(),
+        SPLIT=split, num_warps=launch.num_warps, num_stages=launch.num_stages, **launch_options(),
     )
-    if split:
+    if split:  # the partials' layout is per query head, as before grouping: one program a head
         _combine_kernel[(triton.cdiv(max_length, block_m), num_chunks, num_heads)](
             partial, partial.stride(0), partial.stride(1), ml, ml.stride(0), ml.stride(1),
             out, out.stride(0), out.stride(1),
