@@ -159,28 +159,19 @@ def test_paged_attention_decode(device, dtype, num_splits):
     assert torch.isnan(out[[0, 4]]).all(), "a non-decode row was written"
 
 
-@pytest.mark.parametrize("dtype", DOT_DTYPES)
-@pytest.mark.parametrize("num_splits", [1, 3, 8, None])  # None: prefill_splits decides
-@pytest.mark.parametrize(
-    "chunks",  # (queries, start position) of each chunk; the third is skipped (its rows stay NaN)
-    [[(100, 0), (37, 512), (20, 7), (3, 64), (70, 33)],
-     [(20, 7), (3, 64), (32, 300), (9, 0)]],  # every chunk <= 32 queries: 16-row query blocks
-)
-def test_paged_attention_prefill(device, dtype, num_splits, chunks):
-    """Several prefill chunks in one launch, at rows between other rows: with and without cached
-    keys, shorter and longer than a query block, one skipped (length 0); keys in one program
-    per query block, or split over several (more splits than some blocks have key tiles)."""
+def _check_paged_prefill(device, dtype, chunks, skipped, num_heads, num_kv_heads, **launch):
+    """paged_attention_prefill over chunks ((queries, start position) each; chunk `skipped` gets
+    length 0) at rows between other rows of a NaN-poisoned output, against paged_attention per
+    chunk; rows outside the served chunks must stay NaN."""
     from engine.kernels.gpu.paged_attention import paged_attention_prefill
 
-    torch.manual_seed(5)
-    H, Dh = 16, 128
-    skipped = 2
-    key_cache, value_cache, tables = _paged_setup(device, [n + p for n, p in chunks], dtype=dtype)
+    Dh = 128
+    key_cache, value_cache, tables = _paged_setup(device, [n + p for n, p in chunks], Hkv=num_kv_heads, dtype=dtype)
     first_rows, row = [], 2  # rows 0, 1 and one row between chunks belong to nobody
     for n, _ in chunks:
         first_rows.append(row)
         row += n + 1
-    query = torch.randn(row, H, Dh, device=device, dtype=dtype)
+    query = torch.randn(row, num_heads, Dh, device=device, dtype=dtype)
     out = torch.full_like(query, float("nan"))
     width = max(len(t) for t in tables)
     as_t = lambda v: torch.tensor(v, dtype=torch.int64, device=device)  # noqa: E731
@@ -190,7 +181,7 @@ def test_paged_attention_prefill(device, dtype, num_splits, chunks):
     paged_attention_prefill(
         query, key_cache, value_cache, out, as_t(first_rows), as_t(lengths),
         as_t([p for _, p in chunks]), as_t([t + [0] * (width - len(t)) for t in tables]),
-        max(lengths), scale, num_splits=num_splits,
+        max(lengths), scale, **launch,
     )
     written = torch.zeros(row, dtype=torch.bool)
     for s, ((n, start), first, blocks) in enumerate(zip(chunks, first_rows, tables)):
@@ -203,6 +194,49 @@ def test_paged_attention_prefill(device, dtype, num_splits, chunks):
         assert relative_error(out[first : first + n], ref) < 1e-2, f"chunk {s}"
         written[first : first + n] = True
     assert torch.isnan(out[~written.to(out.device)]).all(), "a row outside the served chunks was written"
+
+
+PREFILL_TILINGS = {  # keyword arguments of paged_attention_prefill beyond num_splits
+    "ungrouped": {"heads_per_program": 1},  # one query head a program
+    "grouped": {},  # the wrapper's defaults: every query head of a KV head in one program
+    # bf16's default tile (4 heads x 32 queries, 8 warps) in any dtype; stages small enough for fp32
+    "grouped_128_rows": {"heads_per_program": 4, "block_m": 32, "block_n": 32, "num_stages": 2},
+}
+
+
+@pytest.mark.parametrize("dtype", DOT_DTYPES)
+@pytest.mark.parametrize("tiling", list(PREFILL_TILINGS))
+@pytest.mark.parametrize("num_splits", [1, 3, 8, None])  # None: prefill_splits decides
+@pytest.mark.parametrize(
+    "chunks",  # (queries, start position) of each chunk; the third is skipped (its rows stay NaN)
+    [[(100, 0), (37, 512), (20, 7), (3, 64), (70, 33)],
+     [(20, 7), (3, 64), (32, 300), (9, 0)]],  # every chunk <= 32 queries: 16-row query blocks
+)
+def test_paged_attention_prefill(device, dtype, tiling, num_splits, chunks):
+    """Several prefill chunks in one launch, at rows between other rows: with and without cached
+    keys, shorter and longer than a query block, one skipped (length 0); keys in one program
+    per query block, or split over several (more splits than some blocks have key tiles); 16
+    query heads over 4 KV heads, one or several query heads a program."""
+    torch.manual_seed(5)
+    _check_paged_prefill(device, dtype, chunks, 2, 16, 4, num_splits=num_splits, **PREFILL_TILINGS[tiling])
+
+
+@pytest.mark.parametrize("dtype", DOT_DTYPES)
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("heads_per_program", [1, 2, None])  # None: the wrapper's default
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 4), (12, 4), (16, 4), (16, 2)])
+def test_paged_attention_prefill_gqa(device, dtype, num_splits, heads_per_program, num_heads, num_kv_heads):
+    """GQA ratios 1, 2, 3 (no power of two above 1 divides it: one head a program), 4 and 8,
+    each with one head a program, two, and the default grouping (every head of a KV head, or
+    as many as fit the tile): chunks with and without cached keys, one skipped, more splits
+    than a short chunk has key tiles."""
+    group = num_heads // num_kv_heads
+    if heads_per_program is not None and group % heads_per_program:
+        pytest.skip(f"{heads_per_program} heads a program do not divide {group} heads per KV head")
+    torch.manual_seed(7)
+    chunks = [(40, 0), (7, 0), (19, 45), (33, 130)]
+    _check_paged_prefill(device, dtype, chunks, 1, num_heads, num_kv_heads, num_splits=num_splits,
+                         heads_per_program=heads_per_program)
 
 
 def test_causal_attention_from_start(device):
