@@ -23,7 +23,7 @@ residual add into the same launch (engine/kernels/fused_linear_reference.py is t
 and says why the norm's scale can wait for the end): the norm's sum of squares is accumulated
 from the x slices the K loop loads anyway, and each program adds the residual to the features
 it writes, with add_rms_norm's roundings. A normalised x may be fp32 (the Mamba mixer's gated
-output). At batch 1 this removes every add_rms_norm and gated-norm launch from the decode step
+output). At batch 1 this removes every norm launch but the final norm's from the decode step
 (engine/models/granite_moe_hybrid.py:DecoderLayer.forward_row_gpu).
 
 When it is used: decode steps at batch size 1, where every linear layer sees one row. There
