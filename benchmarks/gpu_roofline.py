@@ -406,7 +406,8 @@ def launch_variants(worker: Worker, request: int, position: int, blocks_per_seq:
     (engine/kernels/gpu/pdl.py, engine/kernels/gpu/skinny_gemm.py:PRELOAD_TILES); then the
     default launches with the one-row norms and residual adds as their own kernels instead of
     inside the single-row GEMMs (engine/models/granite_moe_hybrid.py:FUSE_ROW_NORMS = False;
-    skipped, with a printed note, where the model has no such switch). Each row:
+    skipped, with a printed note, where the model has no such switch). All six are captured
+    first, then replayed in turn, one step each round. Each row:
     median host seconds of DecodeGraphRunner.forward (staging and the replay's submission; no
     wait) and median GPU seconds from an event before it to one after it, the step queued
     behind a GPU sleep so that the host's submission time does not count (the graph: its input
@@ -431,9 +432,9 @@ def launch_variants(worker: Worker, request: int, position: int, blocks_per_seq:
     else:
         variants.append(("row norms unfused", default_enabled(), default_preload, False))
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    rows = []
+    runners = []
     try:
-        for name, use_pdl, preload, fused in variants:
+        for name, use_pdl, preload, fused in variants:  # the settings are read at capture
             pdl.enabled = lambda on=use_pdl: on  # read by launch_options() at every launch
             skinny_gemm.PRELOAD_TILES = preload
             if fused is not None:
@@ -443,26 +444,32 @@ def launch_variants(worker: Worker, request: int, position: int, blocks_per_seq:
                 scratch_slot=worker.capacity.num_state_slots, scratch_block=worker.capacity.num_blocks,
             )
             runner.capture()
-            host, gpu = [], []
-            for _ in range(steps):
-                step = [chunk(request, (5,), position, blocks_per_seq, False)]
-                position += 1
-                torch.cuda.synchronize()
-                _keep_gpu_busy()
-                start.record()
-                t0 = time.perf_counter()
-                runner.forward(step)
-                host.append(time.perf_counter() - t0)
-                end.record()
-                torch.cuda.synchronize()
-                gpu.append(start.elapsed_time(end) / 1e3)
-            rows.append({"name": name, "host_submit_s": sorted(host)[steps // 2],
-                         "gpu_s": sorted(gpu)[steps // 2], "capture_s": runner.capture_seconds})
-            del runner
+            runners.append((name, runner))
     finally:
         pdl.enabled, skinny_gemm.PRELOAD_TILES = default_enabled, default_preload
         if default_fused is not None:
             hybrid_model.FUSE_ROW_NORMS = default_fused
+    # Round robin: step k of every variant before step k + 1 of any, so that a drift of the
+    # machine (clocks, a neighbour) falls on all of them alike.
+    host = {name: [] for name, _ in runners}
+    gpu = {name: [] for name, _ in runners}
+    for _ in range(steps):
+        for name, runner in runners:
+            step = [chunk(request, (5,), position, blocks_per_seq, False)]
+            position += 1
+            torch.cuda.synchronize()
+            _keep_gpu_busy()
+            start.record()
+            t0 = time.perf_counter()
+            runner.forward(step)
+            host[name].append(time.perf_counter() - t0)
+            end.record()
+            torch.cuda.synchronize()
+            gpu[name].append(start.elapsed_time(end) / 1e3)
+    rows = [{"name": name, "host_submit_s": sorted(host[name])[steps // 2],
+             "gpu_s": sorted(gpu[name])[steps // 2], "capture_s": runner.capture_seconds}
+            for name, runner in runners]
+    del runners
     return rows
 
 

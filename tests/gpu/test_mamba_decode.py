@@ -198,7 +198,8 @@ def test_conv_ssd_decode(device, dtype, groups, with_bias, rows, num_tokens):
 def test_conv_ssd_decode_gated_output(device, dtype):
     """gate_and_skip = (z, D): y comes back as (y + D[h] x) * silu(z) in fp32 (the gated norm's
     input, as fused_norm's gated kernel forms it), computed here from the plain launch's y and
-    x; everything else (x, the states) as the plain launch leaves it. z a strided view, as
+    x; everything else (x, the states) as the plain launch leaves it (the states up to
+    fused multiply-adds). z a strided view, as
     in_proj's split gives."""
     from engine.kernels.gpu.mamba_decode import conv_ssd_decode
 
@@ -218,7 +219,8 @@ def test_conv_ssd_decode_gated_output(device, dtype):
     want = (plain[0][rows] + D[:, None] * plain[1][rows].float()) * torch.nn.functional.silu(z_rows)
     assert relative_error(y[rows], want) < 1e-6, "gated y"
     assert torch.equal(x[rows], plain[1][rows]), "x"
-    assert torch.equal(ssm_state, plain[3]), "SSM states"
+    # the same operations; the compiler may fuse multiply-adds differently in the two variants
+    assert relative_error(ssm_state, plain[3]) < TOL_UNFUSED[torch.float32], "SSM states"
     assert torch.isnan(y[[1, 4, 6, 7]]).all(), "a stray row"
 
 

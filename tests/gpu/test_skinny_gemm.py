@@ -389,7 +389,10 @@ def test_norm_and_residual_each_tuned_config(device, index, dtype):
 @pytest.mark.parametrize("gated", [False, True])
 def test_residual_add_rounds_as_the_decoder_layer_does(device, gated, dtype):
     """skinny_linear(..., residual=ResidualAdd(r, m)) equals norm_reference.add_rms_norm's new
-    hidden r + y * m of the same kernel's output y without it, bit for bit (same config)."""
+    hidden r + y * m of the same kernel's output y without it (same config): bit for bit in
+    16-bit dtypes, whose roundings of y and y * m the kernel makes too; in fp32 nothing is
+    rounded between the product and the sum, which the compiler may then fuse into one
+    multiply-add (an ulp)."""
     from engine.kernels.fused_linear_reference import ResidualAdd
     from engine.kernels.gpu.skinny_gemm import skinny_linear
     from engine.kernels.norm_reference import add_rms_norm
@@ -401,7 +404,10 @@ def test_residual_add_rounds_as_the_decoder_layer_does(device, gated, dtype):
     y = skinny_linear(x, weight, bias, gated=gated, config=config)
     want = add_rms_norm(r, y, 0.22, torch.ones(40, dtype=dtype, device=device), 1e-5)[0]
     got = skinny_linear(x, weight, bias, gated=gated, residual=ResidualAdd(r, 0.22), config=config)
-    assert torch.equal(got, want)
+    if dtype == torch.float32:
+        assert relative_error(got, want) < 1e-6
+    else:
+        assert torch.equal(got, want)
 
 
 @on_gpu_only
