@@ -14,8 +14,8 @@ to its floor:
     before the one before is collected, its token read on the device); each row also reports
     the step collected before the next is staged (sync) and the replay of its graph alone
     (the step's GPU time without the host work around it); then the batch-1 decode graph
-    captured with other launch settings (launch_variants: PDL, preloaded weight tiles, the
-    one-row norms fused into the GEMMs or not), its GPU time each;
+    captured with other launch settings (launch_variants: PDL, preloaded weight tiles), its GPU
+    time each;
   * checkpoint rows (benchmarks/roofline_checkpoints.py): capture and restore of an 8,192-token
     bundle, restore + 256-token prefill (a prefill CUDA graph, engine/prefill_graphs.py, and the
     same step eagerly) vs the cold 8,448-token prefill, and the cold 8,448-token prefill that
@@ -400,45 +400,33 @@ def _keep_gpu_busy(seconds: float = 2e-3) -> None:
 
 def launch_variants(worker: Worker, request: int, position: int, blocks_per_seq: int,
                     steps: int = 30) -> list[dict]:
-    """The batch-1 decode graph captured afresh six ways, each replayed `steps` times on
+    """The batch-1 decode graph captured afresh five ways, each replayed `steps` times on
     request `request` (decoding on from `position`): PDL with the single-row GEMM loading four,
     three or two weight tiles before its wait, every weight load after the wait, and no PDL
-    (engine/kernels/gpu/pdl.py, engine/kernels/gpu/skinny_gemm.py:PRELOAD_TILES); then the
-    default launches with the one-row norms and residual adds as their own kernels instead of
-    inside the single-row GEMMs (engine/models/granite_moe_hybrid.py:FUSE_ROW_NORMS = False;
-    skipped, with a printed note, where the model has no such switch). All six are captured
-    first, then replayed in turn, one step each round. Each row:
+    (engine/kernels/gpu/pdl.py, engine/kernels/gpu/skinny_gemm.py:PRELOAD_TILES). All five are
+    captured first, then replayed in turn, one step each round. Each row:
     median host seconds of DecodeGraphRunner.forward (staging and the replay's submission; no
     wait) and median GPU seconds from an event before it to one after it, the step queued
     behind a GPU sleep so that the host's submission time does not count (the graph: its input
     copy, the forward pass, the LM head and the argmax)."""
     from engine.cuda_graphs import DecodeGraphRunner
     from engine.kernels.gpu import pdl, skinny_gemm
-    from engine.models import granite_moe_hybrid as hybrid_model
 
     graphs = worker.decode_graphs
     if graphs is None:
         return []
     default_enabled, default_preload = pdl.enabled, skinny_gemm.PRELOAD_TILES
-    default_fused = getattr(hybrid_model, "FUSE_ROW_NORMS", None)
-    variants = [("PDL, four weight tiles early", default_enabled(), 4, default_fused),
-                ("PDL, three weight tiles early", default_enabled(), 3, default_fused),
-                ("PDL, two weight tiles early", default_enabled(), 2, default_fused),
-                ("PDL, weights after the wait", default_enabled(), 0, default_fused),
-                ("no PDL", False, 0, default_fused)]
-    if default_fused is None:
-        print("launch variants: engine.models.granite_moe_hybrid has no FUSE_ROW_NORMS; "
-              "'row norms unfused' skipped", flush=True)
-    else:
-        variants.append(("row norms unfused", default_enabled(), default_preload, False))
+    variants = [("PDL, four weight tiles early", default_enabled(), 4),
+                ("PDL, three weight tiles early", default_enabled(), 3),
+                ("PDL, two weight tiles early", default_enabled(), 2),
+                ("PDL, weights after the wait", default_enabled(), 0),
+                ("no PDL", False, 0)]
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     runners = []
     try:
-        for name, use_pdl, preload, fused in variants:  # the settings are read at capture
+        for name, use_pdl, preload in variants:  # the settings are read at capture
             pdl.enabled = lambda on=use_pdl: on  # read by launch_options() at every launch
             skinny_gemm.PRELOAD_TILES = preload
-            if fused is not None:
-                hybrid_model.FUSE_ROW_NORMS = fused  # read at every forward
             runner = DecodeGraphRunner(
                 worker.model, worker.caches, (1,), graphs.max_blocks,
                 scratch_slot=worker.capacity.num_state_slots, scratch_block=worker.capacity.num_blocks,
@@ -447,8 +435,6 @@ def launch_variants(worker: Worker, request: int, position: int, blocks_per_seq:
             runners.append((name, runner))
     finally:
         pdl.enabled, skinny_gemm.PRELOAD_TILES = default_enabled, default_preload
-        if default_fused is not None:
-            hybrid_model.FUSE_ROW_NORMS = default_fused
     # Round robin: step k of every variant before step k + 1 of any, so that a drift of the
     # machine (clocks, a neighbour) falls on all of them alike.
     host = {name: [] for name, _ in runners}
@@ -502,7 +488,7 @@ def main() -> None:
     num_requests = 1 + sum(batches)
     suffix = 256  # the user message after the instruction checkpoint
     # decode runs on past the context: bench_decode, host_profile and launch_variants take
-    # about 300 steps of batch 1's request
+    # about 270 steps of batch 1's request
     blocks_per_seq = -(-max(args.prefill_tokens + suffix, args.context + 512) // BLOCK_SIZE)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "granite-hybrid-1p5b-random"

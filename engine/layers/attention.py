@@ -8,7 +8,6 @@ from torch import nn
 from engine.forward_batch import ForwardBatch
 from engine.kernels.dispatch import GpuBatchPlan
 from engine.kernels.attention_reference import paged_attention, write_kv
-from engine.kernels.fused_linear_reference import ResidualAdd, RowNorm
 from engine.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from engine.layers.rotary import apply_rotary
 from engine.model_config import HybridModelConfig
@@ -55,23 +54,16 @@ class PagedAttention(nn.Module):
         value_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, Dh), written at batch.slot_mapping
         rope: tuple[torch.Tensor, torch.Tensor] | None,  # (cos, sin), each (T, Dh); None = NoPE
         gpu_plan: GpuBatchPlan | None = None,
-        *,
-        norm: RowNorm | None = None,
-        residual: ResidualAdd | None = None,
     ) -> torch.Tensor:
         """Writes every token's K/V to its slot, then attends each chunk over its own sequence.
-
-        norm: hidden is normalised inside each of the q, k and v projections; residual: the
-        output is added to the residual stream inside o_proj (parallel_linear.linear; one row
-        at world size 1 fuses both into the single-row GEMMs).
 
         gpu_plan: given on CUDA; all decode chunks then go through one Triton launch, the
         prefill chunks with cached keys through another, and each prefill chunk that starts its
         sequence through SDPA (attend_gpu)."""
         num_tokens = hidden.shape[0]
-        query = self.q_proj(hidden, norm).view(num_tokens, self.num_heads, self.head_dim)
-        key = self.k_proj(hidden, norm).view(num_tokens, self.num_kv_heads, self.head_dim)
-        value = self.v_proj(hidden, norm).view(num_tokens, self.num_kv_heads, self.head_dim)
+        query = self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim)
+        key = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+        value = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
         if rope is not None:
             query, key = apply_rotary(query, *rope), apply_rotary(key, *rope)
         if gpu_plan is not None:
@@ -79,7 +71,7 @@ class PagedAttention(nn.Module):
 
             write_kv_gpu(key_cache, value_cache, batch.slot_mapping, key, value)
             output = self.attend_gpu(query, key, value, key_cache, value_cache, gpu_plan)
-            return self.o_proj(output.view(num_tokens, self.num_heads * self.head_dim), residual=residual)
+            return self.o_proj(output.view(num_tokens, self.num_heads * self.head_dim))
         write_kv(key_cache, value_cache, batch.slot_mapping, key, value)
         output = torch.empty_like(query)  # (T, H, Dh)
         for chunk, start, end in zip(batch.chunks, batch.cu_seqlens[:-1], batch.cu_seqlens[1:]):
@@ -87,7 +79,7 @@ class PagedAttention(nn.Module):
             output[start:end] = paged_attention(
                 query[start:end], key_cache, value_cache, block_table, chunk.start_position, self.scale
             )
-        return self.o_proj(output.view(num_tokens, self.num_heads * self.head_dim), residual=residual)
+        return self.o_proj(output.view(num_tokens, self.num_heads * self.head_dim))
 
     def attend_gpu(
         self,

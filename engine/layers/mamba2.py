@@ -8,7 +8,6 @@ from torch import nn
 
 from engine.forward_batch import ForwardBatch
 from engine.kernels.dispatch import GpuBatchPlan
-from engine.kernels.fused_linear_reference import ResidualAdd, RowNorm
 from engine.kernels.conv_reference import causal_conv1d, causal_conv1d_step
 from engine.kernels.ssd_reference import ssd_chunk_scan, ssd_step_batched
 from engine.layers.norm import GroupParallelGatedRMSNorm
@@ -198,41 +197,6 @@ class Mamba2Mixer(ShardedModule):
         y, new_ssm_state = ssd_step_batched(x, dt, A, B, C, self.D, ssm_state)
         return y, new_conv_state, new_ssm_state
 
-    def forward_row_gpu(
-        self,
-        hidden: torch.Tensor,  # (1, D), the residual stream before this layer's norm
-        norm: RowNorm,  # the decoder layer's input norm
-        residual: ResidualAdd,  # the decoder layer's residual add of this mixer's output
-        conv_state: torch.Tensor,
-        ssm_state: torch.Tensor,
-        plan: GpuBatchPlan,
-        captures: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
-        """residual + r * forward(norm(hidden)) for one row on CUDA at world size 1 (the
-        residual stream after this mixer: DecoderLayer.forward_row_gpu), same state contract.
-        in_proj normalises its input and out_proj adds to the residual stream inside their
-        single-row GEMMs. On a decode step the fused conv + SSD kernel also gates its output
-        ((y + D x) * silu(z)), so out_proj computes the gated norm's statistic too when the norm
-        is one group; otherwise the gated norm is its own launch."""
-        projected = self.in_proj(hidden, norm)
-        gate, xBC, dt_raw = projected.split(
-            [self.intermediate_size, self.conv_dim, self.num_heads], dim=-1
-        )
-        if self._takes_fused_decode(plan) and self.norm.group_size == self.intermediate_size:
-            gated, _ = self.mix_decode_only_gpu(xBC, dt_raw, conv_state, ssm_state, plan, gate=gate)
-            out_norm = RowNorm(self.norm.weight, self.norm.eps)
-            return self.out_proj(gated.view(1, self.intermediate_size), norm=out_norm, residual=residual)
-        y, x = self.mix_batch_gpu(xBC, dt_raw, conv_state, ssm_state, plan, captures)
-        normed = self.norm.forward_gpu(
-            y.view(1, self.intermediate_size), gate, hidden.dtype, skip=(x, self.D)
-        )
-        return self.out_proj(normed, residual=residual)
-
-    def _takes_fused_decode(self, plan: GpuBatchPlan) -> bool:
-        """Whether the step's mixing is mix_decode_only_gpu's: every chunk one token, no in-pass
-        capture, at most FUSED_DECODE_MAX_ROWS sequences."""
-        return plan.num_prefill == 0 and plan.in_pass is None and plan.num_decode <= FUSED_DECODE_MAX_ROWS
-
     def _scan_inputs(
         self, xBC: torch.Tensor, dt_raw: torch.Tensor  # (n, conv_dim) post-conv, (n, H)
     ) -> tuple[torch.Tensor, ...]:
@@ -264,7 +228,7 @@ class Mamba2Mixer(ShardedModule):
         the chunks' state slots in place. Returns (y (T, H, P) fp32 without the D skip, x
         (T, I) the scan's input: the conv output's x columns), so the caller adds D * x (the
         gated norm does, as it reads y)."""
-        if self._takes_fused_decode(plan):
+        if plan.num_prefill == 0 and plan.in_pass is None and plan.num_decode <= FUSED_DECODE_MAX_ROWS:
             return self.mix_decode_only_gpu(xBC, dt_raw, conv_state, ssm_state, plan)
         return self.mix_chunks_gpu(xBC, dt_raw, conv_state, ssm_state, plan, captures)
 
@@ -275,13 +239,11 @@ class Mamba2Mixer(ShardedModule):
         conv_state: torch.Tensor,  # (num_slots, conv_dim, K-1), chunk slots updated in place
         ssm_state: torch.Tensor,  # (num_slots, H, P, N) fp32, chunk slots updated in place
         plan: GpuBatchPlan,  # every chunk one token (plan.num_prefill == 0), row i = chunk i
-        gate: torch.Tensor | None = None,  # (T, I) z, unit channel stride
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """mix_chunks_gpu for a plan of 1-token chunks only, in two launches instead of three:
         the fused conv + SSD step (engine/kernels/gpu/mamba_decode.py), then the conv window
         shift (advance_conv_states, over the plan's 1-token chunks). Same returns, x (T, I)
-        contiguous; equal to mix_chunks_gpu up to fused-multiply-add rounding. With gate, y
-        comes back gated, (y + D x) * silu(z) in fp32: the gated norm's input."""
+        contiguous; equal to mix_chunks_gpu up to fused-multiply-add rounding."""
         from engine.kernels.gpu.conv import advance_conv_states
         from engine.kernels.gpu.mamba_decode import conv_ssd_decode
 
@@ -291,7 +253,7 @@ class Mamba2Mixer(ShardedModule):
         conv_ssd_decode(
             xBC, dt_raw, conv_state, self.conv1d.weight[:, 0, :], self.conv1d.bias, self.dt_bias,
             self.A_log, self.time_step_limit, ssm_state, x, y, plan.decode_rows, plan.decode_slots,
-            plan.decode_reset, gate_and_skip=None if gate is None else (gate, self.D),
+            plan.decode_reset,
         )
         # after the fused kernel, whose programs read the old conv states (see mamba_decode.py)
         advance_conv_states(xBC, conv_state, plan.cu_seqlens, plan.chunk_slot, plan.chunk_reset)

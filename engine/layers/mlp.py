@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.kernels.fused_linear_reference import ResidualAdd, RowNorm
 from engine.kernels.norm_reference import silu_and_mul
 from engine.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from engine.tensor_parallel import IndexRange, TensorParallel
@@ -35,18 +34,14 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, D) -> (T, D)
         return self.output_linear(silu_and_mul(self.input_linear(x)))  # [gate | up]: (T, 2 I_local)
 
-    def forward_gpu(
-        self, x: torch.Tensor, norm: RowNorm | None = None, residual: ResidualAdd | None = None
-    ) -> torch.Tensor:  # (T, D) -> (T, D)
-        """forward on CUDA tensors; with norm, of the normalised x; with residual, added to the
-        residual stream (both inside the single-row GEMMs at one row: parallel_linear.linear).
-        One row (decode at batch 1) whose [gate | up] the single-row GEMM takes
-        (output_linear.supports_gated): silu(gate) * up is computed inside output_linear's
-        GEMM, no launch of its own. Otherwise silu(gate) * up is one Triton launch
-        (engine/kernels/gpu/activation.py) before output_linear."""
-        gate_up = self.input_linear(x, norm)  # (T, 2 I_local)
-        if self.output_linear.supports_gated(gate_up, residual):
-            return self.output_linear.forward_gated(gate_up, residual)
+    def forward_gpu(self, x: torch.Tensor) -> torch.Tensor:  # (T, D) -> (T, D)
+        """forward on CUDA tensors. One row (decode at batch 1) whose [gate | up] the single-row
+        GEMM takes (output_linear.supports_gated): silu(gate) * up is computed inside
+        output_linear's GEMM, no launch of its own. Otherwise silu(gate) * up is one Triton
+        launch (engine/kernels/gpu/activation.py) before output_linear."""
+        gate_up = self.input_linear(x)  # (T, 2 I_local)
+        if self.output_linear.supports_gated(gate_up):
+            return self.output_linear.forward_gated(gate_up)
         from engine.kernels.gpu.activation import silu_and_mul as silu_and_mul_gpu
 
-        return self.output_linear(silu_and_mul_gpu(gate_up), residual=residual)
+        return self.output_linear(silu_and_mul_gpu(gate_up))

@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.kernels.fused_linear_reference import ResidualAdd, RowNorm, add_residual, fused_linear
 from engine.tensor_parallel import IndexRange, ShardedModule, TensorParallel, TensorShard
 
 
@@ -34,37 +33,29 @@ def _total(ranges: tuple[IndexRange, ...]) -> int:
 
 
 def routes_to_skinny(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, gated: bool = False,
-    norm: RowNorm | None = None, residual: ResidualAdd | None = None,
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, gated: bool = False
 ) -> bool:
     """The routing rule of `linear` (and, gated, of RowParallelLinear.supports_gated): True for
     a one-row x on CUDA whose operands engine/kernels/gpu/skinny_gemm.py supports (gated: x is
-    the (1, 2K) [gate | up] row); those run there, everything else runs PyTorch. The checks
+    the (1, 2K) [gate | up] row); those run there, everything else runs F.linear. The checks
     are made here once, so callers launch the kernel unchecked."""
     if not (x.is_cuda and x.shape[0] == 1):
         return False
     from engine.kernels.gpu.skinny_gemm import supports
 
-    return supports(x, weight, bias, gated=gated, norm=norm, residual=residual)
+    return supports(x, weight, bias, gated=gated)
 
 
-def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
-    norm: RowNorm | None = None, residual: ResidualAdd | None = None,
-) -> torch.Tensor:
-    """fused_linear_reference.fused_linear(x, weight, bias, norm=norm, residual=residual):
-    F.linear with, when given, the RMS norm of x before it and the residual add after it.
-    Operands that routes_to_skinny accepts run engine/kernels/gpu/skinny_gemm.py in one launch
-    (the same function within fp32 rounding); everything else runs PyTorch. The kernel's first
-    call per weight shape autotunes, so CUDA graphs are captured after an eager warm-up
-    (engine/cuda_graphs.py does this)."""
-    if routes_to_skinny(x, weight, bias, norm=norm, residual=residual):
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear(x, weight, bias); operands that routes_to_skinny accepts run
+    engine/kernels/gpu/skinny_gemm.py instead (same result within fp32-accumulation rounding).
+    Its first call per weight shape autotunes, so CUDA graphs are captured after an eager
+    warm-up (engine/cuda_graphs.py does this)."""
+    if routes_to_skinny(x, weight, bias):
         from engine.kernels.gpu.skinny_gemm import skinny_linear_unchecked
 
-        return skinny_linear_unchecked(x, weight, bias, norm=norm, residual=residual)
-    if norm is None and residual is None:
-        return F.linear(x, weight, bias)
-    return fused_linear(x, weight, bias, norm=norm, residual=residual)
+        return skinny_linear_unchecked(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 class ColumnParallelLinear(ShardedModule):
@@ -89,9 +80,8 @@ class ColumnParallelLinear(ShardedModule):
         if bias:
             self.checkpoint_shards["bias"] = TensorShard((full_out_features,), 0, output_ranges)
 
-    def forward(self, x: torch.Tensor, norm: RowNorm | None = None) -> torch.Tensor:
-        """(T, in) -> (T, out_local); norm: x is normalised first (`linear`)."""
-        return linear(x, self.weight, self.bias, norm=norm)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, in) -> (T, out_local)
+        return linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(ShardedModule):
@@ -116,40 +106,27 @@ class RowParallelLinear(ShardedModule):
             (out_features, full_in_features), 1, input_ranges
         )
 
-    def forward(
-        self, x: torch.Tensor, norm: RowNorm | None = None, residual: ResidualAdd | None = None
-    ) -> torch.Tensor:
-        """(T, in_local) -> (T, out). norm: x is normalised first, over this rank's columns
-        (world_size 1 only). residual: the output is added to the residual stream (after the
-        all-reduce and the bias)."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, in_local) -> (T, out)
         if self.tp.world_size == 1:
-            return linear(x, self.weight, self.bias, norm=norm, residual=residual)
-        assert norm is None, "a row-parallel input split over ranks is normalised before the layer"
+            return linear(x, self.weight, self.bias)
         y = self.tp.all_reduce(linear(x, self.weight, None))
-        y = y if self.bias is None else y + self.bias
-        return y if residual is None else add_residual(y, residual)
+        return y if self.bias is None else y + self.bias
 
-    def supports_gated(self, gate_up: torch.Tensor, residual: ResidualAdd | None = None) -> bool:
+    def supports_gated(self, gate_up: torch.Tensor) -> bool:
         """Whether forward_gated may take gate_up (1, 2 in_local) = [gate | up]: routes_to_skinny
-        with the gated layout, for the bias (all of it at world_size 1, none otherwise) and the
-        residual (world_size 1 only) the local GEMM adds."""
-        local = self.tp.world_size == 1
-        return routes_to_skinny(
-            gate_up, self.weight, self.bias if local else None, gated=True,
-            residual=residual if local else None,
-        )
+        with the gated layout, for the bias the local GEMM adds (all of it at world_size 1,
+        none otherwise)."""
+        local_bias = self.bias if self.tp.world_size == 1 else None
+        return routes_to_skinny(gate_up, self.weight, local_bias, gated=True)
 
-    def forward_gated(
-        self, gate_up: torch.Tensor, residual: ResidualAdd | None = None
-    ) -> torch.Tensor:  # (1, 2 in_local) -> (1, out)
-        """forward(silu_and_mul(gate_up), residual=residual) with silu(gate) * up computed
-        inside the single-row GEMM (engine/kernels/gpu/skinny_gemm.py's gated variant, one
-        launch; at world_size 1 with the residual add too), then the same all-reduce and bias
-        as forward. Requires supports_gated(gate_up, residual), not checked again here."""
+    def forward_gated(self, gate_up: torch.Tensor) -> torch.Tensor:  # (1, 2 in_local) -> (1, out)
+        """forward(silu_and_mul(gate_up)) with silu(gate) * up computed inside the single-row
+        GEMM (engine/kernels/gpu/skinny_gemm.py's gated variant, one launch), then the same
+        all-reduce and bias as forward. Requires supports_gated(gate_up), which is not checked
+        again here."""
         from engine.kernels.gpu.skinny_gemm import skinny_linear_unchecked
 
         if self.tp.world_size == 1:
-            return skinny_linear_unchecked(gate_up, self.weight, self.bias, gated=True, residual=residual)
+            return skinny_linear_unchecked(gate_up, self.weight, self.bias, gated=True)
         y = self.tp.all_reduce(skinny_linear_unchecked(gate_up, self.weight, None, gated=True))
-        y = y if self.bias is None else y + self.bias
-        return y if residual is None else add_residual(y, residual)
+        return y if self.bias is None else y + self.bias

@@ -20,7 +20,6 @@ from torch import nn
 
 from engine.forward_batch import ForwardBatch, ModelCaches
 from engine.kernels.dispatch import GpuBatchPlan, plan_for_device
-from engine.kernels.fused_linear_reference import ResidualAdd, RowNorm
 from engine.layers.attention import PagedAttention
 from engine.layers.mamba2 import Mamba2Mixer
 from engine.layers.mlp import GatedMLP
@@ -34,12 +33,6 @@ from engine.layers.vocab_parallel import (
 from engine.model_config import ATTENTION, HybridModelConfig
 from engine.shard_layout import RankShardLayout, rank_shard_layout, width
 from engine.tensor_parallel import TensorParallel, TensorShard, parameter_shards
-
-
-# One-row batches on CUDA at world size 1 run DecoderLayer.forward_row_gpu: no norm launches.
-# Read at each forward; benchmarks/gpu_roofline.py captures the batch-1 decode graph with it
-# off too, to compare in the same run.
-FUSE_ROW_NORMS = True
 
 
 class DecoderLayer(nn.Module):
@@ -121,36 +114,6 @@ class DecoderLayer(nn.Module):
         hidden, mlp_in = add_rms_norm(hidden, mixed, r, norm_post.weight, norm_post.eps)
         return hidden, self.shared_mlp.forward_gpu(mlp_in)
 
-    def forward_row_gpu(
-        self,
-        hidden: torch.Tensor,  # (1, D), the residual stream
-        batch: ForwardBatch,
-        caches: ModelCaches,
-        rope: tuple[torch.Tensor, torch.Tensor] | None,
-        gpu_plan: GpuBatchPlan,
-    ) -> torch.Tensor:
-        """The same layer for a one-row batch on CUDA at world size 1, returning the new
-        residual stream (1, D): each norm runs inside the single-row GEMMs that read its output
-        and each residual add inside the GEMM that produces it
-        (engine/kernels/fused_linear_reference.py), so the layer launches no norm of its own
-        (nor the Mamba mixer's gated norm, on a decode step). Same caches contract as forward."""
-        i, r = self.layer_index, self.residual_multiplier
-        norm_in = RowNorm(self.input_layernorm.weight, self.input_layernorm.eps)
-        if self.self_attn is not None:
-            hidden = self.self_attn(
-                hidden, batch, caches.key_cache[i], caches.value_cache[i], rope, gpu_plan,
-                norm=norm_in, residual=ResidualAdd(hidden, r),
-            )
-        else:
-            in_pass = gpu_plan.in_pass
-            captures = None if in_pass is None else (in_pass.conv_out[i], in_pass.ssm_out[i])
-            hidden = self.mamba.forward_row_gpu(
-                hidden, norm_in, ResidualAdd(hidden, r), caches.conv_state[i], caches.ssm_state[i],
-                gpu_plan, captures,
-            )
-        norm_post = RowNorm(self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
-        return self.shared_mlp.forward_gpu(hidden, norm_post, ResidualAdd(hidden, r))
-
 
 class GraniteMoeHybridModel(nn.Module):
     """Embedding (times embedding_multiplier), decoder layers, final norm; lm_head for logits.
@@ -210,17 +173,10 @@ class GraniteMoeHybridModel(nn.Module):
         return self.norm(hidden)
 
     def _forward_layers_gpu(self, hidden, batch, caches, rope, gpu_plan) -> torch.Tensor:
-        """The decoder layers and the final norm on CUDA. One row at world size 1 (decode at
-        batch 1), with FUSE_ROW_NORMS: the norms and residual adds run inside the single-row
-        GEMMs (DecoderLayer.forward_row_gpu), then the final norm. Otherwise the residual adds
-        are fused into the norms (DecoderLayer.forward_gpu); the last MLP's add runs inside the
-        final norm."""
+        """The decoder layers and the final norm on CUDA, residual adds fused into the norms
+        (DecoderLayer.forward_gpu); the last MLP's add runs inside the final norm."""
         from engine.kernels.gpu.fused_norm import add_rms_norm
 
-        if FUSE_ROW_NORMS and hidden.shape[0] == 1 and self.tp.world_size == 1:
-            for layer in self.layers:
-                hidden = layer.forward_row_gpu(hidden, batch, caches, rope, gpu_plan)
-            return add_rms_norm(hidden, None, 1.0, self.norm.weight, self.norm.eps)[1]
         pending = None
         for layer in self.layers:
             hidden, pending = layer.forward_gpu(hidden, pending, batch, caches, rope, gpu_plan)

@@ -193,37 +193,6 @@ def test_conv_ssd_decode(device, dtype, groups, with_bias, rows, num_tokens):
     assert torch.equal(ssm_state[unused], inp.ssm_state[unused]), "a stray SSM slot"
 
 
-@needs_log1p
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_conv_ssd_decode_gated_output(device, dtype):
-    """gate_and_skip = (z, D): y comes back as (y + D[h] x) * silu(z) in fp32 (the gated norm's
-    input, as fused_norm's gated kernel forms it), computed here from the plain launch's y and
-    x; everything else (x, the states) as the plain launch leaves it (the states up to
-    fused multiply-adds). z a strided view, as
-    in_proj's split gives."""
-    from engine.kernels.gpu.mamba_decode import conv_ssd_decode
-
-    inp = _inputs(device, dtype, 1, True, [0, 2, 3, 5, 8], 9)
-    g = torch.Generator().manual_seed(60)
-    z = (2 * torch.randn(9, H * P + 3, generator=g)).to(device=device, dtype=dtype)[:, 3:]
-    D = torch.randn(H, generator=g).to(device)
-    plain = _run_fused(inp)
-    conv_state, ssm_state = inp.conv_state.clone(), inp.ssm_state.clone()
-    y, x = _nan((9, H, P), torch.float32, device), _nan((9, H, P), dtype, device)
-    conv_ssd_decode(
-        inp.xBC, inp.dt_raw, conv_state, inp.weight, inp.bias, inp.dt_bias, inp.A_log, LIMIT,
-        ssm_state, x, y, inp.rows, inp.slots, inp.resets, gate_and_skip=(z, D),
-    )
-    rows = inp.rows
-    z_rows = z[rows].float().view(-1, H, P)
-    want = (plain[0][rows] + D[:, None] * plain[1][rows].float()) * torch.nn.functional.silu(z_rows)
-    assert relative_error(y[rows], want) < 1e-6, "gated y"
-    assert torch.equal(x[rows], plain[1][rows]), "x"
-    # the same operations; the compiler may fuse multiply-adds differently in the two variants
-    assert relative_error(ssm_state, plain[3]) < TOL_UNFUSED[torch.float32], "SSM states"
-    assert torch.isnan(y[[1, 4, 6, 7]]).all(), "a stray row"
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_advance_conv_states_one_token_chunks(device, dtype):
     """The conv window shift alone, over 1-token chunks with non-contiguous slots (what a

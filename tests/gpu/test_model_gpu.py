@@ -7,11 +7,6 @@ alone runs both of its paths on the same device (decode rows only also in Triton
 The checkpoint's D is 1 in every head; the tests draw one per head, so that the D skip (inside
 the gated norm on the GPU path) is checked head by head.
 
-A one-row step on CUDA runs the layers' row path (DecoderLayer.forward_row_gpu: the norms and
-residual adds inside the single-row GEMMs, the Mamba gate inside the fused decode kernel): the
-last two steps are one row each, and the row path is also compared with the layered one on
-the same device, where it must launch no norm but the final one.
-
 The gated MLP's GPU path takes the single-row GEMM's gated prologue at one row (no SiLU-and-mul
 launch) and the separate activation kernel otherwise; both against its PyTorch path, also in
 Triton's interpreter, where the routing rule's CUDA check is dropped so the kernels run on CPU
@@ -59,9 +54,6 @@ def _steps(vocab: int) -> list[SchedulerOutput]:
                          _chunk(2, ids(1), 0, True))),
         SchedulerOutput((_chunk(2, ids(1), 1, False), _chunk(0, ids(1), 21, False),
                          _chunk(1, ids(1), 77, False))),
-        # one row: on CUDA the norms and residual adds run inside the single-row GEMMs
-        SchedulerOutput((_chunk(1, ids(1), 78, False),)),
-        SchedulerOutput((_chunk(3, ids(1), 0, True),)),
     ]
 
 
@@ -145,10 +137,8 @@ def _route_on_any_device(monkeypatch) -> None:
     under Triton's interpreter the kernels run on CPU tensors."""
     from engine.kernels.gpu.skinny_gemm import layout_problem
 
-    def rule(x, weight, bias, *, gated=False, norm=None, residual=None):
-        return x.shape[0] == 1 and layout_problem(
-            x, weight, bias, gated=gated, norm=norm, residual=residual
-        ) is None
+    def rule(x, weight, bias, *, gated=False):
+        return x.shape[0] == 1 and layout_problem(x, weight, bias, gated=gated) is None
 
     monkeypatch.setattr(parallel_linear, "routes_to_skinny", rule)
 
@@ -247,93 +237,3 @@ def test_mlp_gpu_path_on_cuda_takes_the_gated_gemm():
             got = mlp.forward_gpu(x)
     assert launches == ["skinny", "skinny gated"]
     assert relative_error(got, want) < 1e-2
-
-
-def _record_norm_launches(monkeypatch) -> list[str]:
-    """Wraps fused_norm's two launchers; the returned list gets "add_rms_norm" or
-    "gated_rms_norm" per call."""
-    from engine.kernels.gpu import fused_norm
-
-    launches: list[str] = []
-    for name in ("add_rms_norm", "gated_rms_norm"):
-        original = getattr(fused_norm, name)
-
-        def recorded(*args, _name=name, _original=original, **kwargs):
-            launches.append(_name)
-            return _original(*args, **kwargs)
-
-        monkeypatch.setattr(fused_norm, name, recorded)
-    return launches
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
-def test_one_row_path_launches_no_norm_and_matches_the_layered_path(monkeypatch, dtype, tol):
-    """A one-row decode step on CUDA with FUSE_ROW_NORMS (the default) calls the final norm
-    and no other norm kernel; with it off, the layered path calls one add_rms_norm per norm and
-    one gated norm per Mamba layer. Both leave the same hidden row and state slot within the
-    dtype's rounding (the row path scales after the dot products)."""
-    from engine.models import granite_moe_hybrid
-
-    model, config = load_model(DEFAULT_MODEL_DIR, dtype=dtype, device="cuda")
-    _draw_D(model)
-    g = torch.Generator().manual_seed(9)
-    prompt = _chunk(0, torch.randint(0, config.vocab_size, (12,), generator=g).tolist(), 0, True)
-    step = _chunk(0, [int(torch.randint(0, config.vocab_size, (1,), generator=g))], 12, False)
-    results, launches = {}, {}
-    for fused in (True, False):
-        caches = model.allocate_caches(num_blocks=32, block_size=BLOCK_SIZE, num_state_slots=2, device="cuda")
-        with torch.inference_mode():
-            model(build_forward_batch([prompt], BLOCK_SIZE, torch.device("cuda")), caches)
-            with pytest.MonkeyPatch.context() as patch:
-                patch.setattr(granite_moe_hybrid, "FUSE_ROW_NORMS", fused)
-                recorded = _record_norm_launches(patch)
-                hidden = model(build_forward_batch([step], BLOCK_SIZE, torch.device("cuda")), caches)
-        first_mamba = min(caches.ssm_state)
-        results[fused] = (hidden.float().cpu(), caches.ssm_state[first_mamba][1].cpu())
-        launches[fused] = recorded
-    mamba_layers = len(config.mamba_layers)
-    assert launches[True] == ["add_rms_norm"]
-    assert launches[False].count("add_rms_norm") == 2 * config.num_hidden_layers + 1
-    assert launches[False].count("gated_rms_norm") == mamba_layers
-    assert relative_error(results[True][0], results[False][0]) < tol, "hidden"
-    assert relative_error(results[True][1], results[False][1]) < tol, "ssm state"
-
-
-@needs_log1p
-@pytest.mark.parametrize("fused_decode", [True, False], ids=["fused-decode", "chunks"])
-def test_mixer_row_path_is_residual_plus_mixer_of_norm(device, monkeypatch, fused_decode):
-    """Mamba2Mixer.forward_row_gpu(hidden, norm, residual) = hidden + r * mixer(rms_norm(hidden))
-    in fp32 on one decode row, against the mixer's PyTorch path: through the fused decode
-    kernel (the gate and D skip inside it, the gated norm inside out_proj) and, with that
-    kernel ruled out, through mix_chunks_gpu and the gated norm's own launch. State slots too."""
-    from engine.kernels.fused_linear_reference import ResidualAdd, RowNorm
-    from engine.kernels.norm_reference import rms_norm
-    from engine.layers.mamba2 import Mamba2Mixer
-
-    model, config = load_model(DEFAULT_MODEL_DIR, dtype=torch.float32, device=device)
-    _draw_D(model)
-    layer = next(layer for layer in model.layers if layer.mamba is not None)
-    mixer, norm = layer.mamba, layer.input_layernorm
-    g = torch.Generator().manual_seed(10)
-    chunk = _chunk(0, [int(torch.randint(0, config.vocab_size, (1,), generator=g))], 3, False)
-    batch = build_forward_batch([chunk], BLOCK_SIZE, device)
-    hidden = 3 * torch.randn(1, config.hidden_size, generator=g).to(device)
-    (conv_dim, taps), ssm_shape = model.mamba_state_shape()
-    conv_state = torch.randn(2, conv_dim, taps, generator=g).to(device)
-    ssm_state = torch.randn(2, *ssm_shape, generator=g).to(device)
-    states = {path: (conv_state.clone(), ssm_state.clone()) for path in ("row", "pytorch")}
-    r = layer.residual_multiplier
-    if not fused_decode:
-        monkeypatch.setattr(Mamba2Mixer, "_takes_fused_decode", lambda self, plan: False)
-    with torch.inference_mode():
-        want = hidden + r * mixer(rms_norm(hidden, norm.weight, norm.eps), batch, *states["pytorch"])
-        if device.type == "cpu":
-            _route_on_any_device(monkeypatch)
-        plan = build_gpu_batch_plan(batch, BLOCK_SIZE, device)
-        got = mixer.forward_row_gpu(
-            hidden, RowNorm(norm.weight, norm.eps), ResidualAdd(hidden, r), *states["row"], plan
-        )
-    assert relative_error(got - hidden, want - hidden) < 1e-4, "the mixer's share of the output"
-    for got_state, want_state, name in zip(states["row"], states["pytorch"], ("conv", "ssm")):
-        assert relative_error(got_state[1], want_state[1]) < 1e-5, f"{name} slot"

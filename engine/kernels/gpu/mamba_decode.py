@@ -100,12 +100,10 @@ def _conv_ssd_decode_kernel(
     state_ptr, stride_ss, stride_sh, stride_sp,  # (slots, H, P, N) fp32, unit N stride
     x_out_ptr, stride_xot, stride_xoh,  # (T, H, P) post-conv x, unit P stride
     y_ptr, stride_yt, stride_yh,  # (T, H, P) fp32
-    gate_ptr, stride_gt,  # (T, H P) the gate z, unit channel stride (GATED_Y)
-    d_ptr,  # (H,) fp32: the D skip's weight per head (GATED_Y)
     rows_ptr, slots_ptr, reset_ptr,  # (Bd,)
     heads_per_group, P, N, x_width, group_width,  # x_width = H P, group_width = G N
-    K: tl.constexpr, HAS_BIAS: tl.constexpr, GATED_Y: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr,
+    K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     release_next(USE_PDL)
     # Before the wait (engine/kernels/gpu/pdl.py's contract): the plan's row, slot and reset,
@@ -131,8 +129,6 @@ def _conv_ssd_decode_kernel(
     tile_mask = p_mask[:, None] & n_mask[None, :]
     old_state = tl.load(tile, mask=tile_mask & keep_state, other=0.0)
     dt_bias, a_log = tl.load(dt_bias_ptr + h), tl.load(a_log_ptr + h)
-    if GATED_Y:
-        skip_weight = tl.load(d_ptr + h)
     wait_for_previous(USE_PDL)
 
     # the conv step of this program's x channels and its group's B and C channels (the conv
@@ -149,10 +145,6 @@ def _conv_ssd_decode_kernel(
         tl.load(dt_ptr + row * stride_dtt + h).to(tl.float32), dt_bias, a_log, dt_min, dt_max,
         old_state, tile, tile_mask,
     )
-    if GATED_Y:  # fused_norm._gated_rms_norm_kernel's operations before its statistic
-        y += skip_weight * x.to(tl.float32)
-        z = tl.load(gate_ptr + row * stride_gt + x_channels, mask=p_mask, other=0.0).to(tl.float32)
-        y = y * (z * tl.sigmoid(z))
     tl.store(y_ptr + row * stride_yt + h * stride_yh + p, y, mask=p_mask)
     tl.store(x_out_ptr + row * stride_xot + h * stride_xoh + p, x, mask=p_mask)
 
@@ -174,7 +166,6 @@ def conv_ssd_decode(
     reset: torch.Tensor,  # (Bd,) int, nonzero = start from zero conv and SSD states
     block_p: int | None = None,  # rows of P per program; None: ssd.py's decode_block_p()
     num_warps: int = 4,
-    gate_and_skip: tuple[torch.Tensor, torch.Tensor] | None = None,  # (z (T, H P), D (H,) fp32)
 ) -> None:
     """One token of each of Bd sequences in one launch: for each i, on row rows[i], the conv
     step with SiLU (causal_conv1d_step) from conv_state[slots[i]] (zeros if reset[i]), rounded
@@ -186,11 +177,7 @@ def conv_ssd_decode(
     Does NOT advance the conv state: run conv.py:advance_conv_states over the same rows and
     slots after it (stream order), see the module docstring. Slots are distinct, except that
     rows which reset may share one (the decode graphs' padding rows share a scratch slot);
-    such a slot's SSD state is unspecified afterwards.
-
-    gate_and_skip = (z, D): y[rows[i]] receives (y + D[h] * x) * silu(z) per channel of head h
-    instead, in fp32, the gated RMS norm's input without its statistic (the single-row GEMM
-    after it normalises: skinny_gemm.py, norm=RowNorm)."""
+    such a slot's SSD state is unspecified afterwards."""
     num_decode = rows.shape[0]
     if num_decode == 0:
         return
@@ -206,10 +193,6 @@ def conv_ssd_decode(
     assert ssm_state.dtype == torch.float32 and y.dtype == torch.float32
     assert dt_bias.dtype == A_log.dtype == torch.float32
     num_groups = group_width // state_size
-    gate, skip_weight = gate_and_skip if gate_and_skip is not None else (xBC, A_log)
-    if gate_and_skip is not None:
-        assert gate.shape == (xBC.shape[0], num_heads * head_dim) and gate.stride(1) == 1
-        assert skip_weight.shape == (num_heads,) and skip_weight.dtype == torch.float32
     if block_p is None:
         block_p = decode_block_p(head_dim)
     conv_weight = conv_weight.contiguous()
@@ -224,10 +207,9 @@ def conv_ssd_decode(
         ssm_state, ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2),
         x_out, x_out.stride(0), x_out.stride(1),
         y, y.stride(0), y.stride(1),
-        gate, gate.stride(0), skip_weight.contiguous(),
         rows, slots, reset,
         num_heads // num_groups, head_dim, state_size, num_heads * head_dim, group_width,
-        K=kernel_size, HAS_BIAS=conv_bias is not None, GATED_Y=gate_and_skip is not None,
+        K=kernel_size, HAS_BIAS=conv_bias is not None,
         BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(state_size), num_warps=num_warps,
         **launch_options(),
     )

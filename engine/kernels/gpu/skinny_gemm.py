@@ -18,14 +18,6 @@ after the first programs, and K sigmoids) next to the BLOCK_N * K weight element
 On the H200 at the MLP output shape (N 2048, K 5632) it takes 7.65 us per call against 8.07 us
 for silu_and_mul then skinny_linear (benchmarks/results/skinny_gemm_20261202_gated.json).
 
-`norm=RowNorm(w, eps)` and `residual=ResidualAdd(r, m)` fold a decoder layer's RMS norm and
-residual add into the same launch (engine/kernels/fused_linear_reference.py is their reference
-and says why the norm's scale can wait for the end): the norm's sum of squares is accumulated
-from the x slices the K loop loads anyway, and each program adds the residual to the features
-it writes, with add_rms_norm's roundings. A normalised x may be fp32 (the Mamba mixer's gated
-output). At batch 1 this removes every norm launch but the final norm's from the decode step
-(engine/models/granite_moe_hybrid.py:DecoderLayer.forward_row_gpu).
-
 When it is used: decode steps at batch size 1, where every linear layer sees one row. There
 the GEMM does one multiply-add per weight element loaded, so its time is the time to read the
 weight once. engine/layers/parallel_linear.py:linear sends every single row of the model's
@@ -97,7 +89,6 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.fused_linear_reference import ResidualAdd, RowNorm
 from engine.kernels.gpu.pdl import launch_options, release_next, wait_for_previous
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -178,21 +169,10 @@ def _weight_tile(w_rows, feature_ok, k0, K, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _tile_step(
-    acc, sum_squares, w, x_ptr, norm_w_ptr, k0, K,
-    BLOCK_K: tl.constexpr, GATED: tl.constexpr, NORMED: tl.constexpr,
-):
-    """One K step: acc += w times the x slice of columns k0 .. k0 + BLOCK_K - 1, elementwise in
-    fp32. NORMED: the slice is multiplied by the norm weight's slice first, and its squares
-    are added to sum_squares (the scale rsqrt(mean(x^2) + eps) is applied at the end)."""
+def _tile_products(w, x_ptr, k0, K, BLOCK_K: tl.constexpr, GATED: tl.constexpr):
+    """w times the x slice of columns k0 .. k0 + BLOCK_K - 1, elementwise in fp32."""
     k_idx = k0 + tl.arange(0, BLOCK_K)
-    k_ok = k_idx < K
-    x = _x_slice(x_ptr, K, k_idx, k_ok, GATED).to(tl.float32)
-    if NORMED:
-        sum_squares += x * x
-        x = x * tl.load(norm_w_ptr + k_idx, mask=k_ok, other=0.0).to(tl.float32)
-    acc += w.to(tl.float32) * x[None, :]
-    return acc, sum_squares
+    return w.to(tl.float32) * _x_slice(x_ptr, K, k_idx, k_idx < K, GATED).to(tl.float32)[None, :]
 
 
 @triton.jit
@@ -200,31 +180,24 @@ def _row_kernel(
     x_ptr,  # (1, K), unit K stride; GATED: (1, 2K) = [gate | up], unit stride
     w_ptr,  # (N, K) contiguous
     b_ptr,  # (N,) or a placeholder when HAS_BIAS is False
-    norm_w_ptr,  # (K,): the RMS norm's weight (NORMED), else a placeholder
-    residual_ptr,  # (1, N) contiguous: the residual stream (RESIDUAL), else a placeholder
     y_ptr,  # (1, N) contiguous
-    N, K, eps, multiplier,
-    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, NORMED: tl.constexpr, RESIDUAL: tl.constexpr,
-    PRELOAD_TILES: tl.constexpr,
+    N, K,
+    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, PRELOAD_TILES: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """Program i computes y[0, i*BLOCK_N : (i+1)*BLOCK_N]; GATED: of x = silu(gate) * up, each
     x slice computed from gate and up as it is loaded (every program computes the whole x).
-    NORMED: of rms_norm(x) * norm weight, the sum of squares accumulated over the same loop and
-    the scale applied to the dot products. RESIDUAL: y = residual + round(y) * multiplier.
     With PDL the program loads the first PRELOAD_TILES (0-4) BLOCK_K-column tiles of its weight
     rows into registers before it waits for the kernel that writes x, so its weight stream
     starts while that kernel runs; they are accumulated ahead of the loop in the loop's order
     (the same bits)."""
     tl.static_assert(PRELOAD_TILES <= 4, "at most four tiles are loaded before the wait")
-    tl.static_assert(not (GATED and NORMED), "a gated row is not normalised")
     release_next(USE_PDL)
     features = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     feature_ok = features < N
     w_rows = w_ptr + features.to(tl.int64)[:, None] * K
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    sum_squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
     if USE_PDL and PRELOAD_TILES >= 1:
         w0 = _weight_tile(w_rows, feature_ok, 0, K, BLOCK_K)
         if PRELOAD_TILES >= 2:
@@ -234,48 +207,35 @@ def _row_kernel(
         if PRELOAD_TILES >= 4:
             w3 = _weight_tile(w_rows, feature_ok, 3 * BLOCK_K, K, BLOCK_K)
         wait_for_previous(USE_PDL)
-        acc, sum_squares = _tile_step(acc, sum_squares, w0, x_ptr, norm_w_ptr, 0, K, BLOCK_K, GATED, NORMED)
+        acc += _tile_products(w0, x_ptr, 0, K, BLOCK_K, GATED)
         if PRELOAD_TILES >= 2:
-            acc, sum_squares = _tile_step(
-                acc, sum_squares, w1, x_ptr, norm_w_ptr, BLOCK_K, K, BLOCK_K, GATED, NORMED)
+            acc += _tile_products(w1, x_ptr, BLOCK_K, K, BLOCK_K, GATED)
         if PRELOAD_TILES >= 3:
-            acc, sum_squares = _tile_step(
-                acc, sum_squares, w2, x_ptr, norm_w_ptr, 2 * BLOCK_K, K, BLOCK_K, GATED, NORMED)
+            acc += _tile_products(w2, x_ptr, 2 * BLOCK_K, K, BLOCK_K, GATED)
         if PRELOAD_TILES >= 4:
-            acc, sum_squares = _tile_step(
-                acc, sum_squares, w3, x_ptr, norm_w_ptr, 3 * BLOCK_K, K, BLOCK_K, GATED, NORMED)
+            acc += _tile_products(w3, x_ptr, 3 * BLOCK_K, K, BLOCK_K, GATED)
         k_start = PRELOAD_TILES * BLOCK_K
     else:
         wait_for_previous(USE_PDL)
         k_start = 0
     for k in tl.range(k_start, K, BLOCK_K, num_stages=STAGES):
-        acc, sum_squares = _tile_step(
-            acc, sum_squares, _weight_tile(w_rows, feature_ok, k, K, BLOCK_K), x_ptr, norm_w_ptr, k, K,
-            BLOCK_K, GATED, NORMED,
-        )
+        acc += _tile_products(_weight_tile(w_rows, feature_ok, k, K, BLOCK_K), x_ptr, k, K, BLOCK_K, GATED)
     y = tl.sum(acc, axis=1)  # (BLOCK_N,)
-    if NORMED:
-        y = y * tl.rsqrt(tl.sum(sum_squares, axis=0) / K + eps)
     if HAS_BIAS:
         y += tl.load(b_ptr + features, mask=feature_ok, other=0.0).to(tl.float32)
-    dtype = y_ptr.dtype.element_ty
-    if RESIDUAL:  # norm_reference.add_rms_norm's roundings: delta, delta * r, the sum
-        scaled = (y.to(dtype).to(tl.float32) * multiplier).to(dtype).to(tl.float32)
-        y = tl.load(residual_ptr + features, mask=feature_ok, other=0.0).to(tl.float32) + scaled
-    tl.store(y_ptr + features, y.to(dtype), mask=feature_ok)
+    tl.store(y_ptr + features, y.to(y_ptr.dtype.element_ty), mask=feature_ok)
 
 
 _tuned_row_kernel = triton.autotune(
-    configs=[c.as_triton() for c in CONFIGS], key=["N", "K", "GATED", "NORMED"], do_bench=_tuning_bench,
+    configs=[c.as_triton() for c in CONFIGS], key=["N", "K", "GATED"], do_bench=_tuning_bench,
 )(_row_kernel)
 
 
 def layout_problem(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, gated: bool = False,
-    norm: RowNorm | None = None, residual: ResidualAdd | None = None,
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, gated: bool = False
 ) -> str | None:
-    """Why skinny_linear(x, weight, bias, gated=gated, norm=norm, residual=residual) cannot
-    take these operands (device aside), or None when it can."""
+    """Why skinny_linear(x, weight, bias, gated=gated) cannot take these operands (device
+    aside), or None when it can."""
     if x.dim() != 2 or weight.dim() != 2:
         return f"x and weight must be 2-D, got {tuple(x.shape)} and {tuple(weight.shape)}"
     if x.shape[0] != 1:
@@ -284,72 +244,51 @@ def layout_problem(
     if x.shape[1] != width or weight.shape[0] == 0:
         needs = "2K ([gate | up])" if gated else "K"
         return f"shapes do not chain (x needs {needs} columns): x {tuple(x.shape)}, weight {tuple(weight.shape)}"
-    x_dtype_ok = x.dtype == weight.dtype or (norm is not None and x.dtype == torch.float32)
-    if weight.dtype not in SUPPORTED_DTYPES or not x_dtype_ok:
-        return (f"dtypes must match and be one of {SUPPORTED_DTYPES} (a normalised x may be fp32):"
-                f" x {x.dtype}, weight {weight.dtype}")
+    if x.dtype not in SUPPORTED_DTYPES or weight.dtype != x.dtype:
+        return f"dtypes must match and be one of {SUPPORTED_DTYPES}: x {x.dtype}, weight {weight.dtype}"
     if x.stride(1) != 1 or not weight.is_contiguous():
         return "x needs unit column stride and weight must be contiguous"
     if weight.device != x.device:
         return "x and weight are on different devices"
     if bias is not None:
-        if bias.shape != (weight.shape[0],) or bias.dtype != weight.dtype or bias.device != x.device:
-            return f"bias must be ({weight.shape[0]},) {weight.dtype} on x's device"
+        if bias.shape != (weight.shape[0],) or bias.dtype != x.dtype or bias.device != x.device:
+            return f"bias must be ({weight.shape[0]},) {x.dtype} on x's device"
         if not bias.is_contiguous():
             return "bias must be contiguous"
-    if norm is not None:
-        if gated:
-            return "a gated row cannot also be normalised"
-        nw = norm.weight
-        if nw.shape != (weight.shape[1],) or not nw.is_contiguous() or nw.device != x.device:
-            return f"the norm weight must be ({weight.shape[1]},) contiguous on x's device"
-    if residual is not None:
-        r = residual.residual
-        if r.shape != (1, weight.shape[0]) or not r.is_contiguous() or r.dtype != weight.dtype \
-                or r.device != x.device:
-            return f"the residual must be (1, {weight.shape[0]}) contiguous {weight.dtype} on x's device"
     return None
 
 
 def supports(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, gated: bool = False,
-    norm: RowNorm | None = None, residual: ResidualAdd | None = None,
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, gated: bool = False
 ) -> bool:
-    """True when skinny_linear(x, weight, bias, ...) applies: CUDA tensors, exactly one row (of
-    K columns, or 2K when gated), bf16/fp16/fp32 weight with x in its dtype (or fp32 when
-    normalised), x with unit column stride, contiguous weight, bias, norm weight and residual.
-    Otherwise a caller falls back to PyTorch (fused_linear_reference.fused_linear, after
+    """True when skinny_linear(x, weight, bias, gated=gated) applies: CUDA tensors, exactly one
+    row (of K columns, or 2K when gated), matching bf16/fp16/fp32 dtypes, x with unit column
+    stride, contiguous weight and bias. Otherwise a caller falls back to F.linear (after
     silu_and_mul when gated)."""
-    return x.is_cuda and layout_problem(x, weight, bias, gated=gated, norm=norm, residual=residual) is None
+    return x.is_cuda and layout_problem(x, weight, bias, gated=gated) is None
 
 
 def skinny_linear(
     x: torch.Tensor,  # (1, K), unit K stride; gated: (1, 2K) = [gate | up], unit stride
-    weight: torch.Tensor,  # (N, K) contiguous
-    bias: torch.Tensor | None = None,  # (N,) contiguous, weight's dtype
+    weight: torch.Tensor,  # (N, K) contiguous, x's dtype
+    bias: torch.Tensor | None = None,  # (N,) contiguous, x's dtype
     *,
     gated: bool = False,
-    norm: RowNorm | None = None,  # the RMS norm of x, computed inside
-    residual: ResidualAdd | None = None,  # the residual add of the output, computed inside
-    out: torch.Tensor | None = None,  # (1, N) contiguous, weight's dtype; allocated when None
+    out: torch.Tensor | None = None,  # (1, N) contiguous, x's dtype; allocated when None
     config: SkinnyConfig | None = None,  # None: autotuned
 ) -> torch.Tensor:
     """F.linear(x, weight, bias) into `out` (returned), in one launch; gated:
     F.linear(silu_and_mul(x), weight, bias) (x = [gate | up], silu_and_mul with the roundings
-    of engine/kernels/gpu/activation.py); with norm and residual:
-    fused_linear_reference.fused_linear(x, weight, bias, norm=norm, residual=residual) (the
-    norm's scale applied to the dot products, fp32 throughout, so not bit for bit). The output
-    has weight's dtype. An explicit `config` skips the autotuner (tests, benchmarks). Checks
-    the operands (AssertionError naming the problem), then runs skinny_linear_unchecked."""
-    problem = layout_problem(x, weight, bias, gated=gated, norm=norm, residual=residual)
+    of engine/kernels/gpu/activation.py). An explicit `config` skips the autotuner (tests,
+    benchmarks). Checks the operands (AssertionError naming the problem), then runs
+    skinny_linear_unchecked."""
+    problem = layout_problem(x, weight, bias, gated=gated)
     assert problem is None, problem
     features = weight.shape[0]
     if out is not None:
-        assert out.shape == (1, features) and out.is_contiguous() and out.dtype == weight.dtype, \
-            f"out must be (1, {features}) contiguous {weight.dtype}"
-    return skinny_linear_unchecked(
-        x, weight, bias, gated=gated, norm=norm, residual=residual, out=out, config=config
-    )
+        assert out.shape == (1, features) and out.is_contiguous() and out.dtype == x.dtype, \
+            f"out must be (1, {features}) contiguous {x.dtype}"
+    return skinny_linear_unchecked(x, weight, bias, gated=gated, out=out, config=config)
 
 
 def skinny_linear_unchecked(
@@ -358,38 +297,30 @@ def skinny_linear_unchecked(
     bias: torch.Tensor | None = None,
     *,
     gated: bool = False,
-    norm: RowNorm | None = None,
-    residual: ResidualAdd | None = None,
     out: torch.Tensor | None = None,
     config: SkinnyConfig | None = None,
 ) -> torch.Tensor:
     """skinny_linear without its checks, for callers that have already established
-    supports(x, weight, bias, ...) (engine/layers/parallel_linear.py does, once per call): the
-    checks take 1-2 us of host time a call. Operands that do not fit make the kernel read or
-    write out of bounds; `out`, when given, must be (1, N) contiguous in weight's dtype and
-    must not be the residual (the autotuner runs the kernel several times)."""
+    supports(x, weight, bias, gated=gated) (engine/layers/parallel_linear.py does, once per
+    call): the checks take 1-2 us of host time a call. Operands that do not fit make the kernel
+    read or write out of bounds; `out`, when given, must be (1, N) contiguous in x's dtype."""
     features, depth = weight.shape
     if out is None:
-        out = torch.empty(1, features, dtype=weight.dtype, device=x.device)
+        out = torch.empty(1, features, dtype=x.dtype, device=x.device)
     if config is None and _INTERPRETED:
         config = CONFIGS[0]
-    args = (
-        x, weight, bias if bias is not None else out,
-        norm.weight if norm is not None else weight,
-        residual.residual if residual is not None else out,
-        out, features, depth,
-        float(norm.eps) if norm is not None else 0.0,
-        float(residual.multiplier) if residual is not None else 1.0,
-    )
-    flags = dict(
-        HAS_BIAS=bias is not None, GATED=gated, NORMED=norm is not None, RESIDUAL=residual is not None,
-        PRELOAD_TILES=PRELOAD_TILES,
-    )
+    args = (x, weight, bias if bias is not None else out, out, features, depth)
     grid = lambda meta: (triton.cdiv(features, meta["BLOCK_N"]),)  # noqa: E731
     if config is None:
-        _tuned_row_kernel[grid](*args, **flags, **launch_options())
+        _tuned_row_kernel[grid](
+            *args, HAS_BIAS=bias is not None, GATED=gated, PRELOAD_TILES=PRELOAD_TILES, **launch_options(),
+        )
     else:
-        _row_kernel[grid](*args, **flags, **config.as_triton().all_kwargs(), **launch_options())
+        _row_kernel[grid](
+            *args, HAS_BIAS=bias is not None, GATED=gated, PRELOAD_TILES=PRELOAD_TILES,
+            **config.as_triton().all_kwargs(),
+            **launch_options(),
+        )
     return out
 
 
