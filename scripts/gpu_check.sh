@@ -45,7 +45,12 @@ run_tests() {
   shift 2
   timeout -k 15 "$limit" python3 -m pytest -v -p no:cacheprovider --durations=15 "${parallel[@]}" "$@" \
     >"$OUT/$name.log" 2>&1
-  echo "pytest exit status $? (124: stopped at its ${limit} s limit)" >>"$OUT/$name.log"
+  local status=$?
+  if [ "$status" = 124 ]; then
+    echo "pytest stopped at its ${limit} s limit" >>"$OUT/$name.log"
+  else
+    echo "pytest exit status $status" >>"$OUT/$name.log"
+  fi
   if grep -q '^=* slowest .*durations' "$OUT/$name.log"; then
     sed -n '/^=* slowest .*durations/,$p' "$OUT/$name.log" >"$OUT/$name.txt"
   else

@@ -221,18 +221,24 @@ def test_paged_attention_prefill(device, dtype, tiling, num_splits, chunks):
     _check_paged_prefill(device, dtype, chunks, 2, 16, 4, num_splits=num_splits, **PREFILL_TILINGS[tiling])
 
 
+# (H, Hkv, heads a program): one head a program, two where two divide H / Hkv, and None (the
+# wrapper's default grouping) for GQA ratios 1, 2, 3, 4 and 8
+GQA_CASES = [
+    (heads, kv_heads, per_program)
+    for heads, kv_heads in [(4, 4), (8, 4), (12, 4), (16, 4), (16, 2)]
+    for per_program in [1, 2, None]
+    if per_program is None or (heads // kv_heads) % per_program == 0
+]
+
+
 @pytest.mark.parametrize("dtype", DOT_DTYPES)
 @pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize("heads_per_program", [1, 2, None])  # None: the wrapper's default
-@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 4), (12, 4), (16, 4), (16, 2)])
+@pytest.mark.parametrize("num_heads,num_kv_heads,heads_per_program", GQA_CASES)
 def test_paged_attention_prefill_gqa(device, dtype, num_splits, heads_per_program, num_heads, num_kv_heads):
     """GQA ratios 1, 2, 3 (no power of two above 1 divides it: one head a program), 4 and 8,
     each with one head a program, two, and the default grouping (every head of a KV head, or
     as many as fit the tile): chunks with and without cached keys, one skipped, more splits
     than a short chunk has key tiles."""
-    group = num_heads // num_kv_heads
-    if heads_per_program is not None and group % heads_per_program:
-        pytest.skip(f"{heads_per_program} heads a program do not divide {group} heads per KV head")
     torch.manual_seed(7)
     chunks = [(40, 0), (7, 0), (19, 45), (33, 130)]
     _check_paged_prefill(device, dtype, chunks, 1, num_heads, num_kv_heads, num_splits=num_splits,

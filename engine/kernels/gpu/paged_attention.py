@@ -366,8 +366,11 @@ def paged_attention_prefill(
     assert key_cache.stride() == value_cache.stride() and key_cache.stride(3) == 1
     assert query.stride(2) == 1 and out.stride(2) == 1 and head_dim == triton.next_power_of_2(head_dim)
     group = num_heads // num_kv_heads
-    launch = prefill_launch(query.dtype, num_heads, num_kv_heads, max_length, num_chunks,
-                            heads_per_program, block_m, block_n, num_warps, num_stages, num_splits)
+    launch = prefill_launch(
+        query.dtype, num_heads, num_kv_heads, max_length, num_chunks,
+        heads_per_program=heads_per_program, block_m=block_m, block_n=block_n,
+        num_warps=num_warps, num_stages=num_stages, num_splits=num_splits,
+    )
     heads, block_m, num_splits = launch.heads_per_program, launch.block_m, launch.num_splits
     assert group % heads == 0 and heads * block_m == triton.next_power_of_2(heads * block_m)
     split = num_splits > 1
