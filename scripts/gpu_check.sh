@@ -3,6 +3,8 @@
 # pytest-xdist with execnet), run the device tests in parallel processes, then the roofline
 # benchmark alone, writing everything under $OUT:
 #   bash scripts/gpu_check.sh ["tests/gpu/test_a.py tests/gpu/test_b.py" | none] [rest]
+# (.whl/ is git-ignored; fill it where a registry is reachable:
+#   pip download --no-deps -d .whl fla-core==0.6.0 pytest-xdist==3.8.0 execnet==2.1.2)
 # The first argument picks the tests to run before the benchmark (default: all of tests/gpu;
 # "none" runs none); "rest" runs the other device tests after it, as time allows.
 #
