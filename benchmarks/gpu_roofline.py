@@ -589,6 +589,15 @@ def main() -> None:
             print("  critical path (time each kernel adds after the previous one ends):")
             for k in prof["critical_path"]:
                 print(f"  {k['seconds'] * 1e3:8.3f} ms {k['count']:5d}x  {k['kernel']}")
+    for r in rows:
+        syncs = r.get("host_synchronisations")
+        if not syncs:
+            continue
+        labelled = syncs.items() if "in-pass" in r["name"] else [(r["name"], syncs)]
+        for label, found in labelled:
+            print(f"\n{label}: host synchronisations (torch sync debug mode), {sum(found.values())}")
+            for where, count in found.items():
+                print(f"  {count:4d}x  {where}")
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(f"wrote {args.out}")
 

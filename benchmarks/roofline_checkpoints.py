@@ -13,6 +13,10 @@ in process with hand-built SchedulerOutputs, the way the scheduler would:
     second) and, on CUDA, the in-pass path (one uncut step, CaptureOp.in_pass), with the
     in-pass bundle's relative difference from the split one.
 
+On CUDA the restore + prefill row and the in-pass row (with the same step without capture)
+also list where the host waited for the device while one such step ran
+(host_synchronisations): the rows' wall time beyond their kernels is host time.
+
 Time to first token is the time to the sampled token on the host: no timed step asks for a
 logits row (SamplingParams.return_logits, a copy of the row that serving a token does not
 make). The logits compared come from one more, untimed run of each of the two steps.
@@ -55,6 +59,28 @@ def _timed(worker: Worker, steps: list[SchedulerOutput]):
 def _sync(worker: Worker) -> None:
     if worker.device.type == "cuda":
         torch.cuda.synchronize()
+
+
+def host_synchronisations(worker: Worker, step: SchedulerOutput) -> dict[str, int]:
+    """Where the host waits for the device while the worker runs `step` once (CUDA): torch's
+    sync debug mode warns at every synchronising call (a blocking copy, a copy from pageable
+    memory, an .item(), a stream synchronise); returns "file:line: message" -> count. The
+    read-back of the sampled token at the end of the step is one of them by design."""
+    import warnings
+
+    _sync(worker)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            worker.execute(step)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    counts: dict[str, int] = {}
+    for w in caught:
+        key = f"{w.filename}:{w.lineno}: {str(w.message).splitlines()[0][:120]}"
+        counts[key] = counts.get(key, 0) + 1
+    return counts
 
 
 def checkpoint_rows(worker: Worker, blocks_per_seq: int, block_size: int, prefix: int = 8192,
@@ -101,7 +127,7 @@ def checkpoint_rows(worker: Worker, blocks_per_seq: int, block_size: int, prefix
     bundle -= 1  # the last bundle stays: the state at `prefix` of request 0
 
     # In-pass path (CUDA): one uncut step, the capture taken inside the forward pass.
-    in_pass_s, in_pass_error, in_pass_profile = None, None, None
+    in_pass_s, in_pass_error, in_pass_profile, in_pass_syncs = None, None, None, None
     if worker.device.type == "cuda":
         in_pass_s = []
         for i in range(repeats + 1):
@@ -113,13 +139,18 @@ def checkpoint_rows(worker: Worker, blocks_per_seq: int, block_size: int, prefix
         if profile is not None:
             capture = CaptureOp(bundle + 2 + repeats, "c0", 0, prefix, tail_block, in_pass=True)
             in_pass_profile = profile(SchedulerOutput(cold.chunks, captures=(capture,)))
+        capture = CaptureOp(bundle + 3 + repeats, "c0", 0, prefix, tail_block, in_pass=True)
+        in_pass_syncs = {
+            "in-pass step": host_synchronisations(worker, SchedulerOutput(cold.chunks, captures=(capture,))),
+            "same step without capture": host_synchronisations(worker, cold),
+        }
         split_bundle, in_pass_bundle = (worker.checkpoints._bundles[b] for b in (bundle, bundle + 1))
         in_pass_error = {
             name: float((getattr(in_pass_bundle, name).float() - getattr(split_bundle, name).float()).norm()
                         / getattr(split_bundle, name).float().norm())
             for name in ("conv_state", "ssm_state", "hidden_row")
         }
-        worker.execute(SchedulerOutput((), dropped_bundle_ids=tuple(range(bundle + 1, bundle + 3 + repeats))))
+        worker.execute(SchedulerOutput((), dropped_bundle_ids=tuple(range(bundle + 1, bundle + 4 + repeats))))
 
     capture_only = []
     for i in range(repeats):
@@ -144,6 +175,7 @@ def checkpoint_rows(worker: Worker, blocks_per_seq: int, block_size: int, prefix
         restores=(RestoreOp(bundle, "c1", 1, tail_b),),
     )).logits["c1"]
     hit_profile = profile(hit) if profile is not None else None
+    hit_syncs = host_synchronisations(worker, hit) if worker.device.type == "cuda" else None
     # The same step with the prefill graphs detached: what they remove.
     hit_eager_s, graphs = None, getattr(worker, "prefill_graphs", None)
     if graphs is not None and graphs.accepts(list(hit.chunks)):
@@ -168,6 +200,7 @@ def checkpoint_rows(worker: Worker, blocks_per_seq: int, block_size: int, prefix
          "floor_seconds": cold_s, "ratio_to_floor": cold_s / hit_s, "target": 15.0,
          "ratio_meaning": f"speed-up over the cold {total}-token prefill",
          "first_token_agrees_with_cold": agree, "logits_relative_error_vs_cold": logits_error,
+         "host_synchronisations": hit_syncs,
          **({"profile": hit_profile} if hit_profile else {})},
     ] + ([] if hit_eager_s is None else [
         {"name": f"restore {prefix} + prefill {suffix}, eager", "seconds": hit_eager_s,
@@ -183,6 +216,6 @@ def checkpoint_rows(worker: Worker, blocks_per_seq: int, block_size: int, prefix
         {"name": f"cold {total} + capture at {prefix}, in-pass", "seconds": in_pass_s,
          "floor_seconds": cold_s, "ratio_to_floor": in_pass_s / cold_s, "target": 1.03,
          "ratio_meaning": f"time over the cold {total}-token prefill without capture (<= target)",
-         "bundle_relative_error_vs_split": in_pass_error,
+         "bundle_relative_error_vs_split": in_pass_error, "host_synchronisations": in_pass_syncs,
          **({"profile": in_pass_profile} if in_pass_profile else {})},
     ])
