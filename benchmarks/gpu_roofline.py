@@ -205,43 +205,79 @@ def bench_prefill(worker: Worker, num_tokens: int, slot: int, blocks_per_seq: in
     return min(times), profile_step(worker, step)
 
 
+STEP_LABEL = "roofline step"  # the record_function range around a profiled step
+
+
 def profile_step(worker: Worker, step: SchedulerOutput, top: int = 8) -> dict:
-    """One step under torch.profiler: wall time, summed GPU kernel time, the top kernels.
+    """One step under torch.profiler: wall time, summed GPU kernel time, the top kernels, the
+    critical path, and the host's side (_host_side).
 
     gpu/wall near 1 means the GPU is the bottleneck; far below 1, host time and launches are."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
-        worker.execute(step)
+        with record_function(STEP_LABEL):
+            worker.execute(step)
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
     kernels = [
         (e.key, getattr(e, "self_device_time_total", 0) / 1e6, e.count)
         for e in prof.key_averages()
         if str(getattr(e, "device_type", "")).endswith("CUDA") and getattr(e, "self_device_time_total", 0) > 0
+        and e.key != STEP_LABEL
     ]
     kernels.sort(key=lambda k: -k[1])
     gpu = sum(k[1] for k in kernels)
     launches = sum(k[2] for k in kernels)
+    events = list(prof.events())
+    on_gpu = _gpu_events(events)
     return {"wall_s": wall, "gpu_kernel_s": gpu, "gpu_share": gpu / wall, "kernel_launches": launches,
-            "gpu_span_s": _kernel_span(prof),
+            "gpu_span_s": _kernel_span(on_gpu),
             "top": [{"kernel": k[0][:90], "seconds": k[1], "count": k[2]} for k in kernels[:top]],
-            "critical_path": _critical_path(prof)[:top]}
+            "critical_path": _critical_path(on_gpu)[:top], **_host_side(events, on_gpu, top)}
 
 
-def _critical_path(prof) -> list[dict]:
+def _gpu_events(events: list) -> list:
+    """The timed GPU events of a trace (kernels, copies, memsets), without the GPU-side copy of
+    the step's record_function range."""
+    return [e for e in events
+            if str(getattr(e, "device_type", "")).endswith("CUDA") and e.time_range.end > e.time_range.start
+            and e.name != STEP_LABEL]
+
+
+def _host_side(events: list, on_gpu: list, top: int) -> dict:
+    """Where the host's share of a profiled step goes: the time from the step's start (its
+    record_function range) to the first GPU event's start (host_lead_s: what the host does
+    before the GPU has work) and from the last one's end to the step's end (host_tail_s: the
+    token's way back), and the CUDA runtime calls by summed host time (cudaGraphLaunch,
+    cudaLaunchKernel, cudaMemcpyAsync, the synchronisations), largest first."""
+    steps = [e.time_range for e in events
+             if e.name == STEP_LABEL and not str(getattr(e, "device_type", "")).endswith("CUDA")]
+    if not steps or not on_gpu:
+        return {}
+    step = steps[0]
+    calls: dict[str, list] = {}
+    for e in events:
+        if e.name.startswith("cuda") and step.start <= e.time_range.start <= step.end:
+            entry = calls.setdefault(e.name, [0.0, 0])
+            entry[0] += (e.time_range.end - e.time_range.start) / 1e6
+            entry[1] += 1
+    ranked = sorted(calls.items(), key=lambda item: -item[1][0])[:top]
+    return {"host_lead_s": (min(e.time_range.start for e in on_gpu) - step.start) / 1e6,
+            "host_tail_s": (step.end - max(e.time_range.end for e in on_gpu)) / 1e6,
+            "runtime_calls": [{"call": name, "seconds": seconds, "count": count}
+                              for name, (seconds, count) in ranked]}
+
+
+def _critical_path(on_gpu: list) -> list[dict]:
     """What each kernel adds to the GPU timeline, summed by kernel name, largest first: kernels
     in order of their end, each charged the time from the previous kernel's end to its own
     (the first its whole duration). The charges add up to the first-to-last span. Unlike
     kernel durations this stays meaningful under PDL, where a kernel starts early and its
     duration includes the wait for its predecessor."""
-    kernels = sorted(
-        (e.time_range.end, e.time_range.start, e.name)
-        for e in prof.events()
-        if str(getattr(e, "device_type", "")).endswith("CUDA") and e.time_range.end > e.time_range.start
-    )
+    kernels = sorted((e.time_range.end, e.time_range.start, e.name) for e in on_gpu)
     charged: dict[str, list] = {}
     previous_end = None
     for end, start, name in kernels:
@@ -254,18 +290,13 @@ def _critical_path(prof) -> list[dict]:
     return [{"kernel": name, "seconds": seconds, "count": count} for name, (seconds, count) in ranked]
 
 
-def _kernel_span(prof) -> float | None:
+def _kernel_span(on_gpu: list) -> float | None:
     """Seconds from the first kernel's start to the last kernel's end on the GPU timeline: the
     kernels plus the gaps between them, without the host time before and after (None if the
     trace has no timed kernels). span - kernel sum = gaps; wall - span = host at the ends."""
-    ranges = [
-        (e.time_range.start, e.time_range.end)
-        for e in prof.events()
-        if str(getattr(e, "device_type", "")).endswith("CUDA") and e.time_range.end > e.time_range.start
-    ]
-    if not ranges:
+    if not on_gpu:
         return None
-    return (max(end for _, end in ranges) - min(start for start, _ in ranges)) / 1e6
+    return (max(e.time_range.end for e in on_gpu) - min(e.time_range.start for e in on_gpu)) / 1e6
 
 
 def prefill_flops(config: dict, params_body: int, num_tokens: int) -> float:
@@ -585,6 +616,11 @@ def main() -> None:
               f"({prof['gpu_share']:.0%}){span}, {prof['kernel_launches']} launches")
         for k in prof["top"]:
             print(f"  {k['seconds'] * 1e3:8.3f} ms {k['count']:5d}x  {k['kernel']}")
+        if "host_lead_s" in prof:
+            print(f"  host before the first kernel {prof['host_lead_s'] * 1e3:.3f} ms, after the last "
+                  f"{prof['host_tail_s'] * 1e3:.3f} ms; CUDA runtime calls by host time:")
+            for c in prof["runtime_calls"]:
+                print(f"  {c['seconds'] * 1e3:8.3f} ms {c['count']:5d}x  {c['call']}")
         if r["name"].startswith("decode"):
             print("  critical path (time each kernel adds after the previous one ends):")
             for k in prof["critical_path"]:
