@@ -14,9 +14,9 @@ random order:
 For each shape both run at their default launch parameters (engine/kernels/gpu/prefill_launch.py),
 each is compared with engine/kernels/attention_reference.py, and the two with each other. With
 --sweep (the default) the restore+256 shape is also timed over (block_m, block_n, num_warps,
-num_stages, num_splits) for G = 1 and the grouped G; a launch that does not fit an SM's shared
-memory is recorded with seconds null. Times as in decode_kernels.py: the median of CUDA-graph
-replays of back-to-back calls.
+num_stages, num_splits) for G = 1 and the grouped G (key tiles of 128 for the grouped G only);
+a launch that does not fit an SM's shared memory is recorded with seconds null. Times as in
+decode_kernels.py: the median of CUDA-graph replays of back-to-back calls.
 
     python benchmarks/prefill_attention.py --out benchmarks/results/prefill_attention.json
 """
@@ -130,8 +130,9 @@ def sweep(grouped_heads: int) -> list[dict]:
     rows = []
     for heads in sorted({1, grouped_heads}):
         block_ms = (32, 64, 128) if heads == 1 else tuple(m for m in (16, 32, 64) if heads * m <= 256)
+        block_ns = (32, 64) if heads == 1 else (32, 64, 128)
         for block_m, block_n, warps, stages, splits in itertools.product(
-            block_ms, (32, 64), (4, 8), (2, 3), (1, 2, 4, 8)
+            block_ms, block_ns, (4, 8), (2, 3), (1, 2, 4, 8)
         ):
             launch = {"heads_per_program": heads, "block_m": block_m, "block_n": block_n,
                       "num_warps": warps, "num_stages": stages, "num_splits": splits}
