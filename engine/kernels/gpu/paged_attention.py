@@ -216,6 +216,43 @@ def paged_attention_decode(
 
 
 @triton.jit
+def _attend_key_tile(
+    q, q_pos, m, l, acc,  # (R, D) queries, (R,) their positions; the online softmax's (R,), (R,), (R, D) fp32
+    tile_start, key_end,  # keys tile_start .. tile_start + BLOCK_N - 1, those before key_end real
+    table, k_head, v_head, stride_kb, stride_ko,  # the chunk's block table; K/V at the program's KV head
+    scale_log2,
+    HEAD_DIM: tl.constexpr, KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    MASKED: tl.constexpr,  # False: every key of the tile is real and visible to every row
+):
+    """One key tile of _prefill_kernel's online softmax: returns the updated (m, l, acc). A row
+    that has seen no visible key yet keeps m = -inf (possible in a split after key 0)."""
+    tok = tile_start + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, HEAD_DIM)
+    if MASKED:
+        t_mask = tok < key_end
+        block = tl.load(table + tok // KV_BLOCK, mask=t_mask, other=0)
+        offsets = block * stride_kb + (tok % KV_BLOCK) * stride_ko
+        k = tl.load(k_head + offsets[:, None] + d[None, :], mask=t_mask[:, None], other=0.0)
+        v = tl.load(v_head + offsets[:, None] + d[None, :], mask=t_mask[:, None], other=0.0)
+    else:
+        block = tl.load(table + tok // KV_BLOCK)
+        offsets = block * stride_kb + (tok % KV_BLOCK) * stride_ko
+        k = tl.load(k_head + offsets[:, None] + d[None, :])
+        v = tl.load(v_head + offsets[:, None] + d[None, :])
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # log2 units
+    if MASKED:
+        visible = (tok[None, :] <= q_pos[:, None]) & t_mask[None, :]
+        scores = tl.where(visible, scores, float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(scores - m_safe[:, None])
+    alpha = tl.exp2(m - m_safe)
+    l = l * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l, acc
+
+
+@triton.jit
 def _prefill_kernel(
     q_ptr, stride_qt, stride_qh,  # (T, H, D), unit D stride
     k_ptr, v_ptr, stride_kb, stride_ko, stride_kh,  # (blocks, block_size, Hkv, D), K and V alike
@@ -257,24 +294,24 @@ def _prefill_kernel(
         m = tl.full((BLOCK_M * HEADS_PER_PROGRAM,), float("-inf"), dtype=tl.float32)
         l = tl.zeros((BLOCK_M * HEADS_PER_PROGRAM,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_M * HEADS_PER_PROGRAM, HEAD_DIM), dtype=tl.float32)
-        for key_start in range(split * span, key_end, BLOCK_N):
-            tok = key_start + tl.arange(0, BLOCK_N)
-            t_mask = tok < key_end
-            block = tl.load(table_ptr + s * stride_table + tok // KV_BLOCK, mask=t_mask, other=0)
-            offsets = block * stride_kb + (tok % KV_BLOCK) * stride_ko + kv_head * stride_kh
-            k = tl.load(k_ptr + offsets[:, None] + d[None, :], mask=t_mask[:, None], other=0.0)
-            v = tl.load(v_ptr + offsets[:, None] + d[None, :], mask=t_mask[:, None], other=0.0)
-            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # log2 units
-            visible = (tok[None, :] <= q_pos[:, None]) & t_mask[None, :]
-            scores = tl.where(visible, scores, float("-inf"))
-            m_new = tl.maximum(m, tl.max(scores, axis=1))
-            # -inf while a row has seen no visible key (possible in a split after key 0)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(scores - m_safe[:, None])
-            alpha = tl.exp2(m - m_safe)
-            l = l * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m = m_new
+        key_start = split * span
+        # Keys up to the block's first query position are visible to every row: whole tiles of
+        # them take no mask; the tiles after (the causal edge, the split's last) do.
+        unmasked_end = key_start + tl.maximum(
+            tl.minimum(key_end, start_position + m_block * BLOCK_M + 1) - key_start, 0
+        ) // BLOCK_N * BLOCK_N
+        table = table_ptr + s * stride_table
+        k_head, v_head = k_ptr + kv_head * stride_kh, v_ptr + kv_head * stride_kh
+        for tile_start in range(key_start, unmasked_end, BLOCK_N):
+            m, l, acc = _attend_key_tile(
+                q, q_pos, m, l, acc, tile_start, key_end, table, k_head, v_head, stride_kb, stride_ko,
+                scale_log2, HEAD_DIM, KV_BLOCK, BLOCK_N, PRECISION, MASKED=False,
+            )
+        for tile_start in range(unmasked_end, key_end, BLOCK_N):
+            m, l, acc = _attend_key_tile(
+                q, q_pos, m, l, acc, tile_start, key_end, table, k_head, v_head, stride_kb, stride_ko,
+                scale_log2, HEAD_DIM, KV_BLOCK, BLOCK_N, PRECISION, MASKED=True,
+            )
         if SPLIT:
             part = s * max_len + i
             base = split * stride_split
