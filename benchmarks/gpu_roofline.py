@@ -626,6 +626,15 @@ def main() -> None:
             for k in prof["critical_path"]:
                 print(f"  {k['seconds'] * 1e3:8.3f} ms {k['count']:5d}x  {k['kernel']}")
     for r in rows:
+        if r.get("timeline"):
+            print(f"\n{r['name']}: timeline, ms from the step's start (median of 5 runs)")
+            print(f"{'point':<22}{'host':>8}{'GPU':>8}")
+            for point, at in r["timeline"].items():
+                gpu = f"{at['gpu_ms']:>8.3f}" if "gpu_ms" in at else f"{'':>8}"
+                print(f"{point:<22}{at['host_ms']:>8.3f}{gpu}")
+        if r.get("submit_profile"):
+            print("\n".join(r["submit_profile"]))
+    for r in rows:
         syncs = r.get("host_synchronisations")
         if not syncs:
             continue

@@ -15,7 +15,10 @@ in process with hand-built SchedulerOutputs, the way the scheduler would:
 
 On CUDA the restore + prefill row and the in-pass row (with the same step without capture)
 also list where the host waited for the device while one such step ran
-(host_synchronisations): the rows' wall time beyond their kernels is host time.
+(host_synchronisations): the rows' wall time beyond their kernels is host time. The restore +
+prefill row also gives its step's timeline (step_timeline): when the host and the GPU reach
+the restore, the prefill graph's replay and the end of the step, and where submit's host time
+goes (submit_profile).
 
 Time to first token is the time to the sampled token on the host: no timed step asks for a
 logits row (SamplingParams.return_logits, a copy of the row that serving a token does not
@@ -28,6 +31,7 @@ are used; the caller reuses them afterwards (every later chunk resets its state)
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 
@@ -81,6 +85,88 @@ def host_synchronisations(worker: Worker, step: SchedulerOutput) -> dict[str, in
         key = f"{w.filename}:{w.lineno}: {str(w.message).splitlines()[0][:120]}"
         counts[key] = counts.get(key, 0) + 1
     return counts
+
+
+def step_timeline(worker: Worker, step: SchedulerOutput, repeats: int = 5) -> dict[str, dict[str, float]]:
+    """When the host reaches each point of a restore + prefill-graph step, and when the GPU
+    passes it, in ms from the step's start (CUDA; the median of `repeats` runs of `step`).
+
+    The points: the restore called and returned, the prefill graph's replay called and
+    returned, submit returned, collect returned (host only). At each the host's clock is read
+    and a CUDA event recorded; the GPU starts idle, so an event's time is when the GPU had
+    finished everything launched before it: where it equals the host's, the GPU was waiting for
+    the host. The worker's restore and graph forward are wrapped for the duration (this
+    benchmark's instrument; the worker's code is unchanged)."""
+    import statistics
+
+    marks: list[tuple[str, float, torch.cuda.Event]] = []
+
+    def mark(point: str) -> None:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        marks.append((point, time.perf_counter(), event))
+
+    def wrapped(owner, name: str):
+        original = getattr(owner, name)
+
+        def call(*args, **kwargs):
+            mark(f"{name} called")
+            result = original(*args, **kwargs)
+            mark(f"{name} returned")
+            return result
+        return original, call
+
+    store, graphs = worker.checkpoints, worker.prefill_graphs
+    restore, timed_restore = wrapped(store, "restore")
+    forward, timed_forward = wrapped(graphs, "forward")
+    store.restore, graphs.forward = timed_restore, timed_forward
+    runs: list[dict[str, tuple[float, float | None]]] = []
+    try:
+        for _ in range(repeats):
+            marks.clear()
+            _sync(worker)
+            mark("start")
+            worker.submit(step)
+            mark("submit returned")
+            worker.collect()
+            collected = time.perf_counter()
+            torch.cuda.synchronize()
+            _, host0, event0 = marks[0]
+            run = {point: ((host - host0) * 1e3, event0.elapsed_time(event)) for point, host, event in marks}
+            run["collect returned"] = ((collected - host0) * 1e3, None)
+            runs.append(run)
+    finally:
+        del store.restore, graphs.forward  # the instance attributes: back to the methods
+    assert store.restore == restore and graphs.forward == forward
+    return {
+        point: {"host_ms": statistics.median(r[point][0] for r in runs),
+                **({} if runs[0][point][1] is None else {"gpu_ms": statistics.median(r[point][1] for r in runs)})}
+        for point in runs[0]
+    }
+
+
+def submit_profile(worker: Worker, step: SchedulerOutput, repeats: int = 5, top: int = 25) -> list[str]:
+    """cProfile of the worker's submit of `step` (not its collect) over `repeats` runs: the
+    functions by cumulative host time, in microseconds a run, which shows what the host does
+    before and after it launches the step's GPU work."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    for _ in range(repeats):
+        _sync(worker)
+        profiler.enable()
+        worker.submit(step)
+        profiler.disable()
+        worker.collect()
+    stats = pstats.Stats(profiler).stats  # (file, line, function) -> (calls, ncalls, own, cumulative, callers)
+    ranked = sorted(stats.items(), key=lambda item: -item[1][3])[:top]
+    lines = [f"submit only, per run of {repeats} (cProfile):",
+             f"{'cumulative us':>14}{'own us':>9}{'calls':>7}  function"]
+    for (file, line, function), (_, calls, own, cumulative, _) in ranked:
+        where = f"{Path(file).name}:{line}({function})" if line else function
+        lines.append(f"{cumulative / repeats * 1e6:>14.1f}{own / repeats * 1e6:>9.1f}{calls / repeats:>7.0f}  {where}")
+    return lines
 
 
 def checkpoint_rows(worker: Worker, blocks_per_seq: int, block_size: int, prefix: int = 8192,
@@ -176,6 +262,9 @@ def checkpoint_rows(worker: Worker, blocks_per_seq: int, block_size: int, prefix
     )).logits["c1"]
     hit_profile = profile(hit) if profile is not None else None
     hit_syncs = host_synchronisations(worker, hit) if worker.device.type == "cuda" else None
+    graphed = getattr(worker, "prefill_graphs", None) is not None and worker.prefill_graphs.accepts(list(hit.chunks))
+    hit_timeline = step_timeline(worker, hit) if graphed else None
+    hit_submit = submit_profile(worker, hit) if worker.device.type == "cuda" else None
     # The same step with the prefill graphs detached: what they remove.
     hit_eager_s, graphs = None, getattr(worker, "prefill_graphs", None)
     if graphs is not None and graphs.accepts(list(hit.chunks)):
@@ -200,7 +289,8 @@ def checkpoint_rows(worker: Worker, blocks_per_seq: int, block_size: int, prefix
          "floor_seconds": cold_s, "ratio_to_floor": cold_s / hit_s, "target": 15.0,
          "ratio_meaning": f"speed-up over the cold {total}-token prefill",
          "first_token_agrees_with_cold": agree, "logits_relative_error_vs_cold": logits_error,
-         "host_synchronisations": hit_syncs,
+         "host_synchronisations": hit_syncs, "timeline": hit_timeline,
+         "submit_profile": hit_submit,
          **({"profile": hit_profile} if hit_profile else {})},
     ] + ([] if hit_eager_s is None else [
         {"name": f"restore {prefix} + prefill {suffix}, eager", "seconds": hit_eager_s,
