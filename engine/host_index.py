@@ -1,6 +1,7 @@
 """Integer index arrays of one step, built on the host with numpy instead of a Python loop per
 token: the forward batch and the GPU plans are laid out from a few per-chunk numbers, so their
 host cost grows with the chunks of a step, not with its tokens. Every array is int64.
+to_device copies a step's arrays to the device in one copy that the host does not wait for.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from collections.abc import Iterable, Sequence
 from itertools import chain
 
 import numpy as np
+import torch
 
 
 def int64_array(values: Iterable[int]) -> np.ndarray:
@@ -47,3 +49,22 @@ def padded_rows(rows: Sequence[Sequence[int]], width: int) -> np.ndarray:
     out = np.zeros((len(rows), width), dtype=np.int64)
     out[np.arange(width) < lengths[:, None]] = flat_int64(cut)  # fills row by row, in order
     return out
+
+
+def chunk_pairs(lengths: np.ndarray, chunk: int) -> np.ndarray:
+    """(2 NC,): the (sequence, chunk of that sequence) pair of each of the NC chunks of `chunk`
+    rows that the sequences of `lengths` are cut into from their starts, in order, flattened
+    (a (NC, 2) view of it is fla-core's varlen chunk_indices), e.g. lengths 3, 1 in chunks
+    of 2 -> (0, 0), (0, 1), (1, 0)."""
+    counts = -(-lengths // chunk)
+    return np.stack([range_index(counts), concat_ranges(np.zeros_like(counts), counts)], axis=1).ravel()
+
+
+def to_device(arrays: Sequence[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """The int64 arrays on `device`, as views of one tensor filled by one copy, ordered on the
+    stream before whatever is launched after it. Non-blocking: torch does not synchronise the
+    stream after it (a blocking .to(device) from pageable memory does, so the host would wait
+    for every kernel already queued); the driver has read the pageable bytes when the call
+    returns, so the arrays may be dropped at once."""
+    packed = torch.from_numpy(np.concatenate(arrays)).to(device, non_blocking=True)
+    return list(torch.split(packed, [len(a) for a in arrays]))

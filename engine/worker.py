@@ -20,7 +20,7 @@ from cache.cache_manager import BundleSizing
 from engine.checkpoint_store import CheckpointStore
 from engine.config import EngineConfig
 from engine.forward_batch import ForwardBatch, SequenceChunk
-from engine.host_index import concat_ranges, cumulative_bounds, flat_int64, int64_array, range_index
+from engine.host_index import concat_ranges, cumulative_bounds, flat_int64, int64_array, range_index, to_device
 from engine.kernels.dispatch import plan_for_device
 from engine.loader import load_model
 from engine.request import PENDING_TOKEN
@@ -73,15 +73,21 @@ class RowRef:
 
 
 def gather_rows(refs: list[RowRef]) -> torch.Tensor:
-    """(len(refs), W), or (len(refs),) from 1-D rows: the referenced rows in order. A decode
-    step samples every row of its output in order: that tensor itself, with no launch; rows of
-    one tensor: one gather (its index list copied to the device first); otherwise one stack."""
+    """(len(refs), W), or (len(refs),) from 1-D rows: the referenced rows in order, without
+    waiting for the device. A decode step samples every row of its output in order: that
+    tensor itself, with no launch; consecutive rows of one tensor (a prefill's last row): a
+    view of them; other rows of one tensor: one gather (its index list copied to the device
+    first, not waited for); otherwise one stack."""
     source = refs[0].rows
     if all(ref.rows is source for ref in refs):
         indices = [ref.index for ref in refs]
         if indices == list(range(source.shape[0])):
             return source
-        return source[indices]
+        first = indices[0]
+        if indices == list(range(first, first + len(indices))):
+            return source[first : first + len(indices)]
+        (index,) = to_device([int64_array(indices)], source.device)
+        return source.index_select(0, index)
     return torch.stack([ref.row() for ref in refs])
 
 
@@ -256,8 +262,8 @@ class Worker:
             raise ValueError(f"{missing[0]}: a pending token, but the previous step sampled none for it")
         flat = [batch.cu_seqlens[i + 1] - 1 for i in pending]
         rows = [self._sampled_rows[chunks[i].request_id] for i in pending]
-        index = lambda values: torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)  # noqa: E731
-        batch.input_ids[index(flat)] = self._sampled[index(rows)]
+        flat_t, rows_t = to_device([int64_array(flat), int64_array(rows)], self.device)
+        batch.input_ids[flat_t] = self._sampled[rows_t]
 
     def _forward_capturing(
         self, batch: ForwardBatch, computed: list[ScheduledChunk], captures: list[CaptureOp],
@@ -290,9 +296,13 @@ class Worker:
             i = index[capture.request_id]
             c = order.index(i)
             hidden_row = hidden[batch.cu_seqlens[i] + splits[i] - 1]
+            # a lone capture's bundle keeps the buffers themselves (views of all of them)
+            state = (conv_all[:, c], ssm_all[:, c])
+            if len(captures) > 1:
+                state = (state[0].clone(), state[1].clone())
             self.checkpoints.capture(
                 capture.bundle_id, capture.state_slot, capture.num_tokens, capture.tail_block,
-                hidden_row, state=(conv_all[:, c].clone(), ssm_all[:, c].clone()),
+                hidden_row, state=state,
             )
             output.confirmed_captures[capture.bundle_id] = frozenset({self.rank})
         return hidden
@@ -379,11 +389,11 @@ def build_forward_batch(
         )
         for chunk in chunks
     )
-    on_device = lambda values: torch.from_numpy(values).to(device)  # noqa: E731
+    ids_t, positions_t, slot_mapping_t = to_device([input_ids, positions, slot_mapping], device)
     return ForwardBatch(
-        input_ids=on_device(input_ids),
-        positions=on_device(positions),
-        slot_mapping=on_device(slot_mapping),
+        input_ids=ids_t,
+        positions=positions_t,
+        slot_mapping=slot_mapping_t,
         chunks=sequence_chunks,
         cu_seqlens=tuple(cumulative_bounds(lengths).tolist()),
     )

@@ -307,7 +307,7 @@ class Mamba2Mixer(ShardedModule):
             y_prefill, final = ssd_prefill_scan(
                 xBC, dt_raw, self.dt_bias, self.A_log, self.time_step_limit,
                 (self.num_heads, self.head_dim, self.num_groups, self.state_size), initial,
-                plan.prefill_cu_seqlens, plan.prefill_cu_seqlens_host, rows, plan.prefill_valid,
+                plan.prefill_cu_seqlens, plan.prefill_scan_chunks, rows, plan.prefill_valid,
                 plan.in_pass, None if captures is None else captures[1],
             )
             scatter_states(final.contiguous(), ssm_state, slots)

@@ -78,6 +78,8 @@ def test_ssd_prefill_scan(device, dtype, lengths):
     the reference chunked scan per sequence, every other row a decode row it must skip; y
     without the D skip (the gated norm adds it), so the reference runs with D None."""
     pytest.importorskip("fla", reason="fla-core is not installed")
+    from engine.host_index import int64_array, to_device
+    from engine.kernels.gpu.in_pass_capture import ScanChunks, scan_chunk_arrays
     from engine.kernels.gpu.ssd import ssd_prefill_scan
 
     torch.manual_seed(3)
@@ -94,8 +96,12 @@ def test_ssd_prefill_scan(device, dtype, lengths):
     initial = torch.randn(len(lengths), H, P, N, device=device)
     limit = (0.0, float("inf"))
 
+    chunks = None
+    if len(lengths) > 1:  # the varlen path, its chunks built on the host as the batch plan builds them
+        pairs, offsets = to_device(scan_chunk_arrays(int64_array(lengths)), device)
+        chunks = ScanChunks(pairs.view(-1, 2), offsets)
     y, final = ssd_prefill_scan(xBC, dt_raw, dt_bias, A_log, limit, (H, P, G, N), initial, cu_t,
-                                torch.tensor(cu), rows=rows)
+                                chunks, rows=rows)
     assert y.shape == (Tp, H, P) and final.shape == initial.shape
     x, B, C = xBC[rows].double().split([H * P, G * N, G * N], dim=-1)
     dt = torch.nn.functional.softplus(dt_raw[rows].double() + dt_bias.double())

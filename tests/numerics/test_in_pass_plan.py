@@ -17,12 +17,13 @@ from engine.kernels.gpu.in_pass_capture import (
 from engine.kernels.ssd_reference import ssd_chunk_scan
 
 
-def _varlen_reference(q, k, v, g, initial, cu, cu_host):
+def _varlen_reference(q, k, v, g, initial, cu, chunks):
     """The recurrence on prepared inputs, token by token per sequence: state_t = exp(g_t)
     state_{t-1} + outer(v_t, k_t), y_t = state_t @ q_t; also the state at the start of every
-    SCAN_CHUNK rows of each sequence. A stand-in for ssd.chunk_scan."""
+    SCAN_CHUNK rows of each sequence. A stand-in for ssd.chunk_scan (chunks, where given,
+    count as many chunks as it records)."""
     ys, finals, chunk_states = [], [], []
-    bounds = cu_host.tolist()
+    bounds = cu.tolist()
     for i, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
         state = initial[i].clone()  # (H, P, N)
         for t in range(s, e):
@@ -31,6 +32,7 @@ def _varlen_reference(q, k, v, g, initial, cu, cu_host):
             state = torch.exp(g[t])[:, None, None] * state + v[t][:, :, None] * k[t][:, None, :]
             ys.append(torch.einsum("hpn,hn->hp", state, q[t]))
         finals.append(state)
+    assert chunks is None or chunks.count == len(chunk_states)
     return torch.stack(ys), torch.stack(finals), torch.stack(chunk_states)
 
 
@@ -43,7 +45,10 @@ def test_plan_pads_each_captured_chunk_to_a_chunk_edge():
     # then rows 16..23 (capture at scan row 64 of its sequence: chunk 3 + 1)
     assert plan.scan_rows.tolist() == [-1] * 60 + list(range(10)) + list(range(11, 16)) + [-1] * 57 + list(
         range(16, 24))
-    assert plan.scan_cu_host.tolist() == [0, 70, 75, 140]
+    assert plan.scan_cu.tolist() == [0, 70, 75, 140]
+    # the scan's chunks: two of the first sequence (70 rows), one of the second, two of the third
+    assert plan.scan_chunks.indices.tolist() == [[0, 0], [0, 1], [1, 0], [2, 0], [2, 1]]
+    assert plan.scan_chunks.offsets.tolist() == [0, 2, 3, 5]
     assert plan.out_rows.tolist() == list(range(60, 70)) + list(range(70, 75)) + list(range(132, 140))
     assert plan.capture_chunks.tolist() == [1, 4]
     assert plan.out_start is None  # three sequences: the outputs are gathered
@@ -81,7 +86,7 @@ def test_one_call_scan_equals_the_uncut_scan_and_the_state_at_the_split(lengths,
     y, final = scan_with_captures(_varlen_reference, *(on_scan_rows(t) for t in (q, k, v, g)), initial, plan,
                                   ssm_out)
     cu = torch.tensor([*starts, T])
-    want_y, want_final, _ = _varlen_reference(q, k, v, g, initial, cu, cu)
+    want_y, want_final, _ = _varlen_reference(q, k, v, g, initial, cu, None)
     assert torch.allclose(y, want_y, rtol=1e-9, atol=1e-9)
     assert torch.allclose(final, want_final, rtol=1e-9, atol=1e-9)
     for j, s in enumerate(starts):  # and the uncut chunks are the reference chunked scan's

@@ -13,7 +13,7 @@ import torch
 
 from engine.forward_batch import ForwardBatch, SequenceChunk
 from engine.kernels.gpu.batch_plan import FreshChunkView, GpuBatchPlan, build_gpu_batch_plan
-from engine.kernels.gpu.in_pass_capture import SCAN_CHUNK, CaptureSplit, build_in_pass_plan
+from engine.kernels.gpu.in_pass_capture import SCAN_CHUNK, CaptureSplit, ScanChunks, build_in_pass_plan
 from engine.sampling_params import SamplingParams
 from engine.step_io import ScheduledChunk
 from engine.worker import build_forward_batch
@@ -157,7 +157,7 @@ def _gpu_plan_oracle(batch: ForwardBatch, block_size: int) -> dict:
         num_prefill=len(prefill),
         prefill_rows=None if prefill_rows == list(range(batch.num_tokens)) else _int64(prefill_rows),
         prefill_cu_seqlens=_int64(prefill_cu),
-        prefill_cu_seqlens_host=_int64(prefill_cu),
+        prefill_scan_chunks=_scan_chunks_oracle([chunks[i].num_tokens for i in prefill]) if len(prefill) > 1 else None,
         prefill_slots=_int64([chunks[i].state_slot for i in prefill]),
         prefill_reset=_int64([int(chunks[i].reset_state) for i in prefill]),
         fresh_chunks=tuple(FreshChunkView(cu[i], cu[i + 1]) for i in prefill if i not in paged),
@@ -172,7 +172,25 @@ def _gpu_plan_oracle(batch: ForwardBatch, block_size: int) -> dict:
     )
 
 
-# every device tensor of the plan except prefill_cu_seqlens_host: views of the one packed copy
+def _scan_chunks_oracle(lengths: list[int]) -> ScanChunks:
+    """The scan cuts each sequence into SCAN_CHUNK-row chunks from its start, row by row."""
+    pairs, offsets = [], [0]
+    for sequence, n in enumerate(lengths):
+        pairs += [[sequence, r // SCAN_CHUNK] for r in range(0, n, SCAN_CHUNK)]
+        offsets.append(len(pairs))
+    return ScanChunks(_int64(pairs).view(-1, 2), _int64(offsets))
+
+
+def _assert_same_chunks(actual: ScanChunks | None, expected: ScanChunks | None, name: str) -> None:
+    if expected is None:
+        assert actual is None, name
+        return
+    _assert_same_tensor(actual.indices, expected.indices, f"{name}.indices")
+    _assert_same_tensor(actual.offsets, expected.offsets, f"{name}.offsets")
+    assert actual.count == len(expected.indices)
+
+
+# every device tensor of the plan: views of the one packed copy
 PACKED_FIELDS = (
     "cu_seqlens", "chunk_slot", "chunk_reset", "token_chunk", "decode_rows", "decode_slots",
     "decode_reset", "decode_seq_lens", "decode_block_table", "prefill_rows", "prefill_cu_seqlens",
@@ -193,12 +211,16 @@ def test_gpu_plan_matches_the_oracle_and_is_one_packed_buffer(seed):
         actual = getattr(plan, name)
         if isinstance(expected, torch.Tensor) or (expected is None and name in PACKED_FIELDS):
             _assert_same_tensor(actual, expected, name)
+        elif name == "prefill_scan_chunks":
+            _assert_same_chunks(actual, expected, name)
         else:
             assert actual == expected and type(actual) is type(expected), name
     for view in plan.fresh_chunks:
         assert type(view.start) is int and type(view.end) is int
-    storages = {getattr(plan, name).untyped_storage().data_ptr()
-                for name in PACKED_FIELDS if getattr(plan, name) is not None}
+    packed = [getattr(plan, name) for name in PACKED_FIELDS]
+    if plan.prefill_scan_chunks is not None:
+        packed += [plan.prefill_scan_chunks.indices, plan.prefill_scan_chunks.offsets]
+    storages = {t.untyped_storage().data_ptr() for t in packed if t is not None}
     assert len(storages) == 1  # one host buffer, so one host-to-device copy on CUDA
 
 
@@ -242,7 +264,8 @@ def _in_pass_oracle(prefill, splits) -> dict:
     out_rows = [i for i, row in enumerate(scan_rows) if row >= 0]
     one_run = bool(out_rows) and out_rows == list(range(out_rows[0], out_rows[0] + len(out_rows)))
     return dict(
-        scan_rows=_int64(scan_rows), scan_cu=_int64(scan_cu), scan_cu_host=_int64(scan_cu),
+        scan_rows=_int64(scan_rows), scan_cu=_int64(scan_cu),
+        scan_chunks=_scan_chunks_oracle([b - a for a, b in zip(scan_cu, scan_cu[1:])]) if len(prefill) > 1 else None,
         out_rows=_int64(out_rows), out_start=out_rows[0] if one_run else None,
         capture_chunks=_int64(capture_chunks),
     )
@@ -258,6 +281,8 @@ def test_in_pass_plan_matches_the_row_by_row_oracle(seed):
         actual = getattr(plan, name)
         if isinstance(expected, torch.Tensor):
             _assert_same_tensor(actual, expected, name)
+        elif name == "scan_chunks":
+            _assert_same_chunks(actual, expected, name)
         else:
             assert actual == expected and type(actual) is type(expected), name
     assert plan.splits == tuple(splits)

@@ -24,3 +24,10 @@ def test_rows_of_several_outputs_are_stacked():
     refs = [RowRef(decoded, 2), RowRef(restored[None], 0), RowRef(decoded, 0)]
     assert torch.equal(gather_rows(refs), torch.stack([decoded[2], restored, decoded[0]]))
     assert torch.equal(refs[1].row(), restored)
+
+
+def test_consecutive_rows_of_one_output_are_a_view():
+    """A prefill's last row (or a run of rows): no gather, so no index list to copy and wait for."""
+    hidden = torch.randn(6, 8)
+    rows = gather_rows([RowRef(hidden, 3), RowRef(hidden, 4)])
+    assert torch.equal(rows, hidden[3:5]) and rows.data_ptr() == hidden[3].data_ptr()

@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from engine.forward_batch import ForwardBatch
-from engine.host_index import concat_ranges, cumulative_bounds, int64_array, padded_rows, range_index
-from engine.kernels.gpu.in_pass_capture import InPassCapturePlan
+from engine.host_index import concat_ranges, cumulative_bounds, int64_array, padded_rows, range_index, to_device
+from engine.kernels.gpu.in_pass_capture import InPassCapturePlan, ScanChunks, scan_chunk_arrays
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,8 @@ class GpuBatchPlan:
     (Bd,) = keys each query attends to, decode_block_table (Bd, max_blocks), zero padded.
     Prefill chunks: prefill_rows (Tp,) token rows (None when every row is a prefill row, in
     order), prefill_cu_seqlens (Sp+1,) over the prefill rows, prefill_slots, prefill_reset;
+    prefill_scan_chunks: the scan's chunks when it has several sequences (its varlen path),
+    None for one;
     prefill_valid (Tp,) bool, None when every prefill row is a real token: a CUDA graph's
     padded prefill, where the scan must leave the state unchanged over the padding rows.
     Prefill attention: fresh_chunks, the chunks that start their sequence, served by SDPA over
@@ -63,7 +65,7 @@ class GpuBatchPlan:
     num_prefill: int
     prefill_rows: torch.Tensor | None
     prefill_cu_seqlens: torch.Tensor
-    prefill_cu_seqlens_host: torch.Tensor
+    prefill_scan_chunks: ScanChunks | None
     prefill_slots: torch.Tensor
     prefill_reset: torch.Tensor
     fresh_chunks: tuple[FreshChunkView, ...]
@@ -113,11 +115,11 @@ def build_gpu_batch_plan(batch: ForwardBatch, block_size: int, device: torch.dev
         np.where(paged, lengths[prefill], 0),
         starts[prefill],
         _block_tables(chunks, prefill, paged_blocks).ravel(),
+        *(scan_chunk_arrays(lengths[prefill]) if len(prefill) > 1 else [prefill[:0], prefill[:0]]),
     ]
-    packed = torch.from_numpy(np.concatenate(fields)).to(device, non_blocking=True)
     (cu_t, slot_t, reset_t, token_chunk, d_rows, d_slots, d_reset, d_lens, d_table,
-     p_rows, p_cu, p_slots, p_reset, a_rows, a_lens, a_positions, a_tables) = torch.split(
-        packed, [len(f) for f in fields])
+     p_rows, p_cu, p_slots, p_reset, a_rows, a_lens, a_positions, a_tables,
+     p_chunk_pairs, p_chunk_offsets) = to_device(fields, device)
     fresh = prefill[~paged].tolist()
     return GpuBatchPlan(
         num_chunks=len(chunks),
@@ -134,7 +136,7 @@ def build_gpu_batch_plan(batch: ForwardBatch, block_size: int, device: torch.dev
         num_prefill=len(prefill),
         prefill_rows=None if rows_are_identity else p_rows,
         prefill_cu_seqlens=p_cu,
-        prefill_cu_seqlens_host=torch.from_numpy(prefill_cu),
+        prefill_scan_chunks=ScanChunks(p_chunk_pairs.view(-1, 2), p_chunk_offsets) if len(prefill) > 1 else None,
         prefill_slots=p_slots,
         prefill_reset=p_reset,
         fresh_chunks=tuple(FreshChunkView(cu[i], cu[i + 1]) for i in fresh),
@@ -185,7 +187,7 @@ def decode_only_plan(
         num_prefill=0,
         prefill_rows=None,
         prefill_cu_seqlens=arange[:1],
-        prefill_cu_seqlens_host=torch.zeros(1, dtype=torch.int64),
+        prefill_scan_chunks=None,
         prefill_slots=empty,
         prefill_reset=empty,
         fresh_chunks=(),
@@ -230,7 +232,7 @@ def single_prefill_plan(
         num_prefill=1,
         prefill_rows=None,
         prefill_cu_seqlens=scan_bounds,
-        prefill_cu_seqlens_host=torch.tensor([0, num_rows], dtype=torch.int64),
+        prefill_scan_chunks=None,
         prefill_slots=chunk_slot[:1],
         prefill_reset=chunk_reset[:1],
         prefill_valid=token_chunk == 0,

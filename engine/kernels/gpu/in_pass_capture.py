@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.host_index import concat_ranges, cumulative_bounds, int64_array
+from engine.host_index import chunk_pairs, concat_ranges, cumulative_bounds, int64_array, to_device
 
 
 @dataclass(frozen=True)
@@ -42,12 +42,36 @@ SCAN_CHUNK = 64  # rows per chunk of the chunked scan (fla-core's chunk size): i
 
 
 @dataclass(frozen=True)
+class ScanChunks:
+    """The SCAN_CHUNK-row chunks of a scan over several sequences (its varlen path), on the
+    device, built on the host with the step's other indices (scan_chunk_arrays) so that the
+    scan never reads them back: indices (NC, 2), the (sequence, chunk of it) pair of each chunk
+    in order (fla-core's chunk_indices); offsets (S+1,), the first chunk of each sequence and NC."""
+
+    indices: torch.Tensor
+    offsets: torch.Tensor
+
+    @property
+    def count(self) -> int:
+        """NC, known on the host from the shape."""
+        return self.indices.shape[0]
+
+
+def scan_chunk_arrays(lengths: np.ndarray) -> list[np.ndarray]:
+    """[indices flattened (2 NC,), offsets (S+1,)]: ScanChunks' arrays for sequences of `lengths`
+    rows, to copy to the device with the step's other arrays (ScanChunks(indices.view(-1, 2),
+    offsets))."""
+    return [chunk_pairs(lengths, SCAN_CHUNK), cumulative_bounds(-(-lengths // SCAN_CHUNK))]
+
+
+@dataclass(frozen=True)
 class InPassCapturePlan:
     """The scan's rows with each captured chunk front-padded, and where each Mamba layer writes
     what it captures.
 
     scan_rows (Ts,): token row of each scan row, -1 for a padding row; scan_cu (Sp+1,) over the
-    scan rows (device and host copies); out_rows (Tp,): scan row of each prefill row, and
+    scan rows; scan_chunks: ScanChunks of the scan when it has several sequences, None for one;
+    out_rows (Tp,): scan row of each prefill row, and
     out_start: the first of them when they are one run of consecutive rows (one prefill
     sequence: the outputs are then a view, not a gathered copy), else None;
     capture_chunks (Sc,): per capture, the scan chunk that starts at its position;
@@ -57,7 +81,7 @@ class InPassCapturePlan:
     splits: tuple[CaptureSplit, ...]
     scan_rows: torch.Tensor
     scan_cu: torch.Tensor
-    scan_cu_host: torch.Tensor
+    scan_chunks: ScanChunks | None
     out_rows: torch.Tensor
     out_start: int | None
     capture_chunks: torch.Tensor
@@ -96,15 +120,19 @@ def build_in_pass_plan(
     out_rows = concat_ranges(scan_cu[:-1] + pads, lengths)
     scan_rows = np.full(int(scan_cu[-1]), -1, dtype=np.int64)
     scan_rows[out_rows] = concat_ranges(first_rows, lengths)
-    scan_cu_host = torch.from_numpy(scan_cu)
+    several = len(prefill) > 1
+    chunks = scan_chunk_arrays(pads + lengths) if several else [pads[:0], pads[:0]]
+    scan_rows_t, scan_cu_t, out_rows_t, capture_chunks_t, pairs_t, offsets_t = to_device(
+        [scan_rows, scan_cu, out_rows, capture_chunks, *chunks], device
+    )
     return InPassCapturePlan(
         splits=tuple(splits),
-        scan_rows=torch.from_numpy(scan_rows).to(device),
-        scan_cu=scan_cu_host.to(device),
-        scan_cu_host=scan_cu_host,
-        out_rows=torch.from_numpy(out_rows).to(device),
+        scan_rows=scan_rows_t,
+        scan_cu=scan_cu_t,
+        scan_chunks=ScanChunks(pairs_t.view(-1, 2), offsets_t) if several else None,
+        out_rows=out_rows_t,
         out_start=_start_of_one_run(out_rows),
-        capture_chunks=torch.from_numpy(capture_chunks).to(device),
+        capture_chunks=capture_chunks_t,
         conv_out=conv_out,
         ssm_out=ssm_out,
     )
@@ -174,7 +202,7 @@ def scan_with_captures(
     """The scan of the prefill chunks as if uncut, in one call: returns (y (Tp, H, P) fp32
     without the D skip, final states (Sp, H, P, N)); writes the states at the captures into
     ssm_out."""
-    y, final, chunk_states = scan(q, k, v, g, initial, plan.scan_cu, plan.scan_cu_host)
+    y, final, chunk_states = scan(q, k, v, g, initial, plan.scan_cu, plan.scan_chunks)
     ssm_out.copy_(chunk_states.index_select(0, plan.capture_chunks))
     if plan.out_start is not None:
         return y[plan.out_start : plan.out_start + plan.out_rows.shape[0]], final

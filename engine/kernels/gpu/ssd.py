@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from engine.kernels.gpu.in_pass_capture import SCAN_CHUNK, InPassCapturePlan, scan_with_captures
+from engine.kernels.gpu.in_pass_capture import SCAN_CHUNK, InPassCapturePlan, ScanChunks, scan_with_captures
 from engine.kernels.gpu.pdl import launch_options, release_next, wait_for_previous
 
 
@@ -38,7 +38,7 @@ def chunk_scan(
     g: torch.Tensor,  # (T, H) fp32: dt * A, the log decay of each step
     initial_state: torch.Tensor,  # (S, H, P, N) fp32, not modified
     cu_seqlens: torch.Tensor,  # (S+1,) int64 on the device
-    cu_seqlens_host: torch.Tensor,  # the same on the CPU
+    chunks: ScanChunks | None,  # the chunks of the S sequences; None when S = 1
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The chunked scan of S sequences laid end to end, on the SSD's prepared inputs: per head,
     state_t = exp(g_t) state_{t-1} + outer(v_t, k_t), y_t = state_t @ q_t. Returns (y (T, H, P)
@@ -48,29 +48,60 @@ def chunk_scan(
     fla-core's chunk_simple_gla forward, step by step (its cumsum, chunk_fwd_h, chunk_fwd_o,
     pinned at fla-core 0.6.0), for the chunk-start states it computes and the public function
     drops. fp32 inputs, which Triton multiplies in tf32, so the states stay fp32. One sequence
-    (S = 1) takes the fixed-length path, which has no host synchronisation (the varlen path reads
-    the number of chunks back from the device on every call) and so can be captured in a CUDA
-    graph; same kernels, same chunk edges."""
+    (S = 1) takes the fixed-length path (which a CUDA graph can capture), several the varlen
+    path, given the chunks its kernels walk (fla-core's chunk_fwd_h would read their count back
+    from the device, and prepare_chunk_indices wait for their copy: once per layer); same
+    kernels, same chunk edges."""
     from fla.ops.common.chunk_h import chunk_fwd_h  # carried wheel; only the GPU path needs it
     from fla.ops.common.chunk_o import chunk_fwd_o
-    from fla.ops.utils import chunk_local_cumsum, prepare_chunk_indices
+    from fla.ops.utils import chunk_local_cumsum
     from fla.ops.utils.constant import RCP_LN2
 
-    varlen = cu_seqlens_host.shape[0] > 2
-    cu = cu_seqlens if varlen else None
-    indices = prepare_chunk_indices(cu_seqlens, SCAN_CHUNK, cu_seqlens_cpu=cu_seqlens_host) if varlen else None
+    cu, indices = (None, None) if chunks is None else (cu_seqlens, chunks.indices)
     q, k, v = q[None], k[None], v[None]
     # log2 decays, cumulated within each chunk (the kernels use exp2)
     g = chunk_local_cumsum(g[None], chunk_size=SCAN_CHUNK, scale=RCP_LN2, cu_seqlens=cu, chunk_indices=indices)
-    h, final_state = chunk_fwd_h(
-        k=k, v=v, g=g, h0=initial_state.contiguous(), output_final_state=True, state_v_first=True,
-        cu_seqlens=cu, chunk_size=SCAN_CHUNK,
-    )
+    if chunks is None:
+        h, final_state = chunk_fwd_h(
+            k=k, v=v, g=g, h0=initial_state.contiguous(), output_final_state=True, state_v_first=True,
+            chunk_size=SCAN_CHUNK,
+        )
+    else:
+        h, final_state = _chunk_states_varlen(k, v, g, initial_state.contiguous(), cu_seqlens, chunks)
     y = chunk_fwd_o(
         q=q, k=k, v=v, h=h, g=g, scale=1.0, state_v_first=True, cu_seqlens=cu, chunk_size=SCAN_CHUNK,
         chunk_indices=indices,
     )
     return y[0].float(), final_state, h[0]
+
+
+def _chunk_states_varlen(
+    k: torch.Tensor,  # (1, T, H, N) fp32
+    v: torch.Tensor,  # (1, T, H, P) fp32
+    g: torch.Tensor,  # (1, T, H) fp32, log2 decays cumulated within each chunk
+    initial_state: torch.Tensor,  # (S, H, P, N) fp32, contiguous
+    cu_seqlens: torch.Tensor,  # (S+1,)
+    chunks: ScanChunks,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fla-core 0.6.0's chunk_fwd_h for several sequences, V-first states, fp32 inputs (the
+    states fp32 too), its kernel launched as chunk_fwd_h launches it, with the chunk offsets and
+    count taken from `chunks` instead of computed on the device and read back (.item()).
+    Returns (h (1, NC, H, P, N): the state at the start of every chunk, final (S, H, P, N))."""
+    from fla.ops.common.chunk_h import chunk_fwd_kernel_h
+
+    _, T, H, N = k.shape
+    P = v.shape[-1]
+    S = cu_seqlens.shape[0] - 1
+    h = k.new_empty(1, chunks.count, H, P, N)
+    final = k.new_empty(S, H, P, N, dtype=torch.float)
+    grid = lambda meta: (triton.cdiv(N, meta["BK"]) * triton.cdiv(P, meta["BV"]) * S * H,)  # noqa: E731
+    chunk_fwd_kernel_h[grid](
+        k=k, v=v, h=h, g=g, g_gamma=None, gk=None, gv=None, h0=initial_state, ht=final,
+        cu_seqlens=cu_seqlens, split_offsets=chunks.offsets, T=T, H=H, K=N, V=P,
+        BT=SCAN_CHUNK, BS=SCAN_CHUNK, USE_G=True, USE_G_GAMMA=False, USE_GK=False, USE_GV=False,
+        STATE_V_FIRST=True,
+    )
+    return h, final
 
 
 @triton.jit
@@ -161,7 +192,7 @@ def ssd_prefill_scan(
     shape: tuple[int, int, int, int],  # (H, P, G, N)
     initial_state: torch.Tensor,  # (S, H, P, N) fp32
     cu_seqlens: torch.Tensor,  # (S+1,) over the prefill rows
-    cu_seqlens_host: torch.Tensor,
+    chunks: ScanChunks | None,  # the scan's chunks; None when S = 1
     rows: torch.Tensor | None = None,  # (Tp,) the prefill rows; None: all T rows
     valid: torch.Tensor | None = None,  # (Tp,) bool, see scan_inputs
     in_pass: InPassCapturePlan | None = None,
@@ -174,7 +205,7 @@ def ssd_prefill_scan(
     limits = (dt_bias, A_log, time_step_limit, shape)
     if in_pass is None:
         q, k, v, g = scan_inputs(xBC, dt_raw, *limits, rows, valid)
-        y, final_state, _ = chunk_scan(q, k, v, g, initial_state, cu_seqlens, cu_seqlens_host)
+        y, final_state, _ = chunk_scan(q, k, v, g, initial_state, cu_seqlens, chunks)
     else:  # the scan's own rows: the prefill rows, padding before each captured chunk
         q, k, v, g = scan_inputs(xBC, dt_raw, *limits, in_pass.scan_rows)
         y, final_state = scan_with_captures(chunk_scan, q, k, v, g, initial_state, in_pass, in_pass_states)
