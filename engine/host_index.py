@@ -63,8 +63,10 @@ def chunk_pairs(lengths: np.ndarray, chunk: int) -> np.ndarray:
 def to_device(arrays: Sequence[np.ndarray], device: torch.device) -> list[torch.Tensor]:
     """The int64 arrays on `device`, as views of one tensor filled by one copy, ordered on the
     stream before whatever is launched after it. Non-blocking: torch does not synchronise the
-    stream after it (a blocking .to(device) from pageable memory does, so the host would wait
-    for every kernel already queued); the driver has read the pageable bytes when the call
-    returns, so the arrays may be dropped at once."""
+    stream after it, as a blocking .to(device) from pageable memory does (the host would wait
+    for every kernel already queued; the driver itself may still wait while it stages the
+    bytes). The driver has read the pageable bytes when the call returns, so the arrays may be
+    dropped at once."""
+    assert all(a.dtype == np.int64 for a in arrays), "to_device takes int64 arrays"
     packed = torch.from_numpy(np.concatenate(arrays)).to(device, non_blocking=True)
     return list(torch.split(packed, [len(a) for a in arrays]))

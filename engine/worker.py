@@ -91,6 +91,18 @@ def gather_rows(refs: list[RowRef]) -> torch.Tensor:
     return torch.stack([ref.row() for ref in refs])
 
 
+def store_sampled(pool: torch.Tensor, tokens: torch.Tensor) -> None:
+    """pool[:n] = tokens (n,), where the next step reads pending tokens. Nothing to do when they
+    are there already (a decode graph's argmax is pool[:n] itself); when they are other rows of
+    the same pool (a decode graph's argmax rows after one that sampled nothing), copied first,
+    as the two ranges may overlap."""
+    if tokens.data_ptr() == pool.data_ptr():
+        return
+    if tokens.untyped_storage().data_ptr() == pool.untyped_storage().data_ptr():
+        tokens = tokens.clone()
+    pool[: tokens.shape[0]].copy_(tokens)
+
+
 class Worker:
     """tp: the tensor-parallel rank this worker is (None: the only one). Every rank loads only
     its shard and allocates its own KV heads and state channels. The cache byte budgets are per
@@ -235,8 +247,7 @@ class Worker:
                 rows = gather_rows([last_hidden[chunk.request_id] for chunk in sampled])
                 logits, argmax = self.model.compute_logits(rows), None
             tokens = self._sample(sampled, logits, argmax, output)
-            if tokens.data_ptr() != self._sampled.data_ptr():  # a decode graph's argmax is there already
-                self._sampled[: len(sampled)].copy_(tokens)
+            store_sampled(self._sampled, tokens)
         self._sampled_rows = {chunk.request_id: i for i, chunk in enumerate(sampled)}
         self._in_flight.append(_SubmittedStep(
             output, [chunk.request_id for chunk in sampled], self._token_readback.start(tokens)

@@ -62,15 +62,18 @@ def test_eager_prefill_of_two_chunks_does_not_wait(worker):
     assert set(out.sampled_token_ids) == {"r0", "r1"}
 
 
-def test_in_pass_capture_step_does_not_wait(worker):
-    """A prefill chunk that takes the checkpoint at token 512 inside its forward pass."""
-    chunk = _chunk(2, 700)
+@pytest.mark.parametrize("beside", [0, 1])  # with another prefill chunk: the scan's varlen path
+def test_in_pass_capture_step_does_not_wait(worker, beside):
+    """A prefill chunk that takes the checkpoint at token 512 inside its forward pass, alone or
+    beside another request's prefill chunk."""
+    chunks = (_chunk(2, 700),) + ((_chunk(0, 300),) if beside else ())
     step = lambda bundle: SchedulerOutput(  # noqa: E731
-        (chunk,), captures=(CaptureOp(bundle, "r2", 2, 512, None, in_pass=True),),
+        chunks, captures=(CaptureOp(bundle, "r2", 2, 512, None, in_pass=True),),
     )
     worker.execute(step(1))
     out = _submit_without_waiting(worker, step(2))
     assert out.confirmed_captures.get(2) and "r2" in out.sampled_token_ids
+    assert len(out.sampled_token_ids) == len(chunks)
 
 
 def test_restore_and_graphed_prefill_do_not_wait(worker):
@@ -90,5 +93,7 @@ def test_restore_and_graphed_prefill_do_not_wait(worker):
 def test_decode_step_does_not_wait(worker):
     """Two decode rows through a decode CUDA graph."""
     worker.execute(SchedulerOutput((_chunk(0, 20), _chunk(1, 20))))
+    replays = worker.decode_graphs.replays
     out = _submit_without_waiting(worker, SchedulerOutput((_chunk(0, 1, start=20), _chunk(1, 1, start=20))))
     assert set(out.sampled_token_ids) == {"r0", "r1"}
+    assert worker.decode_graphs.replays == replays + 2  # the warm-up run and the checked one

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.worker import RowRef, gather_rows
+from engine.worker import RowRef, gather_rows, store_sampled
 
 
 def test_all_rows_in_order_are_the_step_output_itself():
@@ -31,3 +31,19 @@ def test_consecutive_rows_of_one_output_are_a_view():
     hidden = torch.randn(6, 8)
     rows = gather_rows([RowRef(hidden, 3), RowRef(hidden, 4)])
     assert torch.equal(rows, hidden[3:5]) and rows.data_ptr() == hidden[3].data_ptr()
+
+
+def test_sampled_tokens_further_into_the_pool_are_stored_at_its_start():
+    """A decode graph's argmax rows 1..3 (its first chunk sampled nothing) overlap pool[:3]:
+    they are copied first, not written onto themselves."""
+    pool = torch.arange(10, 18)
+    store_sampled(pool, pool[1:4])
+    assert pool[:4].tolist() == [11, 12, 13, 13]
+
+
+def test_sampled_tokens_already_in_place_or_elsewhere():
+    pool = torch.zeros(4, dtype=torch.int64)
+    store_sampled(pool, torch.tensor([7, 8]))
+    assert pool.tolist() == [7, 8, 0, 0]
+    store_sampled(pool, pool[:2])  # a decode graph's own argmax: nothing to do
+    assert pool.tolist() == [7, 8, 0, 0]

@@ -45,20 +45,20 @@ SCAN_CHUNK = 64  # rows per chunk of the chunked scan (fla-core's chunk size): i
 class ScanChunks:
     """The SCAN_CHUNK-row chunks of a scan over several sequences (its varlen path), on the
     device, built on the host with the step's other indices (scan_chunk_arrays) so that the
-    scan never reads them back: indices (NC, 2), the (sequence, chunk of it) pair of each chunk
-    in order (fla-core's chunk_indices); offsets (S+1,), the first chunk of each sequence and NC."""
+    scan never reads them back: indices (NS, 2), the (sequence, chunk of it) pair of each chunk
+    in order (fla-core's chunk_indices); offsets (Sp+1,), the first chunk of each sequence and NS."""
 
     indices: torch.Tensor
     offsets: torch.Tensor
 
     @property
     def count(self) -> int:
-        """NC, known on the host from the shape."""
+        """NS, known on the host from the shape."""
         return self.indices.shape[0]
 
 
 def scan_chunk_arrays(lengths: np.ndarray) -> list[np.ndarray]:
-    """[indices flattened (2 NC,), offsets (S+1,)]: ScanChunks' arrays for sequences of `lengths`
+    """[indices flattened (2 NS,), offsets (Sp+1,)]: ScanChunks' arrays for sequences of `lengths`
     rows, to copy to the device with the step's other arrays (ScanChunks(indices.view(-1, 2),
     offsets))."""
     return [chunk_pairs(lengths, SCAN_CHUNK), cumulative_bounds(-(-lengths // SCAN_CHUNK))]

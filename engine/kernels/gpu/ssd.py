@@ -11,9 +11,10 @@ Neither applies the D skip (y_t + D_h * x_t): the gated RMSNorm that reads y nex
 (engine/kernels/gpu/fused_norm.py, gated_rms_norm's skip), which saves a pass over the fp32 y.
 
 Prefill: `scan_inputs`, our own kernel, turns the conv output and raw dt into q = C, k = B,
-v = x * dt, g = dt * A (fp32, per head) in one launch; fla-core's `chunk_simple_gla` (pure
-Triton, DESIGN.md section 7) scans them with scale 1 in our (H, P, N) state layout
-(`state_v_first`); fp32 inputs (Triton multiplies in tf32), so chunk-edge states stay fp32.
+v = x * dt, g = dt * A (fp32, per head) in one launch; fla-core's `chunk_simple_gla` kernels
+(pure Triton, DESIGN.md section 7: its cumsum, chunk-state and output kernels, called one by
+one in `chunk_scan`) scan them with scale 1 in our (H, P, N) state layout (`state_v_first`);
+fp32 inputs (Triton multiplies in tf32), so chunk-edge states stay fp32.
 Decode: `_decode_kernel`, our own: each program owns (one slot, one head, BLOCK_P rows of P),
 reads that state tile once, updates it, writes it back in place and emits y.
 
@@ -57,6 +58,7 @@ def chunk_scan(
     from fla.ops.utils import chunk_local_cumsum
     from fla.ops.utils.constant import RCP_LN2
 
+    assert chunks is not None or initial_state.shape[0] == 1, "several sequences need their chunks"
     cu, indices = (None, None) if chunks is None else (cu_seqlens, chunks.indices)
     q, k, v = q[None], k[None], v[None]
     # log2 decays, cumulated within each chunk (the kernels use exp2)
@@ -86,7 +88,7 @@ def _chunk_states_varlen(
     """fla-core 0.6.0's chunk_fwd_h for several sequences, V-first states, fp32 inputs (the
     states fp32 too), its kernel launched as chunk_fwd_h launches it, with the chunk offsets and
     count taken from `chunks` instead of computed on the device and read back (.item()).
-    Returns (h (1, NC, H, P, N): the state at the start of every chunk, final (S, H, P, N))."""
+    Returns (h (1, NS, H, P, N): the state at the start of every chunk, final (S, H, P, N))."""
     from fla.ops.common.chunk_h import chunk_fwd_kernel_h
 
     _, T, H, N = k.shape
