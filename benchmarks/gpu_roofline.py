@@ -46,11 +46,12 @@ from pathlib import Path
 import torch
 
 from engine.config import EngineConfig
+from engine.forward_batch import build_forward_batch
 from engine.loader import load_model
 from engine.request import PENDING_TOKEN
 from engine.sampling_params import SamplingParams
 from engine.step_io import ScheduledChunk, SchedulerOutput
-from engine.worker import Worker, build_forward_batch
+from engine.worker import Worker
 
 from roofline_checkpoints import checkpoint_rows  # noqa: E402  (this script's folder)
 

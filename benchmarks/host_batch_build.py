@@ -5,7 +5,7 @@
 
 Times, on the CPU, the three functions a CUDA step calls before its first kernel:
 
-  forward batch   engine/worker.py build_forward_batch (token ids, positions, KV write slots)
+  forward batch   engine/forward_batch.py build_forward_batch (token ids, positions, KV write slots)
   gpu plan        engine/kernels/gpu/batch_plan.py build_gpu_batch_plan, with device cpu (on
                   CUDA the same packing plus one host-to-device copy)
   in-pass plan    engine/kernels/gpu/in_pass_capture.py build_in_pass_plan (prefill cases with
@@ -39,7 +39,7 @@ from engine.kernels.gpu.batch_plan import build_gpu_batch_plan
 from engine.kernels.gpu.in_pass_capture import CaptureSplit, build_in_pass_plan
 from engine.sampling_params import SamplingParams
 from engine.step_io import ScheduledChunk
-from engine.worker import build_forward_batch
+from engine.forward_batch import build_forward_batch
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 BLOCK_SIZE = 16

@@ -1,7 +1,7 @@
 """What one model forward pass sees: a flat batch of token chunks plus the cache tensors.
 
-The runner builds a ForwardBatch from the scheduler's output; the model reads it and writes
-the caches in place. Chunks are concatenated in order: chunk i covers rows
+The worker builds a ForwardBatch from the scheduler's chunks (build_forward_batch); the model
+reads it and writes the caches in place. Chunks are concatenated in order: chunk i covers rows
 cu_seqlens[i]:cu_seqlens[i+1] of input_ids, positions and slot_mapping.
 """
 
@@ -9,7 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+from engine.host_index import concat_ranges, cumulative_bounds, flat_int64, int64_array, range_index, to_device
+from engine.step_io import ScheduledChunk
 
 
 @dataclass(frozen=True)
@@ -111,3 +115,66 @@ class ModelCaches:
                 raise ValueError(f"layer {layer}: state shapes do not match this rank's slots")
             self.conv_state[layer][slot].copy_(conv)
             self.ssm_state[layer][slot].copy_(ssm)
+
+
+def build_forward_batch(
+    chunks: list[ScheduledChunk], block_size: int, device: torch.device
+) -> ForwardBatch:
+    """Flatten chunks (each with at least one token) into one token axis with positions and
+    KV write slots. A chunk whose block table does not cover its positions: ValueError."""
+    lengths = int64_array([len(chunk.token_ids) for chunk in chunks])
+    starts = int64_array([chunk.start_position for chunk in chunks])
+    positions = concat_ranges(starts, lengths)
+    slot_mapping = _kv_write_slots(chunks, starts, lengths, positions, block_size)
+    input_ids = flat_int64(chunk.token_ids for chunk in chunks)
+    sequence_chunks = tuple(
+        SequenceChunk(
+            state_slot=chunk.state_slot,
+            start_position=chunk.start_position,
+            num_tokens=len(chunk.token_ids),
+            block_table=chunk.block_table,
+            reset_state=chunk.reset_state,
+        )
+        for chunk in chunks
+    )
+    ids_t, positions_t, slot_mapping_t = to_device([input_ids, positions, slot_mapping], device)
+    return ForwardBatch(
+        input_ids=ids_t,
+        positions=positions_t,
+        slot_mapping=slot_mapping_t,
+        chunks=sequence_chunks,
+        cu_seqlens=tuple(cumulative_bounds(lengths).tolist()),
+    )
+
+
+def _kv_write_slots(
+    chunks: list[ScheduledChunk], starts: np.ndarray, lengths: np.ndarray, positions: np.ndarray,
+    block_size: int,
+) -> np.ndarray:
+    """(T,) the KV write slot of every token: block_table[p // block_size] * block_size +
+    p % block_size, p its position and block_table its chunk's. ValueError as _written_blocks."""
+    first_block = starts // block_size
+    num_written = -(-(starts + lengths) // block_size) - first_block  # blocks each chunk writes into
+    written = _written_blocks(chunks, first_block, num_written)
+    chunk = range_index(lengths)
+    # each token's block in `written`: where its chunk's blocks begin, plus its block's rank there
+    block_index = cumulative_bounds(num_written)[chunk] + positions // block_size - first_block[chunk]
+    return written[block_index] * block_size + positions % block_size
+
+
+def _written_blocks(
+    chunks: list[ScheduledChunk], first_block: np.ndarray, num_written: np.ndarray
+) -> np.ndarray:
+    """Blocks first_block[i] .. first_block[i] + num_written[i] - 1 of each chunk's block table,
+    chunk after chunk. ValueError when a block table is too short."""
+    written = [
+        chunk.block_table[first : first + count]
+        for chunk, first, count in zip(chunks, first_block.tolist(), num_written.tolist())
+    ]
+    for chunk, blocks, count in zip(chunks, written, num_written.tolist()):
+        if len(blocks) != count:
+            raise ValueError(
+                f"request {chunk.request_id}: block table of {len(chunk.block_table)} blocks does not "
+                f"cover positions up to {chunk.start_position + len(chunk.token_ids) - 1}"
+            )
+    return flat_int64(written)

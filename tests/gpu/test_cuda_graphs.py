@@ -18,7 +18,7 @@ from engine.cuda_graphs import DecodeGraphRunner, decode_batch_sizes
 from engine.loader import load_model
 from engine.sampling_params import SamplingParams
 from engine.step_io import ScheduledChunk
-from engine.worker import build_forward_batch
+from engine.forward_batch import build_forward_batch
 from tests.gpu.conftest import INTERPRETED, relative_error
 
 pytestmark = [

@@ -222,7 +222,7 @@ def test_mixer_decode_only_path(device, dtype, monkeypatch):
     from engine.loader import load_model
     from engine.sampling_params import SamplingParams
     from engine.step_io import ScheduledChunk
-    from engine.worker import build_forward_batch
+    from engine.forward_batch import build_forward_batch
 
     model, config = load_model(DEFAULT_MODEL_DIR, dtype=dtype, device=device)
     mixer = next(layer.mamba for layer in model.layers if layer.mamba is not None)

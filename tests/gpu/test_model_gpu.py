@@ -28,7 +28,7 @@ from engine.loader import load_model
 from engine.sampling_params import SamplingParams
 from engine.step_io import ScheduledChunk, SchedulerOutput
 from engine.tensor_parallel import TensorParallel
-from engine.worker import build_forward_batch
+from engine.forward_batch import build_forward_batch
 from tests.gpu.conftest import INTERPRETED, needs_device, needs_log1p, relative_error
 
 pytestmark = [pytest.mark.gpu, needs_device]

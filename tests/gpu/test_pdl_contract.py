@@ -25,7 +25,7 @@ from engine.config import DEFAULT_MODEL_DIR
 from engine.loader import load_model
 from engine.sampling_params import SamplingParams
 from engine.step_io import ScheduledChunk
-from engine.worker import build_forward_batch
+from engine.forward_batch import build_forward_batch
 from tests.gpu.conftest import INTERPRETED
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs a CUDA device")

@@ -18,7 +18,7 @@ from engine.loader import load_model
 from engine.prefill_graphs import PrefillGraphRunner, prefill_graph_sizes
 from engine.sampling_params import SamplingParams
 from engine.step_io import ScheduledChunk
-from engine.worker import build_forward_batch
+from engine.forward_batch import build_forward_batch
 from tests.gpu.conftest import INTERPRETED, relative_error
 from tests.gpu.test_cuda_graphs import _clone, _real
 

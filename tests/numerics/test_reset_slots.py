@@ -9,7 +9,7 @@ from engine.config import DEFAULT_MODEL_DIR
 from engine.loader import load_model
 from engine.sampling_params import SamplingParams
 from engine.step_io import ScheduledChunk
-from engine.worker import build_forward_batch
+from engine.forward_batch import build_forward_batch
 
 
 def _chunk(slot: int, tokens: list[int], first_block: int) -> ScheduledChunk:

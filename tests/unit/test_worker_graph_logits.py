@@ -14,9 +14,10 @@ from __future__ import annotations
 import torch
 
 from engine.config import EngineConfig
+from engine.forward_batch import build_forward_batch
 from engine.sampling_params import SamplingParams
 from engine.step_io import CaptureOp, RestoreOp, ScheduledChunk, SchedulerOutput
-from engine.worker import Worker, build_forward_batch
+from engine.worker import Worker
 
 BLOCKS = 4
 
