@@ -31,7 +31,9 @@ def load_model(
     safetensors files, reading only this rank's shard of each sharded tensor.
 
     Parameters are cast to `dtype` except those the model keeps in fp32 (Mamba A_log, D,
-    dt_bias). The returned model is in eval mode with requires_grad off.
+    dt_bias). The returned model is in eval mode with requires_grad off, its attention
+    projections stacked (GraniteMoeHybridModel.stack_projections); do not move it to another
+    device afterwards, load it there.
     """
     model_dir = Path(model_dir)
     config = load_model_config(model_dir)
@@ -62,6 +64,7 @@ def load_model(
     missing = sorted(set(expected) - loaded)
     if missing:
         raise ValueError(f"{model_dir}: checkpoint lacks tensors for {missing}")
+    model.stack_projections()
     return model.eval(), config
 
 

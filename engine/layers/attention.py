@@ -8,7 +8,7 @@ from torch import nn
 from engine.forward_batch import ForwardBatch
 from engine.kernels.dispatch import GpuBatchPlan
 from engine.kernels.attention_reference import paged_attention, write_kv
-from engine.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
+from engine.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear, linear
 from engine.layers.rotary import apply_rotary
 from engine.model_config import HybridModelConfig
 from engine.shard_layout import RankShardLayout, width
@@ -25,6 +25,9 @@ class PagedAttention(nn.Module):
     layout.kv_heads (a split of the KV heads, or the one KV head its query heads read when
     there are fewer KV heads than ranks); q/k/v are column-parallel, o_proj row-parallel.
     num_heads and num_kv_heads are this rank's counts; its KV cache holds only its KV heads.
+
+    At one row the q, k and v projections run as one GEMM over a stacked weight, which
+    stack_projections() builds once the weights are loaded; forward refuses to run before it.
     """
 
     def __init__(
@@ -45,6 +48,51 @@ class PagedAttention(nn.Module):
         self.k_proj = ColumnParallelLinear(hidden, full_kv, kv_rows, bias, dtype)
         self.v_proj = ColumnParallelLinear(hidden, full_kv, kv_rows, bias, dtype)
         self.o_proj = RowParallelLinear(full_q, hidden, q_rows, bias, dtype, tp)
+        # (Q + 2 KV, D) weight and (Q + 2 KV,) bias or None, q/k/v's rows in that order
+        self._stacked_qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def stack_projections(self) -> None:
+        """Move the q, k and v weights (and biases) into one (Q + 2 KV, D) tensor, which
+        project_qkv multiplies in one GEMM at one row (one launch a layer instead of three);
+        q_proj, k_proj and v_proj keep views of their rows, so parameter names, shapes and
+        counts stay the checkpoint's and writing a parameter writes the stacked weight.
+        engine/loader.py calls this once the weights are on their device; moving the module
+        afterwards (.to()) would copy the views apart from the stacked tensor, so the model is
+        not moved after loading."""
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        weight = torch.cat([p.weight.detach() for p in projections])
+        with_bias = self.q_proj.bias is not None
+        bias = torch.cat([p.bias.detach() for p in projections]) if with_bias else None
+        start = 0
+        for projection in projections:
+            end = start + projection.weight.shape[0]
+            projection.weight = nn.Parameter(weight[start:end], requires_grad=False)
+            if with_bias:
+                projection.bias = nn.Parameter(bias[start:end], requires_grad=False)
+            start = end
+        self._stacked_qkv = (weight, bias)
+
+    def project_qkv(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """query (T, H, Dh), key and value (T, Hkv, Dh) of hidden (T, D).
+
+        One row (decode at batch 1): one GEMM over the stacked weight, and the three column
+        views of its (1, Q + 2 KV) output. On the H200 the batch-1 decode graph took 1.121 ms
+        against 1.136 ms with three single-row GEMMs (gpu_roofline_notes.md, tenth session).
+        More rows: three GEMMs, contiguous outputs. With the stacked weight, cuBLAS's fp32
+        results for a 64-row prefill differed between a CUDA graph and the eager pass enough
+        to move a Mamba state 170x further apart than with three GEMMs (3.9e-4 against 2.3e-6
+        relative; tests/gpu/test_prefill_graphs.py), so the larger shapes keep their GEMMs."""
+        if self._stacked_qkv is None:
+            raise RuntimeError("PagedAttention used before stack_projections()")
+        num_tokens = hidden.shape[0]
+        if num_tokens == 1:
+            q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            query, key, value = linear(hidden, *self._stacked_qkv).split((q_width, kv_width, kv_width), dim=1)
+        else:
+            query, key, value = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
+        return (query.view(num_tokens, self.num_heads, self.head_dim),
+                key.view(num_tokens, self.num_kv_heads, self.head_dim),
+                value.view(num_tokens, self.num_kv_heads, self.head_dim))
 
     def forward(
         self,
@@ -61,9 +109,7 @@ class PagedAttention(nn.Module):
         prefill chunks with cached keys through another, and each prefill chunk that starts its
         sequence through SDPA (attend_gpu)."""
         num_tokens = hidden.shape[0]
-        query = self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim)
-        key = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
-        value = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+        query, key, value = self.project_qkv(hidden)
         if rope is not None:
             query, key = apply_rotary(query, *rope), apply_rotary(key, *rope)
         if gpu_plan is not None:

@@ -191,6 +191,13 @@ class GraniteMoeHybridModel(nn.Module):
         logits = vocab_parallel_logits(hidden, weight, self.config.vocab_size, self.layout, self.tp)
         return (logits / self.config.logits_scaling).float()
 
+    def stack_projections(self) -> None:
+        """Stack each attention layer's q, k and v weights for its one GEMM
+        (PagedAttention.stack_projections); engine/loader.py calls it after loading."""
+        for layer in self.layers:
+            if layer.self_attn is not None:
+                layer.self_attn.stack_projections()
+
     def parameter_shards(self) -> dict[str, TensorShard]:
         """Parameter name -> the shard of its checkpoint tensor this rank holds; parameters
         not listed (the RMSNorm weights, row-parallel biases) are held whole."""
