@@ -132,6 +132,9 @@ class Mamba2Mixer(ShardedModule):
             [self.intermediate_size, self.conv_dim, self.num_heads], dim=-1
         )
         if gpu_plan is not None:
+            normed = self._folded_norm_row(hidden, gpu_plan)
+            if normed is not None:
+                return self.mix_row_folded_gpu(gate, xBC, dt_raw, conv_state, ssm_state, gpu_plan, normed)
             y, x = self.mix_batch_gpu(xBC, dt_raw, conv_state, ssm_state, gpu_plan, captures)
             normed = self.norm.forward_gpu(
                 y.view(num_tokens, self.intermediate_size), gate, hidden.dtype, skip=(x, self.D)
@@ -258,6 +261,49 @@ class Mamba2Mixer(ShardedModule):
         # after the fused kernel, whose programs read the old conv states (see mamba_decode.py)
         advance_conv_states(xBC, conv_state, plan.cu_seqlens, plan.chunk_slot, plan.chunk_reset)
         return y, x.view(T, self.intermediate_size)
+
+    def _folded_norm_row(self, hidden: torch.Tensor, plan: GpuBatchPlan) -> torch.Tensor | None:
+        """A (1, I) buffer for mix_row_folded_gpu's normed row when this step takes that path:
+        one row on a decode-only plan (no in-pass capture), one norm group over this rank's
+        channels, and an out_proj whose single-row GEMM folds the norm in (world size 1).
+        None: the step takes mix_batch_gpu and the gated norm's own kernel."""
+        if hidden.shape[0] != 1 or plan.num_prefill != 0 or plan.in_pass is not None:
+            return None
+        if self.norm.group_size != self.intermediate_size:
+            return None
+        normed = hidden.new_empty(1, self.intermediate_size)
+        return normed if self.out_proj.supports_row_rms(normed) else None
+
+    def mix_row_folded_gpu(
+        self,
+        gate: torch.Tensor,  # (1, I)
+        xBC: torch.Tensor,  # (1, conv_dim), pre-conv
+        dt_raw: torch.Tensor,  # (1, H)
+        conv_state: torch.Tensor,  # (num_slots, conv_dim, K-1), the row's slot updated in place
+        ssm_state: torch.Tensor,  # (num_slots, H, P, N) fp32, the row's slot updated in place
+        plan: GpuBatchPlan,  # one 1-token chunk
+        normed: torch.Tensor,  # (1, I) from _folded_norm_row, written
+    ) -> torch.Tensor:
+        """The mixer's output (1, D) of a one-row decode step with the gated norm folded into
+        the kernels around it: the fused conv + SSD kernel also computes the norm's
+        elementwise part and its sums of squares (mamba_decode.GatedNormOutputs), the conv
+        window shift follows, and out_proj's single-row GEMM scales its output by the norm's
+        rsqrt (skinny_gemm.RowRms). Three launches instead of four (the norm's own kernel is a
+        single program on the step's critical path); the same function as mix_decode_only_gpu
+        then the gated norm and out_proj, up to where the rounding to the model dtype falls."""
+        from engine.kernels.gpu.conv import advance_conv_states
+        from engine.kernels.gpu.mamba_decode import GatedNormOutputs, conv_ssd_decode, num_sum_squares
+        from engine.kernels.gpu.skinny_gemm import RowRms
+
+        sum_squares = normed.new_empty(1, num_sum_squares(self.num_heads, self.head_dim), dtype=torch.float32)
+        conv_ssd_decode(
+            xBC, dt_raw, conv_state, self.conv1d.weight[:, 0, :], self.conv1d.bias, self.dt_bias,
+            self.A_log, self.time_step_limit, ssm_state, None, None, plan.decode_rows,
+            plan.decode_slots, plan.decode_reset,
+            gated_norm=GatedNormOutputs(gate, self.D, self.norm.weight, normed, sum_squares),
+        )
+        advance_conv_states(xBC, conv_state, plan.cu_seqlens, plan.chunk_slot, plan.chunk_reset)
+        return self.out_proj.forward_row_rms(normed, RowRms(sum_squares[0], self.norm.eps))
 
     def mix_chunks_gpu(
         self,

@@ -112,6 +112,19 @@ class RowParallelLinear(ShardedModule):
         y = self.tp.all_reduce(linear(x, self.weight, None))
         return y if self.bias is None else y + self.bias
 
+    def supports_row_rms(self, x: torch.Tensor) -> bool:
+        """Whether forward_row_rms may take x (1, in_local): world size 1 (the norm's scale
+        applies to the whole sum over the input features) and routes_to_skinny."""
+        return self.tp.world_size == 1 and routes_to_skinny(x, self.weight, self.bias)
+
+    def forward_row_rms(self, x: torch.Tensor, row_rms) -> torch.Tensor:  # (1, in) -> (1, out)
+        """forward of an RMS-normed row whose normalisation is folded into the single-row GEMM
+        (skinny_gemm.RowRms: x holds the norm's weight times its input, row_rms its sums of
+        squares). Requires supports_row_rms(x), not checked again here."""
+        from engine.kernels.gpu.skinny_gemm import skinny_linear_unchecked
+
+        return skinny_linear_unchecked(x, self.weight, self.bias, row_rms=row_rms)
+
     def supports_gated(self, gate_up: torch.Tensor) -> bool:
         """Whether forward_gated may take gate_up (1, 2 in_local) = [gate | up]: routes_to_skinny
         with the gated layout, for the bias the local GEMM adds (all of it at world_size 1,

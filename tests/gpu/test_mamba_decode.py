@@ -290,3 +290,62 @@ def test_mixer_decode_only_path(device, dtype, monkeypatch):
     assert relative_error(got, want) < TOL_REFERENCE[dtype], "mixer output against its PyTorch path"
     for got, want, name in zip(forward_states, states["pytorch"], ("conv", "ssm")):
         assert relative_error(got[real_slots], want[real_slots]) < TOL_REFERENCE[dtype], f"{name} states"
+
+
+@needs_log1p
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("reset", [False, True])
+def test_one_row_folds_the_gated_norm(device, dtype, reset, monkeypatch):
+    """Mamba2Mixer.forward on a one-row decode-only plan takes mix_row_folded_gpu: no launch
+    of the gated norm's kernel, out_proj's GEMM scaled by the norm (RowRms). Its output must
+    match what it replaces, mix_decode_only_gpu then the gated norm's kernel then out_proj,
+    within the model dtype's rounding (the rounding now falls before the norm's scale), and
+    the row's conv and SSM states must be the same bits (the same operations); other slots
+    stay untouched. A one-token chunk that resets (a new sequence's first token) too."""
+    from engine.config import DEFAULT_MODEL_DIR
+    from engine.forward_batch import build_forward_batch
+    from engine.kernels.gpu import fused_norm
+    from engine.kernels.gpu.batch_plan import decode_only_plan
+    from engine.loader import load_model
+    from engine.sampling_params import SamplingParams
+    from engine.step_io import ScheduledChunk
+
+    model, config = load_model(DEFAULT_MODEL_DIR, dtype=dtype, device=device)
+    mixer = next(layer.mamba for layer in model.layers if layer.mamba is not None)
+    assert mixer.norm.group_size == mixer.intermediate_size, "the default model has one norm group"
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():  # the checkpoint's D is 1 and the norm weight 1: draw them
+        mixer.D.copy_(2 * torch.randn(mixer.num_heads, generator=g))
+        mixer.norm.weight.copy_(1 + 0.3 * torch.randn(mixer.intermediate_size, generator=g))
+    slot = 3
+    (conv_dim, taps), ssm_shape = model.mamba_state_shape()
+    conv_state = torch.randn(6, conv_dim, taps, generator=g).to(device, dtype)
+    ssm_state = torch.randn(6, *ssm_shape, generator=g).to(device)
+    if reset:
+        conv_state[slot], ssm_state[slot] = float("nan"), float("nan")
+    hidden = torch.randn(1, config.hidden_size, generator=g).to(device, dtype)
+    as_t = lambda v: torch.tensor(v, dtype=torch.int64, device=device)  # noqa: E731
+    plan = decode_only_plan(as_t([slot]), as_t([int(reset)]), as_t([1]), torch.zeros(1, 1, dtype=torch.int64, device=device),
+                            torch.arange(2, device=device))
+    chunk = ScheduledChunk(request_id="r0", token_ids=(7,), start_position=0 if reset else 3, block_table=(0,),
+                           state_slot=slot, reset_state=reset, sample=True, sampling=SamplingParams())
+    batch = build_forward_batch([chunk], 16, device)
+    norm_launches = []
+    gated_norm = fused_norm.gated_rms_norm
+    monkeypatch.setattr(fused_norm, "gated_rms_norm", lambda *a, **k: norm_launches.append(1) or gated_norm(*a, **k))
+    folded_states = (conv_state.clone(), ssm_state.clone())
+    with torch.inference_mode():
+        got = mixer(hidden, batch, *folded_states, gpu_plan=plan)
+        assert norm_launches == [], "the one-row step launched the gated norm"
+        replaced_states = (conv_state.clone(), ssm_state.clone())
+        gate, xBC, dt_raw = mixer.in_proj(hidden).split([mixer.intermediate_size, mixer.conv_dim, mixer.num_heads], dim=-1)
+        y, x = mixer.mix_decode_only_gpu(xBC, dt_raw, *replaced_states, plan)
+        normed = mixer.norm.forward_gpu(y.view(1, -1), gate, dtype, skip=(x, mixer.D))
+        want = mixer.out_proj(normed)
+    assert norm_launches == [1]
+    assert torch.isfinite(got).all()
+    assert relative_error(got, want) < TOL_UNFUSED[dtype] * (10 if dtype == torch.float32 else 2), "output"
+    for got_state, want_state, before, name in zip(folded_states, replaced_states, (conv_state, ssm_state), ("conv", "ssm")):
+        assert torch.equal(got_state[slot], want_state[slot]), f"{name} state of the row's slot"
+        others = [s for s in range(6) if s != slot]
+        assert torch.equal(got_state[others], before[others]), f"a stray {name} slot"

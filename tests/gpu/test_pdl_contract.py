@@ -235,8 +235,8 @@ def test_pdl_code_paths_compute_what_the_plain_paths_do_under_the_interpreter(mo
             for use_pdl, tiles in ((False, 0), (True, 1), (True, 2), (True, 3), (True, 4)):
                 out = torch.full((1, features), float("nan"))
                 skinny_gemm._row_kernel[(triton.cdiv(features, config.kwargs["BLOCK_N"]),)](
-                    x, weight, bias, out, features, depth, HAS_BIAS=True, GATED=gated,
-                    PRELOAD_TILES=tiles, USE_PDL=use_pdl, **config.all_kwargs(),
+                    x, weight, bias, out, out, features, depth, 1, 0.0, HAS_BIAS=True, GATED=gated,
+                    ROW_RMS=False, SUM_SQ_BLOCK=1, PRELOAD_TILES=tiles, USE_PDL=use_pdl, **config.all_kwargs(),
                 )
                 outs.append(out)
             assert all(torch.equal(outs[0], out) for out in outs[1:]), (gated, features, depth)

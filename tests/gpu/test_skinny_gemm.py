@@ -327,3 +327,25 @@ def test_gated_layout_checks(device):
         assert not supports(a, weight, gated=True), name
     with pytest.raises(AssertionError, match="2K"):
         skinny_linear(torch.randn(1, 64, device=device), weight, gated=True)
+
+
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("features,depth", SMALL_SHAPES)
+def test_row_rms_scales_the_output(device, features, depth, with_bias, dtype):
+    """row_rms (the folded RMS norm): F.linear(x, weight) * rsqrt(sum(sum_squares) / K + eps)
+    + bias, against that computed in fp32 (fp64 for the scale). 37 pieces of the sum of
+    squares: not a power of two, so the pieces' mask is exercised."""
+    from engine.kernels.gpu.skinny_gemm import RowRms, skinny_linear
+
+    x, weight, bias, out = _operands(features, depth, with_bias, dtype, device, seed=11)
+    sum_squares = torch.rand(37, generator=torch.Generator().manual_seed(12)).to(device) * 3 * depth / 37
+    eps = 1e-5
+    got = skinny_linear(x, weight, bias, out=out, config=_small_config(), row_rms=RowRms(sum_squares, eps))
+    scale = float(torch.rsqrt(sum_squares.double().sum() / depth + eps))
+    want = F.linear(x.float(), weight.float()) * scale
+    if bias is not None:
+        want += bias.float()
+    assert relative_error(got, want) < TOL[dtype]
+    plain = skinny_linear(x, weight, None, config=_small_config())
+    assert relative_error(got, want) < relative_error(plain, want) / 10, "the scale was not applied"

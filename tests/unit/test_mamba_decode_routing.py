@@ -33,3 +33,28 @@ def test_mix_batch_gpu_routes_by_step_shape(mixer, monkeypatch, num_decode, num_
     plan = SimpleNamespace(num_decode=num_decode, num_prefill=num_prefill, in_pass=in_pass)
     mixer.mix_batch_gpu(None, None, None, None, plan)
     assert taken == [expected]
+
+
+@pytest.mark.parametrize("rows, num_prefill, in_pass, out_proj_takes_it, folds", [
+    (1, 0, None, True, True),  # batch-1 decode: the gated norm folds into its neighbours
+    (2, 0, None, True, False),  # two rows: the norm's own kernel (the GEMM is cuBLAS's)
+    (1, 1, None, True, False),  # a one-token prefill chunk
+    (1, 0, "capture", True, False),
+    (1, 0, None, False, False),  # out_proj's GEMM cannot take it (CPU, world size > 1)
+])
+def test_gated_norm_folds_only_into_one_decode_row(mixer, monkeypatch, rows, num_prefill, in_pass,
+                                                   out_proj_takes_it, folds):
+    import torch
+
+    monkeypatch.setattr(mixer.out_proj, "supports_row_rms", lambda x: out_proj_takes_it)
+    plan = SimpleNamespace(num_prefill=num_prefill, in_pass=in_pass)
+    normed = mixer._folded_norm_row(torch.zeros(rows, 4), plan)
+    assert (normed is not None) == folds
+    if folds:
+        assert normed.shape == (1, mixer.intermediate_size)
+
+
+def test_out_proj_takes_no_folded_norm_on_the_cpu(mixer):
+    import torch
+
+    assert not mixer.out_proj.supports_row_rms(torch.zeros(1, mixer.intermediate_size))

@@ -45,6 +45,8 @@ conv_dim = H P + 2 G N, laid out [x (H P) | B (G N) | C (G N)].
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -102,8 +104,13 @@ def _conv_ssd_decode_kernel(
     y_ptr, stride_yt, stride_yh,  # (T, H, P) fp32
     rows_ptr, slots_ptr, reset_ptr,  # (Bd,)
     heads_per_group, P, N, x_width, group_width,  # x_width = H P, group_width = G N
+    # GATED_NORM only (placeholders otherwise):
+    z_ptr, stride_zt,  # (T, H P) the gate, unit channel stride
+    d_ptr, norm_w_ptr,  # (H,) fp32 D skip; (H P,) the gated norm's weight
+    normed_ptr, stride_nt,  # (T, H P) model dtype: weight * gated, unit channel stride
+    sum_sq_ptr, stride_sqt,  # (T, H * cdiv(P, BLOCK_P)) fp32: each program's sum of gated^2
     K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    GATED_NORM: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     release_next(USE_PDL)
     # Before the wait (engine/kernels/gpu/pdl.py's contract): the plan's row, slot and reset,
@@ -129,6 +136,9 @@ def _conv_ssd_decode_kernel(
     tile_mask = p_mask[:, None] & n_mask[None, :]
     old_state = tl.load(tile, mask=tile_mask & keep_state, other=0.0)
     dt_bias, a_log = tl.load(dt_bias_ptr + h), tl.load(a_log_ptr + h)
+    if GATED_NORM:  # weights too
+        skip_weight = tl.load(d_ptr + h)
+        norm_w = tl.load(norm_w_ptr + x_channels, mask=p_mask, other=0.0).to(tl.float32)
     wait_for_previous(USE_PDL)
 
     # the conv step of this program's x channels and its group's B and C channels (the conv
@@ -145,8 +155,39 @@ def _conv_ssd_decode_kernel(
         tl.load(dt_ptr + row * stride_dtt + h).to(tl.float32), dt_bias, a_log, dt_min, dt_max,
         old_state, tile, tile_mask,
     )
-    tl.store(y_ptr + row * stride_yt + h * stride_yh + p, y, mask=p_mask)
-    tl.store(x_out_ptr + row * stride_xot + h * stride_xoh + p, x, mask=p_mask)
+    if GATED_NORM:
+        # fused_norm._gated_rms_norm_kernel's operations up to its sum of squares: the D skip
+        # on the rounded x, then the gate; the rsqrt goes to the out_proj GEMM (module docstring)
+        z = tl.load(z_ptr + row * stride_zt + x_channels, mask=p_mask, other=0.0).to(tl.float32)
+        gated = (y + skip_weight * x.to(tl.float32)) * (z * tl.sigmoid(z))
+        num_p_blocks = tl.num_programs(2)
+        tl.store(sum_sq_ptr + row * stride_sqt + h * num_p_blocks + tl.program_id(2), tl.sum(gated * gated, axis=0))
+        tl.store(normed_ptr + row * stride_nt + x_channels, (norm_w * gated).to(model_dtype), mask=p_mask)
+    else:
+        tl.store(y_ptr + row * stride_yt + h * stride_yh + p, y, mask=p_mask)
+        tl.store(x_out_ptr + row * stride_xot + h * stride_xoh + p, x, mask=p_mask)
+
+
+@dataclass(frozen=True)
+class GatedNormOutputs:
+    """What conv_ssd_decode computes instead of y and x when it also takes the gated RMSNorm's
+    elementwise part (one norm group over all H P channels: Granite-4.0-H's n_groups = 1).
+    For each row r: gated = (y + D[h] x) * silu(gate) per channel in fp32 (the skip on the
+    rounded x, as fused_norm.gated_rms_norm adds it), normed[r] = weight * gated rounded to
+    the model dtype, and sum_squares[r, j] the sum of gated^2 over program j's channels.
+    The norm's rsqrt(sum(sum_squares[r]) / (H P) + eps) is left to the consumer: the out_proj
+    single-row GEMM scales its output by it (skinny_gemm.RowRms)."""
+
+    gate: torch.Tensor  # (T, H P) the in_proj's z columns, unit channel stride
+    D: torch.Tensor  # (H,) fp32
+    weight: torch.Tensor  # (H P,) contiguous, the norm's weight
+    normed: torch.Tensor  # (T, H P) model dtype, unit channel stride: rows written
+    sum_squares: torch.Tensor  # (T, num_sum_squares(H, P)) fp32, unit stride: rows written
+
+
+def num_sum_squares(num_heads: int, head_dim: int, block_p: int | None = None) -> int:
+    """Columns of GatedNormOutputs.sum_squares: one per program of a row (H x P blocks)."""
+    return num_heads * triton.cdiv(head_dim, decode_block_p(head_dim) if block_p is None else block_p)
 
 
 def conv_ssd_decode(
@@ -159,20 +200,22 @@ def conv_ssd_decode(
     A_log: torch.Tensor,  # (H,) fp32
     time_step_limit: tuple[float, float],
     ssm_state: torch.Tensor,  # (num_slots, H, P, N) fp32, rows' slots updated in place
-    x_out: torch.Tensor,  # (T, H, P) xBC's dtype, unit P stride: rows written
-    y: torch.Tensor,  # (T, H, P) fp32, unit P stride: rows written
+    x_out: torch.Tensor | None,  # (T, H, P) xBC's dtype, unit P stride: rows written
+    y: torch.Tensor | None,  # (T, H, P) fp32, unit P stride: rows written
     rows: torch.Tensor,  # (Bd,) int
     slots: torch.Tensor,  # (Bd,) int
     reset: torch.Tensor,  # (Bd,) int, nonzero = start from zero conv and SSD states
     block_p: int | None = None,  # rows of P per program; None: ssd.py's decode_block_p()
     num_warps: int = 4,
+    gated_norm: GatedNormOutputs | None = None,  # given: written instead of x_out and y (None)
 ) -> None:
     """One token of each of Bd sequences in one launch: for each i, on row rows[i], the conv
     step with SiLU (causal_conv1d_step) from conv_state[slots[i]] (zeros if reset[i]), rounded
     to xBC's dtype, its x columns written to x_out[rows[i]]; then ssd_step with D None from
     ssm_state[slots[i]] (zeros if reset[i]) on that x, B and C, dt = clamp(softplus(dt_raw +
     dt_bias), *time_step_limit), A = -exp(A_log), the new state written to the same slot and
-    y written to y[rows[i]]. Touches no other row or slot.
+    y written to y[rows[i]]. Touches no other row or slot. With gated_norm, y and x go on into
+    the gated norm's elementwise part (GatedNormOutputs) and only its outputs are written.
 
     Does NOT advance the conv state: run conv.py:advance_conv_states over the same rows and
     slots after it (stream order), see the module docstring. Slots are distinct, except that
@@ -181,20 +224,35 @@ def conv_ssd_decode(
     num_decode = rows.shape[0]
     if num_decode == 0:
         return
-    _, num_heads, head_dim = x_out.shape
+    num_heads, head_dim, _ = ssm_state.shape[1:]
     conv_dim, kernel_size = conv_weight.shape
     state_size = ssm_state.shape[3]
     group_width = (conv_dim - num_heads * head_dim) // 2
     assert xBC.shape[1] == conv_dim and group_width % state_size == 0
-    assert conv_state.shape[1:] == (conv_dim, kernel_size - 1) and ssm_state.shape[1:3] == (num_heads, head_dim)
+    assert conv_state.shape[1:] == (conv_dim, kernel_size - 1)
     assert xBC.stride(1) == 1 and conv_state.stride(2) == 1 and dt_raw.stride(1) == 1
-    assert x_out.stride(2) == 1 and y.stride(2) == 1 and ssm_state.stride(3) == 1
-    assert x_out.dtype == xBC.dtype, "the conv output is rounded to the model dtype, xBC's"
-    assert ssm_state.dtype == torch.float32 and y.dtype == torch.float32
+    assert ssm_state.dtype == torch.float32 and ssm_state.stride(3) == 1
     assert dt_bias.dtype == A_log.dtype == torch.float32
     num_groups = group_width // state_size
     if block_p is None:
         block_p = decode_block_p(head_dim)
+    if gated_norm is None:
+        assert x_out.shape[1:] == (num_heads, head_dim) and y.shape[1:] == (num_heads, head_dim)
+        assert x_out.stride(2) == 1 and y.stride(2) == 1 and y.dtype == torch.float32
+        assert x_out.dtype == xBC.dtype, "the conv output is rounded to the model dtype, xBC's"
+        norm = (xBC, 0, A_log, A_log, xBC, 0, A_log, 0)  # placeholders, never read or written
+    else:
+        assert x_out is None and y is None, "with gated_norm, x_out and y are not written"
+        g = gated_norm
+        width = num_heads * head_dim
+        assert g.gate.shape[1] == width and g.gate.stride(1) == 1 and g.weight.shape == (width,)
+        assert g.D.dtype == torch.float32 and g.D.shape == (num_heads,) and g.weight.is_contiguous()
+        assert g.normed.shape[1] == width and g.normed.stride(1) == 1 and g.normed.dtype == xBC.dtype
+        assert g.sum_squares.dtype == torch.float32 and g.sum_squares.stride(1) == 1
+        assert g.sum_squares.shape[1] == num_sum_squares(num_heads, head_dim, block_p)
+        norm = (g.gate, g.gate.stride(0), g.D.contiguous(), g.weight, g.normed, g.normed.stride(0),
+                g.sum_squares, g.sum_squares.stride(0))
+        x_out, y = xBC.unsqueeze(1), ssm_state  # placeholders, never written (GATED_NORM)
     conv_weight = conv_weight.contiguous()
     grid = (num_decode, num_heads, triton.cdiv(head_dim, block_p))
     _conv_ssd_decode_kernel[grid](
@@ -209,7 +267,8 @@ def conv_ssd_decode(
         y, y.stride(0), y.stride(1),
         rows, slots, reset,
         num_heads // num_groups, head_dim, state_size, num_heads * head_dim, group_width,
+        *norm,
         K=kernel_size, HAS_BIAS=conv_bias is not None,
-        BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(state_size), num_warps=num_warps,
-        **launch_options(),
+        BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(state_size), GATED_NORM=gated_norm is not None,
+        num_warps=num_warps, **launch_options(),
     )

@@ -181,13 +181,16 @@ def _row_kernel(
     w_ptr,  # (N, K) contiguous
     b_ptr,  # (N,) or a placeholder when HAS_BIAS is False
     y_ptr,  # (1, N) contiguous
-    N, K,
-    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, PRELOAD_TILES: tl.constexpr,
+    sum_sq_ptr,  # (num_sum_sq,) fp32 (ROW_RMS) or a placeholder
+    N, K, num_sum_sq, rms_eps,
+    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, ROW_RMS: tl.constexpr, SUM_SQ_BLOCK: tl.constexpr,
+    PRELOAD_TILES: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """Program i computes y[0, i*BLOCK_N : (i+1)*BLOCK_N]; GATED: of x = silu(gate) * up, each
-    x slice computed from gate and up as it is loaded (every program computes the whole x).
+    x slice computed from gate and up as it is loaded (every program computes the whole x);
+    ROW_RMS: the products' sums scaled by rsqrt(sum(sum_sq) / K + rms_eps), before the bias.
     With PDL the program loads the first PRELOAD_TILES (0-4) BLOCK_K-column tiles of its weight
     rows into registers before it waits for the kernel that writes x, so its weight stream
     starts while that kernel runs; they are accumulated ahead of the loop in the loop's order
@@ -221,6 +224,10 @@ def _row_kernel(
     for k in tl.range(k_start, K, BLOCK_K, num_stages=STAGES):
         acc += _tile_products(_weight_tile(w_rows, feature_ok, k, K, BLOCK_K), x_ptr, k, K, BLOCK_K, GATED)
     y = tl.sum(acc, axis=1)  # (BLOCK_N,)
+    if ROW_RMS:
+        j = tl.arange(0, SUM_SQ_BLOCK)
+        sum_squares = tl.sum(tl.load(sum_sq_ptr + j, mask=j < num_sum_sq, other=0.0), axis=0)
+        y *= tl.rsqrt(sum_squares / K + rms_eps)
     if HAS_BIAS:
         y += tl.load(b_ptr + features, mask=feature_ok, other=0.0).to(tl.float32)
     tl.store(y_ptr + features, y.to(y_ptr.dtype.element_ty), mask=feature_ok)
@@ -276,19 +283,37 @@ def skinny_linear(
     gated: bool = False,
     out: torch.Tensor | None = None,  # (1, N) contiguous, x's dtype; allocated when None
     config: SkinnyConfig | None = None,  # None: autotuned
+    row_rms: RowRms | None = None,
 ) -> torch.Tensor:
     """F.linear(x, weight, bias) into `out` (returned), in one launch; gated:
     F.linear(silu_and_mul(x), weight, bias) (x = [gate | up], silu_and_mul with the roundings
-    of engine/kernels/gpu/activation.py). An explicit `config` skips the autotuner (tests,
-    benchmarks). Checks the operands (AssertionError naming the problem), then runs
-    skinny_linear_unchecked."""
+    of engine/kernels/gpu/activation.py); row_rms: with a folded RMS norm (RowRms). An explicit
+    `config` skips the autotuner (tests, benchmarks). Checks the operands (AssertionError
+    naming the problem), then runs skinny_linear_unchecked."""
     problem = layout_problem(x, weight, bias, gated=gated)
     assert problem is None, problem
     features = weight.shape[0]
     if out is not None:
         assert out.shape == (1, features) and out.is_contiguous() and out.dtype == x.dtype, \
             f"out must be (1, {features}) contiguous {x.dtype}"
-    return skinny_linear_unchecked(x, weight, bias, gated=gated, out=out, config=config)
+    if row_rms is not None:
+        squares = row_rms.sum_squares
+        assert not gated, "row_rms does not combine with gated"
+        assert squares.dtype == torch.float32 and squares.dim() == 1 and squares.is_contiguous() \
+            and squares.device == x.device, "row_rms.sum_squares must be a contiguous (n,) fp32 on x's device"
+    return skinny_linear_unchecked(x, weight, bias, gated=gated, out=out, config=config, row_rms=row_rms)
+
+
+@dataclass(frozen=True)
+class RowRms:
+    """An RMS norm of x folded into the GEMM: the output becomes
+    (x @ weight.T) * rsqrt(sum(sum_squares) / K + eps) + bias, for an x that holds the norm's
+    weight times its input, and sum_squares that input's sum of squares in pieces
+    (mamba_decode.GatedNormOutputs has both). That is F.linear(norm(input), weight, bias) up
+    to where the rounding to x's dtype falls (before the scale instead of after it)."""
+
+    sum_squares: torch.Tensor  # (n,) fp32, contiguous, summed in the kernel
+    eps: float
 
 
 def skinny_linear_unchecked(
@@ -299,28 +324,28 @@ def skinny_linear_unchecked(
     gated: bool = False,
     out: torch.Tensor | None = None,
     config: SkinnyConfig | None = None,
+    row_rms: RowRms | None = None,
 ) -> torch.Tensor:
     """skinny_linear without its checks, for callers that have already established
     supports(x, weight, bias, gated=gated) (engine/layers/parallel_linear.py does, once per
     call): the checks take 1-2 us of host time a call. Operands that do not fit make the kernel
-    read or write out of bounds; `out`, when given, must be (1, N) contiguous in x's dtype."""
+    read or write out of bounds; `out`, when given, must be (1, N) contiguous in x's dtype.
+    row_rms (not with gated): the output scaled by the folded norm's rsqrt (RowRms)."""
     features, depth = weight.shape
     if out is None:
         out = torch.empty(1, features, dtype=x.dtype, device=x.device)
     if config is None and _INTERPRETED:
         config = CONFIGS[0]
-    args = (x, weight, bias if bias is not None else out, out, features, depth)
+    sum_sq, eps = (out, 0.0) if row_rms is None else (row_rms.sum_squares, float(row_rms.eps))
+    num_sum_sq = sum_sq.numel() if row_rms is not None else 1
+    args = (x, weight, bias if bias is not None else out, out, sum_sq, features, depth, num_sum_sq, eps)
+    flags = dict(HAS_BIAS=bias is not None, GATED=gated, ROW_RMS=row_rms is not None,
+                 SUM_SQ_BLOCK=triton.next_power_of_2(num_sum_sq), PRELOAD_TILES=PRELOAD_TILES)
     grid = lambda meta: (triton.cdiv(features, meta["BLOCK_N"]),)  # noqa: E731
     if config is None:
-        _tuned_row_kernel[grid](
-            *args, HAS_BIAS=bias is not None, GATED=gated, PRELOAD_TILES=PRELOAD_TILES, **launch_options(),
-        )
+        _tuned_row_kernel[grid](*args, **flags, **launch_options())
     else:
-        _row_kernel[grid](
-            *args, HAS_BIAS=bias is not None, GATED=gated, PRELOAD_TILES=PRELOAD_TILES,
-            **config.as_triton().all_kwargs(),
-            **launch_options(),
-        )
+        _row_kernel[grid](*args, **flags, **config.as_triton().all_kwargs(), **launch_options())
     return out
 
 
