@@ -13,9 +13,9 @@ to its floor:
     The row's time is a step of the engine's default async scheduling (each step submitted
     before the one before is collected, its token read on the device); each row also reports
     the step collected before the next is staged (sync) and the replay of its graph alone
-    (the step's GPU time without the host work around it); then the batch-1 decode graph
-    captured with other launch settings (launch_variants: PDL, preloaded weight tiles), its GPU
-    time each;
+    (the step's GPU time without the host work around it); then where a batch-1 step's GPU
+    time goes around its graph (decode_step_anatomy: the input and token copies, a graph that
+    copies its own inputs, a profile of the async steps);
   * checkpoint rows (benchmarks/roofline_checkpoints.py): capture and restore of an 8,192-token
     bundle, restore + 256-token prefill (a prefill CUDA graph, engine/prefill_graphs.py, and the
     same step eagerly) vs the cold 8,448-token prefill, and the cold 8,448-token prefill that
@@ -46,6 +46,8 @@ from pathlib import Path
 import torch
 
 from engine.config import EngineConfig
+from engine.layers.attention import PagedAttention
+from engine.layers.mamba2 import Mamba2Mixer
 from engine.forward_batch import build_forward_batch
 from engine.loader import load_model
 from engine.request import PENDING_TOKEN
@@ -58,7 +60,7 @@ from roofline_checkpoints import checkpoint_rows  # noqa: E402  (this script's f
 BLOCK_SIZE = 16
 # bench_decode's steps: warm-up, timed (the median is reported; 20 timed steps had let the
 # batch-1 row move by 5% between runs whose steps measured the same elsewhere), then one
-# profiled; host_profile and launch_variants decode on after them
+# profiled; host_profile and decode_step_anatomy decode on after them
 DECODE_WARMUP, DECODE_TIMED = 3, 50
 DECODE_STEPS_RUN = 2 * (DECODE_WARMUP + DECODE_TIMED + 1)  # bench_decode's two runs
 HOST_PROFILE_STEPS = 10
@@ -430,65 +432,111 @@ def _keep_gpu_busy(seconds: float = 2e-3) -> None:
     torch.cuda._sleep(int(seconds * 2e9))
 
 
-def launch_variants(worker: Worker, request: int, position: int, blocks_per_seq: int,
-                    steps: int = 30) -> list[dict]:
-    """The batch-1 decode graph captured afresh five ways, each replayed `steps` times on
-    request `request` (decoding on from `position`): PDL with the single-row GEMM loading four,
-    three or two weight tiles before its wait, every weight load after the wait, and no PDL
-    (engine/kernels/gpu/pdl.py, engine/kernels/gpu/skinny_gemm.py:PRELOAD_TILES). All five are
-    captured first, then replayed in turn, one step each round. Each row:
-    median host seconds of DecodeGraphRunner.forward (staging and the replay's submission; no
-    wait) and median GPU seconds from an event before it to one after it, the step queued
-    behind a GPU sleep so that the host's submission time does not count (the graph: its input
-    copy, the forward pass, the LM head and the argmax)."""
-    from engine.cuda_graphs import DecodeGraphRunner
-    from engine.kernels.gpu import pdl, skinny_gemm
+def decode_step_anatomy(worker: Worker, request: int, position: int, blocks_per_seq: int,
+                        chain: int = 16, rounds: int = 8, profiled_steps: int = 8) -> dict:
+    """Where a batch-1 decode step's GPU time goes around its graph. Chains of `chain` steps of
+    request `request` (decoding on from `position`), each chain queued behind a GPU sleep so
+    that the host's submission does not show, timed per step from an event after the sleep to
+    one after the chain; the variants run round robin, `rounds` chains each:
+      replay: the graph replayed again and again on the inputs last staged;
+      input copy + replay: DecodeGraphRunner.forward (the staged inputs' host-to-device copy,
+        then the replay);
+      input copy + replay + token copy: and the argmax's device-to-host copy, as the worker's
+        async step launches them;
+      copy inside the graph + token copy: a batch-1 graph captured afresh with the input copy
+        (from one pinned buffer) as its first node;
+      and the graph captured afresh as it was before two of its optimisations (_graph_without):
+        the gated norm in its own kernel (not folded into the Mamba decode kernel and
+        out_proj), and q, k and v in three GEMMs (not one over the stacked weight).
+    Then `profiled_steps` of the worker's own async steps under torch.profiler: the critical
+    path per step, copies included (each GPU event charged the time from the previous one's
+    end to its own). Returns {"chains": [{name, gpu_s}], "async_critical_path": [...]}."""
+    from torch.profiler import ProfilerActivity, profile
 
     graphs = worker.decode_graphs
     if graphs is None:
-        return []
-    default_enabled, default_preload = pdl.enabled, skinny_gemm.PRELOAD_TILES
-    variants = [("PDL, four weight tiles early", default_enabled(), 4),
-                ("PDL, three weight tiles early", default_enabled(), 3),
-                ("PDL, two weight tiles early", default_enabled(), 2),
-                ("PDL, weights after the wait", default_enabled(), 0),
-                ("no PDL", False, 0)]
+        return {}
+    readback = worker._token_readback  # a benchmark's look inside the worker
+    one_step = lambda: [chunk(request, (5,), position, blocks_per_seq, False)]  # noqa: E731
+    graphs.forward(one_step())  # stages both pinned buffers' fields for batch 1
+    graphs.forward(one_step())
+    torch.cuda.synchronize()
+    used = graphs._stagings[0].used_length(1)
+    inner = torch.cuda.CUDAGraph()
+    with torch.inference_mode(), torch.cuda.graph(inner):
+        graphs._inputs[:used].copy_(graphs._hosts[0][:used], non_blocking=True)
+        _, _, inner_argmax = graphs._forward(1)
+    replay = graphs._graphs[1]
+    unfolded = _graph_without(graphs, Mamba2Mixer, "_folded_norm_row", lambda self, hidden, plan: None)
+    three_gemms = _graph_without(graphs, PagedAttention, "project_qkv", _three_projections)
+    variants = {
+        "replay": lambda: replay.replay(),
+        "replay, the gated norm in its own kernel": lambda: unfolded.replay(),
+        "replay, q, k and v in three GEMMs": lambda: three_gemms.replay(),
+        "input copy + replay": lambda: graphs.forward(one_step()),
+        "input copy + replay + token copy": lambda: readback.start(graphs.forward(one_step())[2]),
+        "copy inside the graph + token copy": lambda: (inner.replay(), readback.start(inner_argmax)),
+    }
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    runners = []
-    try:
-        for name, use_pdl, preload in variants:  # the settings are read at capture
-            pdl.enabled = lambda on=use_pdl: on  # read by launch_options() at every launch
-            skinny_gemm.PRELOAD_TILES = preload
-            runner = DecodeGraphRunner(
-                worker.model, worker.caches, (1,), graphs.max_blocks,
-                scratch_slot=worker.capacity.num_state_slots, scratch_block=worker.capacity.num_blocks,
-            )
-            runner.capture()
-            runners.append((name, runner))
-    finally:
-        pdl.enabled, skinny_gemm.PRELOAD_TILES = default_enabled, default_preload
-    # Round robin: step k of every variant before step k + 1 of any, so that a drift of the
-    # machine (clocks, a neighbour) falls on all of them alike.
-    host = {name: [] for name, _ in runners}
-    gpu = {name: [] for name, _ in runners}
-    for _ in range(steps):
-        for name, runner in runners:
-            step = [chunk(request, (5,), position, blocks_per_seq, False)]
-            position += 1
-            torch.cuda.synchronize()
-            _keep_gpu_busy()
-            start.record()
-            t0 = time.perf_counter()
-            runner.forward(step)
-            host[name].append(time.perf_counter() - t0)
-            end.record()
-            torch.cuda.synchronize()
-            gpu[name].append(start.elapsed_time(end) / 1e3)
-    rows = [{"name": name, "host_submit_s": sorted(host[name])[steps // 2],
-             "gpu_s": sorted(gpu[name])[steps // 2], "capture_s": runner.capture_seconds}
-            for name, runner in runners]
-    del runners
-    return rows
+    times = {name: [] for name in variants}
+    with torch.inference_mode():
+        for _ in range(rounds):
+            for name, launch in variants.items():
+                torch.cuda.synchronize()
+                _keep_gpu_busy(4e-3)
+                start.record()
+                for _ in range(chain):
+                    launch()
+                end.record()
+                torch.cuda.synchronize()
+                times[name].append(start.elapsed_time(end) / 1e3 / chain)
+    chains = [{"name": name, "gpu_s": sorted(t)[len(t) // 2]} for name, t in times.items()]
+
+    def step(token: int) -> SchedulerOutput:
+        return SchedulerOutput((chunk(request, (token,), position, blocks_per_seq, False),))
+
+    worker.execute(step(5))
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        worker.submit(step(5))
+        for _ in range(profiled_steps - 1):
+            worker.submit(step(PENDING_TOKEN))
+            worker.collect()
+        worker.collect()
+        torch.cuda.synchronize()
+    on_gpu = _gpu_events(list(prof.events()))
+    path = [{**k, "seconds": k["seconds"] / profiled_steps} for k in _critical_path(on_gpu)[:12]]
+    return {"chain": chain, "chains": chains, "profiled_steps": profiled_steps,
+            "async_critical_path": path, "async_span_s": _kernel_span(on_gpu) / profiled_steps}
+
+
+def _graph_without(graphs, owner: type, method: str, replacement) -> torch.cuda.CUDAGraph:
+    """The batch-1 decode graph's forward pass (no input copy) captured afresh with
+    owner.method replaced, after one eager run of it (Triton compiles and tunes outside the
+    capture): the step as it was before an optimisation, for a ratio in the same run."""
+    from unittest import mock
+
+    graph = torch.cuda.CUDAGraph()
+    with mock.patch.object(owner, method, replacement), torch.inference_mode():
+        graphs._forward(1)
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            graphs._forward(1)
+    torch.cuda.synchronize()
+    return graph
+
+
+def _three_projections(self: PagedAttention, hidden: torch.Tensor):
+    """PagedAttention.project_qkv as three GEMMs over the q, k and v weights (before they were
+    stacked into one)."""
+    from engine.layers.parallel_linear import linear
+
+    num_tokens = hidden.shape[0]
+    return tuple(
+        linear(hidden, proj.weight, proj.bias).view(num_tokens, heads, self.head_dim)
+        for proj, heads in ((self.q_proj, self.num_heads), (self.k_proj, self.num_kv_heads),
+                            (self.v_proj, self.num_kv_heads))
+    )
 
 
 def main() -> None:
@@ -519,7 +567,7 @@ def main() -> None:
     batches = (1, 16, 64)
     num_requests = 1 + sum(batches)
     suffix = 256  # the user message after the instruction checkpoint
-    # decode runs on past the context: bench_decode, host_profile and launch_variants take
+    # decode runs on past the context: bench_decode, host_profile and decode_step_anatomy take
     # about 270 steps of batch 1's request
     blocks_per_seq = -(-max(args.prefill_tokens + suffix, args.context + 512) // BLOCK_SIZE)
     with tempfile.TemporaryDirectory() as tmp:
@@ -580,8 +628,8 @@ def main() -> None:
             report["decode_graph_replays"] = graphs.replays
         # batch 1's request after bench_decode's steps and host_profile's
         position = args.context + DECODE_STEPS_RUN + HOST_PROFILE_STEPS
-        report["batch1_launch_variants"] = launch_variants(worker, 1, position, blocks_per_seq)
-        print(f"launch variants done ({time.perf_counter() - t_start:.0f}s)", flush=True)
+        report["batch1_step_anatomy"] = decode_step_anatomy(worker, 1, position, blocks_per_seq)
+        print(f"batch-1 step anatomy done ({time.perf_counter() - t_start:.0f}s)", flush=True)
         report["rows"] = rows
     report["wall_seconds"] = time.perf_counter() - t_start
 
@@ -600,10 +648,15 @@ def main() -> None:
         if "graph_replay_seconds" in r:
             print(f"{r['name']}: the graph replay alone {r['graph_replay_seconds'] * 1e3:.3f} ms of the "
                   f"{r['seconds'] * 1e3:.3f} ms step")
-    if report.get("batch1_launch_variants"):
-        print(f"\n{'decode batch 1 graph, captured as':<34}{'host submit ms':>16}{'GPU ms':>10}")
-        for v in report["batch1_launch_variants"]:
-            print(f"{v['name']:<34}{v['host_submit_s'] * 1e3:>16.3f}{v['gpu_s'] * 1e3:>10.3f}")
+    anatomy = report.get("batch1_step_anatomy")
+    if anatomy:
+        print(f"\n{'decode batch 1, chains of ' + str(anatomy['chain']) + ' steps':<40}{'GPU ms a step':>14}")
+        for v in anatomy["chains"]:
+            print(f"{v['name']:<40}{v['gpu_s'] * 1e3:>14.3f}")
+        print(f"the worker's async steps under the profiler: {anatomy['async_span_s'] * 1e3:.3f} ms a step, "
+              "critical path a step:")
+        for k in anatomy["async_critical_path"]:
+            print(f"  {k['seconds'] * 1e3:8.3f} ms {k['count'] / anatomy['profiled_steps']:5.1f}x  {k['kernel']}")
     for r in rows:
         if "host_profile" in r:
             print(f"\n{r['name']}, host side:")
