@@ -49,7 +49,8 @@ class Mamba2Mixer(ShardedModule):
     dt = clamp(softplus(dt + dt_bias), time_step_limit), A = -exp(A_log) and skip D;
     y -> gated RMSNorm with z -> out_proj. On CUDA the D skip (y + D * x per head) is added by
     the gated norm (inside its kernel; in PyTorch when a norm group is split across ranks), not
-    by the scan.
+    by the scan. A one-row decode step folds the gated norm into the decode kernel and
+    out_proj's GEMM instead (mix_row_folded_gpu).
 
     Shapes: T tokens, H heads, P head dim, G groups, N state size, I = H * P; all of them
     this rank's (see below), so its state slots hold only its heads and channels.

@@ -37,6 +37,16 @@ writes a tensor of that dtype) before the SSD reads it as fp32; the SSD step is
 -exp(A_log), fp32 state). The two paths agree up to the compiler's choice of fused
 multiply-adds (in a low-precision dtype, an occasional last-bit flip of a rounded conv output).
 
+The gated norm folded in (GatedNormOutputs; Mamba2Mixer.mix_row_folded_gpu takes it for a
+one-row decode step): the gated RMSNorm after the mixer is a reduction over all of a row's
+H P channels, which at one row ran as a single program between this kernel and out_proj.
+With gated_norm each program also applies the norm's elementwise part to its channels (the
+D skip on the rounded x, then silu(gate), then the norm's weight), writes that instead of y
+and x, and writes the sum of squares of its channels; out_proj's single-row GEMM sums those
+(in a fixed order: no atomics) and scales its output by the rsqrt (skinny_gemm.RowRms). On
+the H200 the batch-1 decode graph took 1.118-1.121 ms with the fold against 1.155-1.163 ms
+with the norm's own kernel (gpu_roofline_notes.md, tenth session).
+
 Programmatic dependent launch: the kernel follows engine/kernels/gpu/pdl.py's contract.
 
 Shapes: T tokens, H heads, P head dim, G groups, N state size, K conv width, Bd decode rows,

@@ -18,6 +18,11 @@ after the first programs, and K sigmoids) next to the BLOCK_N * K weight element
 On the H200 at the MLP output shape (N 2048, K 5632) it takes 7.65 us per call against 8.07 us
 for silu_and_mul then skinny_linear (benchmarks/results/skinny_gemm_20261202_gated.json).
 
+`skinny_linear(x, weight, bias, row_rms=RowRms(sum_squares, eps))` folds an RMS norm of the row
+into the GEMM: x holds the norm's weight times its input, and the output is scaled by
+rsqrt(sum(sum_squares) / K + eps) before the bias (the Mamba mixer's gated norm at batch 1:
+engine/kernels/gpu/mamba_decode.py writes x and the sums of squares).
+
 When it is used: decode steps at batch size 1, where every linear layer sees one row. There
 the GEMM does one multiply-add per weight element loaded, so its time is the time to read the
 weight once. engine/layers/parallel_linear.py:linear sends every single row of the model's
