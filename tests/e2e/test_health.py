@@ -7,6 +7,7 @@ running.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import ray
@@ -26,8 +27,23 @@ def test_scheduler_health_fails_when_a_rank_dies(ray_session, http, world_size, 
     try:
         ray.get(scheduler.check_health.remote(), timeout=60)
         ray.kill(group.ranks[killed_rank])
+        _wait_until_dead(group.ranks[killed_rank])
         with pytest.raises(ray.exceptions.RayActorError):
             ray.get(scheduler.check_health.remote(), timeout=60)
     finally:
         ray.kill(scheduler)
         group.shutdown()
+
+
+def _wait_until_dead(actor, timeout_s: float = 60.0) -> None:
+    """ray.kill only asks for the kill: until it lands, the actor still answers (a health
+    check in that window passes, as a CI run on a loaded 2-core machine showed). Ping it
+    until the call fails."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.ping.remote(), timeout=10)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the killed actor still answered after {timeout_s} s")
