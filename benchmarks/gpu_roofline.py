@@ -450,7 +450,9 @@ def decode_step_anatomy(worker: Worker, request: int, position: int, blocks_per_
         out_proj), and q, k and v in three GEMMs (not one over the stacked weight).
     Then `profiled_steps` of the worker's own async steps under torch.profiler: the critical
     path per step, copies included (each GPU event charged the time from the previous one's
-    end to its own). Returns {"chains": [{name, gpu_s}], "async_critical_path": [...]}."""
+    end to its own). Returns {"chain", "chains": [{name, gpu_s}], "profiled_steps",
+    "async_critical_path": [...], "async_span_s"} ({} without decode graphs). Every step
+    decodes the same position again (timing only)."""
     from torch.profiler import ProfilerActivity, profile
 
     graphs = worker.decode_graphs
@@ -507,7 +509,7 @@ def decode_step_anatomy(worker: Worker, request: int, position: int, blocks_per_
     on_gpu = _gpu_events(list(prof.events()))
     path = [{**k, "seconds": k["seconds"] / profiled_steps} for k in _critical_path(on_gpu)[:12]]
     return {"chain": chain, "chains": chains, "profiled_steps": profiled_steps,
-            "async_critical_path": path, "async_span_s": _kernel_span(on_gpu) / profiled_steps}
+            "async_critical_path": path, "async_span_s": (_kernel_span(on_gpu) or 0.0) / profiled_steps}
 
 
 def _graph_without(graphs, owner: type, method: str, replacement) -> torch.cuda.CUDAGraph:

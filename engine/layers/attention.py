@@ -8,7 +8,7 @@ from torch import nn
 from engine.forward_batch import ForwardBatch
 from engine.kernels.dispatch import GpuBatchPlan
 from engine.kernels.attention_reference import paged_attention, write_kv
-from engine.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear, linear
+from engine.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear, linear, routes_to_skinny
 from engine.layers.rotary import apply_rotary
 from engine.model_config import HybridModelConfig
 from engine.shard_layout import RankShardLayout, width
@@ -26,8 +26,9 @@ class PagedAttention(nn.Module):
     there are fewer KV heads than ranks); q/k/v are column-parallel, o_proj row-parallel.
     num_heads and num_kv_heads are this rank's counts; its KV cache holds only its KV heads.
 
-    At one row the q, k and v projections run as one GEMM over a stacked weight, which
-    stack_projections() builds once the weights are loaded; forward refuses to run before it.
+    Where the single-row GEMM kernel runs (batch-1 decode on CUDA) the q, k and v projections
+    are one GEMM over a stacked weight, which stack_projections() builds once the weights are
+    loaded; forward refuses to run before it.
     """
 
     def __init__(
@@ -53,12 +54,13 @@ class PagedAttention(nn.Module):
 
     def stack_projections(self) -> None:
         """Move the q, k and v weights (and biases) into one (Q + 2 KV, D) tensor, which
-        project_qkv multiplies in one GEMM at one row (one launch a layer instead of three);
-        q_proj, k_proj and v_proj keep views of their rows, so parameter names, shapes and
-        counts stay the checkpoint's and writing a parameter writes the stacked weight.
-        engine/loader.py calls this once the weights are on their device; moving the module
-        afterwards (.to()) would copy the views apart from the stacked tensor, so the model is
-        not moved after loading."""
+        project_qkv multiplies in one GEMM where the single-row GEMM kernel runs (one launch a
+        layer instead of three); q_proj, k_proj and v_proj keep views of their rows, so
+        parameter names, shapes and counts stay the checkpoint's and writing a parameter
+        writes the stacked weight.
+        engine/loader.py calls this once the weights are on their device. A module conversion
+        afterwards (.to(), .half()) stacks again (_apply); a parameter replaced by assignment
+        is not seen until project_qkv, which then raises RuntimeError."""
         projections = (self.q_proj, self.k_proj, self.v_proj)
         weight = torch.cat([p.weight.detach() for p in projections])
         with_bias = self.q_proj.bias is not None
@@ -72,20 +74,40 @@ class PagedAttention(nn.Module):
             start = end
         self._stacked_qkv = (weight, bias)
 
+    def _apply(self, fn, recurse=True):
+        """nn.Module's conversions (.to(), .half(), ...) make new parameters, no longer views
+        of the stacked weight: stack them again."""
+        module = super()._apply(fn, recurse)
+        if self._stacked_qkv is not None:
+            self.stack_projections()
+        return module
+
+    def _check_stacked(self, weight: torch.Tensor) -> None:
+        """RuntimeError unless q_proj, k_proj and v_proj's weights are still the stacked
+        weight's rows (a parameter replaced by assignment after stacking is not)."""
+        offset = 0
+        for projection in (self.q_proj, self.k_proj, self.v_proj):
+            if projection.weight.data_ptr() != weight.data_ptr() + offset:
+                raise RuntimeError("a q/k/v parameter was replaced after stack_projections(); call it again")
+            offset += projection.weight.numel() * weight.element_size()
+
     def project_qkv(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """query (T, H, Dh), key and value (T, Hkv, Dh) of hidden (T, D).
 
-        One row (decode at batch 1): one GEMM over the stacked weight, and the three column
-        views of its (1, Q + 2 KV) output. On the H200 the batch-1 decode graph took 1.121 ms
-        against 1.136 ms with three single-row GEMMs (gpu_roofline_notes.md, tenth session).
-        More rows: three GEMMs, contiguous outputs. With the stacked weight, cuBLAS's fp32
-        results for a 64-row prefill differed between a CUDA graph and the eager pass enough
-        to move a Mamba state 170x further apart than with three GEMMs (3.9e-4 against 2.3e-6
-        relative; tests/gpu/test_prefill_graphs.py), so the larger shapes keep their GEMMs."""
+        A row the single-row GEMM kernel takes (decode at batch 1 on CUDA): one GEMM over the
+        stacked weight, and the three column views of its (1, Q + 2 KV) output. On the H200
+        the batch-1 decode graph took 1.118-1.121 ms against 1.125-1.136 ms with three
+        single-row GEMMs (gpu_roofline_notes.md, tenth session). Everything else: three GEMMs
+        as before, contiguous outputs. Stacked, cuBLAS's fp32 results for a 64-row prefill
+        differed between a CUDA graph and the eager pass enough to move a Mamba state 170x
+        further apart than with three GEMMs (3.9e-4 against 2.3e-6 relative;
+        tests/gpu/test_prefill_graphs.py), and on the CPU a launch saves nothing while a
+        BLAS kernel chosen for another shape moves the rounding."""
         if self._stacked_qkv is None:
             raise RuntimeError("PagedAttention used before stack_projections()")
         num_tokens = hidden.shape[0]
-        if num_tokens == 1:
+        if routes_to_skinny(hidden, *self._stacked_qkv):
+            self._check_stacked(self._stacked_qkv[0])
             q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
             query, key, value = linear(hidden, *self._stacked_qkv).split((q_width, kv_width, kv_width), dim=1)
         else:

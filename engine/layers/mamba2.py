@@ -266,11 +266,14 @@ class Mamba2Mixer(ShardedModule):
     def _folded_norm_row(self, hidden: torch.Tensor, plan: GpuBatchPlan) -> torch.Tensor | None:
         """A (1, I) buffer for mix_row_folded_gpu's normed row when this step takes that path:
         one row on a decode-only plan (no in-pass capture), one norm group over this rank's
-        channels, and an out_proj whose single-row GEMM folds the norm in (world size 1).
-        None: the step takes mix_batch_gpu and the gated norm's own kernel."""
+        channels, a dtype with fp32's range (bf16, fp32: the row is rounded before the norm's
+        scale, which fp16 could overflow), and an out_proj whose single-row GEMM folds the
+        norm in (world size 1). None: the step takes mix_batch_gpu and the norm's own kernel."""
         if hidden.shape[0] != 1 or plan.num_prefill != 0 or plan.in_pass is not None:
             return None
-        if self.norm.group_size != self.intermediate_size:
+        if self.norm.group_size != self.intermediate_size or hidden.dtype == torch.float16:
+            return None
+        if self.out_proj.tp.world_size != 1:
             return None
         normed = hidden.new_empty(1, self.intermediate_size)
         return normed if self.out_proj.supports_row_rms(normed) else None

@@ -133,7 +133,8 @@ def test_every_pdl_kernel_releases_then_waits_before_touching_memory():
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize(
-    "consumer", ["linear", "gated linear", "add_rms_norm", "gated_rms_norm", "conv_ssd_decode", "advance_conv_states"],
+    "consumer", ["linear", "gated linear", "row-RMS linear", "add_rms_norm", "gated_rms_norm", "conv_ssd_decode",
+                 "conv_ssd_decode with the gated norm", "advance_conv_states"],
 )
 def test_a_kernel_launched_behind_a_slow_writer_reads_what_it_wrote(consumer):
     """The kernels that load before their wait, replayed in a CUDA graph right behind a PDL
@@ -141,12 +142,13 @@ def test_a_kernel_launched_behind_a_slow_writer_reads_what_it_wrote(consumer):
     their pre-wait part runs during the spin, so an activation load hoisted above the wait
     would read NaN. The result must equal, bit for bit, the same call on the input written
     first (for the Mamba decode kernels: their outputs and the new state, from the same old
-    state; their late input is in_proj's whole row, xBC and dt)."""
+    state; their late input is in_proj's whole row, z, xBC and dt; for the row-RMS linear,
+    both x and the sums of squares, which the Mamba decode kernel writes together)."""
     from engine.kernels.gpu import pdl
     from engine.kernels.gpu.conv import advance_conv_states
     from engine.kernels.gpu.fused_norm import add_rms_norm, gated_rms_norm
-    from engine.kernels.gpu.mamba_decode import conv_ssd_decode
-    from engine.kernels.gpu.skinny_gemm import CONFIGS, skinny_linear
+    from engine.kernels.gpu.mamba_decode import GatedNormOutputs, conv_ssd_decode, num_sum_squares
+    from engine.kernels.gpu.skinny_gemm import CONFIGS, RowRms, skinny_linear
     from tests.gpu.pdl_probe_kernels import copy_late
 
     if not pdl.enabled():
@@ -159,6 +161,13 @@ def test_a_kernel_launched_behind_a_slow_writer_reads_what_it_wrote(consumer):
         weight = randn(2048, 1024) / 32
         late = randn(1, 2048 if gated else 1024)
         run = lambda x: skinny_linear(x, weight, gated=gated, config=CONFIGS[0])  # noqa: E731
+    elif consumer == "row-RMS linear":
+        # late: [x (1024 bf16) | 64 positive fp32 sums of squares, as 128 bf16 of their bits]
+        weight = randn(2048, 1024) / 32
+        sums = torch.rand(1, 64, device="cuda", generator=g) * 40 + 1
+        late = torch.cat([randn(1, 1024), sums.view(bf16)], dim=1)
+        run = lambda row: skinny_linear(  # noqa: E731
+            row[:, :1024], weight, config=CONFIGS[0], row_rms=RowRms(row[0, 1024:].view(torch.float32), 1e-5))
     elif consumer == "add_rms_norm":
         delta, weight = randn(1, 2048), randn(2048)
         late = randn(1, 2048)
@@ -171,7 +180,9 @@ def test_a_kernel_launched_behind_a_slow_writer_reads_what_it_wrote(consumer):
     else:  # the Mamba decode kernels; late: in_proj's row [xBC | dt], as the model splits it
         heads, head_dim, state_size, taps = 8, 64, 128, 4
         conv_dim = heads * head_dim + 2 * state_size
-        late = randn(1, conv_dim + heads)
+        width = heads * head_dim
+        late = randn(1, width + conv_dim + heads)  # [z | xBC | dt]
+        norm_d, norm_w = torch.rand(heads, device="cuda", generator=g), randn(width)
         conv_w, conv_b = randn(conv_dim, taps), randn(conv_dim)
         dt_bias = torch.zeros(heads, device="cuda")
         a_log = torch.rand(heads, device="cuda", generator=g)
@@ -182,10 +193,17 @@ def test_a_kernel_launched_behind_a_slow_writer_reads_what_it_wrote(consumer):
         cu_seqlens = torch.tensor([0, 1], device="cuda")
 
         def run(row):
-            xbc, dt_raw = row[:, :conv_dim], row[:, conv_dim:]
+            gate, xbc, dt_raw = row[:, :width], row[:, width : width + conv_dim], row[:, width + conv_dim :]
             if consumer == "advance_conv_states":
                 advance_conv_states(xbc, conv_state, cu_seqlens, slots, reset)
                 return conv_state[1].float().flatten().clone()  # a copy: the state changes later
+            if consumer == "conv_ssd_decode with the gated norm":
+                normed = torch.empty(1, width, dtype=bf16, device="cuda")
+                sum_squares = torch.empty(1, num_sum_squares(heads, head_dim), device="cuda")
+                conv_ssd_decode(xbc, dt_raw, conv_state, conv_w, conv_b, dt_bias, a_log, (1e-3, 0.1), ssm,
+                                None, None, rows, slots, reset,
+                                gated_norm=GatedNormOutputs(gate, norm_d, norm_w, normed, sum_squares))
+                return torch.cat([normed.float().flatten(), sum_squares.flatten(), ssm[1].flatten()])
             x_out = torch.empty(1, heads, head_dim, dtype=bf16, device="cuda")
             y = torch.empty(1, heads, head_dim, device="cuda")
             conv_ssd_decode(xbc, dt_raw, conv_state, conv_w, conv_b, dt_bias, a_log, (1e-3, 0.1), ssm,
@@ -202,7 +220,7 @@ def test_a_kernel_launched_behind_a_slow_writer_reads_what_it_wrote(consumer):
         copy_late(late, target, spin_us=300)
         got = run(target)
     target.fill_(float("nan"))
-    if consumer in ("conv_ssd_decode", "advance_conv_states"):
+    if consumer.startswith("conv_ssd_decode") or consumer == "advance_conv_states":
         conv_state.copy_(old_conv)  # the graph's step starts from the state the reference did
         ssm.copy_(old_ssm)
     graph.replay()

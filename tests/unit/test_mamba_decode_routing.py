@@ -40,7 +40,7 @@ def test_mix_batch_gpu_routes_by_step_shape(mixer, monkeypatch, num_decode, num_
     (2, 0, None, True, False),  # two rows: the norm's own kernel (the GEMM is cuBLAS's)
     (1, 1, None, True, False),  # a one-token prefill chunk
     (1, 0, "capture", True, False),
-    (1, 0, None, False, False),  # out_proj's GEMM cannot take it (CPU, world size > 1)
+    (1, 0, None, False, False),  # out_proj's GEMM cannot take it (CPU, an odd layout)
 ])
 def test_gated_norm_folds_only_into_one_decode_row(mixer, monkeypatch, rows, num_prefill, in_pass,
                                                    out_proj_takes_it, folds):
@@ -54,7 +54,31 @@ def test_gated_norm_folds_only_into_one_decode_row(mixer, monkeypatch, rows, num
         assert normed.shape == (1, mixer.intermediate_size)
 
 
-def test_out_proj_takes_no_folded_norm_on_the_cpu(mixer):
+def test_gated_norm_does_not_fold_in_fp16_or_over_several_groups(mixer, monkeypatch):
+    """fp16 (the row is rounded before the norm's scale: it could overflow) and a norm of
+    several groups (one scale per group) keep the norm's own kernel."""
     import torch
 
-    assert not mixer.out_proj.supports_row_rms(torch.zeros(1, mixer.intermediate_size))
+    monkeypatch.setattr(mixer.out_proj, "supports_row_rms", lambda x: True)
+    plan = SimpleNamespace(num_prefill=0, in_pass=None)
+    assert mixer._folded_norm_row(torch.zeros(1, 4), plan) is not None
+    assert mixer._folded_norm_row(torch.zeros(1, 4, dtype=torch.float16), plan) is None
+    monkeypatch.setattr(mixer.norm, "group_size", mixer.intermediate_size // 2)
+    assert mixer._folded_norm_row(torch.zeros(1, 4), plan) is None
+
+
+def test_out_proj_takes_no_folded_norm_over_two_ranks(mixer, monkeypatch):
+    """A row-parallel out_proj sums partial products over ranks: no single GEMM can scale the
+    whole sum, so supports_row_rms is False at world size 2 even where the single-row GEMM
+    takes the operands; and on the CPU the single-row GEMM takes nothing."""
+    import torch
+
+    from engine.layers import parallel_linear
+
+    row = torch.zeros(1, mixer.intermediate_size)
+    assert not mixer.out_proj.supports_row_rms(row)  # the CPU
+    monkeypatch.setattr(parallel_linear, "routes_to_skinny", lambda x, weight, bias, gated=False: True)
+    assert mixer.out_proj.supports_row_rms(row)
+    monkeypatch.setattr(mixer.out_proj, "tp", SimpleNamespace(world_size=2))
+    assert not mixer.out_proj.supports_row_rms(row)
+    assert mixer._folded_norm_row(torch.zeros(1, 4), SimpleNamespace(num_prefill=0, in_pass=None)) is None

@@ -27,7 +27,8 @@ and the old SSD state tile. pdl.py's contract allows it: within a forward pass o
 layer's decode kernel writes this layer's state of a decode row (advance_conv_states, which
 writes the conv window, runs after it), and the pass begins with kernels launched without
 PDL (the embedding), so whatever was enqueued before the pass (a restore, the previous step)
-has finished. After the wait come only the token's xBC and dt, read from L2.
+has finished. After the wait come only the token's xBC and dt, read from L2 (with the gated
+norm folded in, also its gate z; its D and the norm's weight are loaded before the wait).
 
 Numerics, those of the unfused pair: the conv accumulates in fp32 over the taps in
 `_conv_kernel`'s order (the K-1 state columns, oldest first, then the new input), adds the
@@ -45,7 +46,9 @@ D skip on the rounded x, then silu(gate), then the norm's weight), writes that i
 and x, and writes the sum of squares of its channels; out_proj's single-row GEMM sums those
 (in a fixed order: no atomics) and scales its output by the rsqrt (skinny_gemm.RowRms). On
 the H200 the batch-1 decode graph took 1.118-1.121 ms with the fold against 1.155-1.163 ms
-with the norm's own kernel (gpu_roofline_notes.md, tenth session).
+with the norm's own kernel (gpu_roofline_notes.md, tenth session). The normed values are
+rounded to the model dtype before the norm's scale, so the fold is for dtypes with fp32's
+range (bf16, fp32): in fp16 an unnormalised product could overflow.
 
 Programmatic dependent launch: the kernel follows engine/kernels/gpu/pdl.py's contract.
 

@@ -38,11 +38,11 @@ back one they wait for. Kernels that do not take part (cuBLAS, fla-core, PyTorch
 serialised as usual on both sides.
 
 `enabled()` decides once per process: on for CUDA devices of compute capability 9.0 or
-later, off under Triton's interpreter and when HYBRID_SERVE_PDL=0 (set it to compare). The
-batch-1 decode graph of benchmarks/gpu_roofline.py, captured both ways in one run and timed
-on the GPU alone, took 1.190 ms with PDL and 1.350 ms without; with PDL but every load after
-the wait, 1.276 ms (gpu_roofline_20261203_session6_final.json; benchmarks/gpu_roofline_notes.md,
-sixth session).
+later, off under Triton's interpreter and when HYBRID_SERVE_PDL=0 (set it to compare). In
+the sixth session the batch-1 decode graph of benchmarks/gpu_roofline.py, captured both ways
+in one run and timed on the GPU alone, took 1.190 ms with PDL and 1.350 ms without; with PDL
+but every load after the wait, 1.276 ms (gpu_roofline_20261203_session6_final.json;
+benchmarks/gpu_roofline_notes.md).
 """
 
 from __future__ import annotations

@@ -71,7 +71,8 @@ Design (every weight byte is read exactly once, in wide loads along K):
   the whole weight slice instead (prefetch.global.L2) had made it slower
   (gpu_roofline_20261203_session5_variants.json);
 - BLOCK_N, BLOCK_K, num_warps and num_stages are tuned with @triton.autotune over CONFIGS,
-  keyed on (N, K, GATED) and the dtypes (the gated variant is tuned on its own). Every config
+  keyed on (N, K, GATED, ROW_RMS) and the dtypes (the gated and the row-RMS variants are
+  tuned on their own). Every config
   keeps 32 fp32 accumulators per thread and at most 48 KiB of weight tiles in flight per
   program in bf16. Tuning times each config with the L2 flushed (the weights of a decode step
   never fit in L2) and a short budget.
@@ -98,8 +99,7 @@ from engine.kernels.gpu.pdl import launch_options, release_next, wait_for_previo
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # How many BLOCK_K-column tiles of its weight rows (0 to 4) a program under PDL loads before
-# it waits for the kernel that writes x (read at each launch; benchmarks/gpu_roofline.py
-# captures the batch-1 decode graph with each to compare). Two: the batch-1 graph took
+# it waits for the kernel that writes x (read at each launch). Two: the batch-1 graph took
 # 1.165-1.197 ms with two over four H200 runs, 1.190-1.237 ms with four over three of them
 # (gpu_roofline_notes.md, seventh session); the output is the same bits for 0-4.
 PRELOAD_TILES = 2
@@ -239,7 +239,7 @@ def _row_kernel(
 
 
 _tuned_row_kernel = triton.autotune(
-    configs=[c.as_triton() for c in CONFIGS], key=["N", "K", "GATED"], do_bench=_tuning_bench,
+    configs=[c.as_triton() for c in CONFIGS], key=["N", "K", "GATED", "ROW_RMS"], do_bench=_tuning_bench,
 )(_row_kernel)
 
 
