@@ -72,9 +72,8 @@ Design (every weight byte is read exactly once, in wide loads along K):
   (gpu_roofline_20261203_session5_variants.json);
 - BLOCK_N, BLOCK_K, num_warps and num_stages are tuned with @triton.autotune over CONFIGS,
   keyed on (N, K, GATED, ROW_RMS) and the dtypes (the gated and the row-RMS variants are
-  tuned on their own). Every config
-  keeps 32 fp32 accumulators per thread and at most 48 KiB of weight tiles in flight per
-  program in bf16. Tuning times each config with the L2 flushed (the weights of a decode step
+  tuned on their own). Every config keeps 32 fp32 accumulators per thread and at most 48 KiB
+  of weight tiles in flight per program in bf16. Tuning times each config with the L2 flushed (the weights of a decode step
   never fit in L2) and a short budget.
 
 Contracts for callers: no host synchronisation and no allocation that depends on data (the
