@@ -32,8 +32,8 @@ def load_model(
 
     Parameters are cast to `dtype` except those the model keeps in fp32 (Mamba A_log, D,
     dt_bias). The returned model is in eval mode with requires_grad off, its attention
-    projections stacked (GraniteMoeHybridModel.stack_projections); do not move it to another
-    device afterwards, load it there.
+    projections stacked (GraniteMoeHybridModel.stack_projections; a later .to() stacks them
+    again, see PagedAttention.stack_projections).
     """
     model_dir = Path(model_dir)
     config = load_model_config(model_dir)
