@@ -8,13 +8,16 @@ held, the full KV blocks referenced, pins and recency.
 Life of a bundle:
   reserve -> PENDING: holds one BlockPool reference per full KV block and its bytes; invisible.
   publish -> PUBLISHED (every rank confirmed, endpoint new): visible to lookup, in the radix index.
-          -> dropped (a rank missing, duplicate endpoint, or invalidated while pending).
+          -> dropped (a rank missing, or a duplicate endpoint).
   discard -> dropped (capture failed or was abandoned).
-  lookup pins a published bundle until unpin; evict_* and on_block_evicted drop published ones.
+  lookup pins a published bundle until unpin; evict_lru / evict_until drop unpinned published ones.
 Dropping a bundle releases its block references and its bytes; the workers may then free its
 tensors. The block references are taken at reserve, not at publish: the capturing request may
 finish and release its own blocks before the ranks confirm, and a block must not be reused while
-a bundle might still become visible over it.
+a bundle might still become visible over it. Because every bundle, pending or published, holds a
+reference to each of its blocks, the BlockPool never frees a block a bundle depends on: KV
+pressure is relieved by evicting whole bundles (CacheManager.allocate_blocks), never by taking a
+block from under one.
 """
 
 from __future__ import annotations
@@ -37,14 +40,12 @@ class CheckpointKind(str, Enum):
 class BundleState(Enum):
     PENDING = "pending"  # reserved, capture not yet confirmed; invisible
     PUBLISHED = "published"  # visible to lookups
-    INVALIDATED = "invalidated"  # pending, but lost a block; publish/discard will drop it
 
 
 class PublishOutcome(Enum):
     PUBLISHED = "published"  # visible from now on
     UNCONFIRMED = "unconfirmed"  # some rank did not confirm: dropped
     DUPLICATE = "duplicate"  # the endpoint was already published: dropped, the existing one kept
-    INVALIDATED = "invalidated"  # a block it references was evicted while pending: dropped
 
     @property
     def visible(self) -> bool:
@@ -81,7 +82,6 @@ class KindCounters:
     captured: int = 0  # published
     hit: int = 0  # returned by lookup
     evicted: int = 0  # dropped by evict_lru / evict_until
-    invalidated: int = 0  # lost a KV block (published or pending)
     deduplicated: int = 0  # dropped at publish, endpoint already present
     dropped: int = 0  # never published: a rank did not confirm, or discarded
 
@@ -106,7 +106,7 @@ class CheckpointLedger:
 
     @property
     def bytes_held(self) -> int:
-        """Bytes of pending, invalidated-pending and published bundles."""
+        """Bytes of pending and published bundles."""
         return self._bytes_held
 
     @property
@@ -130,10 +130,6 @@ class CheckpointLedger:
             1 for block, holders in self._bundles_by_block.items()
             if self.blocks.ref_count(block) == len(holders)
         )
-
-    def block_is_pinned(self, block_id: int) -> bool:
-        """Whether a pinned bundle references `block_id` (then it must not be evicted)."""
-        return any(self._bundles[b].pin_count for b in self._bundles_by_block.get(block_id, ()))
 
     def has_checkpoint(self, namespace: Namespace, token_ids: Sequence[int]) -> bool:
         """Whether a published bundle sits at exactly `token_ids` (capturing it again is wasted)."""
@@ -178,17 +174,14 @@ class CheckpointLedger:
     def publish(self, bundle_id: BundleId, confirmed_ranks: set[int], world_size: int) -> PublishOutcome:
         """Make a pending bundle visible if and only if ranks 0 .. world_size-1 all confirmed it.
 
-        Fails closed: a missing (or unknown) rank, an endpoint that is already published (that
-        one is kept and touched), or a block lost while pending drops the bundle and releases its
-        references; the outcome says which. Raises ValueError if `bundle_id` is not pending.
+        Fails closed: a missing (or unknown) rank, or an endpoint that is already published (that
+        one is kept and touched), drops the bundle and releases its references; the outcome says
+        which. Raises ValueError if `bundle_id` is not pending.
         """
         bundle = self._pending(bundle_id)
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         counters = self.counters[bundle.kind]
-        if bundle.state is BundleState.INVALIDATED:
-            self._drop(bundle)
-            return PublishOutcome.INVALIDATED
         if set(confirmed_ranks) != set(range(world_size)):
             self._drop(bundle)
             counters.dropped += 1
@@ -208,8 +201,7 @@ class CheckpointLedger:
     def discard(self, bundle_id: BundleId) -> None:
         """Drop a pending bundle (capture failed or abandoned), releasing its references."""
         bundle = self._pending(bundle_id)
-        if bundle.state is BundleState.PENDING:
-            self.counters[bundle.kind].dropped += 1
+        self.counters[bundle.kind].dropped += 1
         self._drop(bundle)
 
     # ---- lookup and pinning --------------------------------------------------------------------
@@ -275,32 +267,11 @@ class CheckpointLedger:
             self._evict(bundle)
         return [bundle.bundle_id for bundle in victims]
 
-    def on_block_evicted(self, block_id: int) -> list[BundleId]:
-        """The KV block `block_id` is being reclaimed: no bundle may keep depending on it.
-
-        Published bundles referencing it are dropped; pending ones are marked INVALIDATED (their
-        references released now, their bytes held until publish/discard reports it). Returns
-        the ids of both, ascending. Raises ValueError, changing nothing, if a pinned bundle
-        references the block (check block_is_pinned first).
-        """
-        if self.block_is_pinned(block_id):
-            raise ValueError(f"block {block_id} is referenced by a pinned bundle")
-        affected = sorted(self._bundles_by_block.get(block_id, ()))
-        for bundle_id in affected:
-            bundle = self._bundles[bundle_id]
-            self.counters[bundle.kind].invalidated += 1
-            if bundle.state is BundleState.PUBLISHED:
-                self._drop(bundle)
-            else:
-                self._release_blocks(bundle)
-                bundle.state = BundleState.INVALIDATED
-        return affected
-
     # ---- internals -------------------------------------------------------------------------------
 
     def _pending(self, bundle_id: BundleId) -> Bundle:
         bundle = self._bundles.get(bundle_id)
-        if bundle is None or bundle.state is BundleState.PUBLISHED:
+        if bundle is None or bundle.state is not BundleState.PENDING:
             raise ValueError(f"bundle {bundle_id} is not pending")
         return bundle
 
@@ -314,21 +285,17 @@ class CheckpointLedger:
         self.counters[bundle.kind].evicted += 1
         self._drop(bundle)
 
-    def _release_blocks(self, bundle: Bundle) -> None:
-        for block in bundle.block_ids:
-            holders = self._bundles_by_block[block]
-            holders.discard(bundle.bundle_id)
-            if not holders:
-                del self._bundles_by_block[block]
-        self.blocks.release(list(bundle.block_ids))
-        bundle.block_ids = ()
-
     def _drop(self, bundle: Bundle) -> None:
         """Forget `bundle`: out of the index and LRU, block references and bytes released."""
         assert bundle.pin_count == 0
         if bundle.state is BundleState.PUBLISHED:
             self.index.remove(bundle.namespace, bundle.bundle_id)
             del self._lru[bundle.bundle_id]
-        self._release_blocks(bundle)
+        for block in bundle.block_ids:
+            holders = self._bundles_by_block[block]
+            holders.discard(bundle.bundle_id)
+            if not holders:
+                del self._bundles_by_block[block]
+        self.blocks.release(list(bundle.block_ids))
         self._bytes_held -= bundle.num_bytes
         del self._bundles[bundle.bundle_id]

@@ -24,7 +24,7 @@ from deployments.instruction_boundary import BoundaryRejection
 from engine.llm_engine import EngineStats
 
 PREFIX = "hybrid_serve"
-CHECKPOINT_EVENTS = ("captured", "hit", "evicted", "invalidated", "deduplicated", "dropped")
+CHECKPOINT_EVENTS = ("captured", "hit", "evicted", "deduplicated", "dropped")
 
 
 class EngineStatsCollector(Collector):

@@ -167,7 +167,7 @@ def test_metrics_exposition(client, http, new_salt):
     assert value("hybrid_serve_checkpoints_captured_total", kind="instruction") > 0
     assert value("hybrid_serve_checkpoints_hit_total", kind="instruction") > 0
     for kind in ("prompt", "response", "instruction"):
-        for event in ("captured", "hit", "evicted", "invalidated"):
+        for event in ("captured", "hit", "evicted", "deduplicated", "dropped"):
             assert value(f"hybrid_serve_checkpoints_{event}_total", kind=kind) >= 0
     assert value("hybrid_serve_prompt_tokens_restored_total") > 0
     assert value("hybrid_serve_prompt_tokens_computed_total") > 0

@@ -1,7 +1,7 @@
-"""Checkpoint ledger: two-phase publish, pins, LRU byte budget, block loss (pure Python).
+"""Checkpoint ledger: two-phase publish, pins, LRU byte budget, block references (pure Python).
 
 The property-based part drives the ledger and a BlockPool with random capture / publish / lookup /
-pin / unpin / evict / block-loss sequences and compares them with a plain reference model.
+pin / unpin / evict sequences and compares them with a plain reference model.
 """
 
 from __future__ import annotations
@@ -120,7 +120,9 @@ def test_eviction_is_least_recently_used_first():
     assert ledger.evict_until(0) == []
 
 
-def test_block_loss_drops_every_bundle_that_references_it():
+def test_a_block_stays_allocated_while_any_bundle_references_it():
+    """Every bundle, pending or published, holds one reference per block: the pool frees a
+    block only once the last bundle over it is dropped, never from under a bundle."""
     pool, ledger = make_ledger()
     a = capture(pool, ledger, [1, 2, 3, 4])
     hit = ledger.lookup(NS, [1, 2, 3, 4, 5, 6])  # a request restores a, shares its blocks, extends
@@ -134,20 +136,17 @@ def test_block_loss_drops_every_bundle_that_references_it():
     shared = hit.block_ids[0]
     assert ledger.bundles_for_block(shared) == {a, b, pending} and pool.ref_count(shared) == 3
 
-    pinned = ledger.lookup(NS, [1, 2, 3, 4, 5, 6])
-    assert ledger.block_is_pinned(shared)
-    with pytest.raises(ValueError):
-        ledger.on_block_evicted(shared)
-    assert ledger.bundles_for_block(shared) == {a, b, pending}  # nothing changed
-    ledger.unpin(pinned.bundle_id)
-
-    assert ledger.on_block_evicted(shared) == sorted([a, b, pending])
+    assert ledger.evict_lru() == a
+    ledger.discard(pending)
+    assert ledger.bundles_for_block(shared) == {b} and pool.ref_count(shared) == 1
+    assert shared not in pool.allocate(pool.num_free)  # every free block, but not this one
+    assert ledger.lookup(NS, [1, 2, 3, 4, 5, 6]).bundle_id == b
+    ledger.unpin(b)
+    assert ledger.evict_lru() == b
     assert pool.ref_count(shared) == 0 and ledger.bundles_for_block(shared) == frozenset()
-    assert ledger.lookup(NS, [1, 2, 3, 4, 5, 6]) is None
-    assert ledger.get(pending).state is BundleState.INVALIDATED
-    assert ledger.publish(pending, {0}, world_size=1) is PublishOutcome.INVALIDATED
-    assert pool.num_free == 16 and ledger.bytes_held == 0 and len(ledger) == 0
-    assert ledger.counters[PROMPT].invalidated == 2 and ledger.counters[RESPONSE].invalidated == 1
+    assert ledger.bytes_held == 0 and len(ledger) == 0
+    assert ledger.counters[PROMPT].evicted == 1 and ledger.counters[RESPONSE].evicted == 1
+    assert ledger.counters[PROMPT].dropped == 1
 
 
 def test_namespaces_are_isolated_and_full_prompt_hits_are_returned():
@@ -171,7 +170,6 @@ class RefBundle:
     tokens: tuple[int, ...]
     num_bytes: int
     blocks: tuple[int, ...]
-    invalidated: bool = False
 
 
 @dataclass
@@ -274,9 +272,7 @@ class LedgerMachine(RuleBasedStateMachine):
         ref = self.model.pending.pop(bundle_id)
         same_endpoint = [b for b, r in self.model.published.items() if (r.ns, r.tokens) == (ref.ns, ref.tokens)]
         existing = same_endpoint[0] if same_endpoint else None
-        if ref.invalidated:
-            expected = PublishOutcome.INVALIDATED
-        elif fault:
+        if fault:
             expected = PublishOutcome.UNCONFIRMED
         elif existing is not None:
             expected = PublishOutcome.DUPLICATE
@@ -333,24 +329,6 @@ class LedgerMachine(RuleBasedStateMachine):
         assert evicted == victims and self.ledger.free_bytes >= bytes_needed
         for bundle_id in victims:
             self.model.drop_published(bundle_id)
-
-    @rule(block=st.integers(0, NUM_BLOCKS - 1))
-    def block_evicted(self, block):
-        if any(self.model.pins[b] and block in r.blocks for b, r in self.model.published.items()):
-            with pytest.raises(ValueError):
-                self.ledger.on_block_evicted(block)
-            return
-        lost_published = [b for b, r in self.model.published.items() if block in r.blocks]
-        lost_pending = [b for b, r in self.model.pending.items() if block in r.blocks]
-        assert self.ledger.on_block_evicted(block) == sorted(lost_published + lost_pending)
-        for bundle_id in lost_published:
-            self.model.drop_published(bundle_id)
-        for bundle_id in lost_pending:
-            self.model.pending[bundle_id].blocks = ()
-            self.model.pending[bundle_id].invalidated = True
-        assert self.pool.ref_count(block) == 0 and not self.ledger.bundles_for_block(block)
-        for bundle_id in self.model.published:
-            assert block not in self.ledger.get(bundle_id).block_ids
 
     @invariant()
     def pool_counts_exactly_the_bundle_references(self):
