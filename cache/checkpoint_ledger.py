@@ -47,10 +47,6 @@ class PublishOutcome(Enum):
     UNCONFIRMED = "unconfirmed"  # some rank did not confirm: dropped
     DUPLICATE = "duplicate"  # the endpoint was already published: dropped, the existing one kept
 
-    @property
-    def visible(self) -> bool:
-        return self is PublishOutcome.PUBLISHED
-
 
 @dataclass
 class Bundle:
@@ -64,7 +60,6 @@ class Bundle:
     block_ids: tuple[int, ...]  # full KV blocks of tokens [0, p - p mod B); one reference each
     state: BundleState = BundleState.PENDING
     pin_count: int = 0
-    last_used: int = 0  # ledger tick of the last publish / lookup / duplicate
 
 
 @dataclass(frozen=True)
@@ -99,7 +94,6 @@ class CheckpointLedger:
         self._lru: OrderedDict[BundleId, None] = OrderedDict()  # published; least recent first
         self._bundles_by_block: dict[int, set[BundleId]] = {}
         self._next_id = 0
-        self._tick = 0
         self._bytes_held = 0
 
     # ---- reading (changes nothing) -----------------------------------------------------------
@@ -276,8 +270,7 @@ class CheckpointLedger:
         return bundle
 
     def _touch(self, bundle: Bundle) -> None:
-        self._tick += 1
-        bundle.last_used = self._tick
+        """Make `bundle` the most recently used (last to be evicted)."""
         self._lru.move_to_end(bundle.bundle_id)
 
     def _evict(self, bundle: Bundle) -> None:
