@@ -25,7 +25,9 @@ from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.step_io import RunnerOutput
-from tests.engine.exactness import LOGITS_RTOL, Outcome, Tally, compare, run_workload, tight_config
+from tests.engine.exactness import (
+    LOGITS_RTOL, Outcome, Tally, check_near_ties, compare, run_workload, tight_config,
+)
 from tests.engine.reuse_cases import SYSTEM, Alone, chat, instruction_reuse, multi_turn, run
 
 TP_SIZES = (2, 4)
@@ -88,9 +90,11 @@ def test_exactness_suite_passes_with_tensor_parallel_ranks(tp_engine, reference_
     # and the same requests restore the same prefixes and produce what tp=1 produces
     reference_outcomes, reference_tally = reference_workload
     assert (tally.hits, tally.cached_tokens) == (reference_tally.hits, reference_tally.cached_tokens)
+    vs_reference = Tally()
     for request_id, want in reference_outcomes.items():
         assert outcomes[request_id].cached_tokens == want.cached_tokens, request_id
-        compare(outcomes[request_id], want, Tally(), f"{request_id} vs tp=1")
+        compare(outcomes[request_id], want, vs_reference, f"{request_id} vs tp=1")
+    check_near_ties(vs_reference, f"tp={tp_of(tp_engine)} vs tp=1")
 
 
 @pytest.mark.timeout(300)
