@@ -20,7 +20,7 @@ in-process / path for decode speed and throughput; 1.0 means Ray and HTTP cost n
 
 The worker actor runs torch with as many threads as its Ray CPUs (Ray sets OMP_NUM_THREADS);
 the in-process path is given the same thread count so the comparison is like for like.
-Prints a table and writes JSON under benchmarks/results/.
+Prints a table and writes JSON (--out, default benchmarks/results/serve_latency.json).
 """
 
 from __future__ import annotations
@@ -28,15 +28,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import platform
 import statistics
 import time
 import uuid
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+from harness import add_out_argument, write_result
+
 PROMPT = "The quick brown fox jumps over the lazy dog while hybrid models keep a recurrent state. "
 
 
@@ -238,6 +236,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--worker-num-cpus", type=float, default=1.0)
     p.add_argument("--ray-cpus", type=int, default=4, help="logical CPUs given to ray.init")
     p.add_argument("--port", type=int, default=8000)
+    add_out_argument(p, "serve_latency")
     return p.parse_args()
 
 
@@ -275,19 +274,14 @@ def main() -> None:
           f"tokens, {args.rounds} rounds per level, worker threads {int(args.worker_num_cpus)}\n")
     print(report)
 
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    out = RESULTS_DIR / f"serve_latency_{time.strftime('%Y%m%d_%H%M%S')}.json"
-    out.write_text(json.dumps({
-        "benchmark": "serve_latency",
-        "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
-                    "python": platform.python_version()},
+    out = write_result(args.out, "serve_latency", {
         "args": vars(args),
         "app_config": config.model_dump(),
         "prompt_tokens": len(prompt_ids),
         "results": [asdict(r) for r in in_process + actor + http],
         "overhead": ratios,
         "table": report,
-    }, indent=2))
+    })
     print(f"\nwrote {out}")
 
 
