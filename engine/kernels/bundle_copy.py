@@ -3,7 +3,7 @@ request's state slot in every Mamba layer and its attention tail in every attent
 
 The caches keep each kind of tensor stacked over layers (ModelCaches.conv_stack, ssm_stack,
 kv_stack), so a slot of every layer is one strided view: a capture is three copies (conv, SSM,
-K/V tail) and a restore three, on any device, where layer by layer they were 2 * L_mamba +
+K/V tail) and a restore three, on any device, where copying layer by layer takes 2 * L_mamba +
 2 * L_attention. Same layouts and results as engine/kernels/bundle_copy_reference.py (bit-exact:
 copies only); caches without stacks take the reference.
 """

@@ -11,8 +11,8 @@ the GPU (small batches), each pair's keys are also split over several programs a
 launch combines their partial results. The prefill kernel gives each
 program BLOCK_M queries of one chunk and HEADS_PER_PROGRAM (G) query heads that share one KV
 head, stacked as one (G * BLOCK_M, D) tile, and walks the keys up to its last query's position
-BLOCK_N at a time: each K/V tile is loaded once for all G heads (G = 1: one head a program,
-the kernel before grouping; G, BLOCK_M and the rest default as prefill_launch.py says).
+BLOCK_N at a time: each K/V tile is loaded once for all G heads (G = 1: one head a program;
+G, BLOCK_M and the rest default as prefill_launch.py says).
 `write_kv` stores a step's K/V into the cache in one launch.
 
 Shapes: T tokens, H heads, Hkv KV heads, D head dim, Bd decode sequences.
@@ -430,7 +430,7 @@ def paged_attention_prefill(
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",  # fp32 models: no tf32
         SPLIT=split, num_warps=launch.num_warps, num_stages=launch.num_stages, **launch_options(),
     )
-    if split:  # the partials' layout is per query head, as before grouping: one program a head
+    if split:  # the partials' layout is per query head: the combine takes one program a head
         _combine_kernel[(triton.cdiv(max_length, block_m), num_chunks, num_heads)](
             partial, partial.stride(0), partial.stride(1), ml, ml.stride(0), ml.stride(1),
             out, out.stride(0), out.stride(1),

@@ -13,10 +13,10 @@ Contract for every kernel that takes part (each @triton.jit kernel of engine/ker
 the forward pass launches):
 - it has a `USE_PDL: tl.constexpr` parameter and first calls `release_next(USE_PDL)`, which lets
   the next kernel's programs be scheduled as soon as every program of this one has started,
-  then `wait_for_previous(USE_PDL)` before its first load or store of anything an earlier
-  kernel may have written;
+  then `wait_for_previous(USE_PDL)` before its first load or store of anything a kernel
+  ahead of it may have written;
 - between the two it may load only what no kernel of the pass before it writes, because with
-  every kernel releasing first, any earlier kernel of the chain may still be running there.
+  every kernel releasing first, any kernel ahead of it in the chain may still be running there.
   That is the weights: the single-row GEMM loads its first weight tiles there, so its weight
   stream starts while the kernel ahead of it still runs, and the norms load their weights.
   It is also what was settled before the pass began: a forward pass starts with kernels
@@ -38,11 +38,10 @@ back one they wait for. Kernels that do not take part (cuBLAS, fla-core, PyTorch
 serialised as usual on both sides.
 
 `enabled()` decides once per process: on for CUDA devices of compute capability 9.0 or
-later, off under Triton's interpreter and when HYBRID_SERVE_PDL=0 (set it to compare). In
-the sixth session the batch-1 decode graph of benchmarks/gpu_roofline.py, captured both ways
-in one run and timed on the GPU alone, took 1.190 ms with PDL and 1.350 ms without; with PDL
-but every load after the wait, 1.276 ms (gpu_roofline_20261203_session6_final.json;
-benchmarks/gpu_roofline_notes.md).
+later, off under Triton's interpreter and when HYBRID_SERVE_PDL=0 (set it to compare).
+benchmarks/gpu_roofline.py captures the batch-1 decode graph both ways: on the H200, timed on
+the GPU alone, 1.190 ms with PDL and 1.350 ms without; with PDL but every load after the wait,
+1.276 ms.
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ skinny_linear(activation.silu_and_mul(gate_up), weight, bias) bit for bit (the s
 in the same order; the device test checks it); the reference is F.linear in fp32 after
 norm_reference.silu_and_mul. Every program recomputes the whole activation (2K loads, from L2
 after the first programs, and K sigmoids) next to the BLOCK_N * K weight elements it streams.
-On the H200 at the MLP output shape (N 2048, K 5632) it takes 7.65 us per call against 8.07 us
-for silu_and_mul then skinny_linear (benchmarks/results/skinny_gemm_20261202_gated.json).
+benchmarks/skinny_gemm.py on the H200 at the MLP output shape (N 2048, K 5632): 7.65 us per
+call against 8.07 us for silu_and_mul then skinny_linear.
 
 `skinny_linear(x, weight, bias, row_rms=RowRms(sum_squares, eps))` folds an RMS norm of the row
 into the GEMM: x holds the norm's weight times its input, and the output is scaled by
@@ -31,10 +31,10 @@ engine/layers/vocab_parallel.py says why); `supports(x, weight, bias)` says whet
 operands fit.
 engine/layers/mlp.py:GatedMLP.forward_gpu sends the MLP's single [gate | up] row to the gated
 variant under the same rule (RowParallelLinear.forward_gated). A caller that has checked it
-launches through `skinny_linear_unchecked` (skinny_linear checks again). Measured on the H200
-in bf16, weights read from HBM, calls replayed back to back in CUDA graphs with programmatic
-dependent launch (benchmarks/results/skinny_gemm_20261202_pdl.json), per call against cuBLAS
-(the MLP output row without the gated prologue):
+launches through `skinny_linear_unchecked` (skinny_linear checks again). benchmarks/skinny_gemm.py
+on the H200, in bf16, weights read from HBM, calls replayed back to back in CUDA graphs with
+programmatic dependent launch, per call against cuBLAS (the MLP output row without the gated
+prologue):
   attention k/v   N   512, K 2048:  2.12 us vs  5.70 us (2.69x)
   attention q/o   N  2048, K 2048:  4.55 us vs  6.01 us (1.32x)
   Mamba out_proj  N  2048, K 4096:  5.65 us vs  9.26 us (1.64x)
@@ -44,8 +44,7 @@ dependent launch (benchmarks/results/skinny_gemm_20261202_pdl.json), per call ag
   LM head         N 49152, K 2048: 47.03 us vs 50.52 us (1.07x)
 cuBLAS splits K and adds a reduce launch on the narrow shapes, reaching 9-49% of copy bandwidth
 there. Summed over a decode step's linear layers the kernel takes 0.906 ms against 1.140 ms
-with cuBLAS alone; streaming the weights at the copy rate would take 0.697 ms. (Without PDL,
-skinny_gemm_20261202.json, the wide weights were within 6% of cuBLAS either way.)
+with cuBLAS alone; streaming the weights at the copy rate would take 0.697 ms.
 
 Design (every weight byte is read exactly once, in wide loads along K):
 - one program owns BLOCK_N output features (weight rows) and walks K in BLOCK_K steps; each
@@ -62,14 +61,7 @@ Design (every weight byte is read exactly once, in wide loads along K):
   waits for the kernel that writes x (engine/kernels/gpu/pdl.py allows touching weights
   there): the weight stream starts while the kernel ahead of the GEMM (a norm, the Mamba
   mixer, the GEMM before) still runs. At K = 2,048 and BLOCK_K 512, four tiles are a
-  program's whole slice. The batch-1 decode graph of benchmarks/gpu_roofline.py took 1.266 ms
-  on the GPU with no tile before the wait, 1.216 with one, 1.165 with two
-  (gpu_roofline_20261203_session6_host_and_state.json); in another run 1.276 with none and
-  1.193, 1.201 and 1.190 with two, three and four (gpu_roofline_20261203_session6_final.json);
-  in the seventh session's runs two 1.197 and 1.182, four 1.202 and 1.237 (..._session7_async,
-  ..._session7_final): two is the default. Asking L2 for
-  the whole weight slice instead (prefetch.global.L2) had made it slower
-  (gpu_roofline_20261203_session5_variants.json);
+  program's whole slice; PRELOAD_TILES gives the default and the figure behind it;
 - BLOCK_N, BLOCK_K, num_warps and num_stages are tuned with @triton.autotune over CONFIGS,
   keyed on (N, K, GATED, ROW_RMS) and the dtypes (the gated and the row-RMS variants are
   tuned on their own). Every config keeps 32 fp32 accumulators per thread and at most 48 KiB
@@ -98,9 +90,9 @@ from engine.kernels.gpu.pdl import launch_options, release_next, wait_for_previo
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # How many BLOCK_K-column tiles of its weight rows (0 to 4) a program under PDL loads before
-# it waits for the kernel that writes x (read at each launch). Two: the batch-1 graph took
-# 1.165-1.197 ms with two over four H200 runs, 1.190-1.237 ms with four over three of them
-# (gpu_roofline_notes.md, seventh session); the output is the same bits for 0-4.
+# it waits for the kernel that writes x (read at each launch). Two: benchmarks/gpu_roofline.py's
+# batch-1 decode graph takes 1.165-1.197 ms on the H200's GPU with two, 1.190-1.237 ms with
+# four and 1.266-1.281 ms with none; the output is the same bits for 0-4.
 PRELOAD_TILES = 2
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
