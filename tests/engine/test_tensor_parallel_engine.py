@@ -34,7 +34,7 @@ TP_SIZES = (2, 4)
 # The exactness suite's roomy configuration: chunked prefill (budget 61), 16 requests in flight.
 CONFIG = dict(max_num_batched_tokens=61, max_num_seqs=16)
 WORKLOAD_SEED = 7
-WORKLOAD_REQUESTS = 16  # tp=1 runs 72 with this configuration; a tp step is several times slower
+WORKLOAD_REQUESTS = 16  # the tp=1 suite compares 72 with this configuration; a tp step is several times slower
 MIN_HIT_RATE = 0.5
 
 
