@@ -27,9 +27,10 @@ class EngineConfig:
         kv_cache_bytes.
     tensor_parallel_size: ranks the model is split over (one process or Ray actor each; one
         GPU each on CUDA). The cache budgets are per rank.
-    in_pass_capture: where the worker supports it (one rank on CUDA), take the instruction
-        checkpoint inside the prefill chunk's forward pass instead of cutting the chunk at the
-        boundary; False always cuts (the split path).
+    in_pass_capture: allow the instruction checkpoint to be taken inside the prefill chunk's
+        forward pass instead of cutting the chunk at the boundary. It takes effect only where
+        the worker reports it can (CacheCapacity.in_pass_capture: one rank on CUDA); LLMEngine
+        combines the two into CheckpointPolicy.in_pass_capture. False always cuts.
     async_scheduling: schedule and submit step k+1 before step k's tokens are back, so the
         device starts it as soon as step k ends and the engine's host work (updating,
         detokenizing, scheduling) overlaps the device; each step() returns the outputs of the

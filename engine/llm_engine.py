@@ -21,6 +21,7 @@ from transformers import AutoTokenizer
 
 from cache.cache_manager import CacheManager, PoolUsage
 from cache.checkpoint_ledger import CheckpointKind, KindCounters
+from engine.checkpoint_policy import CheckpointPolicy
 from engine.config import EngineConfig
 from engine.executor import ModelExecutor
 from engine.model_config import load_model_config
@@ -73,20 +74,26 @@ class LLMEngine:
         model_config = load_model_config(config.model_dir)
         self.vocab_size = model_config.vocab_size
         self.eos_token_ids = _eos_token_ids(model_config.eos_token_ids, self.tokenizer.eos_token_id)
+        cache = CacheManager(
+            capacity.num_blocks,
+            capacity.num_state_slots,
+            capacity.block_size,
+            checkpoint_bytes=config.checkpoint_cache_bytes,
+            sizing=capacity.bundle_sizing,
+        )
+        checkpoints = CheckpointPolicy(
+            cache,
+            kinds=frozenset(CheckpointKind(kind) for kind in config.checkpoint_slots),
+            world_size=capacity.world_size,
+            # the worker's capability; the config can only turn it off
+            in_pass_capture=capacity.in_pass_capture and config.in_pass_capture,
+        )
         self.scheduler = Scheduler(
-            CacheManager(
-                capacity.num_blocks,
-                capacity.num_state_slots,
-                capacity.block_size,
-                checkpoint_bytes=config.checkpoint_cache_bytes,
-                sizing=capacity.bundle_sizing,
-            ),
+            cache,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs,
             max_model_len=capacity.max_model_len,
-            checkpoint_kinds=frozenset(CheckpointKind(kind) for kind in config.checkpoint_slots),
-            world_size=capacity.world_size,
-            in_pass_capture=config.in_pass_capture and capacity.in_pass_capture,
+            checkpoints=checkpoints,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.last_step: StepTrace | None = None
@@ -134,8 +141,6 @@ class LLMEngine:
         if instruction_boundary is not None and not 0 < instruction_boundary < len(prompt):
             raise InvalidRequestError(f"instruction_boundary must lie in [1, {len(prompt) - 1}]")
         pauses = set(pause_positions)
-        if instruction_boundary is not None and CheckpointKind.INSTRUCTION in self.scheduler.checkpoint_kinds:
-            pauses.add(instruction_boundary)
         request = Request(
             request_id=request_id,
             prompt_token_ids=prompt,

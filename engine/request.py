@@ -43,7 +43,8 @@ class Request:
     block_ids cover positions [0, num_computed_tokens + scheduled tokens); state_slot is the
     recurrent state row, None while the request holds no cache (waiting or preempted).
     pause_positions: positions at which a prefill chunk must end (sorted, ascending), so the
-    request's recurrent state and last hidden row can be read exactly there.
+    request's recurrent state and last hidden row can be read exactly there; Scheduler.add_request
+    adds those its checkpoint policy needs (CheckpointPolicy.pause_positions).
     namespace: checkpoints are shared only within one namespace (model id, cache_salt).
     instruction_boundary: prompt position after the leading system/developer messages, as
     verified by the renderer; None when there is none.

@@ -7,11 +7,9 @@ slot and KV blocks are available. When a running request cannot get a block, the
 recently arrived running request is preempted: its cache is freed and it is requeued to be
 recomputed from scratch.
 
-Checkpoints (DESIGN.md sections 2 and 5): admission restores the longest checkpoint that is an
-exact prefix of the request's tokens; a request that stands exactly at its instruction boundary
-or at the end of its prompt after a step, or that finishes by stop or length, reserves a
-checkpoint there. The capture is taken by the runner at the start of the next step (before any
-restore or forward can overwrite what it copies) and published once the runner confirms it.
+Checkpoints (DESIGN.md sections 2 and 5) are the CheckpointPolicy's: the scheduler asks it
+where a request's prefill chunks must end, which captures a chunk or a finish makes, what an
+admitted request restores, and hands it each step's outcome to publish or drop.
 
 Pure Python: the scheduler sees the cache only through CacheManager's return values.
 """
@@ -23,9 +21,9 @@ from collections import deque
 from dataclasses import dataclass
 
 from cache.cache_manager import CacheManager, PoolUsage
-from cache.checkpoint_ledger import CheckpointKind
-from engine.request import PENDING_TOKEN, FinishReason, Request, RequestStatus, token_stop_reason
-from engine.step_io import CaptureOp, RestoreOp, RunnerOutput, ScheduledChunk, SchedulerOutput
+from engine.checkpoint_policy import CheckpointPolicy
+from engine.request import FinishReason, Request, RequestStatus, token_stop_reason
+from engine.step_io import RestoreOp, RunnerOutput, ScheduledChunk, SchedulerOutput
 
 
 @dataclass
@@ -44,16 +42,13 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_num_seqs: int,
         max_model_len: int,
-        checkpoint_kinds: frozenset[CheckpointKind] = frozenset(),
-        world_size: int = 1,
-        in_pass_capture: bool = False,
+        checkpoints: CheckpointPolicy | None = None,
     ) -> None:
+        """checkpoints: the policy of the request-boundary checkpoints, reserving in `cache`;
+        None turns checkpoints off."""
         self.cache = cache
-        # For workers on the CUDA path only: a prefill chunk is not cut at the instruction
-        # boundary; the worker captures there inside the chunk's forward pass (CaptureOp.in_pass).
-        self.in_pass_capture = in_pass_capture
-        self.checkpoint_kinds = checkpoint_kinds
-        self.world_size = world_size
+        self.checkpoints = checkpoints if checkpoints is not None else CheckpointPolicy(cache)
+        assert self.checkpoints.cache is cache, "the policy reserves in the scheduler's cache"
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
@@ -61,15 +56,15 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._finished_since_last_step: list[str] = []
-        self._captures: list[CaptureOp] = []  # reserved; taken at the start of the next step
-        self._pending_endpoints: dict[int, tuple] = {}  # bundle id -> (namespace, tokens) until published
         self.stats = SchedulerStats()
 
     # ----------------------------------------------------------------- requests in and out
 
     def add_request(self, request: Request) -> None:
+        """Queue `request`; adds to its pause_positions those the checkpoint policy needs."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        request.pause_positions = self.checkpoints.pause_positions(request)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -84,8 +79,7 @@ class Scheduler:
         if request is None:
             return None
         if request.status is RequestStatus.RUNNING:
-            if reason in (FinishReason.STOP, FinishReason.LENGTH):
-                self._reserve_capture(request, CheckpointKind.RESPONSE)
+            self.checkpoints.reserve_at_finish(request, reason)
             self.running.remove(request)
         elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
@@ -100,7 +94,7 @@ class Scheduler:
 
     def has_pending_work(self) -> bool:
         """Requests to run, or checkpoint captures and drops the runner has not seen yet."""
-        return bool(self.requests or self._captures or self._finished_since_last_step)
+        return bool(self.requests or self.checkpoints.has_reserved_captures or self._finished_since_last_step)
 
     def usage(self) -> PoolUsage:
         return self.cache.usage(num_requests=len(self.requests))
@@ -114,7 +108,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         # reserved before this step: taken at its start (this step's chunks reserve for the next)
-        captures, self._captures = self._captures, []
+        captures = self.checkpoints.take_reserved()
 
         index = 0
         while index < len(self.running) and budget > 0:
@@ -138,8 +132,7 @@ class Scheduler:
             budget -= len(chunk.token_ids)
 
         finished, self._finished_since_last_step = self._finished_since_last_step, []
-        if self.in_pass_capture:
-            captures += self._in_pass_captures(chunks)
+        captures += self.checkpoints.in_pass_captures(chunks, self.requests)
         return SchedulerOutput(
             chunks=tuple(chunks),
             finished_request_ids=tuple(finished),
@@ -149,30 +142,13 @@ class Scheduler:
         )
 
     def abandon_step(self, scheduler_output: SchedulerOutput) -> None:
-        """The runner failed `scheduler_output`: none of it is known to have happened. Its
-        captures are dropped (fail closed), and so are those its chunks reserved for the next
-        step; its restores' pins are released, and the bundles it was to free and the requests
-        it was to forget are handed to the next step again. Requests are left as they were;
-        the caller fails them. (A step scheduled after it carries the captures its chunks
-        reserved: the engine abandons every step in flight when one fails.)"""
-        self._settle_checkpoints(scheduler_output, {})
-        self.cache.return_dropped_bundles(scheduler_output.dropped_bundle_ids)
+        """The runner failed `scheduler_output`: none of it is known to have happened. The
+        checkpoint policy drops its captures and those its chunks reserved (fail closed),
+        unpins its restores and hands the bundles it was to free to the next step
+        (CheckpointPolicy.abandon); the requests it was to forget are handed to the next step
+        again. Requests are left as they were; the caller fails them."""
+        self.checkpoints.abandon(scheduler_output)
         self._finished_since_last_step.extend(scheduler_output.finished_request_ids)
-        failed = {chunk.request_id for chunk in scheduler_output.chunks}
-        reserved = [capture for capture in self._captures if capture.request_id in failed]
-        self._captures = [capture for capture in self._captures if capture.request_id not in failed]
-        self._settle_checkpoints(SchedulerOutput((), captures=tuple(reserved)), {})
-
-    def _settle_checkpoints(
-        self, scheduler_output: SchedulerOutput, confirmed_captures: dict[int, frozenset[int]]
-    ) -> None:
-        """Publish each capture every rank confirmed (drop the others); unpin restores."""
-        for capture in scheduler_output.captures:
-            confirmed = confirmed_captures.get(capture.bundle_id, frozenset())
-            self.cache.publish(capture.bundle_id, set(confirmed), self.world_size)
-            del self._pending_endpoints[capture.bundle_id]
-        for restore in scheduler_output.restores:
-            self.cache.unpin(restore.bundle_id)
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput
@@ -184,7 +160,7 @@ class Scheduler:
         Returns the requests that received a new token this step (finished ones included,
         with status FINISHED and their finish_reason set).
         """
-        self._settle_checkpoints(scheduler_output, runner_output.confirmed_captures)
+        self.checkpoints.settle(scheduler_output, runner_output.confirmed_captures)
 
         updated: list[Request] = []
         for chunk in scheduler_output.chunks:
@@ -206,16 +182,14 @@ class Scheduler:
         start = request.num_computed_tokens if start is None else start
         length = min(request.num_tokens - start, budget)
         pause = request.next_pause_after(start)
-        if self.in_pass_capture and pause is not None and pause == request.instruction_boundary:
-            pause = request.next_pause_after(pause)  # captured inside the chunk instead
         if pause is not None and pause < start + length:
             length = pause - start
         return length
 
     def _make_chunk(self, request: Request, num_new: int) -> ScheduledChunk:
         """The chunk of tokens [computed, computed + num_new); advances the request past it
-        (one more pending token if it samples) and reserves the captures that fall due where
-        it ends, to be taken at the start of the next step."""
+        (one more pending token if it samples) and has the checkpoint policy reserve the
+        captures that fall due where it ends, to be taken at the start of the next step."""
         start = request.num_computed_tokens
         end = start + num_new
         assert request.state_slot is not None
@@ -234,8 +208,7 @@ class Scheduler:
         )
         request.num_computed_tokens = end
         request.num_pending_tokens += int(chunk.sample)
-        if num_new:
-            self._reserve_boundary_captures(request)
+        self.checkpoints.reserve_after_chunk(request, chunk)
         return chunk
 
     def _grow_blocks_or_preempt(self, request: Request, num_new: int) -> bool:
@@ -261,14 +234,14 @@ class Scheduler:
         slot = self.cache.acquire_state_slot()
         if slot is None:
             return None
-        hit = self.cache.lookup(request.namespace, request.all_token_ids) if self.checkpoint_kinds else None
+        hit = self.checkpoints.lookup(request)
         restored = hit.num_tokens if hit is not None else 0
         shared_blocks = list(hit.block_ids) if hit is not None else []
         num_new = self._chunk_length(request, budget, start=restored)
         fresh_blocks = self.cache.allocate_blocks(len(shared_blocks), restored + num_new)
         if fresh_blocks is None:
             if hit is not None:
-                self.cache.unpin(hit.bundle_id)
+                self.checkpoints.cancel_restore(hit)
             self.cache.release([], slot)
             return None
         self.cache.share_blocks(shared_blocks)
@@ -283,62 +256,8 @@ class Scheduler:
             self.stats.prompt_tokens_restored += request.num_cached_tokens
             self.stats.prompt_tokens_computed += request.num_prompt_tokens - request.num_cached_tokens
         if hit is not None:
-            tail_block = fresh_blocks[0] if restored % self.cache.block_size else None
-            restores.append(RestoreOp(hit.bundle_id, request.request_id, slot, tail_block))
+            restores.append(self.checkpoints.restore_op(hit, request))
         return self._make_chunk(request, num_new)
-
-    def _reserve_boundary_captures(self, request: Request) -> None:
-        """After a chunk: capture where the request now stands if that is its instruction
-        boundary or the end of its prompt."""
-        position = request.num_computed_tokens
-        if position == request.instruction_boundary:
-            self._reserve_capture(request, CheckpointKind.INSTRUCTION)
-        if position == request.num_prompt_tokens:
-            self._reserve_capture(request, CheckpointKind.PROMPT)
-
-    def _reserve_capture(self, request: Request, kind: CheckpointKind) -> None:
-        """Reserve a checkpoint of `request` at num_computed_tokens, to be taken at the start of
-        the next step. Skipped when the kind is off, nothing is computed, the endpoint is
-        already published or pending, or it does not fit the checkpoint budget."""
-        capture = self._make_capture(request, kind, request.num_computed_tokens, in_pass=False)
-        if capture is not None:
-            self._captures.append(capture)
-
-    def _in_pass_captures(self, chunks: list[ScheduledChunk]) -> list[CaptureOp]:
-        """In-pass instruction captures of this step's chunks that cross their request's
-        instruction boundary (strictly inside the chunk); same skips as _reserve_capture."""
-        captures = []
-        for chunk in chunks:
-            request = self.requests[chunk.request_id]
-            boundary = request.instruction_boundary
-            end = chunk.start_position + len(chunk.token_ids)
-            if boundary is not None and chunk.start_position < boundary < end:
-                capture = self._make_capture(request, CheckpointKind.INSTRUCTION, boundary, in_pass=True)
-                if capture is not None:
-                    captures.append(capture)
-        return captures
-
-    def _make_capture(
-        self, request: Request, kind: CheckpointKind, position: int, in_pass: bool
-    ) -> CaptureOp | None:
-        """Reserve a pending bundle for `request`'s first `position` tokens and return its
-        CaptureOp, or None (kind off, nothing computed, endpoint published or pending, budget)."""
-        if kind not in self.checkpoint_kinds or position == 0 or request.state_slot is None:
-            return None
-        tokens = request.token_slice(0, position)
-        assert PENDING_TOKEN not in tokens, "a capture covers only tokens whose values are known"
-        endpoint = (request.namespace, tokens)
-        if endpoint in self._pending_endpoints.values():
-            return None
-        bundle_id = self.cache.reserve_checkpoint(request.namespace, tokens, kind, request.block_ids)
-        if bundle_id is None:
-            return None
-        self._pending_endpoints[bundle_id] = endpoint
-        block_size = self.cache.block_size
-        tail_block = request.block_ids[position // block_size] if position % block_size else None
-        return CaptureOp(
-            bundle_id, request.request_id, request.state_slot, position, tail_block, in_pass=in_pass
-        )
 
     def _preempt(self, request: Request) -> None:
         """Free a running request's cache and put it first in line to be recomputed."""

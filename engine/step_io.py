@@ -44,7 +44,9 @@ class ScheduledChunk:
 
 @dataclass(frozen=True)
 class CaptureOp:
-    """Save the state of a request that stands exactly at num_tokens into bundle `bundle_id`.
+    """Save the state of a request that stands exactly at num_tokens into bundle `bundle_id`
+    (a pending bundle CheckpointPolicy reserved; the worker confirms it in
+    RunnerOutput.confirmed_captures, or it is dropped).
 
     Taken at the start of the step, before restores and the forward pass, from what the
     previous step left: the state slot, the K/V of positions num_tokens - num_tokens % B ..
@@ -69,7 +71,8 @@ class RestoreOp:
     """Copy bundle `bundle_id` into a newly admitted request: its recurrent state into
     state_slot and its attention tail into the fresh tail_block (None: no tail). Runs after the
     step's captures and before its forward pass. The bundle's hidden row becomes the request's
-    last hidden row, so a chunk of zero tokens can sample from it."""
+    last hidden row, so a chunk of zero tokens can sample from it. The bundle stays pinned
+    (CheckpointPolicy.lookup) until the step settles."""
 
     bundle_id: int
     request_id: str

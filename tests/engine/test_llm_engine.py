@@ -168,4 +168,4 @@ def test_in_pass_capture_stays_off_where_the_worker_cannot_do_it():
     the instruction boundary whatever the config asks (tests/gpu covers the CUDA side)."""
     engine = LLMEngine(EngineConfig(max_model_len=256, in_pass_capture=True))
     assert engine.executor.cache_capacity().in_pass_capture is False
-    assert engine.scheduler.in_pass_capture is False
+    assert engine.scheduler.checkpoints.in_pass_capture is False

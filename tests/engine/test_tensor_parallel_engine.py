@@ -18,6 +18,7 @@ import pytest
 
 from cache.cache_manager import BundleSizing, CacheManager
 from cache.checkpoint_ledger import CheckpointKind
+from engine.checkpoint_policy import CheckpointPolicy
 from engine.config import EngineConfig
 from engine.executor import ExecutorDiedError
 from engine.llm_engine import LLMEngine
@@ -177,8 +178,9 @@ def test_a_whole_prompt_restore_samples_from_the_saved_row(tp_engine):
 def checkpointing_scheduler(world_size: int) -> Scheduler:
     sizing = BundleSizing(state_bytes=1000, kv_bytes_per_token=10, hidden_row_bytes=10)
     cache = CacheManager(64, 4, 16, checkpoint_bytes=1 << 20, sizing=sizing)
+    policy = CheckpointPolicy(cache, frozenset({CheckpointKind.PROMPT}), world_size=world_size)
     return Scheduler(cache, max_num_batched_tokens=64, max_num_seqs=4, max_model_len=4096,
-                     checkpoint_kinds=frozenset({CheckpointKind.PROMPT}), world_size=world_size)
+                     checkpoints=policy)
 
 
 @pytest.mark.parametrize(

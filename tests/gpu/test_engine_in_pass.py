@@ -26,7 +26,7 @@ def engines():
 
 def test_in_pass_engine_serves_what_the_split_engine_serves(engines):
     in_pass, split = engines
-    assert in_pass.scheduler.in_pass_capture and not split.scheduler.in_pass_capture
+    assert in_pass.scheduler.checkpoints.in_pass_capture and not split.scheduler.checkpoints.in_pass_capture
     for case in (instruction_reuse, multi_turn):
         got, expected = case(in_pass, "gpu"), case(split, "gpu")
         for a, b in zip(got, expected):

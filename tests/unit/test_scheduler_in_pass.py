@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from cache.cache_manager import BundleSizing, CacheManager
 from cache.checkpoint_ledger import CheckpointKind
+from engine.checkpoint_policy import CheckpointPolicy
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -17,12 +18,12 @@ KINDS = frozenset({CheckpointKind.INSTRUCTION, CheckpointKind.PROMPT})
 def _scheduler(in_pass: bool, budget=4096) -> Scheduler:
     cache = CacheManager(1024, 4, 16, checkpoint_bytes=1 << 20, sizing=BundleSizing(100, 10, 10))
     return Scheduler(cache, max_num_batched_tokens=budget, max_num_seqs=4, max_model_len=16384,
-                     checkpoint_kinds=KINDS, in_pass_capture=in_pass)
+                     checkpoints=CheckpointPolicy(cache, KINDS, in_pass_capture=in_pass))
 
 
 def _request(boundary: int, prompt_len=300, pauses=()) -> Request:
     params = SamplingParams(max_tokens=2, temperature=0, eos_token_ids=(2,))
-    pauses = tuple(sorted({boundary, *pauses}))  # as LLMEngine.add_request adds it
+    # Scheduler.add_request adds the boundary to the pauses where the policy cuts there
     return Request("a", tuple(range(10, 10 + prompt_len)), params, 0, pause_positions=pauses,
                    instruction_boundary=boundary)
 
