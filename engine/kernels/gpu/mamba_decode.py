@@ -40,13 +40,13 @@ multiply-adds (in a low-precision dtype, an occasional last-bit flip of a rounde
 
 The gated norm folded in (GatedNormOutputs; Mamba2Mixer.mix_row_folded_gpu takes it for a
 one-row decode step): the gated RMSNorm after the mixer is a reduction over all of a row's
-H P channels, which at one row ran as a single program between this kernel and out_proj.
+H P channels, which at one row would run as a single program between this kernel and out_proj.
 With gated_norm each program also applies the norm's elementwise part to its channels (the
 D skip on the rounded x, then silu(gate), then the norm's weight), writes that instead of y
 and x, and writes the sum of squares of its channels; out_proj's single-row GEMM sums those
-(in a fixed order: no atomics) and scales its output by the rsqrt (skinny_gemm.RowRms). On
-the H200 the batch-1 decode graph took 1.118-1.121 ms with the fold against 1.155-1.163 ms
-with the norm's own kernel (gpu_roofline_notes.md, tenth session). The normed values are
+(in a fixed order: no atomics) and scales its output by the rsqrt (skinny_gemm.RowRms).
+benchmarks/gpu_roofline.py's batch-1 decode graph on the H200: 1.118-1.121 ms with the fold
+against 1.155-1.163 ms with the norm as its own kernel. The normed values are
 rounded to the model dtype before the norm's scale, so the fold is for dtypes with fp32's
 range (bf16, fp32): in fp16 an unnormalised product could overflow.
 
@@ -65,7 +65,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.gpu.pdl import launch_options, release_next, wait_for_previous
-from engine.kernels.gpu.ssd import decode_block_p, ssd_decode_step
+from engine.kernels.gpu.ssd import decode_block_p, decode_program, ssd_decode_step
 
 
 @triton.jit
@@ -130,14 +130,8 @@ def _conv_ssd_decode_kernel(
     # the weights, and the slot's old conv and SSD state of this layer, which no kernel of the
     # pass before this one writes. The state tile is the kernel's largest load; issued here it
     # streams while in_proj, the kernel ahead, still runs.
-    i, h = tl.program_id(0), tl.program_id(1)
-    p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
-    n = tl.arange(0, BLOCK_N)
-    p_mask, n_mask = p < P, n < N
-    row = tl.load(rows_ptr + i)
-    slot = tl.load(slots_ptr + i).to(tl.int64)  # slot * stride passes 2**31 from slot 4,096
-    keep_state = tl.load(reset_ptr + i) == 0
-    g = h // heads_per_group
+    h, g, p, n, p_mask, n_mask, row, slot, keep_state = decode_program(
+        rows_ptr, slots_ptr, reset_ptr, heads_per_group, P, N, BLOCK_P, BLOCK_N)
     conv_slot = conv_state_ptr + slot * stride_css
     x_channels = h * P + p
     b_channels = x_width + g * N + n

@@ -215,6 +215,27 @@ def ssd_prefill_scan(
 
 
 @triton.jit
+def decode_program(
+    rows_ptr, slots_ptr, reset_ptr,  # (Bd,) the step's plan
+    heads_per_group, P, N,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """What program (i, h, pb) of a decode grid (Bd, H, cdiv(P, BLOCK_P)) works on. Returns
+    (h, g, p, n, p_mask, n_mask, row, slot, keep_state): head h of group g, its BLOCK_P rows p
+    of P and the BLOCK_N columns n of N with their masks, the token row rows[i], the state slot
+    slots[i] (int64) and whether that slot's state is read (reset[i] == 0). It loads the plan,
+    so under PDL call it where the plan may be read. Shared by _decode_kernel and
+    mamba_decode.py's fused kernel."""
+    i, h = tl.program_id(0), tl.program_id(1)
+    p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
+    n = tl.arange(0, BLOCK_N)
+    row = tl.load(rows_ptr + i)
+    slot = tl.load(slots_ptr + i).to(tl.int64)  # slot * stride passes 2**31 from slot 4,096
+    keep_state = tl.load(reset_ptr + i) == 0
+    return h, h // heads_per_group, p, n, p < P, n < N, row, slot, keep_state
+
+
+@triton.jit
 def ssd_decode_step(
     x, b, c,  # (BLOCK_P,) the token's x slice of one head, (BLOCK_N,) its group's B and C; fp32
     dt_raw, dt_bias, a_log,  # the head's raw dt, dt_bias and A_log, fp32 scalars
@@ -254,14 +275,8 @@ def _decode_kernel(
 ):
     release_next(USE_PDL)
     wait_for_previous(USE_PDL)
-    i, h = tl.program_id(0), tl.program_id(1)
-    p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
-    n = tl.arange(0, BLOCK_N)
-    p_mask, n_mask = p < P, n < N
-    row = tl.load(rows_ptr + i)
-    slot = tl.load(slots_ptr + i).to(tl.int64)  # slot * stride passes 2**31 from slot 4,096
-    keep_state = tl.load(reset_ptr + i) == 0
-    g = h // heads_per_group
+    h, g, p, n, p_mask, n_mask, row, slot, keep_state = decode_program(
+        rows_ptr, slots_ptr, reset_ptr, heads_per_group, P, N, BLOCK_P, BLOCK_N)
 
     x = tl.load(x_ptr + row * stride_xt + h * stride_xh + p, mask=p_mask, other=0.0).to(tl.float32)
     b = tl.load(b_ptr + row * stride_bt + g * stride_bg + n, mask=n_mask, other=0.0).to(tl.float32)

@@ -6,8 +6,8 @@ fla-core's chunked scan takes its initial states and returns its final states as
 views of the pool. `gather_states` and `scatter_states` move them in one launch each,
 the gather reading a reset slot as zeros. PyTorch needs three launches for the same
 (index_select, where, index_copy_), none of which can take part in programmatic dependent
-launch (engine/kernels/gpu/pdl.py); at 20 Mamba layers that was about 0.17 ms of the 4 ms
-restore + 256-token prefill step on the H200.
+launch (engine/kernels/gpu/pdl.py); at 20 Mamba layers they cost about 0.17 ms of the 4 ms
+restore + 256-token prefill step of benchmarks/gpu_roofline.py on the H200.
 
 Bit-exact copies; the reference is the PyTorch expression each docstring gives.
 Shapes: S sequences, E = H * P * N elements of one state.
@@ -25,40 +25,28 @@ _BLOCK = 4096  # elements per program: 16 KiB of fp32
 
 
 @triton.jit
-def _gather_kernel(
+def _slot_copy_kernel(
     pool_ptr, stride_pool,  # (num_slots, E) contiguous rows
-    out_ptr,  # (S, E) contiguous
-    slots_ptr, reset_ptr,  # (S,)
+    dense_ptr,  # (S, E) contiguous
+    slots_ptr, reset_ptr,  # (S,); reset read only when GATHER
     E,
-    BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+    GATHER: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    """Program (s, eb) copies BLOCK elements of one state between pool[slots[s]] and dense[s]:
+    GATHER: into dense (zeros where reset[s] != 0, the slot unread), else into the pool."""
     release_next(USE_PDL)
     wait_for_previous(USE_PDL)
     s = tl.program_id(0)
     e = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = e < E
     slot = tl.load(slots_ptr + s).to(tl.int64)
-    keep = tl.load(reset_ptr + s) == 0
-    values = tl.load(pool_ptr + slot * stride_pool + e, mask=mask & keep, other=0.0)
-    tl.store(out_ptr + s.to(tl.int64) * E + e, values, mask=mask)
-
-
-@triton.jit
-def _scatter_kernel(
-    states_ptr,  # (S, E) contiguous
-    pool_ptr, stride_pool,  # (num_slots, E) contiguous rows
-    slots_ptr,  # (S,)
-    E,
-    BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
-):
-    release_next(USE_PDL)
-    wait_for_previous(USE_PDL)
-    s = tl.program_id(0)
-    e = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = e < E
-    slot = tl.load(slots_ptr + s).to(tl.int64)
-    values = tl.load(states_ptr + s.to(tl.int64) * E + e, mask=mask)
-    tl.store(pool_ptr + slot * stride_pool + e, values, mask=mask)
+    pool_row = pool_ptr + slot * stride_pool + e
+    dense_row = dense_ptr + s.to(tl.int64) * E + e
+    if GATHER:
+        keep = tl.load(reset_ptr + s) == 0
+        tl.store(dense_row, tl.load(pool_row, mask=mask & keep, other=0.0), mask=mask)
+    else:
+        tl.store(pool_row, tl.load(dense_row, mask=mask), mask=mask)
 
 
 def _rows(pool: torch.Tensor) -> tuple[int, int]:
@@ -81,8 +69,8 @@ def gather_states(
     out = pool.new_empty(num, *pool.shape[1:])
     if num == 0:
         return out
-    _gather_kernel[(num, triton.cdiv(per_slot, _BLOCK))](
-        pool, stride, out, slots, reset, per_slot, BLOCK=_BLOCK, **launch_options(),
+    _slot_copy_kernel[(num, triton.cdiv(per_slot, _BLOCK))](
+        pool, stride, out, slots, reset, per_slot, GATHER=True, BLOCK=_BLOCK, **launch_options(),
     )
     return out
 
@@ -98,6 +86,6 @@ def scatter_states(
     assert states.shape == (num, *pool.shape[1:]) and states.is_contiguous() and states.dtype == pool.dtype
     if num == 0:
         return
-    _scatter_kernel[(num, triton.cdiv(per_slot, _BLOCK))](
-        states, pool, stride, slots, per_slot, BLOCK=_BLOCK, **launch_options(),
+    _slot_copy_kernel[(num, triton.cdiv(per_slot, _BLOCK))](
+        pool, stride, states, slots, slots, per_slot, GATHER=False, BLOCK=_BLOCK, **launch_options(),
     )
