@@ -7,14 +7,15 @@ key counts, token sources, block tables) are packed on the host into one of two 
 buffers, used in turn, and copied into the graphs' static input buffer just before the replay.
 With async scheduling the worker stages step k+1 while step k runs on the device; the buffer
 step k was copied from may not be rewritten before that copy is done, hence two. (A copy
-inside the graph, as the sixth session had it, saved 0.03 ms of host time a step, but then
-the host can only know the buffer is free when the whole graph is done, which would serialise
-the steps again; benchmarks/gpu_roofline_notes.md, seventh session.) A row's token is read
+inside the graph would save 0.03 ms of host time a step, but then the host could only know
+the buffer is free when the whole graph is done, which would serialise the steps again.)
+A row's token is read
 on the device, from the token pool: its own field, or the token the previous step sampled for
 the request when the scheduler had only PENDING_TOKEN for it. Rows n..b-1 are padding: they read and
 write only the scratch state slot and the scratch KV block, which the worker allocates beyond
 what the scheduler may hand out, so a padded replay changes exactly the caches an eager step
-of the same n chunks changes.
+of the same n chunks changes. The runner is the worker's first forward route
+(engine/forward_routes.py).
 
 The graph ends with the LM head (model.compute_logits) and the argmax of each row, so a greedy
 step's only work after the replay is reading the tokens back: the LM head's launch, scaling,
@@ -32,14 +33,16 @@ Shapes: Bmax the largest captured size, M block-table width, D hidden size, V vo
 from __future__ import annotations
 
 import time
+from typing import Sequence
 
 import numpy as np
 import torch
 
 from engine.forward_batch import ForwardBatch, ModelCaches
+from engine.forward_routes import GraphScratch, RouteOutput, SampledTokens
 from engine.kernels.gpu.batch_plan import decode_only_plan
 from engine.request import PENDING_TOKEN
-from engine.step_io import ScheduledChunk
+from engine.step_io import CaptureOp, ScheduledChunk
 
 
 def decode_batch_sizes(max_batch: int) -> tuple[int, ...]:
@@ -98,7 +101,7 @@ class DecodeInputStaging:
         return self.NUM_FIELDS * self.max_batch + size * self.max_blocks
 
     def views(self) -> tuple[np.ndarray, np.ndarray]:
-        """The buffer as the (6, Bmax) fields and the (Bmax, M) block table (views made once)."""
+        """The buffer as the (7, Bmax) fields and the (Bmax, M) block table (views made once)."""
         return self._views
 
     def stage(self, chunks: list[ScheduledChunk], size: int, pending_rows: dict[str, int] | None = None) -> None:
@@ -153,12 +156,13 @@ def _pending_row(request_id: str, pending_rows: dict[str, int] | None) -> int:
 
 
 class DecodeGraphRunner:
-    """Captured decode passes of `model` over `caches`, one CUDA graph per batch size.
+    """Captured decode passes of `model` over `caches`, one CUDA graph per batch size: a
+    forward route (engine/forward_routes.py).
 
-    scratch_slot / scratch_block: a state slot and a KV block no request ever owns; padding
-    rows point there (the caller keeps the scheduler from handing them out).
-    max_blocks_per_seq: block-table width; a chunk with a longer table runs eagerly.
+    scratch: where padding rows go and the block-table width (GraphScratch).
     num_sampled: S >= the largest batch size, the rows of `sampled_tokens`.
+    The graphs' plan folds the Mamba gated norm at batch 1 when the model allows it
+    (fold_gated_norm, asked of the model once, here).
 
     sampled_tokens (S,) int64 is where the worker keeps each step's sampled tokens (row i =
     the step's i-th sampling chunk); a graph writes its argmax there (rows 0..b-1), and reads a
@@ -167,15 +171,14 @@ class DecodeGraphRunner:
     """
 
     def __init__(
-        self, model, caches: ModelCaches, batch_sizes: tuple[int, ...], max_blocks_per_seq: int,
-        scratch_slot: int, scratch_block: int, num_sampled: int | None = None,
+        self, model, caches: ModelCaches, batch_sizes: tuple[int, ...], scratch: GraphScratch,
+        num_sampled: int | None = None,
     ) -> None:
-        self.model = model
-        self.caches = caches
+        self.model, self.caches, self.block_size = model, caches, caches.block_size
         self.batch_sizes = tuple(sorted(batch_sizes))
         self.max_batch = self.batch_sizes[-1]
-        self.max_blocks = max_blocks_per_seq
-        self.block_size = caches.block_size
+        self.max_blocks = scratch.max_blocks_per_seq
+        self.fold_gated_norm = model.folds_gated_norm()
         device = model.embed_tokens.weight.device
         width = DecodeInputStaging.width(self.max_batch, self.max_blocks)
         num_sampled = self.max_batch if num_sampled is None else num_sampled
@@ -185,8 +188,8 @@ class DecodeGraphRunner:
         # graphs' static input buffer, same layout, in the token pool behind the sampled tokens.
         self._hosts = [torch.zeros(width, dtype=torch.int64, pin_memory=True) for _ in range(2)]
         self._stagings = [
-            DecodeInputStaging(host.numpy(), self.max_batch, self.max_blocks, self.block_size, scratch_slot,
-                               scratch_block, num_sampled=num_sampled)
+            DecodeInputStaging(host.numpy(), self.max_batch, self.max_blocks, self.block_size,
+                               scratch.scratch_slot, scratch.scratch_block, num_sampled=num_sampled)
             for host in self._hosts
         ]
         self._copied = [torch.cuda.Event() for _ in self._hosts]
@@ -202,13 +205,21 @@ class DecodeGraphRunner:
         self.replays = 0  # decode steps served by a graph (for tests and benchmarks)
         self.capture_seconds = 0.0  # wall time of capture(), warm-up runs included
 
-    def accepts(self, chunks: list[ScheduledChunk]) -> bool:
-        """A graph serves the step: 1..Bmax chunks of one token each, block tables that fit."""
+    def accepts(self, chunks: list[ScheduledChunk], in_pass: Sequence[CaptureOp] = ()) -> bool:
+        """A graph serves the step: 1..Bmax chunks of one token each, block tables that fit
+        (a step of one-token chunks has no in-pass capture)."""
         return (
             0 < len(chunks) <= self.max_batch
             and all(len(c.token_ids) == 1 and len(c.block_table) <= self.max_blocks for c in chunks)
         )
 
+    def run(
+        self, chunks: list[ScheduledChunk], in_pass: Sequence[CaptureOp], sampled: SampledTokens
+    ) -> RouteOutput:
+        """forward() as a route: row i of every output is chunk i. `sampled.pool` is this
+        runner's sampled_tokens (the worker keeps its sampled tokens there)."""
+        hidden, logits, argmax = self.forward(chunks, sampled.rows)
+        return RouteOutput(hidden, range(len(chunks)), logits, argmax)
 
     def capture(self) -> None:
         """Capture every batch size, largest first, into one memory pool: the forward pass over
@@ -250,7 +261,9 @@ class DecodeGraphRunner:
             input_ids=ids, positions=positions, slot_mapping=kv_slots, chunks=(),
             cu_seqlens=tuple(range(size + 1)),
         )
-        plan = decode_only_plan(state_slots, reset, seq_lens, table, self._arange)
+        plan = decode_only_plan(
+            state_slots, reset, seq_lens, table, self._arange, fold_gated_norm=self.fold_gated_norm
+        )
         hidden = model(batch, self.caches, gpu_plan=plan)
         logits = model.compute_logits(hidden)
         argmax = torch.argmax(logits, dim=-1, out=self.sampled_tokens[:size])

@@ -26,14 +26,16 @@ Shapes: Tmax the largest size, M block-table width, D hidden size.
 from __future__ import annotations
 
 import time
+from typing import Sequence
 
 import numpy as np
 import torch
 
 from engine.forward_batch import ForwardBatch, ModelCaches
+from engine.forward_routes import GraphScratch, RouteOutput, SampledTokens
 from engine.kernels.gpu.batch_plan import single_prefill_plan
 from engine.request import PENDING_TOKEN
-from engine.step_io import ScheduledChunk
+from engine.step_io import CaptureOp, ScheduledChunk
 
 
 def prefill_graph_sizes(max_tokens: int) -> tuple[int, ...]:
@@ -43,10 +45,9 @@ def prefill_graph_sizes(max_tokens: int) -> tuple[int, ...]:
 
 class PrefillGraphRunner:
     """Captured forward passes of `model` over `caches` for one prefill chunk padded to each of
-    `sizes` rows.
+    `sizes` rows: a forward route (engine/forward_routes.py).
 
-    scratch_slot / scratch_block: a state slot and a KV block no request ever owns.
-    max_blocks_per_seq: block-table width; a chunk with a longer table runs eagerly.
+    scratch: where padding rows go and the block-table width (GraphScratch).
     """
 
     # Packed input buffer: (4, Tmax) per-row fields, then the scalars, then the (M,) block table.
@@ -56,25 +57,19 @@ class PrefillGraphRunner:
     _CU, _SLOTS, _RESETS, _START, _LENGTH, _LAST = 0, 3, 5, 7, 8, 9
     _NUM_SCALARS = 10
 
-    def __init__(
-        self, model, caches: ModelCaches, sizes: tuple[int, ...], max_blocks_per_seq: int,
-        scratch_slot: int, scratch_block: int,
-    ) -> None:
-        self.model = model
-        self.caches = caches
+    def __init__(self, model, caches: ModelCaches, sizes: tuple[int, ...], scratch: GraphScratch) -> None:
+        self.model, self.caches, self.block_size = model, caches, caches.block_size
         self.sizes = tuple(sorted(sizes))
         self.max_rows = self.sizes[-1]
-        self.max_blocks = max_blocks_per_seq
-        self.block_size = caches.block_size
-        self.scratch_slot = scratch_slot
-        self.scratch_block = scratch_block
+        self.max_blocks = scratch.max_blocks_per_seq
+        self.scratch_slot, self.scratch_block = scratch.scratch_slot, scratch.scratch_block
         device = model.embed_tokens.weight.device
         self._scalars_at = self._NUM_ROW_FIELDS * self.max_rows
         self._table_at = self._scalars_at + self._NUM_SCALARS
         width = self._table_at + self.max_blocks
         self._host = torch.zeros(width, dtype=torch.int64, pin_memory=True)
         self._host_np = self._host.numpy()
-        self._padding_kv_slots = scratch_block * self.block_size + np.arange(self.max_rows) % self.block_size
+        self._padding_kv_slots = self.scratch_block * self.block_size + np.arange(self.max_rows) % self.block_size
         self._inputs = torch.zeros(width, dtype=torch.int64, device=device)
         self._arange = torch.arange(2, dtype=torch.int64, device=device)
         self._scan_bounds = {s: torch.tensor([0, s], dtype=torch.int64, device=device) for s in self.sizes}
@@ -85,16 +80,23 @@ class PrefillGraphRunner:
         self.replays = 0  # prefill steps served by a graph (for tests and benchmarks)
         self.capture_seconds = 0.0
 
-    def accepts(self, chunks: list[ScheduledChunk]) -> bool:
-        """A graph serves the step: exactly one chunk, of 2..Tmax tokens, whose block table fits
-        and which holds no pending token (engine/request.py: a preempted request re-admitted
-        while its last token was in flight; it runs eagerly)."""
+    def accepts(self, chunks: list[ScheduledChunk], in_pass: Sequence[CaptureOp] = ()) -> bool:
+        """A graph serves the step: no in-pass capture, exactly one chunk, of 2..Tmax tokens,
+        whose block table fits and which holds no pending token (engine/request.py: a
+        preempted request re-admitted while its last token was in flight; it runs eagerly)."""
         return (
-            len(chunks) == 1
+            not in_pass
+            and len(chunks) == 1
             and 2 <= len(chunks[0].token_ids) <= self.max_rows
             and len(chunks[0].block_table) <= self.max_blocks
             and chunks[0].token_ids[-1] != PENDING_TOKEN
         )
+
+    def run(
+        self, chunks: list[ScheduledChunk], in_pass: Sequence[CaptureOp], sampled: SampledTokens
+    ) -> RouteOutput:
+        """forward() of the one chunk as a route (it holds no pending token)."""
+        return RouteOutput(self.forward(chunks[0])[None], (0,))
 
     def capture(self) -> None:
         """Capture every size, largest first, into one memory pool, each run eagerly once first

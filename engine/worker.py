@@ -5,6 +5,12 @@ the next step can be launched before this one's tokens are read back); under Ray
 tensor-parallel rank's actor holds one (engine/rank_worker.py) and runs execute(), submit then
 collect. It knows nothing of queues or requests beyond the SchedulerOutputs it is given and
 the tokens its previous step sampled (which a PENDING_TOKEN stands for).
+
+A step's forward pass runs through the first of its forward routes that accepts the step
+(engine/forward_routes.py: the decode and prefill CUDA graphs, the capturing pass, the eager
+pass), each of which builds its own inputs. The worker keeps what outlives a step: the caches,
+the checkpoints (CheckpointStore), every request's last hidden row (RowRef), the sampled
+tokens and the steps in flight.
 """
 
 from __future__ import annotations
@@ -18,11 +24,11 @@ import torch
 from cache.cache_manager import BundleSizing
 from engine.checkpoint_store import CheckpointStore
 from engine.config import EngineConfig
-from engine.forward_batch import ForwardBatch, build_forward_batch
+from engine.forward_routes import (
+    CapturingPass, EagerPass, ForwardRoute, GraphScratch, SampledTokens, capture_graph_routes,
+)
 from engine.host_index import int64_array, to_device
-from engine.kernels.dispatch import plan_for_device
 from engine.loader import load_model
-from engine.request import PENDING_TOKEN
 from engine.sampler import Sampler
 from engine.token_readback import PendingTokens, TokenReadback
 from engine.step_io import CaptureOp, RunnerOutput, ScheduledChunk, SchedulerOutput
@@ -127,9 +133,20 @@ class Worker:
             num_state_slots=self.capacity.num_state_slots + int(graphs),
             device=self.device,
         )
+        # The forward routes, in the order submit() tries them (_routes): the graphs where
+        # captured (None otherwise), the capturing pass, the eager pass.
         self.decode_graphs = self.prefill_graphs = None
         if graphs:
-            self.decode_graphs, self.prefill_graphs = _capture_graphs(self.model, self.caches, self.capacity, config)
+            scratch = GraphScratch(
+                max_blocks_per_seq=-(-self.capacity.max_model_len // self.capacity.block_size),
+                scratch_slot=self.capacity.num_state_slots,
+                scratch_block=self.capacity.num_blocks,
+            )
+            self.decode_graphs, self.prefill_graphs = capture_graph_routes(
+                self.model, self.caches, scratch, config.max_num_seqs, config.max_num_batched_tokens,
+            )
+        self.capturing_pass = CapturingPass(self.model, self.caches, self.device)
+        self.eager_pass = EagerPass(self.model, self.caches, self.device)
         self.sampler = Sampler(seed=config.seed, device=self.device)
         self.checkpoints = CheckpointStore(self.caches)
         # Last hidden row of every unfinished request a step computed: what a capture saves.
@@ -180,10 +197,10 @@ class Worker:
     def submit(self, scheduler_output: SchedulerOutput) -> None:
         """Launch one step, in this order: free dropped bundles, take captures (from what the
         previous step left), restore bundles into new requests, forward every chunk that has
-        tokens, sample where asked; start copying the sampled tokens to the host and return
-        without waiting for the device. collect() returns the step's output (sampled tokens,
-        this rank's capture confirmations); steps are collected in the order submitted, and at
-        most two may be in flight.
+        tokens (through the first route that accepts them), sample where asked; start copying
+        the sampled tokens to the host and return without waiting for the device. collect()
+        returns the step's output (sampled tokens, this rank's capture confirmations); steps
+        are collected in the order submitted, and at most two may be in flight.
 
         A chunk whose last token is PENDING_TOKEN is fed the token the previously submitted
         step sampled for its request (ValueError if it sampled none), read on the device."""
@@ -195,41 +212,29 @@ class Worker:
         output = RunnerOutput()
         for capture in scheduler_output.captures:
             if capture.in_pass:
-                continue  # taken inside this step's forward pass (_forward_capturing)
+                continue  # taken inside this step's forward pass (CapturingPass)
             hidden_row = self._last_hidden.get(capture.request_id)
             if hidden_row is None:
                 continue  # unconfirmed: the scheduler drops the bundle (fail closed)
-            self.checkpoints.capture(
-                capture.bundle_id, capture.state_slot, capture.num_tokens, capture.tail_block,
-                hidden_row.row(),
-            )
-            output.confirmed_captures[capture.bundle_id] = frozenset({self.rank})
+            self._capture(capture, hidden_row.row(), output)
         computed = [chunk for chunk in scheduler_output.chunks if chunk.token_ids]
         last_hidden = self._rows_kept_over(scheduler_output, computed)
         for restore in scheduler_output.restores:
             restored = self.checkpoints.restore(restore.bundle_id, restore.state_slot, restore.tail_block)
             last_hidden[restore.request_id] = RowRef(restored[None], 0, owned=True)
-        in_pass = [capture for capture in scheduler_output.captures if capture.in_pass]
         step_logits: dict[str, RowRef] = {}  # logits rows this step's forward computed
         step_argmax: dict[str, RowRef] = {}  # and their argmax
-        if computed and self.decode_graphs is not None and self.decode_graphs.accepts(computed):
-            # (n, D), (n, V), (n,)
-            hidden, logits, argmax = self.decode_graphs.forward(computed, self._sampled_rows)
+        if computed:
+            in_pass = [capture for capture in scheduler_output.captures if capture.in_pass]
+            route = next(route for route in self._routes() if route.accepts(computed, in_pass))
+            forward = route.run(computed, in_pass, SampledTokens(self._sampled, self._sampled_rows))
             for i, chunk in enumerate(computed):
-                last_hidden[chunk.request_id] = RowRef(hidden, i)
-                step_logits[chunk.request_id] = RowRef(logits, i)
-                step_argmax[chunk.request_id] = RowRef(argmax, i)
-        elif computed and not in_pass and self.prefill_graphs is not None and self.prefill_graphs.accepts(computed):
-            last_hidden[computed[0].request_id] = RowRef(self.prefill_graphs.forward(computed[0])[None], 0)
-        elif computed:
-            batch = build_forward_batch(computed, self.capacity.block_size, self.device)
-            self._feed_pending_tokens(batch, computed)
-            if in_pass:
-                hidden = self._forward_capturing(batch, computed, in_pass, output)
-            else:
-                hidden = self.model(batch, self.caches)  # (T, D)
-            for chunk, end in zip(computed, batch.cu_seqlens[1:]):
-                last_hidden[chunk.request_id] = RowRef(hidden, end - 1)
+                last_hidden[chunk.request_id] = RowRef(forward.hidden, forward.last_rows[i])
+                if forward.logits is not None:
+                    step_logits[chunk.request_id] = RowRef(forward.logits, i)
+                    step_argmax[chunk.request_id] = RowRef(forward.argmax, i)
+            for captured in forward.captured:
+                self._capture(captured.capture, captured.hidden_row, output, state=captured.state)
         self._last_hidden = last_hidden
 
         for chunk in scheduler_output.chunks:
@@ -253,6 +258,23 @@ class Worker:
         ))
         output.worker_seconds = time.perf_counter() - started
 
+    def _routes(self) -> list[ForwardRoute]:
+        """The forward routes in the order submit() tries them; the eager pass takes any step."""
+        graphs = [route for route in (self.decode_graphs, self.prefill_graphs) if route is not None]
+        return [*graphs, self.capturing_pass, self.eager_pass]
+
+    def _capture(
+        self, capture: CaptureOp, hidden_row: torch.Tensor, output: RunnerOutput,
+        state: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
+        """Save the capture's bundle (hidden_row (D,); state: taken in the forward pass, else
+        copied from its state slot) and confirm it for this rank in output."""
+        self.checkpoints.capture(
+            capture.bundle_id, capture.state_slot, capture.num_tokens, capture.tail_block,
+            hidden_row, state=state,
+        )
+        output.confirmed_captures[capture.bundle_id] = frozenset({self.rank})
+
     def _rows_kept_over(self, scheduler_output: SchedulerOutput, computed: list[ScheduledChunk]) -> dict[str, RowRef]:
         """The last hidden rows of unfinished requests this step neither computes nor restores,
         copied out of earlier steps' outputs (once) before this step's forward overwrites them."""
@@ -260,62 +282,6 @@ class Worker:
         replaced.update(restore.request_id for restore in scheduler_output.restores)
         replaced.update(scheduler_output.finished_request_ids)
         return {rid: ref.kept() for rid, ref in self._last_hidden.items() if rid not in replaced}
-
-    def _feed_pending_tokens(self, batch: ForwardBatch, chunks: list[ScheduledChunk]) -> None:
-        """Write into batch.input_ids, on the device, the token the previous step sampled for
-        each chunk that ends with PENDING_TOKEN (ValueError if it sampled none)."""
-        pending = [i for i, chunk in enumerate(chunks) if chunk.token_ids[-1] == PENDING_TOKEN]
-        if not pending:
-            return
-        missing = [chunks[i].request_id for i in pending if chunks[i].request_id not in self._sampled_rows]
-        if missing:
-            raise ValueError(f"{missing[0]}: a pending token, but the previous step sampled none for it")
-        flat = [batch.cu_seqlens[i + 1] - 1 for i in pending]
-        rows = [self._sampled_rows[chunks[i].request_id] for i in pending]
-        flat_t, rows_t = to_device([int64_array(flat), int64_array(rows)], self.device)
-        batch.input_ids[flat_t] = self._sampled[rows_t]
-
-    def _forward_capturing(
-        self, batch: ForwardBatch, computed: list[ScheduledChunk], captures: list[CaptureOp],
-        output: RunnerOutput,
-    ) -> torch.Tensor:
-        """The forward pass of `batch` that also takes the in-pass captures (at most one per
-        chunk, each strictly inside its request's chunk) and confirms them in
-        output.confirmed_captures. CUDA path only (ValueError elsewhere). Returns hidden (T, D)."""
-        from engine.kernels.gpu.in_pass_capture import with_in_pass_captures
-
-        plan = plan_for_device(batch, self.capacity.block_size, self.device)
-        if plan is None:
-            raise ValueError("in-pass capture needs the CUDA path")
-        index = {chunk.request_id: i for i, chunk in enumerate(computed)}
-        splits = {index[c.request_id]: c.num_tokens - computed[index[c.request_id]].start_position
-                  for c in captures}
-        if len(splits) != len(captures):
-            raise ValueError("more than one in-pass capture in one chunk")
-        layers = sorted(self.caches.conv_state)
-        conv0, ssm0 = self.caches.conv_state[layers[0]], self.caches.ssm_state[layers[0]]
-        conv_all = conv0.new_empty(len(layers), len(captures), *conv0.shape[1:])  # (L_m, Sc, C, K-1)
-        ssm_all = ssm0.new_empty(len(layers), len(captures), *ssm0.shape[1:])  # (L_m, Sc, H, P, N)
-        plan = with_in_pass_captures(
-            plan, batch, splits, {l: conv_all[j] for j, l in enumerate(layers)},
-            {l: ssm_all[j] for j, l in enumerate(layers)},
-        )
-        hidden = self.model(batch, self.caches, gpu_plan=plan)
-        order = [split.chunk for split in plan.in_pass.splits]
-        for capture in captures:
-            i = index[capture.request_id]
-            c = order.index(i)
-            hidden_row = hidden[batch.cu_seqlens[i] + splits[i] - 1]
-            # a lone capture's bundle keeps the buffers themselves (views of all of them)
-            state = (conv_all[:, c], ssm_all[:, c])
-            if len(captures) > 1:
-                state = (state[0].clone(), state[1].clone())
-            self.checkpoints.capture(
-                capture.bundle_id, capture.state_slot, capture.num_tokens, capture.tail_block,
-                hidden_row, state=state,
-            )
-            output.confirmed_captures[capture.bundle_id] = frozenset({self.rank})
-        return hidden
 
     def _sample(
         self, chunks: list[ScheduledChunk], logits: torch.Tensor, argmax: torch.Tensor | None,
@@ -334,16 +300,6 @@ class Worker:
             argmax=argmax,
         )
 
-    def read_state_slot(self, slot: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        """A copy of one request's recurrent state: Mamba layer -> (conv_state, ssm_state)."""
-        return {
-            layer: (conv.cpu(), ssm.cpu())
-            for layer, (conv, ssm) in self.caches.read_state_slot(slot).items()
-        }
-
-    def copy_state_slot(self, src_slot: int, dst_slot: int) -> None:
-        self.caches.copy_state_slot(src_slot, dst_slot)
-
 
 @dataclass
 class _SubmittedStep:
@@ -353,30 +309,6 @@ class _SubmittedStep:
     output: RunnerOutput
     sampled_ids: list[str]
     tokens: PendingTokens
-
-
-def _capture_graphs(model, caches, capacity: CacheCapacity, config: EngineConfig):
-    """The decode and the prefill CUDA graph runners of one CUDA device, captured; padding rows
-    use the state slot and KV block just past the capacity. The prefill runner is None when the
-    step budget is below its smallest size."""
-    from engine.cuda_graphs import DecodeGraphRunner, decode_batch_sizes
-    from engine.prefill_graphs import PrefillGraphRunner, prefill_graph_sizes
-
-    scratch = dict(
-        max_blocks_per_seq=-(-capacity.max_model_len // capacity.block_size),
-        scratch_slot=capacity.num_state_slots,
-        scratch_block=capacity.num_blocks,
-    )
-    decode = DecodeGraphRunner(
-        model, caches, batch_sizes=decode_batch_sizes(min(config.max_num_seqs, 128)),
-        num_sampled=config.max_num_seqs, **scratch,
-    )
-    decode.capture()
-    sizes = prefill_graph_sizes(config.max_num_batched_tokens)
-    prefill = PrefillGraphRunner(model, caches, sizes=sizes, **scratch) if sizes else None
-    if prefill is not None:
-        prefill.capture()
-    return decode, prefill
 
 
 def _size_caches(config: EngineConfig, model, model_max_len: int) -> CacheCapacity:

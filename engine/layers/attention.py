@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from engine.forward_batch import ForwardBatch
-from engine.kernels.dispatch import GpuBatchPlan
+from engine.kernels.gpu.batch_plan import GpuBatchPlan
 from engine.kernels.attention_reference import paged_attention, write_kv
 from engine.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear, linear, routes_to_skinny
 from engine.layers.rotary import apply_rotary
@@ -91,22 +91,26 @@ class PagedAttention(nn.Module):
                 raise RuntimeError("a q/k/v parameter was replaced after stack_projections(); call it again")
             offset += projection.weight.numel() * weight.element_size()
 
-    def project_qkv(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project_qkv(
+        self, hidden: torch.Tensor, stacked: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """query (T, H, Dh), key and value (T, Hkv, Dh) of hidden (T, D).
 
-        A row the single-row GEMM kernel takes (decode at batch 1 on CUDA): one GEMM over the
+        stacked (the step's plan chose it: GpuBatchPlan.stacked_qkv, one row on CUDA) and a
+        row the single-row GEMM kernel takes with the stacked weight (routes_to_skinny checks
+        the operands, which depend on the weight's dtype and layout): one GEMM over the
         stacked weight, and the three column views of its (1, Q + 2 KV) output. On the H200
         the batch-1 decode graph took 1.118-1.121 ms against 1.125-1.136 ms with three
-        single-row GEMMs (gpu_roofline_notes.md, tenth session). Everything else: three GEMMs
-        as before, contiguous outputs. Stacked, cuBLAS's fp32 results for a 64-row prefill
-        differed between a CUDA graph and the eager pass enough to move a Mamba state 170x
-        further apart than with three GEMMs (3.9e-4 against 2.3e-6 relative;
-        tests/gpu/test_prefill_graphs.py), and on the CPU a launch saves nothing while a
-        BLAS kernel chosen for another shape moves the rounding."""
+        single-row GEMMs (benchmarks/gpu_roofline.py). Everything else: three GEMMs,
+        contiguous outputs. Stacked, cuBLAS's fp32 results for a 64-row prefill differed
+        between a CUDA graph and the eager pass enough to move a Mamba state 170x further
+        apart than with three GEMMs (3.9e-4 against 2.3e-6 relative;
+        tests/gpu/test_prefill_graphs.py), and on the CPU a launch saves nothing while a BLAS
+        kernel chosen for another shape moves the rounding."""
         if self._stacked_qkv is None:
             raise RuntimeError("PagedAttention used before stack_projections()")
         num_tokens = hidden.shape[0]
-        if routes_to_skinny(hidden, *self._stacked_qkv):
+        if stacked and routes_to_skinny(hidden, *self._stacked_qkv):
             self._check_stacked(self._stacked_qkv[0])
             q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
             query, key, value = linear(hidden, *self._stacked_qkv).split((q_width, kv_width, kv_width), dim=1)
@@ -127,11 +131,11 @@ class PagedAttention(nn.Module):
     ) -> torch.Tensor:
         """Writes every token's K/V to its slot, then attends each chunk over its own sequence.
 
-        gpu_plan: given on CUDA; all decode chunks then go through one Triton launch, the
-        prefill chunks with cached keys through another, and each prefill chunk that starts its
-        sequence through SDPA (attend_gpu)."""
+        gpu_plan: given on CUDA; q, k and v are then projected as it chose (stacked_qkv), all
+        decode chunks go through one Triton launch, the prefill chunks with cached keys through
+        another, and each prefill chunk that starts its sequence through SDPA (attend_gpu)."""
         num_tokens = hidden.shape[0]
-        query, key, value = self.project_qkv(hidden)
+        query, key, value = self.project_qkv(hidden, stacked=gpu_plan is not None and gpu_plan.stacked_qkv)
         if rope is not None:
             query, key = apply_rotary(query, *rope), apply_rotary(key, *rope)
         if gpu_plan is not None:

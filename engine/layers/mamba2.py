@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.forward_batch import ForwardBatch
-from engine.kernels.dispatch import GpuBatchPlan
+from engine.kernels.gpu.batch_plan import GpuBatchPlan
 from engine.kernels.conv_reference import causal_conv1d, causal_conv1d_step
 from engine.kernels.ssd_reference import ssd_chunk_scan, ssd_step_batched
 from engine.layers.norm import GroupParallelGatedRMSNorm
@@ -35,13 +35,6 @@ class DepthwiseConv1dWeights(ShardedModule):
         )
         if bias:
             self.checkpoint_shards["bias"] = TensorShard((full_channels,), 0, channel_ranges)
-
-
-# Decode-only steps of at most this many sequences take the fused conv + SSD kernel. On the
-# H200 (benchmarks/results/decode_kernels_20261202_fused.json, one layer's decode step) it is
-# faster at batch 1 (4.6 vs 6.7 us) and 16 (19.3 vs 20.0 us) and slower at 64 (86.4 vs
-# 83.1 us), where every one of its programs also convolves its group's B and C channels.
-FUSED_DECODE_MAX_ROWS = 16
 
 
 class Mamba2Mixer(ShardedModule):
@@ -124,18 +117,19 @@ class Mamba2Mixer(ShardedModule):
         """Each chunk continues from its state slot (or from zeros if reset_state) and leaves
         the state after its last token in the same slot.
 
-        gpu_plan: given on CUDA; selects the Triton path (mix_batch_gpu) over the per-chunk
-        PyTorch path. captures: with gpu_plan.in_pass, this layer's (conv (Sc, C, K-1), ssm
-        (Sc, H, P, N)) outputs for the states at the in-pass capture positions."""
+        gpu_plan: given on CUDA; selects the Triton path over the per-chunk PyTorch path, and
+        there the gated norm folded into its neighbours (gpu_plan.folded_gated_norm:
+        mix_row_folded_gpu) or not (mix_batch_gpu). captures: with gpu_plan.in_pass, this
+        layer's (conv (Sc, C, K-1), ssm (Sc, H, P, N)) outputs for the states at the in-pass
+        capture positions."""
         num_tokens = hidden.shape[0]
         projected = self.in_proj(hidden)
         gate, xBC, dt_raw = projected.split(
             [self.intermediate_size, self.conv_dim, self.num_heads], dim=-1
         )
         if gpu_plan is not None:
-            normed = self._folded_norm_row(hidden, gpu_plan)
-            if normed is not None:
-                return self.mix_row_folded_gpu(gate, xBC, dt_raw, conv_state, ssm_state, gpu_plan, normed)
+            if gpu_plan.folded_gated_norm:
+                return self.mix_row_folded_gpu(gate, xBC, dt_raw, conv_state, ssm_state, gpu_plan)
             y, x = self.mix_batch_gpu(xBC, dt_raw, conv_state, ssm_state, gpu_plan, captures)
             normed = self.norm.forward_gpu(
                 y.view(num_tokens, self.intermediate_size), gate, hidden.dtype, skip=(x, self.D)
@@ -226,13 +220,13 @@ class Mamba2Mixer(ShardedModule):
         plan: GpuBatchPlan,
         captures: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every chunk at once on CUDA: a decode-only step (no prefill chunk, no in-pass
-        capture: what the decode CUDA graphs run) of at most FUSED_DECODE_MAX_ROWS sequences
+        """Every chunk at once on CUDA: a step whose plan chose the fused decode kernel
+        (plan.fused_mamba_decode: a small decode-only step, what the decode CUDA graphs run)
         takes mix_decode_only_gpu, two launches; any other step mix_chunks_gpu. Both mutate
         the chunks' state slots in place. Returns (y (T, H, P) fp32 without the D skip, x
         (T, I) the scan's input: the conv output's x columns), so the caller adds D * x (the
         gated norm does, as it reads y)."""
-        if plan.num_prefill == 0 and plan.in_pass is None and plan.num_decode <= FUSED_DECODE_MAX_ROWS:
+        if plan.fused_mamba_decode:
             return self.mix_decode_only_gpu(xBC, dt_raw, conv_state, ssm_state, plan)
         return self.mix_chunks_gpu(xBC, dt_raw, conv_state, ssm_state, plan, captures)
 
@@ -248,35 +242,48 @@ class Mamba2Mixer(ShardedModule):
         the fused conv + SSD step (engine/kernels/gpu/mamba_decode.py), then the conv window
         shift (advance_conv_states, over the plan's 1-token chunks). Same returns, x (T, I)
         contiguous; equal to mix_chunks_gpu up to fused-multiply-add rounding."""
-        from engine.kernels.gpu.conv import advance_conv_states
-        from engine.kernels.gpu.mamba_decode import conv_ssd_decode
-
         T = xBC.shape[0]
         x = xBC.new_empty(T, self.num_heads, self.head_dim)
         y = xBC.new_empty(T, self.num_heads, self.head_dim, dtype=torch.float32)
+        self._decode_step_gpu(xBC, dt_raw, conv_state, ssm_state, plan, x, y)
+        return y, x.view(T, self.intermediate_size)
+
+    def _decode_step_gpu(
+        self,
+        xBC: torch.Tensor,  # (T, conv_dim), pre-conv
+        dt_raw: torch.Tensor,  # (T, H)
+        conv_state: torch.Tensor,  # (num_slots, conv_dim, K-1), chunk slots updated in place
+        ssm_state: torch.Tensor,  # (num_slots, H, P, N) fp32, chunk slots updated in place
+        plan: GpuBatchPlan,  # every chunk one token
+        x: torch.Tensor | None,  # (T, H, P) written, or None with gated_norm
+        y: torch.Tensor | None,  # (T, H, P) fp32 written, or None with gated_norm
+        gated_norm=None,  # mamba_decode.GatedNormOutputs, written instead of x and y
+    ) -> None:
+        """The two launches of a decode-only step: the fused conv + SSD kernel
+        (engine/kernels/gpu/mamba_decode.py), then the conv window shift."""
+        from engine.kernels.gpu.conv import advance_conv_states
+        from engine.kernels.gpu.mamba_decode import conv_ssd_decode
+
         conv_ssd_decode(
             xBC, dt_raw, conv_state, self.conv1d.weight[:, 0, :], self.conv1d.bias, self.dt_bias,
             self.A_log, self.time_step_limit, ssm_state, x, y, plan.decode_rows, plan.decode_slots,
-            plan.decode_reset,
+            plan.decode_reset, gated_norm=gated_norm,
         )
         # after the fused kernel, whose programs read the old conv states (see mamba_decode.py)
         advance_conv_states(xBC, conv_state, plan.cu_seqlens, plan.chunk_slot, plan.chunk_reset)
-        return y, x.view(T, self.intermediate_size)
 
-    def _folded_norm_row(self, hidden: torch.Tensor, plan: GpuBatchPlan) -> torch.Tensor | None:
-        """A (1, I) buffer for mix_row_folded_gpu's normed row when this step takes that path:
-        one row on a decode-only plan (no in-pass capture), one norm group over this rank's
-        channels, a dtype with fp32's range (bf16, fp32: the row is rounded before the norm's
-        scale, which fp16 could overflow), and an out_proj whose single-row GEMM folds the
-        norm in (world size 1). None: the step takes mix_batch_gpu and the norm's own kernel."""
-        if hidden.shape[0] != 1 or plan.num_prefill != 0 or plan.in_pass is not None:
-            return None
-        if self.norm.group_size != self.intermediate_size or hidden.dtype == torch.float16:
-            return None
-        if self.out_proj.tp.world_size != 1:
-            return None
-        normed = hidden.new_empty(1, self.intermediate_size)
-        return normed if self.out_proj.supports_row_rms(normed) else None
+    def folds_gated_norm(self) -> bool:
+        """Whether a one-row decode step may fold the gated norm into its neighbours
+        (mix_row_folded_gpu): one norm group over this rank's channels, a dtype with fp32's
+        range (bf16, fp32: the row is rounded before the norm's scale, which fp16 could
+        overflow), and an out_proj whose single-row GEMM takes a (1, I) row and folds the norm
+        in (supports_row_rms: world size 1, CUDA, its weight's layout). Fixed once the weights
+        are loaded: the forward routes ask once (GraniteMoeHybridModel.folds_gated_norm) and
+        the step's plan carries the choice (GpuBatchPlan.folded_gated_norm)."""
+        weight = self.out_proj.weight
+        if self.norm.group_size != self.intermediate_size or weight.dtype == torch.float16:
+            return False
+        return self.out_proj.supports_row_rms(weight.new_empty(1, self.intermediate_size))
 
     def mix_row_folded_gpu(
         self,
@@ -285,8 +292,7 @@ class Mamba2Mixer(ShardedModule):
         dt_raw: torch.Tensor,  # (1, H)
         conv_state: torch.Tensor,  # (num_slots, conv_dim, K-1), the row's slot updated in place
         ssm_state: torch.Tensor,  # (num_slots, H, P, N) fp32, the row's slot updated in place
-        plan: GpuBatchPlan,  # one 1-token chunk
-        normed: torch.Tensor,  # (1, I) from _folded_norm_row, written
+        plan: GpuBatchPlan,  # one 1-token chunk, plan.folded_gated_norm
     ) -> torch.Tensor:
         """The mixer's output (1, D) of a one-row decode step with the gated norm folded into
         the kernels around it: the fused conv + SSD kernel also computes the norm's
@@ -295,18 +301,13 @@ class Mamba2Mixer(ShardedModule):
         rsqrt (skinny_gemm.RowRms). Three launches instead of four (the norm's own kernel is a
         single program on the step's critical path); the same function as mix_decode_only_gpu
         then the gated norm and out_proj, up to where the rounding to the model dtype falls."""
-        from engine.kernels.gpu.conv import advance_conv_states
-        from engine.kernels.gpu.mamba_decode import GatedNormOutputs, conv_ssd_decode, num_sum_squares
+        from engine.kernels.gpu.mamba_decode import GatedNormOutputs, num_sum_squares
         from engine.kernels.gpu.skinny_gemm import RowRms
 
+        normed = gate.new_empty(1, self.intermediate_size)
         sum_squares = normed.new_empty(1, num_sum_squares(self.num_heads, self.head_dim), dtype=torch.float32)
-        conv_ssd_decode(
-            xBC, dt_raw, conv_state, self.conv1d.weight[:, 0, :], self.conv1d.bias, self.dt_bias,
-            self.A_log, self.time_step_limit, ssm_state, None, None, plan.decode_rows,
-            plan.decode_slots, plan.decode_reset,
-            gated_norm=GatedNormOutputs(gate, self.D, self.norm.weight, normed, sum_squares),
-        )
-        advance_conv_states(xBC, conv_state, plan.cu_seqlens, plan.chunk_slot, plan.chunk_reset)
+        gated_norm = GatedNormOutputs(gate, self.D, self.norm.weight, normed, sum_squares)
+        self._decode_step_gpu(xBC, dt_raw, conv_state, ssm_state, plan, None, None, gated_norm)
         return self.out_proj.forward_row_rms(normed, RowRms(sum_squares[0], self.norm.eps))
 
     def mix_chunks_gpu(

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from engine.forward_batch import ForwardBatch, ModelCaches
-from engine.kernels.dispatch import GpuBatchPlan, plan_for_device
+from engine.kernels.gpu.batch_plan import GpuBatchPlan
 from engine.layers.attention import PagedAttention
 from engine.layers.mamba2 import Mamba2Mixer
 from engine.layers.mlp import GatedMLP
@@ -66,19 +66,15 @@ class DecoderLayer(nn.Module):
         batch: ForwardBatch,
         caches: ModelCaches,
         rope: tuple[torch.Tensor, torch.Tensor] | None,
-        gpu_plan: GpuBatchPlan | None = None,
     ) -> torch.Tensor:
-        """Returns the new hidden (T, D); writes this layer's KV or state slots in `caches`.
-
-        gpu_plan (CUDA only) routes the mixer to its Triton kernels; None keeps the PyTorch path."""
+        """The PyTorch path (no plan): returns the new hidden (T, D); writes this layer's KV or
+        state slots in `caches`."""
         i = self.layer_index
         mixer_in = self.input_layernorm(hidden)
         if self.self_attn is not None:
-            mixed = self.self_attn(
-                mixer_in, batch, caches.key_cache[i], caches.value_cache[i], rope, gpu_plan
-            )
+            mixed = self.self_attn(mixer_in, batch, caches.key_cache[i], caches.value_cache[i], rope)
         else:
-            mixed = self.mamba(mixer_in, batch, caches.conv_state[i], caches.ssm_state[i], gpu_plan)
+            mixed = self.mamba(mixer_in, batch, caches.conv_state[i], caches.ssm_state[i])
         hidden = hidden + mixed * self.residual_multiplier
         mlp_out = self.shared_mlp(self.post_attention_layernorm(hidden))
         return hidden + mlp_out * self.residual_multiplier
@@ -95,7 +91,8 @@ class DecoderLayer(nn.Module):
         """The same layer on CUDA with fused kernels: each residual add runs inside the RMSNorm
         that follows it (engine/kernels/gpu/fused_norm.py), so the previous layer's MLP output
         comes in as `pending` and this layer's goes out the same way. Returns (hidden, pending):
-        the stream is hidden + pending * residual_multiplier. Same caches contract as forward."""
+        the stream is hidden + pending * residual_multiplier. Same caches contract as forward;
+        the mixers run the kernels gpu_plan chose."""
         from engine.kernels.gpu.fused_norm import add_rms_norm
 
         i, r = self.layer_index, self.residual_multiplier
@@ -157,19 +154,20 @@ class GraniteMoeHybridModel(nn.Module):
         conv/SSM state slot of every chunk (Mamba layers: state in -> state out; a chunk with
         reset_state starts from zeros).
 
-        The kernel backend follows the weights' device: on CUDA the batch's chunk metadata is
-        copied to the device once here and every layer runs its Triton kernels; elsewhere the
-        layers run their pure-PyTorch path. A caller that keeps the plan's tensors on the device
-        already (the CUDA graph runner) passes gpu_plan and the batch's chunks are not read.
+        gpu_plan: the step's chunk metadata on the device and its kernel choices, built by the
+        step's forward route (engine/forward_routes.py, or a CUDA graph runner over its static
+        buffers): every layer then runs its Triton kernels as the plan says, and the batch's
+        chunks are not read. None: the layers run their pure-PyTorch path, which CUDA weights
+        do not take (ValueError).
         """
+        if gpu_plan is None and self.embed_tokens.weight.is_cuda:
+            raise ValueError("a forward pass on CUDA takes the step's GpuBatchPlan (engine/forward_routes.py)")
         hidden = self.embed_tokens(batch.input_ids) * self.config.embedding_multiplier  # (T, D)
         rope = self.rotary(batch.positions) if self.rotary is not None else None
-        if gpu_plan is None:
-            gpu_plan = plan_for_device(batch, caches.block_size, hidden.device)
         if gpu_plan is not None:
             return self._forward_layers_gpu(hidden, batch, caches, rope, gpu_plan)
         for layer in self.layers:
-            hidden = layer(hidden, batch, caches, rope, gpu_plan)
+            hidden = layer(hidden, batch, caches, rope)
         return self.norm(hidden)
 
     def _forward_layers_gpu(self, hidden, batch, caches, rope, gpu_plan) -> torch.Tensor:
@@ -190,6 +188,12 @@ class GraniteMoeHybridModel(nn.Module):
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = vocab_parallel_logits(hidden, weight, self.config.vocab_size, self.layout, self.tp)
         return (logits / self.config.logits_scaling).float()
+
+    def folds_gated_norm(self) -> bool:
+        """Whether every Mamba mixer can fold its gated norm into its neighbours at a one-row
+        decode step (Mamba2Mixer.folds_gated_norm): what the plan builders' fold_gated_norm
+        takes. Fixed once the weights are loaded (and stacked)."""
+        return all(layer.mamba.folds_gated_norm() for layer in self.layers if layer.mamba is not None)
 
     def stack_projections(self) -> None:
         """Stack each attention layer's q, k and v weights for its one GEMM

@@ -29,3 +29,16 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """||actual - expected|| / ||expected||, in fp64; NaN anywhere gives NaN."""
     actual, expected = actual.double(), expected.double()
     return float((actual - expected).norm() / expected.norm().clamp_min(1e-30))
+
+
+def eager_forward(model, batch, caches):
+    """model(batch, caches) as the eager forward route runs it (engine/forward_routes.py
+    EagerPass): on CUDA with the batch's GpuBatchPlan and the model's gated-norm fold, on the
+    CPU (Triton's interpreter) the PyTorch path."""
+    from engine.kernels.gpu.batch_plan import build_gpu_batch_plan
+
+    device = batch.input_ids.device
+    plan = None
+    if device.type == "cuda":
+        plan = build_gpu_batch_plan(batch, caches.block_size, device, fold_gated_norm=model.folds_gated_norm())
+    return model(batch, caches, gpu_plan=plan)

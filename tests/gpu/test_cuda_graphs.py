@@ -19,7 +19,8 @@ from engine.loader import load_model
 from engine.sampling_params import SamplingParams
 from engine.step_io import ScheduledChunk
 from engine.forward_batch import build_forward_batch
-from tests.gpu.conftest import INTERPRETED, relative_error
+from engine.forward_routes import GraphScratch
+from tests.gpu.conftest import INTERPRETED, eager_forward, relative_error
 
 pytestmark = [
     pytest.mark.gpu,
@@ -79,10 +80,10 @@ def test_graph_decode_matches_eager(dtype, tol):
     lengths = [5 + 3 * r for r in range(NUM_REQUESTS)]  # different contexts, up to 62 tokens
     with torch.inference_mode():
         prefill = [_chunk(r, ids(n), 0, True) for r, n in enumerate(lengths)]
-        model(build_forward_batch(prefill, BLOCK_SIZE, device), eager)
+        eager_forward(model, build_forward_batch(prefill, BLOCK_SIZE, device), eager)
     graphed = _clone(eager)
     runner = DecodeGraphRunner(
-        model, graphed, CAPTURED, BLOCKS_PER_SEQ, scratch_slot=num_slots, scratch_block=num_blocks
+        model, graphed, CAPTURED, GraphScratch(BLOCKS_PER_SEQ, scratch_slot=num_slots, scratch_block=num_blocks)
     )
     runner.capture()  # warm-up and capture write only the scratch slot and block
     for a, b in zip(_real(eager, num_slots, num_blocks).values(), _real(graphed, num_slots, num_blocks).values()):
@@ -99,7 +100,7 @@ def test_graph_decode_matches_eager(dtype, tol):
             positions[requests[0]] = 0
         before = {k: v.clone() for k, v in _real(graphed, num_slots, num_blocks).items()}
         with torch.inference_mode():
-            h_eager = model(build_forward_batch(chunks, BLOCK_SIZE, device), eager)
+            h_eager = eager_forward(model, build_forward_batch(chunks, BLOCK_SIZE, device), eager)
             assert runner.accepts(chunks)
             h_graph, l_graph, argmax = runner.forward(chunks)  # the LM head ran inside the graph
             l_eager = model.compute_logits(h_eager)
@@ -153,7 +154,7 @@ def test_worker_uses_graphs_for_decode(tmp_path):
     for _ in range(5):
         out = worker.execute(SchedulerOutput(tuple(step)))
         with torch.inference_mode():
-            hidden = model(build_forward_batch(step, cap.block_size, worker.device), ref)
+            hidden = eager_forward(model, build_forward_batch(step, cap.block_size, worker.device), ref)
             ends = torch.tensor(build_forward_batch(step, cap.block_size, worker.device).cu_seqlens[1:]) - 1
             expected = model.compute_logits(hidden[ends.cuda()]).argmax(-1).tolist()
         assert [out.sampled_token_ids[f"r{r}"] for r in range(3)] == expected

@@ -296,7 +296,8 @@ def test_mixer_decode_only_path(device, dtype, monkeypatch):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("reset", [False, True])
 def test_one_row_folds_the_gated_norm(device, dtype, reset, monkeypatch):
-    """Mamba2Mixer.forward on a one-row decode-only plan takes mix_row_folded_gpu: no launch
+    """Mamba2Mixer.forward on a one-row decode-only plan that folds (built with the model's
+    folds_gated_norm, as the decode graphs build it) takes mix_row_folded_gpu: no launch
     of the gated norm's kernel, out_proj's GEMM scaled by the norm (RowRms). Its output must
     match what it replaces, mix_decode_only_gpu then the gated norm's kernel then out_proj,
     within the model dtype's rounding (the rounding now falls before the norm's scale), and
@@ -326,8 +327,9 @@ def test_one_row_folds_the_gated_norm(device, dtype, reset, monkeypatch):
         conv_state[slot], ssm_state[slot] = float("nan"), float("nan")
     hidden = torch.randn(1, config.hidden_size, generator=g).to(device, dtype)
     as_t = lambda v: torch.tensor(v, dtype=torch.int64, device=device)  # noqa: E731
+    assert model.folds_gated_norm(), "the default model folds its gated norm on CUDA"
     plan = decode_only_plan(as_t([slot]), as_t([int(reset)]), as_t([1]), torch.zeros(1, 1, dtype=torch.int64, device=device),
-                            torch.arange(2, device=device))
+                            torch.arange(2, device=device), fold_gated_norm=model.folds_gated_norm())
     chunk = ScheduledChunk(request_id="r0", token_ids=(7,), start_position=0 if reset else 3, block_table=(0,),
                            state_slot=slot, reset_state=reset, sample=True, sampling=SamplingParams())
     batch = build_forward_batch([chunk], 16, device)

@@ -29,7 +29,7 @@ from engine.sampling_params import SamplingParams
 from engine.step_io import ScheduledChunk, SchedulerOutput
 from engine.tensor_parallel import TensorParallel
 from engine.forward_batch import build_forward_batch
-from tests.gpu.conftest import INTERPRETED, needs_device, needs_log1p, relative_error
+from tests.gpu.conftest import INTERPRETED, eager_forward, needs_device, needs_log1p, relative_error
 
 pytestmark = [pytest.mark.gpu, needs_device]
 needs_fla = pytest.mark.skipif(INTERPRETED, reason="fla-core kernels need a CUDA device")
@@ -77,7 +77,7 @@ def _run(device: str, dtype: torch.dtype) -> tuple[list[torch.Tensor], torch.Ten
     with torch.inference_mode():
         for step in _steps(config.vocab_size):
             batch = build_forward_batch(list(step.chunks), BLOCK_SIZE, torch.device(device))
-            hiddens.append(model(batch, caches).float().cpu())
+            hiddens.append(eager_forward(model, batch, caches).float().cpu())
     first_mamba = min(caches.ssm_state)
     return hiddens, caches.ssm_state[first_mamba][1:4].cpu()
 

@@ -26,7 +26,7 @@ from engine.loader import load_model
 from engine.sampling_params import SamplingParams
 from engine.step_io import ScheduledChunk
 from engine.forward_batch import build_forward_batch
-from tests.gpu.conftest import INTERPRETED
+from tests.gpu.conftest import INTERPRETED, eager_forward
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs a CUDA device")
 
@@ -101,7 +101,7 @@ def _run_model_steps() -> None:
             [chunk(0, [5], 38)],
             [chunk(r, [5], 39 + r) for r in range(3)],
         ):
-            model(build_forward_batch(step, 16, torch.device("cuda")), caches)
+            eager_forward(model, build_forward_batch(step, 16, torch.device("cuda")), caches)
     torch.cuda.synchronize()
 
 

@@ -19,7 +19,8 @@ from engine.prefill_graphs import PrefillGraphRunner, prefill_graph_sizes
 from engine.sampling_params import SamplingParams
 from engine.step_io import ScheduledChunk
 from engine.forward_batch import build_forward_batch
-from tests.gpu.conftest import INTERPRETED, relative_error
+from engine.forward_routes import GraphScratch
+from tests.gpu.conftest import INTERPRETED, eager_forward, relative_error
 from tests.gpu.test_cuda_graphs import _clone, _real
 
 pytestmark = [
@@ -57,10 +58,10 @@ def test_graph_prefill_matches_eager(dtype, tol):
     g = torch.Generator().manual_seed(0)
     ids = lambda n: torch.randint(0, config.vocab_size, (n,), generator=g).tolist()  # noqa: E731
     with torch.inference_mode():  # request 4 holds a long prefix computed eagerly in both copies
-        model(build_forward_batch([_chunk(4, ids(300), 0, True)], BLOCK_SIZE, device), eager)
+        eager_forward(model, build_forward_batch([_chunk(4, ids(300), 0, True)], BLOCK_SIZE, device), eager)
     graphed = _clone(eager)
     runner = PrefillGraphRunner(
-        model, graphed, CAPTURED, BLOCKS_PER_SEQ, scratch_slot=num_slots, scratch_block=num_blocks
+        model, graphed, CAPTURED, GraphScratch(BLOCKS_PER_SEQ, scratch_slot=num_slots, scratch_block=num_blocks)
     )
     runner.capture()  # warm-up and capture write only the scratch slot and block
     for a, b in zip(_real(eager, num_slots, num_blocks).values(), _real(graphed, num_slots, num_blocks).values()):
@@ -73,7 +74,7 @@ def test_graph_prefill_matches_eager(dtype, tol):
         chunk = _chunk(r, ids(n), start, start == 0)
         before = {k: v.clone() for k, v in _real(graphed, num_slots, num_blocks).items()}
         with torch.inference_mode():
-            h_eager = model(build_forward_batch([chunk], BLOCK_SIZE, device), eager)[-1]
+            h_eager = eager_forward(model, build_forward_batch([chunk], BLOCK_SIZE, device), eager)[-1]
             assert runner.accepts([chunk])
             h_graph = runner.forward(chunk)
             l_eager, l_graph = (model.compute_logits(h[None])[0] for h in (h_eager, h_graph))
@@ -124,7 +125,7 @@ def test_worker_prefill_graph_tokens(tmp_path):
         out = worker.execute(SchedulerOutput(tuple(step)))
         with torch.inference_mode():
             batch = build_forward_batch(step, cap.block_size, worker.device)
-            hidden = worker.model(batch, ref)
+            hidden = eager_forward(worker.model, batch, ref)
             ends = torch.tensor(batch.cu_seqlens[1:], device="cuda") - 1
             expected = worker.model.compute_logits(hidden[ends]).argmax(-1).tolist()
         assert [out.sampled_token_ids[c.request_id] for c in step] == expected

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine.forward_batch import ForwardBatch, SequenceChunk, build_forward_batch
-from engine.kernels.gpu.batch_plan import FreshChunkView, GpuBatchPlan, build_gpu_batch_plan
+from engine.kernels.gpu.batch_plan import FUSED_DECODE_MAX_ROWS, FreshChunkView, GpuBatchPlan, build_gpu_batch_plan
 from engine.kernels.gpu.in_pass_capture import SCAN_CHUNK, CaptureSplit, ScanChunks, build_in_pass_plan
 from engine.sampling_params import SamplingParams
 from engine.step_io import ScheduledChunk
@@ -166,6 +166,9 @@ def _gpu_plan_oracle(batch: ForwardBatch, block_size: int) -> dict:
         paged_tables=_int64([_padded(chunks[i].block_table, paged_width) for i in prefill]).view(
             len(prefill), paged_width),
         paged_max_length=max([chunks[i].num_tokens for i in paged], default=0),
+        stacked_qkv=batch.num_tokens == 1,
+        fused_mamba_decode=not prefill and len(decode) <= FUSED_DECODE_MAX_ROWS,
+        folded_gated_norm=False,  # the model's fold_gated_norm not given
         prefill_valid=None,
         in_pass=None,
     )

@@ -1,14 +1,17 @@
-"""Which GPU path Mamba2Mixer.mix_batch_gpu takes for a step (the paths themselves are device
-tests in tests/gpu/test_mamba_decode.py)."""
+"""Which GPU path a Mamba2Mixer takes for a step: the step's plan chooses (kernel_choices, when
+the plan is built), the mixer follows the plan (the paths themselves are device tests in
+tests/gpu/test_mamba_decode.py)."""
 
 from __future__ import annotations
 
+import copy
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from engine.config import DEFAULT_MODEL_DIR
-from engine.layers.mamba2 import FUSED_DECODE_MAX_ROWS
+from engine.kernels.gpu.batch_plan import FUSED_DECODE_MAX_ROWS, kernel_choices
 from engine.loader import load_model
 
 
@@ -16,6 +19,11 @@ from engine.loader import load_model
 def mixer():
     model, _ = load_model(DEFAULT_MODEL_DIR)
     return next(layer.mamba for layer in model.layers if layer.mamba is not None)
+
+
+def _choices(rows: int, num_decode: int, num_prefill: int, in_pass, fold_gated_norm: bool) -> dict:
+    return kernel_choices(rows, num_decode, num_prefill, in_pass=in_pass is not None,
+                          fold_gated_norm=fold_gated_norm)
 
 
 @pytest.mark.parametrize("num_decode, num_prefill, in_pass, expected", [
@@ -30,7 +38,8 @@ def test_mix_batch_gpu_routes_by_step_shape(mixer, monkeypatch, num_decode, num_
     taken = []
     monkeypatch.setattr(mixer, "mix_decode_only_gpu", lambda *args: taken.append("fused"))
     monkeypatch.setattr(mixer, "mix_chunks_gpu", lambda *args: taken.append("chunks"))
-    plan = SimpleNamespace(num_decode=num_decode, num_prefill=num_prefill, in_pass=in_pass)
+    choices = _choices(num_decode + 5 * num_prefill, num_decode, num_prefill, in_pass, fold_gated_norm=True)
+    plan = SimpleNamespace(num_decode=num_decode, num_prefill=num_prefill, in_pass=in_pass, **choices)
     mixer.mix_batch_gpu(None, None, None, None, plan)
     assert taken == [expected]
 
@@ -44,35 +53,34 @@ def test_mix_batch_gpu_routes_by_step_shape(mixer, monkeypatch, num_decode, num_
 ])
 def test_gated_norm_folds_only_into_one_decode_row(mixer, monkeypatch, rows, num_prefill, in_pass,
                                                    out_proj_takes_it, folds):
-    import torch
-
     monkeypatch.setattr(mixer.out_proj, "supports_row_rms", lambda x: out_proj_takes_it)
-    plan = SimpleNamespace(num_prefill=num_prefill, in_pass=in_pass)
-    normed = mixer._folded_norm_row(torch.zeros(rows, 4), plan)
-    assert (normed is not None) == folds
-    if folds:
-        assert normed.shape == (1, mixer.intermediate_size)
+    num_decode = 0 if num_prefill else rows
+    choices = _choices(rows, num_decode, num_prefill, in_pass, fold_gated_norm=mixer.folds_gated_norm())
+    assert choices["folded_gated_norm"] == folds
+    if folds:  # the mixer follows the plan: the folded path, over a (1, I) row
+        taken = []
+        monkeypatch.setattr(mixer, "mix_row_folded_gpu", lambda gate, *args: taken.append(gate.shape))
+        mixer(torch.zeros(1, mixer.in_proj.weight.shape[1]), None, None, None,
+              gpu_plan=SimpleNamespace(**choices))
+        assert taken == [(1, mixer.intermediate_size)]
 
 
 def test_gated_norm_does_not_fold_in_fp16_or_over_several_groups(mixer, monkeypatch):
     """fp16 (the row is rounded before the norm's scale: it could overflow) and a norm of
     several groups (one scale per group) keep the norm's own kernel."""
-    import torch
-
     monkeypatch.setattr(mixer.out_proj, "supports_row_rms", lambda x: True)
-    plan = SimpleNamespace(num_prefill=0, in_pass=None)
-    assert mixer._folded_norm_row(torch.zeros(1, 4), plan) is not None
-    assert mixer._folded_norm_row(torch.zeros(1, 4, dtype=torch.float16), plan) is None
+    assert mixer.folds_gated_norm()
+    half = copy.deepcopy(mixer).half()
+    monkeypatch.setattr(half.out_proj, "supports_row_rms", lambda x: True)
+    assert not half.folds_gated_norm()
     monkeypatch.setattr(mixer.norm, "group_size", mixer.intermediate_size // 2)
-    assert mixer._folded_norm_row(torch.zeros(1, 4), plan) is None
+    assert not mixer.folds_gated_norm()
 
 
 def test_out_proj_takes_no_folded_norm_over_two_ranks(mixer, monkeypatch):
     """A row-parallel out_proj sums partial products over ranks: no single GEMM can scale the
     whole sum, so supports_row_rms is False at world size 2 even where the single-row GEMM
     takes the operands; and on the CPU the single-row GEMM takes nothing."""
-    import torch
-
     from engine.layers import parallel_linear
 
     row = torch.zeros(1, mixer.intermediate_size)
@@ -81,4 +89,4 @@ def test_out_proj_takes_no_folded_norm_over_two_ranks(mixer, monkeypatch):
     assert mixer.out_proj.supports_row_rms(row)
     monkeypatch.setattr(mixer.out_proj, "tp", SimpleNamespace(world_size=2))
     assert not mixer.out_proj.supports_row_rms(row)
-    assert mixer._folded_norm_row(torch.zeros(1, 4), SimpleNamespace(num_prefill=0, in_pass=None)) is None
+    assert not mixer.folds_gated_norm()

@@ -1,8 +1,9 @@
 """The attention layers' stacked q/k/v weight (PagedAttention.stack_projections, called by
 load_model): the checkpoint's parameters stay as they were, as views of the stacked tensor,
 and project_qkv computes what three separate projections compute. The stacked GEMM runs where
-the single-row GEMM kernel would (CUDA); `stacked_path` sends the CPU's one-row steps there
-too (through F.linear), so its splitting and checks run here."""
+the step's plan asks for it (GpuBatchPlan.stacked_qkv; the tests ask with stacked=True) and
+the single-row GEMM kernel takes the operands (CUDA); `stacked_path` sends the CPU's one-row
+steps there too (through F.linear), so its splitting and checks run here."""
 
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ def test_project_qkv_equals_the_checkpoints_projections(attention, rows, stacked
         request.getfixturevalue("stacked_path")
     assert attention.q_proj.bias is None
     hidden = torch.randn(rows, attention.q_proj.weight.shape[1], generator=torch.Generator().manual_seed(rows))
-    got = attention.project_qkv(hidden)
+    got = attention.project_qkv(hidden, stacked=True)
     shapes = [(rows, attention.num_heads, attention.head_dim)] + 2 * [(rows, attention.num_kv_heads, attention.head_dim)]
     for value, want, shape in zip(got, _checkpoint_projections(ATTENTION_LAYER, hidden), shapes):
         assert value.shape == shape
@@ -71,7 +72,7 @@ def test_a_conversion_stacks_again(stacked_path):
     assert stacked.dtype == torch.float64
     assert attention.k_proj.weight.data_ptr() == stacked.data_ptr() + attention.q_proj.weight.numel() * 8
     hidden = torch.randn(1, stacked.shape[1], dtype=torch.float64, generator=torch.Generator().manual_seed(3))
-    key = attention.project_qkv(hidden)[1].reshape(1, -1)
+    key = attention.project_qkv(hidden, stacked=True)[1].reshape(1, -1)
     torch.testing.assert_close(key, F.linear(hidden, attention.k_proj.weight))
 
 
@@ -83,9 +84,9 @@ def test_a_replaced_parameter_is_an_error(stacked_path):
     attention.v_proj.weight = torch.nn.Parameter(attention.v_proj.weight.clone(), requires_grad=False)
     hidden = torch.zeros(1, attention.v_proj.weight.shape[1])
     with pytest.raises(RuntimeError, match="replaced after stack_projections"):
-        attention.project_qkv(hidden)
+        attention.project_qkv(hidden, stacked=True)
     attention.stack_projections()
-    attention.project_qkv(hidden)
+    attention.project_qkv(hidden, stacked=True)
 
 
 def test_parameters_are_views_of_the_stacked_weight(attention, stacked_path):
@@ -97,12 +98,12 @@ def test_parameters_are_views_of_the_stacked_weight(attention, stacked_path):
     assert stacked.shape == (q.shape[0] + k.shape[0] + v.shape[0], q.shape[1])
     assert all(p.untyped_storage().data_ptr() == stacked.untyped_storage().data_ptr() for p in (q, k, v))
     hidden = torch.randn(1, q.shape[1], generator=torch.Generator().manual_seed(9))
-    before = attention.project_qkv(hidden)[1].clone()
+    before = attention.project_qkv(hidden, stacked=True)[1].clone()
     with torch.no_grad():
         saved = attention.k_proj.weight.clone()
         attention.k_proj.weight.mul_(2)
         try:
-            torch.testing.assert_close(attention.project_qkv(hidden)[1], 2 * before, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(attention.project_qkv(hidden, stacked=True)[1], 2 * before, rtol=1e-6, atol=1e-6)
         finally:
             attention.k_proj.weight.copy_(saved)
 
@@ -112,7 +113,7 @@ def test_forward_before_stacking_is_an_error():
     layout = rank_shard_layout(config, TensorParallel.single())
     layer = PagedAttention(config, layout, TensorParallel.single(), torch.float32)
     with pytest.raises(RuntimeError, match="stack_projections"):
-        layer.project_qkv(torch.zeros(1, config.hidden_size))
+        layer.project_qkv(torch.zeros(1, config.hidden_size), stacked=True)
 
 
 def test_parameter_count_is_the_checkpoints():

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from engine.config import EngineConfig
+from engine.cuda_graphs import DecodeGraphRunner
 from engine.forward_batch import build_forward_batch
 from engine.sampling_params import SamplingParams
 from engine.step_io import CaptureOp, RestoreOp, ScheduledChunk, SchedulerOutput
@@ -23,15 +24,18 @@ BLOCKS = 4
 
 
 class NegatedLogitsGraphs:
-    """accepts/forward as DecodeGraphRunner's; forward returns (hidden, -logits, the eager
-    argmin + 1) and remembers the eager argmax and argmin of each row."""
+    """accepts/forward as DecodeGraphRunner's, and its run (the route the worker calls);
+    forward returns (hidden, -logits, the eager argmin + 1) and remembers the eager argmax
+    and argmin of each row."""
+
+    run = DecodeGraphRunner.run
 
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
         self.eager_argmax: list[int] = []
         self.eager_argmin: list[int] = []
 
-    def accepts(self, chunks: list[ScheduledChunk]) -> bool:
+    def accepts(self, chunks: list[ScheduledChunk], in_pass=()) -> bool:
         return all(len(c.token_ids) == 1 for c in chunks)
 
     def forward(self, chunks: list[ScheduledChunk], pending_rows=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -23,6 +23,33 @@ from engine.host_index import concat_ranges, cumulative_bounds, int64_array, pad
 from engine.kernels.gpu.in_pass_capture import InPassCapturePlan, ScanChunks, scan_chunk_arrays
 
 
+# Decode-only steps of at most this many sequences take the Mamba mixers' fused conv + SSD
+# kernel. On the H200 (benchmarks/decode_kernels.py, one layer's decode step) it is faster at
+# batch 1 (4.6 vs 6.7 us) and 16 (19.3 vs 20.0 us) and slower at 64 (86.4 vs 83.1 us), where
+# every one of its programs also convolves its group's B and C channels.
+FUSED_DECODE_MAX_ROWS = 16
+
+
+def kernel_choices(
+    num_rows: int, num_decode: int, num_prefill: int, *, in_pass: bool, fold_gated_norm: bool
+) -> dict[str, bool]:
+    """GpuBatchPlan's kernel choices for a step of `num_rows` token rows (padding included),
+    `num_decode` one-token and `num_prefill` longer chunks, with or without in-pass captures;
+    fold_gated_norm: whether the model's Mamba mixers can fold their gated norm at one row
+    (GraniteMoeHybridModel.folds_gated_norm).
+    - stacked_qkv: one row (where the single-row GEMM takes the stacked weight: the layer
+      checks the operands, as linear() does);
+    - fused_mamba_decode: no prefill chunk, no in-pass capture, at most FUSED_DECODE_MAX_ROWS
+      decode chunks;
+    - folded_gated_norm: that, at one row, and fold_gated_norm."""
+    fused = num_prefill == 0 and not in_pass and num_decode <= FUSED_DECODE_MAX_ROWS
+    return dict(
+        stacked_qkv=num_rows == 1,
+        fused_mamba_decode=fused,
+        folded_gated_norm=fused and num_rows == 1 and fold_gated_norm,
+    )
+
+
 @dataclass(frozen=True)
 class FreshChunkView:
     """A prefill chunk that starts its sequence: rows [start, end) of the flat token axis."""
@@ -49,6 +76,11 @@ class GpuBatchPlan:
     their own K/V (outside graphs); every other prefill chunk goes to one paged kernel launch
     over paged_first_rows, paged_lengths (0 for a fresh chunk), paged_positions (Sp,) and
     paged_tables (Sp, max_blocks), at most paged_max_length queries each.
+    Kernel choices, made once when the plan is built (kernel_choices) and read by the layers:
+    stacked_qkv, attention projects q, k and v in one GEMM over its stacked weight;
+    fused_mamba_decode, the Mamba mixers run the fused conv + SSD decode kernel instead of
+    the chunked path; folded_gated_norm, they also fold their gated norm into that kernel and
+    out_proj's single-row GEMM.
     """
 
     num_chunks: int
@@ -74,13 +106,19 @@ class GpuBatchPlan:
     paged_positions: torch.Tensor
     paged_tables: torch.Tensor
     paged_max_length: int
+    stacked_qkv: bool
+    fused_mamba_decode: bool
+    folded_gated_norm: bool
     prefill_valid: torch.Tensor | None = None
     # In-pass captures of this step (engine/kernels/gpu/in_pass_capture.py); None: none.
     in_pass: InPassCapturePlan | None = None
 
 
-def build_gpu_batch_plan(batch: ForwardBatch, block_size: int, device: torch.device) -> GpuBatchPlan:
-    """Pack the batch's chunk metadata into one int64 tensor, copy it once, and slice views."""
+def build_gpu_batch_plan(
+    batch: ForwardBatch, block_size: int, device: torch.device, *, fold_gated_norm: bool = False
+) -> GpuBatchPlan:
+    """Pack the batch's chunk metadata into one int64 tensor, copy it once, and slice views.
+    fold_gated_norm: as kernel_choices."""
     chunks, cu = batch.chunks, batch.cu_seqlens
     cu_array = int64_array(cu)
     lengths = int64_array([c.num_tokens for c in chunks])
@@ -145,6 +183,8 @@ def build_gpu_batch_plan(batch: ForwardBatch, block_size: int, device: torch.dev
         paged_positions=a_positions,
         paged_tables=a_tables.view(len(prefill), paged_blocks),
         paged_max_length=int(lengths[prefill][paged].max(initial=0)),
+        **kernel_choices(batch.num_tokens, len(decode), len(prefill), in_pass=False,
+                         fold_gated_norm=fold_gated_norm),
     )
 
 
@@ -165,10 +205,13 @@ def decode_only_plan(
     seq_lens: torch.Tensor,  # (B,) int64, keys each row's query attends to
     block_table: torch.Tensor,  # (B, max_blocks) int64
     arange: torch.Tensor,  # (>= B + 1,) int64 holding 0, 1, 2, ...
+    *,
+    fold_gated_norm: bool = False,
 ) -> GpuBatchPlan:
     """The plan of a batch of B one-token chunks (row i = chunk i), built over tensors the
     caller owns and refills in place (CUDA graph inputs): no host-to-device copy, no allocation
-    beyond two empty tensors. Equal to build_gpu_batch_plan of the same chunks."""
+    beyond two empty tensors. Equal to build_gpu_batch_plan of the same chunks (with the same
+    fold_gated_norm)."""
     num_rows = chunk_slot.shape[0]
     rows = arange[:num_rows]
     empty = arange[:0]
@@ -196,6 +239,7 @@ def decode_only_plan(
         paged_positions=empty,
         paged_tables=empty.view(0, 0),
         paged_max_length=0,
+        **kernel_choices(num_rows, num_rows, 0, in_pass=False, fold_gated_norm=fold_gated_norm),
     )
 
 
@@ -242,4 +286,5 @@ def single_prefill_plan(
         paged_positions=start_position,
         paged_tables=block_table,
         paged_max_length=num_rows,
+        **kernel_choices(num_rows, 0, 1, in_pass=False, fold_gated_norm=False),
     )

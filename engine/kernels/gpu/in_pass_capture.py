@@ -1,5 +1,5 @@
-"""In-pass capture (issue 5 item 3): the recurrent state at a position p strictly inside a
-prefill chunk, read during that chunk's one forward pass instead of cutting the chunk at p.
+"""In-pass capture: the recurrent state at a position p strictly inside a prefill chunk, read
+during that chunk's one forward pass instead of cutting the chunk at p.
 
 For a chunk whose first k tokens lie before p (0 < k < its length):
 - SSM state at p: the chunked scan stores the state at the start of every chunk of SCAN_CHUNK
@@ -91,8 +91,11 @@ class InPassCapturePlan:
 
 def with_in_pass_captures(plan, batch, splits: dict[int, int], conv_out, ssm_out):
     """`plan` (a GpuBatchPlan of `batch`) with the in-pass captures `splits` (chunk index ->
-    tokens of the chunk before the capture position) and their output buffers attached."""
+    tokens of the chunk before the capture position) and their output buffers attached, and
+    its kernel choices made again for a step with in-pass captures."""
     from dataclasses import replace
+
+    from engine.kernels.gpu.batch_plan import kernel_choices
 
     cu = batch.cu_seqlens
     prefill = [(i, cu[i], c.num_tokens) for i, c in enumerate(batch.chunks) if c.num_tokens > 1]
@@ -101,7 +104,9 @@ def with_in_pass_captures(plan, batch, splits: dict[int, int], conv_out, ssm_out
         for i, _, _ in prefill if i in splits
     ]
     device = plan.cu_seqlens.device
-    return replace(plan, in_pass=build_in_pass_plan(prefill, capture_splits, conv_out, ssm_out, device))
+    choices = kernel_choices(batch.num_tokens, plan.num_decode, plan.num_prefill, in_pass=True, fold_gated_norm=False)
+    in_pass = build_in_pass_plan(prefill, capture_splits, conv_out, ssm_out, device)
+    return replace(plan, in_pass=in_pass, **choices)
 
 
 def build_in_pass_plan(
