@@ -24,12 +24,16 @@ def _total(ranges: tuple[IndexRange, ...]) -> int:
 
 
 # Every single-row linear takes the skinny GEMM kernel on CUDA. Measured on the H200 with
-# programmatic dependent launch (benchmarks/results/skinny_gemm_20261202_pdl.json, weights from
-# HBM, back-to-back calls in a CUDA graph): 1.32-2.69x faster than cuBLAS where N <= 2,048
-# (cuBLAS splits K and adds a reduce launch) and 1.01-1.11x on the wide weights (N 8,512 and
-# 11,264), which cuBLAS had kept before PDL (within 6% either way). The LM head does not come
-# through here: engine/layers/vocab_parallel.py keeps F.linear for it. For 2..16 rows a tiled
-# variant gained at most 4% of a step's linear time over cuBLAS, so it was not kept.
+# programmatic dependent launch (benchmarks/skinny_gemm.py, weights from HBM, back-to-back
+# calls in a CUDA graph): 1.32-2.69x faster than cuBLAS where N <= 2,048 (cuBLAS splits K and
+# adds a reduce launch) and 1.01-1.11x on the wide weights (N 8,512 and 11,264). The LM head
+# does not come through here: engine/layers/vocab_parallel.py keeps F.linear for it. For
+# 2..16 rows a tiled variant gains at most 4% of a step's linear time over cuBLAS: F.linear.
+#
+# Which kernel a linear runs is decided here, per call, from its operands (routes_to_skinny),
+# not by the step's plan: the single-row GEMM's eligibility depends on the weight (its dtype,
+# layout and device) as much as on the row count, so the operands are the one place that
+# holds every fact the rule needs (each linear of a step sees the step's rows).
 
 
 def routes_to_skinny(

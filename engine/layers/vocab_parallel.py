@@ -65,9 +65,9 @@ def vocab_parallel_logits(
 ) -> torch.Tensor:
     """(n, vocab) logits in the weight's dtype, gathered from every rank's rows. F.linear
     even for one row: the single-row GEMM would gain 3.5 us of kernel time
-    (benchmarks/results/skinny_gemm_20261202_pdl.json), but eager callers (the sampled row of a
-    prefill step) would pay for its launch through Triton's autotuner; on one device the decode
-    graphs capture this call (engine/cuda_graphs.py)."""
+    (benchmarks/skinny_gemm.py), but eager callers (the sampled row of a prefill step) would
+    pay for its launch through Triton's autotuner; on one device the decode graphs capture
+    this call (engine/cuda_graphs.py)."""
     local = F.linear(hidden, weight)  # (n, local rows)
     if tp.world_size == 1:
         return local
