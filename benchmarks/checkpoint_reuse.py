@@ -1,7 +1,7 @@
 """Checkpoint reuse: shared system prompts, with each checkpoint_slots setting, in process.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/checkpoint_reuse.py
-    PYTHONPATH=. .venv/bin/python benchmarks/checkpoint_reuse.py --requests 16 --system-tokens 1000
+    .venv/bin/python benchmarks/checkpoint_reuse.py
+    .venv/bin/python benchmarks/checkpoint_reuse.py --requests 16 --system-tokens 1000
 
 Workload: --systems system prompts of about --system-tokens tokens each, shared by --requests
 chat requests (system prompt i % systems, so every system prompt is first seen once and then
@@ -19,20 +19,17 @@ three) in one process, each on a fresh engine after one warm-up request. Per set
                     requests whose system prompt was seen before (what a perfect instruction
                     cache could restore).
 Greedy outputs must be identical across settings (checked; a mismatch fails the run).
-Prints a table and writes JSON under benchmarks/results/.
+Prints a table and writes JSON (--out, default benchmarks/results/checkpoint_reuse.json).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import json
-import platform
 import random
 import statistics
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 
@@ -41,8 +38,8 @@ from deployments.renderer import RenderedPrompt, render_chat
 from engine.config import DEFAULT_MODEL_DIR, EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
+from harness import add_out_argument, write_result
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 SETTINGS: list[tuple[str, ...]] = [(), ("prompt",), ("prompt", "response"),
                                    ("prompt", "response", "instruction")]
 WORDS = ("model state token layer cache prefix request answer system user policy rule tool data "
@@ -174,6 +171,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--checkpoint-cache-bytes", type=int, default=64 * 1024 * 1024)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--seed", type=int, default=0)
+    add_out_argument(p, "checkpoint_reuse")
     return p.parse_args()
 
 
@@ -204,15 +202,9 @@ def main() -> None:
     print(table(results))
     print("greedy outputs identical across settings: yes")
 
-    RESULTS_DIR.mkdir(exist_ok=True)
-    out = RESULTS_DIR / f"checkpoint_reuse_{time.strftime('%Y%m%d_%H%M%S')}.json"
-    out.write_text(json.dumps({
-        "benchmark": "checkpoint_reuse",
-        "machine": {"platform": platform.platform(), "cpu_count": torch.get_num_threads(),
-                    "python": platform.python_version()},
-        "args": vars(args),
-        "results": [asdict(r) for r in results],
-    }, indent=2))
+    out = write_result(args.out, "checkpoint_reuse",
+                       {"args": vars(args), "results": [asdict(r) for r in results]},
+                       machine_extra={"torch_threads": torch.get_num_threads()})
     print(f"wrote {out}")
 
 

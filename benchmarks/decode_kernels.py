@@ -14,8 +14,7 @@ back-to-back calls (launch gaps as in the engine's decode graphs), divided by 20
 layer rows give each of the 20 calls its own conv and SSD state, as the model's 20 Mamba
 layers have: the fused kernel loads its old state before its PDL wait, which
 engine/kernels/gpu/pdl.py allows only because no kernel ahead of it in a forward pass writes
-that state, so back-to-back calls on one state would race (results before 2026-12-03's
-session 6 chained one state; the fused kernel then loaded it after its wait).
+that state, so back-to-back calls on one state would race.
 
     python benchmarks/decode_kernels.py --out benchmarks/results/decode_kernels.json
 """
@@ -23,42 +22,18 @@ session 6 chained one state; the fused kernel then loaded it after its wait).
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
-from pathlib import Path
 
 import torch
 
-from gpu_roofline import measure_copy_bandwidth  # noqa: E402  (this script's folder)
+from gpu_timing import graph_seconds
+from harness import add_out_argument, write_result
+from roofline.floors import measure_copy_bandwidth
 
 H, P, N, G = 64, 64, 128, 1  # Mamba2 heads, head dim, state size, groups
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 4, 128, 16
 BATCHES = (1, 16, 64)
 CONTEXT = 1024
-
-
-CALLS = 20
-
-
-def graph_seconds(fn, calls: int = CALLS, repeats: int = 15) -> float:
-    """Median seconds of one call, from CUDA-graph replays of `calls` back-to-back calls
-    fn(0), fn(1), ..., fn(calls - 1)."""
-    for i in range(2):
-        fn(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(i)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(repeats):
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / calls)
-    return statistics.median(times)
+CALLS = 20  # back-to-back calls in each timed graph, one Mamba layer's state each
 
 
 def ssd_rows(copy_bw: float) -> list[dict]:
@@ -79,7 +54,7 @@ def ssd_rows(copy_bw: float) -> list[dict]:
             for warps in (1, 2, 4, 8):
                 seconds = graph_seconds(lambda _: ssd_decode_update(
                     x, dt, dt_bias, a_log, (0.0, float("inf")), bc[:, 0], bc[:, 1], state, y,
-                    rows_t, rows_t, reset, block_p=block_p, num_warps=warps))
+                    rows_t, rows_t, reset, block_p=block_p, num_warps=warps), calls=CALLS)
                 rows.append({"kernel": "ssd_decode_update", "batch": batch, "block_p": block_p,
                              "num_warps": warps, "default": block_p == decode_block_p(P) and warps == 4,
                              "seconds": seconds, "share_of_copy_rate": moved / seconds / copy_bw})
@@ -122,7 +97,7 @@ def mamba_decode_rows(copy_bw: float) -> list[dict]:
             ssd_decode_update(x.view(batch, H, P), dt, dt_bias, a_log, limits, b.view(batch, G, N),
                               c.view(batch, G, N), state, y, rows_t, rows_t, reset)
 
-        seconds = graph_seconds(unfused)
+        seconds = graph_seconds(unfused, calls=CALLS)
         fused_here = batch <= FUSED_DECODE_MAX_ROWS  # what the engine runs at this batch size
         rows.append({"kernel": "mamba decode, unfused", "batch": batch, "block_p": decode_block_p(P),
                      "num_warps": 4, "default": not fused_here, "seconds": seconds,
@@ -135,7 +110,7 @@ def mamba_decode_rows(copy_bw: float) -> list[dict]:
                                     x_out, y, rows_t, rows_t, reset, block_p=block_p, num_warps=warps)
                     advance_conv_states(xbc, conv_state, cu, rows_t, reset)
 
-                seconds = graph_seconds(fused)
+                seconds = graph_seconds(fused, calls=CALLS)
                 rows.append({"kernel": "mamba decode, fused", "batch": batch, "block_p": block_p,
                              "num_warps": warps,
                              "default": fused_here and block_p == decode_block_p(P) and warps == 4,
@@ -159,15 +134,16 @@ def attention_rows() -> list[dict]:
         auto = decode_splits(batch, KV_HEADS)
         for splits in sorted({1, 2, 4, 8, 16, auto}):
             seconds = graph_seconds(lambda _: paged_attention_decode(
-                query, cache[0], cache[1], out, rows_t, lens, table, HEAD_DIM**-0.5, num_splits=splits))
+                query, cache[0], cache[1], out, rows_t, lens, table, HEAD_DIM**-0.5, num_splits=splits),
+                calls=CALLS)
             rows.append({"kernel": "paged_attention_decode", "batch": batch, "num_splits": splits,
                          "default": splits == auto, "seconds": seconds})
     return rows
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default="benchmarks/results/decode_kernels.json")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_out_argument(parser, "decode_kernels")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("decode_kernels.py needs a CUDA device")
@@ -182,9 +158,8 @@ def main() -> None:
         mark = " *" if r["default"] else ""
         print(f"{r['kernel']:<24}{r['batch']:>6}{shape:>22}{r['seconds'] * 1e6:>10.1f}{share}{mark}")
     report = {"device": torch.cuda.get_device_name(), "copy_bytes_per_s": copy_bw, "rows": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2))
-    print(f"wrote {args.out} (* = the engine's default)")
+    out = write_result(args.out, "decode_kernels", report)
+    print(f"wrote {out} (* = the engine's default)")
 
 
 if __name__ == "__main__":

@@ -17,15 +17,12 @@ for two steps at block size 16:
   decode 64x1024  64 decode chunks (one token each) at position 1,024
 
 Each time is the best of --repeats calls (a shared machine: compare rows of the same run).
-Prints a table and writes JSON under benchmarks/results/.
+Prints a table and writes JSON (--out, default benchmarks/results/host_batch_build.json).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import sys
 import time
 from collections.abc import Callable
@@ -35,13 +32,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's engine, not an installed one
-from engine.kernels.gpu.batch_plan import build_gpu_batch_plan
-from engine.kernels.gpu.in_pass_capture import CaptureSplit, build_in_pass_plan
-from engine.sampling_params import SamplingParams
-from engine.step_io import ScheduledChunk
-from engine.forward_batch import build_forward_batch
+from engine.forward_batch import build_forward_batch  # noqa: E402
+from engine.kernels.gpu.batch_plan import build_gpu_batch_plan  # noqa: E402
+from engine.kernels.gpu.in_pass_capture import CaptureSplit, build_in_pass_plan  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.step_io import ScheduledChunk  # noqa: E402
+from harness import add_out_argument, markdown_table, write_result  # noqa: E402
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 BLOCK_SIZE = 16
 CPU = torch.device("cpu")
 
@@ -116,20 +113,18 @@ def measure(case: str, chunks: list[ScheduledChunk], capture_at: int | None, rep
 
 
 def table(rows: list[Row]) -> str:
-    lines = ["| case | tokens | chunks | forward batch ms | gpu plan ms | in-pass plan ms | total ms |",
-             "|" + "---|" * 7]
-    for r in rows:
-        in_pass = "n/a" if r.in_pass_plan_ms is None else f"{r.in_pass_plan_ms:.3f}"
-        lines.append(f"| {r.case} | {r.tokens} | {r.chunks} | {r.forward_batch_ms:.3f} | "
-                     f"{r.gpu_plan_ms:.3f} | {in_pass} | {r.total_ms:.3f} |")
-    return "\n".join(lines)
+    return markdown_table(
+        ["case", "tokens", "chunks", "forward batch ms", "gpu plan ms", "in-pass plan ms", "total ms"],
+        [[r.case, f"{r.tokens}", f"{r.chunks}", f"{r.forward_batch_ms:.3f}", f"{r.gpu_plan_ms:.3f}",
+          "n/a" if r.in_pass_plan_ms is None else f"{r.in_pass_plan_ms:.3f}", f"{r.total_ms:.3f}"]
+         for r in rows])
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=200, help="calls per measurement; the best counts")
     p.add_argument("--label", default="", help="free text stored in the JSON (e.g. the commit)")
-    p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/host_batch_build.json)")
+    add_out_argument(p, "host_batch_build")
     return p.parse_args()
 
 
@@ -143,17 +138,12 @@ def main() -> None:
     report = table(rows)
     print(f"block size {BLOCK_SIZE}, best of {args.repeats} calls, torch threads 1\n")
     print(report)
-    out = Path(args.out) if args.out else RESULTS_DIR / "host_batch_build.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
-        "benchmark": "host_batch_build",
+    out = write_result(args.out, "host_batch_build", {
         "label": args.label,
-        "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
-                    "python": platform.python_version(), "torch": torch.__version__},
         "args": vars(args),
         "rows": [{**asdict(r), "total_ms": r.total_ms} for r in rows],
         "table": report,
-    }, indent=2))
+    }, machine_extra={"torch": torch.__version__})
     print(f"\nwrote {out}")
 
 

@@ -15,14 +15,13 @@ Two measurements, each with PDL on and off, in a CUDA graph and on a plain strea
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
 from engine.kernels.gpu.pdl import global_timer, release_next, spin_for, wait_for_previous
+from harness import add_out_argument, middle, write_result
 
 SPIN_US = 20
 CHAIN = 200
@@ -105,12 +104,12 @@ def chain(use_pdl: bool, graphed: bool) -> float:
         end.record()
         torch.cuda.synchronize()
         results.append(start.elapsed_time(end) * 1e3 / CHAIN)
-    return sorted(results)[2]
+    return middle(results)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default="benchmarks/results/pdl_overlap.json")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_out_argument(parser, "pdl_overlap")
     args = parser.parse_args()
     rows = []
     for graphed in (True, False):
@@ -122,9 +121,8 @@ def main() -> None:
     for r in rows:
         print(f"{r['graph']!s:>6}{r['pdl']!s:>6}{r['probe_start_minus_spin_end_us']:>28.2f}"
               f"{r['wait_return_minus_spin_end_us']:>28.2f}{r['chain_us_per_kernel']:>18.2f}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=2))
-    print(f"wrote {args.out}")
+    out = write_result(args.out, "pdl_overlap", {"device": torch.cuda.get_device_name(), "rows": rows})
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

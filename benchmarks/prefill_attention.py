@@ -6,8 +6,8 @@ Shapes of the 1.5B config (16 query heads over 4 KV heads, head dim 128, bf16, b
 through engine/kernels/gpu/paged_attention.py:paged_attention_prefill, each chunk's blocks in
 random order:
 - restore+256: after an 8,192-token instruction checkpoint is restored, the user message's 256
-  queries attend to 8,448 keys in each of the 4 attention layers (0.33 ms of a 3.9 ms step on
-  the H200 before grouping; benchmarks/gpu_roofline_notes.md);
+  queries attend to 8,448 keys in each of the 4 attention layers (about 0.28 ms of the 3.9 ms
+  restore + prefill step; benchmarks/gpu_roofline_notes.md);
 - restore+32: a short user message after the same prefix (16-query blocks at G = 1);
 - 2048-after-6144: a long prompt's later chunk of a chunked prefill;
 - 8x128-after-1024: several chunks with cached keys in one launch.
@@ -16,7 +16,7 @@ each is compared with engine/kernels/attention_reference.py, and the two with ea
 --sweep (the default) the restore+256 shape is also timed over (block_m, block_n, num_warps,
 num_stages, num_splits) for G = 1 and the grouped G (key tiles of 128 for the grouped G only);
 a launch that does not fit an SM's shared memory is recorded with seconds null. Times as in
-decode_kernels.py: the median of CUDA-graph replays of back-to-back calls.
+decode_kernels.py: the median of CUDA-graph replays of back-to-back calls (gpu_timing.py).
 
     python benchmarks/prefill_attention.py --out benchmarks/results/prefill_attention.json
 """
@@ -26,12 +26,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
-import json
-from pathlib import Path
 
 import torch
 
-from decode_kernels import graph_seconds  # noqa: E402  (this script's folder)
+from gpu_timing import graph_seconds
+from harness import add_out_argument, write_result
 
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 4, 128, 16
 SHAPES = {  # name: (chunks, queries a chunk, cached keys a chunk)
@@ -171,7 +170,7 @@ def print_sweep(rows: list[dict]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="benchmarks/results/prefill_attention.json")
+    add_out_argument(parser, "prefill_attention")
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES),
                         help="shapes to compare G = 1 and the grouped default on")
     parser.add_argument("--sweep", action=argparse.BooleanOptionalAction, default=True,
@@ -189,9 +188,8 @@ def main() -> None:
         print_sweep(swept)
     report = {"device": torch.cuda.get_device_name(), "compare": comparison, "sweep_shape": SWEPT_SHAPE,
               "sweep": swept}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2))
-    print(f"wrote {args.out}")
+    out = write_result(args.out, "prefill_attention", report)
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import sys
 import time
@@ -39,7 +38,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's engine, not an installed one
 
-from gpu_roofline import measure_copy_bandwidth  # noqa: E402  (this script's folder)
+from harness import add_out_argument, write_result  # noqa: E402  (this script's folder)
+from roofline.floors import measure_copy_bandwidth  # noqa: E402
 
 DTYPE = torch.bfloat16
 ROTATION_BYTES = 512 << 20  # weight copies cycled through by one graph, >> L2
@@ -61,7 +61,7 @@ class LinearShape:
         return self.features * self.depth * DTYPE.itemsize
 
 
-# The 1.5B config (benchmarks/gpu_roofline.py): 20 Mamba layers, 4 attention layers (16 query
+# The 1.5B config (benchmarks/roofline/model.py): 20 Mamba layers, 4 attention layers (16 query
 # heads and 4 KV heads of 128), 24 MLPs of 5632, vocabulary 49152, hidden 2048.
 MODEL_SHAPES = (
     LinearShape("mamba.in_proj", 8512, 2048, 20),
@@ -194,7 +194,7 @@ def print_table(results: list[dict], step: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="benchmarks/results/skinny_gemm.json")
+    add_out_argument(parser, "skinny_gemm")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/skinny_gemm.py needs a CUDA device (torch sees none); "
@@ -216,9 +216,8 @@ def main() -> None:
         "dtype": str(DTYPE), "M": 1, "copy_bandwidth_Bps": copy_bw, "rotation_bytes": ROTATION_BYTES,
         "shapes": results, "decode_step": step, "elapsed_s": time.perf_counter() - started,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2))
-    print(f"\nwrote {args.out} ({report['elapsed_s']:.0f}s)")
+    out = write_result(args.out, "skinny_gemm", report)
+    print(f"\nwrote {out} ({report['elapsed_s']:.0f}s)")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ instruction boundary (the split path); then each tensor_parallel_size gets an LL
 MultiprocessExecutor (one spawned process per GPU, NCCL for the model's collectives, the same
 RankWorker code the Ray actors run; tp=1 also goes through NCCL, at world size 1, and takes
 the instruction checkpoint inside the forward pass (in-pass capture, single-rank CUDA). The model
-is the ~1.5B GraniteMoeHybrid config of gpu_roofline.py with random bf16 weights. Sizes that
+is the ~1.5B GraniteMoeHybrid config of roofline/model.py with random bf16 weights. Sizes that
 need more GPUs than the machine has are listed under "not_run".
 
 Agreement: 20 prompts (4 long instructions x 5 user messages, then a second turn on each
@@ -44,6 +44,8 @@ from engine.llm_engine import LLMEngine
 from engine.multiprocess_executor import MultiprocessExecutor
 from engine.sampling_params import SamplingParams
 from engine.worker import Worker
+from harness import add_out_argument, markdown_table, write_result
+from roofline.model import CONFIG_1P5B, write_random_checkpoint
 
 # NVLink multicast stays off on the shared GPU hosts this runs on (see the device notes); the
 # spawned rank processes inherit these.
@@ -216,17 +218,32 @@ def _all_reduce_rank(rank: int, rendezvous, queue) -> None:
     dist.destroy_process_group()
 
 
+def summary_table(runs: dict[str, dict]) -> str:
+    """One markdown row per run: agreement with the reference, decode and prefill speed."""
+    rows = []
+    for tp, run in runs.items():
+        agreement, decode, prefill = run["agreement"], run["decode"], run["prefill"]
+        bus = run["all_reduce_bus_bytes_per_s"]
+        rows.append([
+            tp, f"{agreement['identical']}/{agreement['requests']}", f"{len(agreement['near_ties'])}",
+            f"{len(agreement['mismatches'])}", f"{decode[0]['tokens_per_s']:.0f}", f"{decode[1]['tokens_per_s']:.0f}",
+            f"{decode[0]['overhead_ms']:.2f}", f"{prefill['cold_prefill_8192_s']:.3f}",
+            f"{prefill['restore_plus_256_s']:.4f}", f"{prefill['speedup_vs_cold_8448']:.1f}",
+            "-" if bus is None else f"{bus / 1e9:.0f}"])
+    return markdown_table(
+        ["tp", "identical", "near-ties", "mismatches", "decode b1 tok/s", "decode b64 tok/s", "overhead b1 ms",
+         "cold 8K s", "restore+256 s", "speedup vs cold 8,448", "all-reduce GB/s"], rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--out", default="benchmarks/results/tp_gpu.json")
+    add_out_argument(parser, "tp_gpu")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny model on CPU (gloo), short prompts: checks the script, not speed")
     args = parser.parse_args()
     for name, value in NVLINK_MULTICAST_OFF.items():
         os.environ.setdefault(name, value)
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from gpu_roofline import CONFIG_1P5B, write_random_checkpoint
 
     sizes = SMOKE_SIZES if args.smoke else Sizes()
     gpus = 4 if args.smoke else torch.cuda.device_count()
@@ -281,25 +298,12 @@ def main() -> None:
             report["runs"][label] = run
             print(f"tp={label}: {json.dumps({k: v for k, v in run.items() if k != 'cached_tokens'}, default=str)}",
                   flush=True)
-    lines = ["| tp | identical | near-ties | mismatches | decode b1 tok/s | decode b64 tok/s | "
-             "overhead b1 ms | cold 8K s | restore+256 s | speedup vs cold 8,448 | all-reduce GB/s |",
-             "|" + "---|" * 11]
-    for tp, run in report["runs"].items():
-        agreement, decode, prefill = run["agreement"], run["decode"], run["prefill"]
-        bus = run["all_reduce_bus_bytes_per_s"]
-        lines.append(
-            f"| {tp} | {agreement['identical']}/{agreement['requests']} | {len(agreement['near_ties'])} | "
-            f"{len(agreement['mismatches'])} | {decode[0]['tokens_per_s']:.0f} | {decode[1]['tokens_per_s']:.0f} | "
-            f"{decode[0]['overhead_ms']:.2f} | {prefill['cold_prefill_8192_s']:.3f} | "
-            f"{prefill['restore_plus_256_s']:.4f} | {prefill['speedup_vs_cold_8448']:.1f} | "
-            f"{'-' if bus is None else f'{bus / 1e9:.0f}'} |")
-    report["table"] = "\n".join(lines)
+    report["table"] = summary_table(report["runs"])
     print(report["table"])
     if report["not_run"]:
         print(f"not run (only {gpus} GPU(s)): tp={report['not_run']}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2, default=str))
-    print(f"wrote {args.out}")
+    out = write_result(args.out, "tp_gpu", report)
+    print(f"wrote {out}")
     bad = [tp for tp, run in report["runs"].items()
            if run["agreement"]["mismatches"] or run["agreement"]["cached_tokens_differ"]]
     sys.exit(1 if bad else 0)

@@ -24,22 +24,19 @@ off. Only steps where every request decodes one token are measured (median over 
 Every rank runs --threads-per-rank torch threads (OMP_NUM_THREADS, set before torch loads and
 inherited by rank processes and Ray workers), so tp=N asks for N times the cores of tp=1; on a
 machine with fewer cores than ranks the model time of tp=N includes waiting for a core.
-Prints a table and writes JSON under benchmarks/results/.
+Prints a table and writes JSON (--out, default benchmarks/results/tp_step_overhead.json).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+from harness import add_out_argument, markdown_table, write_result
 
 
 @dataclass(frozen=True)
@@ -139,14 +136,12 @@ def measure(kind: str, config, batch: int, prompt_ids: list[int], max_tokens: in
 
 
 def table(rows: list[Row]) -> str:
-    lines = ["| executor | tp | batch | step ms | model ms | transport ms | engine ms | overhead ms "
-             "| overhead share | decode tok/s |", "|" + "---|" * 10]
-    for r in rows:
-        lines.append(
-            f"| {r.executor} | {r.tp} | {r.batch} | {r.step_ms:.2f} | {r.model_ms:.2f} | "
-            f"{r.transport_ms:.2f} | {r.engine_ms:.2f} | {r.overhead_ms:.2f} | "
-            f"{r.overhead_ms / r.step_ms:.2f} | {r.decode_tok_s:.0f} |")
-    return "\n".join(lines)
+    return markdown_table(
+        ["executor", "tp", "batch", "step ms", "model ms", "transport ms", "engine ms", "overhead ms",
+         "overhead share", "decode tok/s"],
+        [[r.executor, f"{r.tp}", f"{r.batch}", f"{r.step_ms:.2f}", f"{r.model_ms:.2f}", f"{r.transport_ms:.2f}",
+          f"{r.engine_ms:.2f}", f"{r.overhead_ms:.2f}", f"{r.overhead_ms / r.step_ms:.2f}", f"{r.decode_tok_s:.0f}"]
+         for r in rows])
 
 
 def parse_args() -> argparse.Namespace:
@@ -162,7 +157,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--model-dir", default=None)
     p.add_argument("--threads-per-rank", type=int, default=1)
     p.add_argument("--ray-cpus", type=int, default=4, help="logical CPUs given to ray.init")
-    p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/...)")
+    add_out_argument(p, "tp_step_overhead")
     return p.parse_args()
 
 
@@ -206,17 +201,12 @@ def main() -> None:
     print(f"\nmodel {config.model_dir}, device {args.device} {args.dtype}, prompt "
           f"{args.prompt_tokens} tokens, {args.max_tokens} output tokens\n")
     print(report)
-    out = Path(args.out) if args.out else RESULTS_DIR / f"tp_step_overhead_{time.strftime('%Y%m%d_%H%M%S')}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
-        "benchmark": "tp_step_overhead",
-        "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
-                    "python": platform.python_version()},
+    out = write_result(args.out, "tp_step_overhead", {
         "args": vars(args),
         "rows": [{**asdict(r), "overhead_ms": r.overhead_ms, "decode_tok_s": r.decode_tok_s}
                  for r in rows],
         "table": report,
-    }, indent=2))
+    })
     print(f"\nwrote {out}")
 
 

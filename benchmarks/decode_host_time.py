@@ -1,31 +1,28 @@
 """Where the host's time goes in a batch-1 decode step replayed from a CUDA graph.
 
-On the ~1.5B config of benchmarks/gpu_roofline.py (random bf16 weights), one worker with
+On the ~1.5B config of benchmarks/roofline/model.py (random bf16 weights), one worker with
 decode graphs for batch 1, request 0 decoding on from position 0. Rows (medians over STEPS):
 
-  * step: Worker.execute, synchronised before and after (what gpu_roofline's decode row times),
+  * step: Worker.execute, synchronised before and after (gpu_roofline's sync_seconds),
     and its parts on the host, from wrappers around the runner's forward and the sampler:
     before the forward, the forward, between it and sampling, sampling (which waits for the
     GPU: argmax and the read-back), after sampling;
-  * runner: staging, graph.replay() and a synchronisation, and the host time of the first two
-    (each graph copies its own inputs from the staging buffer first);
+  * runner: staging, the staged inputs' host-to-device copy, graph.replay() and a
+    synchronisation, and the host time of the first three;
   * GPU alone: the runner's forward queued behind a GPU sleep, timed by events around it;
   * GPU from idle: the same events without the sleep: the GPU's view of a step that starts
     when the host does.
 
-The first run (results/decode_submission_20261203.json, before the graphs copied their own
-inputs) also replayed the forward captured as two to four graphs cut between decoder layers,
-so that the GPU could start while the host still submitted the rest: 1.325-1.345 ms against
-1.334 ms for one graph. graph.replay() costs 0.014 ms of host time; submission is not where
-the host's time goes, and that experiment is gone from the script.
+Each step is collected before the next is staged (no async scheduling), so the host's work
+shows in the step's wall time; gpu_roofline.py's decode rows time the async step, which hides
+it behind the GPU.
 
-    python benchmarks/decode_submission.py --out benchmarks/results/decode_submission.json
+    python benchmarks/decode_host_time.py --out benchmarks/results/decode_host_time.json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from dataclasses import replace
@@ -36,15 +33,12 @@ import torch
 from engine.config import EngineConfig
 from engine.step_io import SchedulerOutput
 from engine.worker import Worker
-
-from gpu_roofline import _keep_gpu_busy, _sized, chunk, write_random_checkpoint  # noqa: E402
+from gpu_timing import keep_gpu_busy
+from harness import add_out_argument, middle, write_result
+from roofline.model import chunk, sized_config, write_random_checkpoint
 
 STEPS = 40
 BLOCKS_PER_SEQ = 1024  # max_model_len 16,384 / 16: the worker refuses a smaller KV budget
-
-
-def _median(values: list[float]) -> float:
-    return sorted(values)[len(values) // 2]
 
 
 class _Steps:
@@ -91,19 +85,19 @@ def _execute_parts(worker: Worker, steps: _Steps) -> dict[str, float]:
                 values.append(end - start)
     finally:
         del worker.decode_graphs.forward, worker.sampler.sample
-    return {name: _median(values) for name, values in parts.items()}
+    return {name: middle(values) for name, values in parts.items()}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default="benchmarks/results/decode_submission.json")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_out_argument(parser, "decode_host_time")
     args = parser.parse_args()
     report: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "granite-hybrid-1p5b-random"
         write_random_checkpoint(model_dir)
         probe = EngineConfig(model_dir=str(model_dir), dtype="bfloat16", device="cuda")
-        config = _sized(probe, 2, BLOCKS_PER_SEQ)
+        config = sized_config(probe, 2, BLOCKS_PER_SEQ)
         worker = Worker(replace(config, max_num_batched_tokens=32))  # no prefill graphs
         runner = worker.decode_graphs
         steps = _Steps()
@@ -117,7 +111,7 @@ def main() -> None:
             worker.execute(out)
             torch.cuda.synchronize()
             wall.append(time.perf_counter() - t0)
-        rows["step: Worker.execute"] = _median(wall)
+        rows["step: Worker.execute"] = middle(wall)
         rows.update(_execute_parts(worker, steps))
 
         graph = runner._graphs[1]
@@ -139,7 +133,7 @@ def main() -> None:
             t4 = time.perf_counter()
             for name, value in zip(parts, (t4 - t0, t1 - t0, t2 - t1, t3 - t2)):
                 parts[name].append(value)
-        rows.update({name: _median(values) for name, values in parts.items()})
+        rows.update({name: middle(values) for name, values in parts.items()})
 
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         for name, busy in (("GPU alone (behind a sleep)", True), ("GPU from idle", False)):
@@ -148,20 +142,20 @@ def main() -> None:
                 step = steps.next()
                 torch.cuda.synchronize()
                 if busy:
-                    _keep_gpu_busy()
+                    keep_gpu_busy()
                 start.record()
                 runner.forward(step)
                 end.record()
                 torch.cuda.synchronize()
                 times.append(start.elapsed_time(end) / 1e3)
-            rows[name] = _median(times)
+            rows[name] = middle(times)
 
     report["rows_s"] = rows
     width = max(len(n) for n in rows)
     for name, seconds in rows.items():
         print(f"{name:<{width}}  {seconds * 1e3:8.3f} ms")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2))
+    out = write_result(args.out, "decode_host_time", report)
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -1,17 +1,19 @@
-"""Checkpoint rows of the GPU roofline benchmark (issue 5 item 4), driving engine.worker.Worker
-in process with hand-built SchedulerOutputs, the way the scheduler would:
+"""The prefill rows of the GPU roofline, driving engine.worker.Worker in process with
+hand-built SchedulerOutputs, the way the scheduler would:
 
+  * cold prefill of `prefix` tokens (time to first token) vs its matmul FLOPs at the matmul rate;
   * capture and restore of the bundle of a `prefix`-token prefix (recurrent state of every Mamba
     layer, attention tail, hidden row): time, and restore as a share of the cold prefill of
     `prefix` tokens it replaces;
   * restore of that instruction checkpoint + prefill of a `suffix`-token user message (time to
-    first token) vs the cold prefill of all prefix + suffix tokens: the speed-up (target 15x),
-    with the two first tokens' logits compared;
+    first token) vs the cold prefill of all prefix + suffix tokens: the speed-up, with the two
+    first tokens' logits compared; with the prefill CUDA graphs (engine/prefill_graphs.py) and
+    the same step eagerly;
   * the cold prefix + suffix prefill that also captures the checkpoint at `prefix`, as a ratio
-    to the same prefill without capture: the split path (what the scheduler does today: the
-    chunk is cut at the boundary, two worker steps, the CaptureOp taken at the start of the
-    second) and, on CUDA, the in-pass path (one uncut step, CaptureOp.in_pass), with the
-    in-pass bundle's relative difference from the split one.
+    to the same prefill without capture: the split path (the chunk cut at the boundary, two
+    worker steps, the CaptureOp taken at the start of the second) and, on CUDA, the in-pass
+    path (one uncut step, CaptureOp.in_pass), with the in-pass bundle's relative difference
+    from the split one.
 
 On CUDA the restore + prefill row and the in-pass row (with the same step without capture)
 also list where the host waited for the device while one such step ran
@@ -20,24 +22,59 @@ prefill row also gives its step's timeline (step_timeline): when the host and th
 the restore, the prefill graph's replay and the end of the step, and where submit's host time
 goes (submit_profile).
 
-Time to first token is the time to the sampled token on the host: no timed step asks for a
-logits row (SamplingParams.return_logits, a copy of the row that serving a token does not
-make). The logits compared come from one more, untimed run of each of the two steps.
+Time to first token is the time to the sampled token on the host, as serving it takes: no
+timed step asks for a logits row (SamplingParams.return_logits, a copy of the row to the host
+that serving does not make). The logits compared come from one more, untimed run of each of
+the two steps.
 
-Requests 0 and 1 (state slots 0 and 1, blocks [r * blocks_per_seq, (r + 1) * blocks_per_seq))
-are used; the caller reuses them afterwards (every later chunk resets its state).
+checkpoint_rows uses requests 0 and 1 (state slots 0 and 1, blocks [r * blocks_per_seq,
+(r + 1) * blocks_per_seq)); the caller reuses them afterwards (every later chunk resets its
+state).
 """
 
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import torch
 
 from engine.sampling_params import SamplingParams
 from engine.step_io import CaptureOp, RestoreOp, ScheduledChunk, SchedulerOutput
 from engine.worker import Worker
+from roofline.floors import (CAPTURE_OVERHEAD_TARGET, COLD_PREFILL_TARGET, RESTORE_SPEEDUP_TARGET,
+                             prefill_flops)
+from roofline.instruments import (host_synchronisations, profile_step, step_timeline, submit_profile,
+                                  synchronize)
+from roofline.model import CONFIG_1P5B, chunk
+
+
+def cold_prefill_row(worker: Worker, num_tokens: int, blocks_per_seq: int, matmul_rate: float,
+                     params_body: int) -> dict:
+    """The cold prefill of num_tokens on request 0 against its matmul FLOPs at matmul_rate
+    (params_body: the parameters outside the embedding)."""
+    ttft, prefill_profile = bench_prefill(worker, num_tokens, slot=0, blocks_per_seq=blocks_per_seq)
+    flops = prefill_flops(CONFIG_1P5B, params_body, num_tokens)
+    floor = flops / matmul_rate
+    return {"name": f"cold prefill {num_tokens} (TTFT)", "seconds": ttft,
+            "floor_seconds": floor, "ratio_to_floor": floor / ttft, "flops": flops,
+            "tokens_per_s": num_tokens / ttft, "target": COLD_PREFILL_TARGET, "profile": prefill_profile}
+
+
+def bench_prefill(worker: Worker, num_tokens: int, slot: int, blocks_per_seq: int, repeats: int = 3) -> tuple[float, dict]:
+    """Seconds for one cold prefill step of num_tokens (sampling included), best of repeats, and
+    the profile of one more such step."""
+    tokens = torch.randint(2, 49152, (num_tokens,)).tolist()
+    step = SchedulerOutput((chunk(slot, tokens, 0, blocks_per_seq, True),))
+    worker.execute(step)  # compile / autotune
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        worker.execute(step)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return min(times), profile_step(worker, step)
+
 
 
 def _chunk(request: int, tokens: list[int], start: int, table: tuple[int, ...], reset: bool,
@@ -52,123 +89,12 @@ def _chunk(request: int, tokens: list[int], start: int, table: tuple[int, ...], 
 
 def _timed(worker: Worker, steps: list[SchedulerOutput]):
     """Seconds to run the steps back to back (synchronised at both ends), and the last output."""
-    _sync(worker)
+    synchronize(worker)
     t0 = time.perf_counter()
     for step in steps:
         out = worker.execute(step)
-    _sync(worker)
+    synchronize(worker)
     return time.perf_counter() - t0, out
-
-
-def _sync(worker: Worker) -> None:
-    if worker.device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def host_synchronisations(worker: Worker, step: SchedulerOutput) -> dict[str, int]:
-    """Where the host waits for the device while the worker runs `step` once (CUDA): torch's
-    sync debug mode warns at every synchronising call (a blocking copy, a copy from pageable
-    memory, an .item(), a stream synchronise); returns "file:line: message" -> count. The
-    read-back of the sampled token at the end of the step is one of them by design."""
-    import warnings
-
-    _sync(worker)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            worker.execute(step)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    counts: dict[str, int] = {}
-    for w in caught:
-        if str(w.message).startswith("Synchronization debug mode is a prototype"):
-            continue  # the mode's notice about itself, not a synchronisation
-        key = f"{w.filename}:{w.lineno}: {str(w.message).splitlines()[0][:120]}"
-        counts[key] = counts.get(key, 0) + 1
-    return counts
-
-
-def step_timeline(worker: Worker, step: SchedulerOutput, repeats: int = 5) -> dict[str, dict[str, float]]:
-    """When the host reaches each point of a restore + prefill-graph step, and when the GPU
-    passes it, in ms from the step's start (CUDA; the median of `repeats` runs of `step`).
-
-    The points: the restore called and returned, the prefill graph's replay called and
-    returned, submit returned, collect returned (host only). At each the host's clock is read
-    and a CUDA event recorded; the GPU starts idle, so an event's time is when the GPU had
-    finished everything launched before it: where it equals the host's, the GPU was waiting for
-    the host. The worker's restore and graph forward are wrapped for the duration (this
-    benchmark's instrument; the worker's code is unchanged)."""
-    import statistics
-
-    marks: list[tuple[str, float, torch.cuda.Event]] = []
-
-    def mark(point: str) -> None:
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        marks.append((point, time.perf_counter(), event))
-
-    def wrapped(owner, name: str):
-        original = getattr(owner, name)
-
-        def call(*args, **kwargs):
-            mark(f"{name} called")
-            result = original(*args, **kwargs)
-            mark(f"{name} returned")
-            return result
-        return original, call
-
-    store, graphs = worker.checkpoints, worker.prefill_graphs
-    restore, timed_restore = wrapped(store, "restore")
-    forward, timed_forward = wrapped(graphs, "forward")
-    store.restore, graphs.forward = timed_restore, timed_forward
-    runs: list[dict[str, tuple[float, float | None]]] = []
-    try:
-        for _ in range(repeats):
-            marks.clear()
-            _sync(worker)
-            mark("start")
-            worker.submit(step)
-            mark("submit returned")
-            worker.collect()
-            collected = time.perf_counter()
-            torch.cuda.synchronize()
-            _, host0, event0 = marks[0]
-            run = {point: ((host - host0) * 1e3, event0.elapsed_time(event)) for point, host, event in marks}
-            run["collect returned"] = ((collected - host0) * 1e3, None)
-            runs.append(run)
-    finally:
-        del store.restore, graphs.forward  # the instance attributes: back to the methods
-    assert store.restore == restore and graphs.forward == forward
-    return {
-        point: {"host_ms": statistics.median(r[point][0] for r in runs),
-                **({} if runs[0][point][1] is None else {"gpu_ms": statistics.median(r[point][1] for r in runs)})}
-        for point in runs[0]
-    }
-
-
-def submit_profile(worker: Worker, step: SchedulerOutput, repeats: int = 5, top: int = 25) -> list[str]:
-    """cProfile of the worker's submit of `step` (not its collect) over `repeats` runs: the
-    functions by cumulative host time, in microseconds a run, which shows what the host does
-    before and after it launches the step's GPU work."""
-    import cProfile
-    import pstats
-
-    profiler = cProfile.Profile()
-    for _ in range(repeats):
-        _sync(worker)
-        profiler.enable()
-        worker.submit(step)
-        profiler.disable()
-        worker.collect()
-    stats = pstats.Stats(profiler).stats  # (file, line, function) -> (calls, ncalls, own, cumulative, callers)
-    ranked = sorted(stats.items(), key=lambda item: -item[1][3])[:top]
-    lines = [f"submit only, per run of {repeats} (cProfile):",
-             f"{'cumulative us':>14}{'own us':>9}{'calls':>7}  function"]
-    for (file, line, function), (_, calls, own, cumulative, _) in ranked:
-        where = f"{Path(file).name}:{line}({function})" if line else function
-        lines.append(f"{cumulative / repeats * 1e6:>14.1f}{own / repeats * 1e6:>9.1f}{calls / repeats:>7.0f}  {where}")
-    return lines
 
 
 def checkpoint_rows(worker: Worker, blocks_per_seq: int, block_size: int, prefix: int = 8192,
@@ -288,7 +214,7 @@ def checkpoint_rows(worker: Worker, blocks_per_seq: int, block_size: int, prefix
          "floor_seconds": cold_prefix_s, "ratio_to_floor": restore_s / cold_prefix_s,
          "ratio_meaning": "share of the cold prefill it saves", "bundle_bytes": nbytes},
         {"name": f"restore {prefix} + prefill {suffix} (TTFT)", "seconds": hit_s,
-         "floor_seconds": cold_s, "ratio_to_floor": cold_s / hit_s, "target": 15.0,
+         "floor_seconds": cold_s, "ratio_to_floor": cold_s / hit_s, "target": RESTORE_SPEEDUP_TARGET,
          "ratio_meaning": f"speed-up over the cold {total}-token prefill",
          "first_token_agrees_with_cold": agree, "logits_relative_error_vs_cold": logits_error,
          "host_synchronisations": hit_syncs, "timeline": hit_timeline,
@@ -302,12 +228,13 @@ def checkpoint_rows(worker: Worker, blocks_per_seq: int, block_size: int, prefix
         {"name": f"cold prefill {total} (TTFT)", "seconds": cold_s, "floor_seconds": cold_s,
          "ratio_to_floor": 1.0, "ratio_meaning": "the baseline of the rows around it"},
         {"name": f"cold {total} + capture at {prefix}, split", "seconds": split_s,
-         "floor_seconds": cold_s, "ratio_to_floor": split_s / cold_s, "target": 1.03,
+         "floor_seconds": cold_s, "ratio_to_floor": split_s / cold_s, "target": CAPTURE_OVERHEAD_TARGET,
          "ratio_meaning": f"time over the cold {total}-token prefill without capture (<= target)"},
     ] + ([] if in_pass_s is None else [
         {"name": f"cold {total} + capture at {prefix}, in-pass", "seconds": in_pass_s,
-         "floor_seconds": cold_s, "ratio_to_floor": in_pass_s / cold_s, "target": 1.03,
+         "floor_seconds": cold_s, "ratio_to_floor": in_pass_s / cold_s, "target": CAPTURE_OVERHEAD_TARGET,
          "ratio_meaning": f"time over the cold {total}-token prefill without capture (<= target)",
          "bundle_relative_error_vs_split": in_pass_error, "host_synchronisations": in_pass_syncs,
          **({"profile": in_pass_profile} if in_pass_profile else {})},
     ])
+
