@@ -36,6 +36,7 @@ import torch
 from deployments.protocol import ChatMessage
 from deployments.renderer import RenderedPrompt, render_chat
 from engine.config import DEFAULT_MODEL_DIR, EngineConfig
+from engine.generation_request import GenerationRequest
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from harness import add_out_argument, write_result
@@ -98,8 +99,8 @@ def run_setting(slots: tuple[str, ...], workload, args) -> tuple[SettingResult, 
         checkpoint_slots=slots, checkpoint_cache_bytes=args.checkpoint_cache_bytes))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     warmup = workload[0][1]
-    engine.add_request("warmup", warmup.token_ids, params, cache_salt="warmup",
-                       instruction_boundary=warmup.instruction_boundary)
+    engine.add_request(GenerationRequest("warmup", warmup.token_ids, params, cache_salt="warmup",
+                                         instruction_boundary=warmup.instruction_boundary))
     while engine.has_unfinished_requests():
         engine.step()
     before = engine.stats().scheduler
@@ -111,8 +112,8 @@ def run_setting(slots: tuple[str, ...], workload, args) -> tuple[SettingResult, 
             shareable += prompt.instruction_boundary
         seen.add(s)
         t0 = time.perf_counter()
-        engine.add_request(f"r{r}", prompt.token_ids, params,
-                           instruction_boundary=prompt.instruction_boundary)
+        engine.add_request(GenerationRequest(f"r{r}", prompt.token_ids, params,
+                                             instruction_boundary=prompt.instruction_boundary))
         tokens, first = [], None
         while engine.has_unfinished_requests():
             for out in engine.step():

@@ -8,9 +8,10 @@ other (never two at once, so they do not compete for cores):
 
   in-process  AsyncLLMEngine(LLMEngine(config)) on this event loop: the engine's own cost.
   actor       the same engine stepping a Ray rank actor through RayWorkerExecutor (one actor
-              call per step): the cost of the per-step Ray round trip alone.
-  http        the Serve application (ingress -> renderer -> LLM server -> scheduler actor ->
-              worker actor), driven over HTTP with streamed /v1/completions.
+              call per step), as the LLM server replica does: the cost of that hop alone.
+  http        the Serve application (HTTP proxy -> ingress -> renderer, then LLM server replica
+              with the step loop -> worker actor), driven over HTTP with streamed
+              /v1/completions.
 
 Every request sends the same prompt token ids, decodes greedily with ignore_eos, and produces
 exactly --max-tokens tokens. TTFT: request start to first token (first SSE chunk on HTTP).
@@ -31,7 +32,7 @@ import json
 import statistics
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from harness import add_out_argument, write_result
 
@@ -80,13 +81,14 @@ def summarize(path: str, concurrency: int, timings: list[RequestTiming], wall_s:
 
 
 async def time_in_process(engine, prompt_ids: list[int], max_tokens: int) -> RequestTiming:
+    from engine.generation_request import GenerationRequest
     from engine.sampling_params import SamplingParams
 
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     start = time.perf_counter()
     first = last = None
     num_tokens = 0
-    async for out in engine.generate(uuid.uuid4().hex, prompt_ids, sampling):
+    async for out in engine.generate(GenerationRequest(uuid.uuid4().hex, prompt_ids, sampling)):
         now = time.perf_counter() - start
         first = now if first is None else first
         last = now
@@ -149,7 +151,7 @@ def bench_in_process(config, prompt_ids, args) -> list[LevelResult]:
     from engine.llm_engine import LLMEngine
 
     torch.set_num_threads(max(1, int(args.worker_num_cpus)))
-    engine = AsyncLLMEngine(LLMEngine(config.engine_config()))
+    engine = AsyncLLMEngine(LLMEngine(config.engine))
     return bench_engine("in-process", engine, prompt_ids, args)
 
 
@@ -159,10 +161,9 @@ def bench_worker_actor(config, prompt_ids, args) -> list[LevelResult]:
     from engine.async_engine import AsyncLLMEngine
     from engine.llm_engine import LLMEngine
 
-    group = asyncio.run(WorkerGroup.start(config.engine_config(), config.worker_num_cpus))
+    group = asyncio.run(WorkerGroup.start(config.engine, config.worker_num_cpus))
     try:
-        engine = AsyncLLMEngine(LLMEngine(config.engine_config(),
-                                          executor=RayWorkerExecutor(group.ranks)))
+        engine = AsyncLLMEngine(LLMEngine(config.engine, executor=RayWorkerExecutor(group.ranks)))
         return bench_engine("actor", engine, prompt_ids, args)
     finally:
         group.shutdown()
@@ -245,17 +246,17 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from deployments.config import AppConfig
+    from engine.config import EngineConfig
 
     # Every request sends the same prompt: with checkpoints on, all but the first would restore
     # it and skip prefill, so this benchmark (the cost of the serving path) turns them off;
     # benchmarks/checkpoint_reuse.py measures what checkpoints save.
-    fields = {"max_model_len": 1024, "max_num_seqs": max(16, max(args.concurrency)),
-              "max_num_batched_tokens": 512, "worker_num_cpus": args.worker_num_cpus,
-              "checkpoint_slots": []}
+    engine = EngineConfig(max_model_len=1024, max_num_seqs=max(16, max(args.concurrency)),
+                          max_num_batched_tokens=512, checkpoint_slots=())
     if args.model_dir:
-        fields["model_dir"] = args.model_dir
-    config = AppConfig(**fields)
-    tokenizer = AutoTokenizer.from_pretrained(config.model_dir)
+        engine = replace(engine, model_dir=args.model_dir)
+    config = AppConfig(engine=engine, worker_num_cpus=args.worker_num_cpus)
+    tokenizer = AutoTokenizer.from_pretrained(config.engine.model_dir)
     prompt_ids = tokenizer.encode(PROMPT * args.prompt_repeats, add_special_tokens=False)
 
     import ray
@@ -270,7 +271,7 @@ def main() -> None:
         ray.shutdown()
     ratios = overheads(in_process, actor) + overheads(in_process, http)
     report = table(in_process + actor + http, ratios)
-    print(f"\nmodel {config.model_dir}, prompt {len(prompt_ids)} tokens, {args.max_tokens} output "
+    print(f"\nmodel {config.engine.model_dir}, prompt {len(prompt_ids)} tokens, {args.max_tokens} output "
           f"tokens, {args.rounds} rounds per level, worker threads {int(args.worker_num_cpus)}\n")
     print(report)
 

@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from engine.config import DEFAULT_MODEL_DIR, EngineConfig
+from engine.generation_request import GenerationRequest
 from engine.llm_engine import LLMEngine
 from engine.multiprocess_executor import MultiprocessExecutor
 from engine.sampling_params import SamplingParams
@@ -80,7 +81,8 @@ def run_to_completion(engine: LLMEngine, requests: dict[str, tuple[list[int], in
     """Add all requests, step until done; per request: tokens, cached tokens, logits rows,
     and the time from the first step to its first token."""
     for request_id, (prompt, boundary) in requests.items():
-        engine.add_request(request_id, prompt, params, cache_salt=salt, instruction_boundary=boundary)
+        engine.add_request(GenerationRequest(request_id, prompt, params, cache_salt=salt,
+                                             instruction_boundary=boundary))
     results = {rid: {"tokens": [], "logits": [], "cached": 0, "ttft_s": None} for rid in requests}
     started = time.perf_counter()
     while engine.has_unfinished_requests():
@@ -144,7 +146,7 @@ def decode_speed(engine: LLMEngine, batch: int, vocab: int, context: int) -> dic
     generator = torch.Generator().manual_seed(100 + batch)
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     for i in range(batch):
-        engine.add_request(f"d{batch}-{i}", random_ids(generator, context, vocab), params)
+        engine.add_request(GenerationRequest(f"d{batch}-{i}", random_ids(generator, context, vocab), params))
     walls, models = [], []
     while engine.has_unfinished_requests():
         started = time.perf_counter()

@@ -100,6 +100,7 @@ def make_executor(kind: str, config):
 
 
 def measure(kind: str, config, batch: int, prompt_ids: list[int], max_tokens: int) -> Row:
+    from engine.generation_request import GenerationRequest
     from engine.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams
 
@@ -109,7 +110,7 @@ def measure(kind: str, config, batch: int, prompt_ids: list[int], max_tokens: in
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
         for i in range(batch):
-            engine.add_request(f"r{i}", prompt_ids, params)
+            engine.add_request(GenerationRequest(f"r{i}", prompt_ids, params))
         steps, models, executes = [], [], []
         while engine.has_unfinished_requests():
             started = time.perf_counter()

@@ -1,6 +1,6 @@
 """What the scheduler-side cache knows about each checkpoint bundle (pure Python).
 
-A bundle is the saved state of one request at one token position (DESIGN.md section 2). The tensors
+A bundle is the saved state of one request at one token position (docs/design.md section 2). The tensors
 (conv and SSM states, attention tail, hidden row) live in the workers under the bundle id; the
 ledger records what the scheduler needs to decide about them: namespace, token ids, kind, bytes
 held, the full KV blocks referenced, pins and recency.

@@ -2,7 +2,7 @@
 
     OpenAIIngress (HTTP + handle API)
       -> Renderer   (chat template, tokenizer)
-      -> LLMServer  (scheduler actor + one worker actor per tensor-parallel rank)
+      -> LLMServer  (the engine's step loop + one worker actor per tensor-parallel rank)
 
 `build_app(args)` validates the args (unknown keys rejected, see deployments.config) and
 returns the bound Application; `serve.run(build_app({...}))` runs it from Python.
@@ -22,12 +22,12 @@ from engine.tensor_parallel import TensorParallel
 
 
 def check_model_splits(config: AppConfig) -> None:
-    """Raise ValueError if the engine refuses the config or the model's head counts cannot be
-    split (or replicated) tensor_parallel_size ways, naming the count."""
-    engine_config = config.engine_config()
-    model_config = load_model_config(engine_config.model_dir)
-    for rank in range(engine_config.tensor_parallel_size):
-        rank_shard_layout(model_config, TensorParallel(rank, engine_config.tensor_parallel_size))
+    """Raise ValueError if the model's head counts cannot be split (or replicated)
+    tensor_parallel_size ways, naming the count."""
+    world_size = config.engine.tensor_parallel_size
+    model_config = load_model_config(config.engine.model_dir)
+    for rank in range(world_size):
+        rank_shard_layout(model_config, TensorParallel(rank, world_size))
 
 
 def build_app(args: dict) -> Application:
@@ -36,11 +36,11 @@ def build_app(args: dict) -> Application:
     Raises ValueError naming every unknown or invalid key.
     """
     config: AppConfig = parse_app_config(args)
-    check_model_splits(config)  # fail at build time on values the engine refuses
+    check_model_splits(config)  # fail at build time, not when the replica starts
     serve_options = {"max_ongoing_requests": config.max_ongoing_requests}
     renderer = Renderer.options(
         ray_actor_options={"num_cpus": config.renderer_num_cpus}, **serve_options
-    ).bind(config.model_dir)
+    ).bind(config.engine.model_dir)
     llm_server = LLMServer.options(
         ray_actor_options={"num_cpus": config.llm_server_num_cpus},
         health_check_period_s=config.health_check_period_s, **serve_options

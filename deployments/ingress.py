@@ -10,11 +10,12 @@ Handle: `serve.get_app_handle(name)` returns a handle to this deployment; call t
         ...                                   # ChatCompletionChunk objects
     (likewise completions / completions_stream, models, pool_usage, engine_stats)
 
-Each request: check the model name -> render (renderer deployment) -> SamplingParams ->
-stream RequestOutputs from the LLM server -> OpenAI objects. Streams are cancelled when the
+Each request: check the model name -> render (renderer deployment) -> one GenerationRequest
+(engine/generation_request.py) -> stream RequestOutputs from the LLM server -> OpenAI objects. Streams are cancelled when the
 consumer goes away, which aborts the request in the engine.
 """
 
+import time
 from collections.abc import AsyncGenerator, AsyncIterator
 
 from fastapi import FastAPI
@@ -51,8 +52,8 @@ from deployments.protocol import (
 from deployments.llm_server import ModelInfo
 from deployments.metrics import AppMetrics
 from deployments.renderer import RenderedPrompt
+from engine.generation_request import GenerationRequest
 from engine.llm_engine import EngineStats, PoolUsage, RequestOutput
-from engine.sampling_params import SamplingParams
 
 _Started = tuple[ResponseMeta, AsyncGenerator[RequestOutput, None]]
 
@@ -163,41 +164,56 @@ class OpenAIIngress:
     # ----- one code path for both APIs
 
     async def _start_chat(self, request: ChatCompletionRequest) -> _Started:
+        arrival_time = time.time()
         self._check_model(request.model)
         try:
             prompt: RenderedPrompt = await self._renderer.render_chat.remote(request.messages)
         except Exception as exc:
             raise as_api_error(exc) from None
         self._metrics.count_boundary_rejection(prompt.boundary_rejection)
-        return self._start(new_request_id("chatcmpl"), prompt, request, request.requested_max_tokens())
+        return self._start(new_request_id("chatcmpl"), prompt, request,
+                           request.requested_max_tokens(), arrival_time)
 
     async def _start_completion(self, request: CompletionRequest) -> _Started:
+        arrival_time = time.time()
         self._check_model(request.model)
         try:
             prompt: RenderedPrompt = await self._renderer.tokenize_prompt.remote(request.prompt)
         except Exception as exc:
             raise as_api_error(exc) from None
-        return self._start(new_request_id("cmpl"), prompt, request, request.requested_max_tokens())
+        return self._start(new_request_id("cmpl"), prompt, request,
+                           request.requested_max_tokens(), arrival_time)
 
     def _start(
-        self, request_id: str, prompt: RenderedPrompt, request: SamplingFields, max_tokens: int | None
+        self, request_id: str, prompt: RenderedPrompt, fields: SamplingFields,
+        max_tokens: int | None, arrival_time: float,
     ) -> _Started:
-        """Validate sampling against the context and open (lazily) the LLM server stream."""
-        sampling = to_sampling_params(request, max_tokens, len(prompt.token_ids),
+        """Validate sampling against the context, build the engine's GenerationRequest and
+        open (lazily) the LLM server stream."""
+        sampling = to_sampling_params(fields, max_tokens, len(prompt.token_ids),
                                       self._info.max_model_len)
+        request = GenerationRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt.token_ids,
+            sampling=sampling,
+            instruction_boundary=prompt.instruction_boundary,
+            cache_salt=fields.cache_salt,
+            arrival_time=arrival_time,
+        )
         meta = ResponseMeta(id=request_id, created=now(), model=self._model_name)
-        return meta, self._generate(request_id, prompt, sampling, request.cache_salt)
+        return meta, self._generate(request)
 
-    async def _generate(
-        self, request_id: str, prompt: RenderedPrompt, sampling: SamplingParams,
-        cache_salt: str | None,
-    ) -> AsyncGenerator[RequestOutput, None]:
-        """The LLM server's stream; cancelled (request aborted) if not drained to the end."""
-        stream = self._llm.options(stream=True).generate.remote(
-            request_id, prompt.token_ids, sampling, cache_salt, prompt.instruction_boundary)
+    async def _generate(self, request: GenerationRequest) -> AsyncGenerator[RequestOutput, None]:
+        """The LLM server's stream; cancelled (request aborted) if not drained to the end.
+        Observes the time to first token from request.arrival_time."""
+        stream = self._llm.options(stream=True).generate.remote(request)
         finished = False
+        first = True
         try:
             async for out in stream:
+                if first:
+                    self._metrics.observe_time_to_first_token(time.time() - request.arrival_time)
+                    first = False
                 finished = out.finished
                 raise_if_failed(out)
                 yield out

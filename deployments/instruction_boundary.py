@@ -1,4 +1,4 @@
-"""The verified instruction boundary (DESIGN.md section 3): where the leading system and
+"""The verified instruction boundary (docs/design.md section 3): where the leading system and
 developer messages end in the rendered prompt, or no boundary at all.
 
 A wrong boundary would silently corrupt answers (a checkpoint restored at the wrong token), so

@@ -1,22 +1,23 @@
-"""LLM server deployment and the two Ray actors it owns.
+"""LLM server deployment: one model replica, which runs the engine's step loop itself.
 
-    LLMServer (Serve replica)         streams RequestOutputs to the ingress, aborts on disconnect
-      -> SchedulerActor (Ray actor)   AsyncLLMEngine: queues, block pool, state pool, step loop
-           -> rank actors             deployments.worker_group: one RankWorker per tensor-parallel
-                                      rank in a placement group (model shard and its caches)
+    LLMServer (Serve replica)   AsyncLLMEngine: queues, block pool, state pool, step loop (a
+                                thread of this replica); streams RequestOutputs to the ingress
+                                and aborts a request whose stream is closed
+      -> rank actors            deployments.worker_group: one RankWorker per tensor-parallel
+                                rank in a placement group (model shard and its caches)
 
-The scheduler reaches the ranks through RayWorkerExecutor: one actor call to rank 0 per step,
-which broadcasts the step to the other ranks (engine/rank_worker.py).
+The engine reaches the ranks through RayWorkerExecutor: one actor call to rank 0 per step,
+which broadcasts the step to the other ranks (engine/rank_worker.py). Why the step loop lives
+in the replica and not in an actor of its own: docs/design.md section 6.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, replace
 
-import ray
 from ray import serve
 from ray.actor import ActorHandle
 
@@ -24,16 +25,12 @@ from deployments.config import AppConfig
 from deployments.errors import as_api_error
 from deployments.worker_group import RayWorkerExecutor, WorkerGroup
 from engine.async_engine import AsyncLLMEngine
-from engine.config import EngineConfig
+from engine.generation_request import GenerationRequest
 from engine.llm_engine import EngineStats, LLMEngine, PoolUsage, RequestOutput
-from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("ray.serve")
 
 HEALTH_CHECK_TIMEOUT_S = 20.0
-# Outputs the scheduler actor may stream ahead of this replica; beyond that it waits and
-# coalesces (see `coalesce`), so a lagging consumer receives fewer, larger deltas.
-STREAM_BACKPRESSURE_OBJECTS = 2
 
 
 def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
@@ -91,52 +88,60 @@ class ModelInfo:
     model_dir: str
 
 
-@ray.remote
-class SchedulerActor:
-    """Runs AsyncLLMEngine (step loop in a background thread) over the rank actors.
+async def replica_health(engine: AsyncLLMEngine, executor: RayWorkerExecutor) -> None:
+    """Raise if the step loop or the executor died (a rank failed mid-step), a rank actor is
+    gone (RayActorError), one does not answer, or a step has stalled (TimeoutError)."""
+    if not engine.is_alive():
+        raise RuntimeError("the engine step loop or its executor is not running")
+    await executor.check_health(HEALTH_CHECK_TIMEOUT_S / 2)
 
-    Async actor: each `generate` call is a streaming generator running concurrently with the
-    others on the actor's event loop. Closing or cancelling the stream aborts the request in
-    the engine, which frees its KV blocks and state slot.
+
+@serve.deployment
+class LLMServer:
+    """One model replica: starts its rank actors, runs the engine over them, streams generations.
+
+    The rank actors and their placement group are owned by this replica, so they go with it;
+    `check_health` fails when the step loop or any rank is dead or stuck, and Serve then
+    replaces the replica.
     """
 
-    def __init__(self, config: EngineConfig, ranks: list[ActorHandle]) -> None:
-        self._executor = RayWorkerExecutor(ranks)
-        engine = LLMEngine(config, executor=self._executor)
-        self._info = ModelInfo(max_model_len=engine.max_model_len, model_dir=config.model_dir)
+    async def __init__(self, config: AppConfig) -> None:
+        self._workers = await WorkerGroup.start(config.engine, config.worker_num_cpus)
+        self._executor = RayWorkerExecutor(self._workers.ranks)
+        try:
+            # loading the tokenizer and sizing the caches blocks: keep the event loop free
+            engine = await asyncio.to_thread(LLMEngine, config.engine, self._executor)
+        except BaseException:
+            self._workers.shutdown()
+            raise
+        self._info = ModelInfo(max_model_len=engine.max_model_len, model_dir=config.engine.model_dir)
         self._engine = AsyncLLMEngine(engine)
         self._num_aborted = 0
 
     def model_info(self) -> ModelInfo:
         return self._info
 
-    async def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        sampling: SamplingParams,
-        cache_salt: str | None = None,
-        instruction_boundary: int | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's outputs; the last one has finished=True.
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        """Stream the request's RequestOutputs (call with handle.options(stream=True)); the
+        last one has finished=True. Outputs that pile up while the caller lags are merged
+        (`coalesce`).
 
-        Raises InvalidRequestError (first item) when the engine refuses the request.
+        Raises APIError (400 for requests the engine refuses, 503 once the executor died, 500
+        otherwise). If the caller stops iterating (client disconnect, cancellation) the request
+        is aborted in the engine, which frees its KV blocks and state slot.
         """
-        outputs = self._engine.generate(request_id, prompt_token_ids, sampling,
-                                        cache_salt=cache_salt,
-                                        instruction_boundary=instruction_boundary)
         finished = False
         try:
-            async for out in coalesce(outputs):
+            async for out in coalesce(self._engine.generate(request)):
                 finished = out.finished
                 yield out
+        except (GeneratorExit, asyncio.CancelledError):
+            raise
+        except Exception as exc:
+            raise as_api_error(exc) from None
         finally:
             if not finished:
                 self._num_aborted += 1
-
-    def abort(self, request_id: str) -> None:
-        """Abort a request if it is still running (no-op for unknown or finished ids)."""
-        self._engine.abort(request_id)
 
     def pool_usage(self) -> PoolUsage:
         return self._engine.pool_usage()
@@ -152,79 +157,8 @@ class SchedulerActor:
         return self._num_aborted
 
     async def check_health(self) -> None:
-        """Raise if the step loop died, the executor died (a rank failed mid-step), or a rank
-        actor is gone (RayActorError) or does not answer."""
-        if not self._engine.is_alive():
-            raise RuntimeError("the engine step loop or its executor is not running")
-        await self._executor.check_health(HEALTH_CHECK_TIMEOUT_S / 2)
-
-    def shutdown(self) -> None:
-        self._engine.shutdown()
-
-
-@serve.deployment
-class LLMServer:
-    """One model replica: creates its rank actors and scheduler actor and streams generations.
-
-    The actors and the ranks' placement group are owned by this replica, so they go with it;
-    `check_health` fails when any of them is dead, and Serve then replaces the replica.
-    """
-
-    async def __init__(self, config: AppConfig) -> None:
-        engine_config = config.engine_config()
-        self._workers = await WorkerGroup.start(engine_config, config.worker_num_cpus)
-        self._scheduler = SchedulerActor.options(num_cpus=config.scheduler_num_cpus).remote(
-            engine_config, self._workers.ranks)
-        self._info: ModelInfo = await self._scheduler.model_info.remote()
-
-    def model_info(self) -> ModelInfo:
-        return self._info
-
-    async def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        sampling: SamplingParams,
-        cache_salt: str | None = None,
-        instruction_boundary: int | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Stream the request's RequestOutputs (call with handle.options(stream=True)).
-
-        cache_salt: checkpoints are shared only between requests with the same salt.
-        instruction_boundary: the renderer-verified end of the leading instructions, or None.
-        Raises APIError (400 for requests the engine refuses, 500 otherwise). If the caller
-        stops iterating (client disconnect, cancellation) the request is aborted in the engine.
-        """
-        stream = self._scheduler.generate.options(
-            num_returns="streaming", _generator_backpressure_num_objects=STREAM_BACKPRESSURE_OBJECTS,
-        ).remote(request_id, tuple(prompt_token_ids), sampling, cache_salt, instruction_boundary)
-        finished = False
-        try:
-            async for ref in stream:
-                out: RequestOutput = await ref
-                finished = out.finished
-                yield out
-        except (GeneratorExit, asyncio.CancelledError):
-            raise
-        except Exception as exc:
-            raise as_api_error(exc) from None
-        finally:
-            if not finished:
-                ray.cancel(stream)
-                self._scheduler.abort.remote(request_id)
-
-    async def pool_usage(self) -> PoolUsage:
-        return await self._scheduler.pool_usage.remote()
-
-    async def num_aborted_requests(self) -> int:
-        return await self._scheduler.num_aborted_requests.remote()
-
-    async def engine_stats(self) -> EngineStats:
-        return await self._scheduler.engine_stats.remote()
-
-    async def check_health(self) -> None:
-        """Serve's health probe: raises if the scheduler or a rank actor is dead or stuck."""
-        await asyncio.wait_for(self._scheduler.check_health.remote(), HEALTH_CHECK_TIMEOUT_S)
+        """Serve's health probe (replica_health)."""
+        await replica_health(self._engine, self._executor)
 
     def rank_actors(self) -> list[ActorHandle]:
         """The tensor-parallel rank actors, rank order (for operators and fault tests)."""
@@ -232,7 +166,7 @@ class LLMServer:
 
     def __del__(self) -> None:
         try:
-            ray.kill(self._scheduler)
+            self._engine.shutdown()
             self._workers.shutdown()
         except Exception:  # interpreter shutdown, actors already gone
             pass

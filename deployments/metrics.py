@@ -1,11 +1,12 @@
 """Prometheus metrics of the application, rendered by the ingress at GET /metrics.
 
 Two sources, one exposition:
-- the engine's counters live in the scheduler actor; each scrape fetches one EngineStats
+- the engine's counters live in the LLM server replica; each scrape fetches one EngineStats
   snapshot from the LLM server and EngineStatsCollector turns it into metric families
   (checkpoints by kind and event, prompt tokens restored vs computed, preemptions, bytes held);
-- instruction boundary rejections are counted here, in the ingress, from each chat request's
-  RenderedPrompt.boundary_rejection (so no second fetch from the renderer is needed).
+- measured here, in the ingress: instruction boundary rejections, from each chat request's
+  RenderedPrompt.boundary_rejection (so no second fetch from the renderer is needed), and the
+  time to first token, from the GenerationRequest's arrival_time to its first output.
 
 Limitation: with several replicas, a scrape sees the ingress replica that serves it and the LLM
 server replica its handle call is routed to; the numbers are per replica, not sums. With one
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -25,6 +26,7 @@ from engine.llm_engine import EngineStats
 
 PREFIX = "hybrid_serve"
 CHECKPOINT_EVENTS = ("captured", "hit", "evicted", "deduplicated", "dropped")
+TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 class EngineStatsCollector(Collector):
@@ -64,7 +66,8 @@ class EngineStatsCollector(Collector):
 
 
 class AppMetrics:
-    """The ingress's registry: its own boundary rejection counter plus the engine collector.
+    """The ingress's registry: its boundary rejection counter and time-to-first-token
+    histogram, plus the engine collector.
 
     Not thread safe across scrapes on purpose: the ingress calls `exposition` on its event loop
     with no await between setting the snapshot and rendering it.
@@ -74,16 +77,23 @@ class AppMetrics:
         self.registry = CollectorRegistry(auto_describe=False)
         self.boundary_rejections = Counter(
             f"{PREFIX}_instruction_boundary_rejections",
-            "Chat prompts without an instruction boundary, by reason (DESIGN.md section 3).",
+            "Chat prompts without an instruction boundary, by reason (docs/design.md section 3).",
             ["reason"], registry=self.registry)
         for reason in BoundaryRejection:
             self.boundary_rejections.labels(reason=reason.value)  # export zeros from the start
+        self.time_to_first_token = Histogram(
+            f"{PREFIX}_time_to_first_token_seconds",
+            "From the ingress receiving a request to its first output from the engine.",
+            buckets=TTFT_BUCKETS_S, registry=self.registry)
         self._engine = EngineStatsCollector()
         self.registry.register(self._engine)
 
     def count_boundary_rejection(self, reason: str | None) -> None:
         if reason is not None:
             self.boundary_rejections.labels(reason=reason).inc()
+
+    def observe_time_to_first_token(self, seconds: float) -> None:
+        self.time_to_first_token.observe(max(0.0, seconds))
 
     def exposition(self, stats: EngineStats) -> bytes:
         """The text exposition format of every metric, with `stats` as the engine's numbers."""

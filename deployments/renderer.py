@@ -1,7 +1,7 @@
 """Renderer deployment: chat template + tokenizer, CPU only, scales independently of the model.
 
 It turns API input into the exact token ids the engine will see, and for chat requests the
-verified instruction boundary (DESIGN.md section 3, deployments.instruction_boundary). It never
+verified instruction boundary (docs/design.md section 3, deployments.instruction_boundary). It never
 touches the engine, so prompt counts in `usage` are by construction the ids rendered here.
 """
 

@@ -3,7 +3,9 @@
     WorkerGroup.start(config)        placement group (one bundle per rank, STRICT_PACK: one node),
                                      a rendezvous on a free port of bundle 0's node, and one
                                      RankWorker actor per bundle; ranks 1.. enter follow()
-    RayWorkerExecutor(ranks)         the engine's ModelExecutor inside the scheduler actor: one
+    RankActor                        the RankWorker a Ray actor runs: rank 0 runs steps in the
+                                     order they were submitted
+    RayWorkerExecutor(ranks)         the engine's ModelExecutor inside the LLM server replica: one
                                      actor call to rank 0 per step; health pings every rank
 
 The replica (LLMServer) owns the group, so the actors and the placement group go with it.
@@ -12,6 +14,7 @@ The replica (LLMServer) owns the group, so the actors and the placement group go
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -37,9 +40,10 @@ START_TIMEOUT_S = 900.0
 STEP_STALL_S = 600.0
 # A threaded actor: ranks 1.. sit in follow() while health pings still get answered.
 RANK_ACTOR_CONCURRENCY = 2
-# Rank 0's steps run in a concurrency group of one thread, so a step submitted while the one
-# before runs (async scheduling) cannot run beside it.
+# Rank 0's steps run in a concurrency group with a thread for each step that may be in flight
+# (ModelExecutor: at most two); RankActor.execute_in_order runs them one at a time, in order.
 STEP_GROUP = "steps"
+STEPS_IN_FLIGHT = 2
 
 
 class WorkerGroupStartError(RuntimeError):
@@ -49,6 +53,30 @@ class WorkerGroupStartError(RuntimeError):
 @ray.remote(num_cpus=0)
 def _rendezvous_on_this_node(world_size: int) -> Rendezvous:
     return Rendezvous.on_free_port(ray.util.get_node_ip_address(), world_size)
+
+
+class RankActor(RankWorker):
+    """A RankWorker as a threaded Ray actor. Ray may start two calls of one caller out of order
+    on a threaded actor (each as soon as its arguments have arrived), so rank 0's steps carry
+    their submission index and wait for their turn here: step k+1 can be sent while step k
+    runs, and still runs after it."""
+
+    def __init__(self, config: EngineConfig, rank: int, rendezvous: Rendezvous) -> None:
+        super().__init__(config, rank, rendezvous)
+        self._turn = threading.Condition()
+        self._next_step = 0
+
+    def execute_in_order(self, step_index: int, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        """RankWorker.execute, once every step with a lower index has run; indices start at 0
+        and have no gaps (RayWorkerExecutor numbers its submissions)."""
+        with self._turn:
+            self._turn.wait_for(lambda: self._next_step == step_index)
+        try:
+            return self.execute(scheduler_output)
+        finally:
+            with self._turn:
+                self._next_step += 1
+                self._turn.notify_all()
 
 
 @dataclass
@@ -80,7 +108,7 @@ class WorkerGroup:
 
         rendezvous = await _rendezvous_on_this_node.options(
             scheduling_strategy=in_bundle(0)).remote(world_size)
-        rank_actor = ray.remote(concurrency_groups={STEP_GROUP: 1})(RankWorker)
+        rank_actor = ray.remote(concurrency_groups={STEP_GROUP: STEPS_IN_FLIGHT})(RankActor)
         ranks = [
             rank_actor.options(
                 num_cpus=num_cpus_per_rank, num_gpus=1 if on_gpu else 0,
@@ -114,6 +142,7 @@ class RayWorkerExecutor:
 
     def __init__(self, ranks: list[ActorHandle]) -> None:
         self._ranks = ranks
+        self._submitted = 0
         # the steps submitted and not collected: (rank 0's answer, time.monotonic() at submit)
         self._in_flight: deque[tuple[ray.ObjectRef, float]] = deque()
 
@@ -121,13 +150,12 @@ class RayWorkerExecutor:
         return ray.get(self._ranks[0].cache_capacity.remote())
 
     def submit(self, scheduler_output: SchedulerOutput) -> None:
-        """Call rank 0's execute without waiting. The call takes the previous step's answer as
-        an argument: Ray sends it to rank 0 only once that step has finished. A threaded actor
-        starts calls as their arguments become ready, not in the order made, so without that a
-        step could overtake the one before (whose arguments take longer to arrive) and read
-        pending tokens that step has not sampled yet. One thread (STEP_GROUP) runs the steps."""
-        previous = self._in_flight[-1][0] if self._in_flight else None
-        call = self._ranks[0].execute.options(concurrency_group=STEP_GROUP).remote(scheduler_output, previous)
+        """Send the step to rank 0 without waiting. It is sent at once, even while the step
+        before still runs, so it starts the moment that one ends; its index keeps it behind
+        that step (RankActor.execute_in_order)."""
+        call = self._ranks[0].execute_in_order.options(concurrency_group=STEP_GROUP).remote(
+            self._submitted, scheduler_output)
+        self._submitted += 1
         self._in_flight.append((call, time.monotonic()))
 
     def collect(self) -> RunnerOutput:

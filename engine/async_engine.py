@@ -16,14 +16,14 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from cache.cache_manager import PoolUsage
 from engine.executor import ExecutorDiedError
+from engine.generation_request import GenerationRequest
 from engine.llm_engine import LLMEngine
 from engine.output_processor import RequestOutput
-from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -47,17 +47,8 @@ class AsyncLLMEngine:
 
     # ------------------------------------------------------------------ public API
 
-    async def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        sampling: SamplingParams,
-        pause_positions: Sequence[int] = (),
-        cache_salt: str | None = None,
-        instruction_boundary: int | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Add a request and yield its outputs until the finished one (the keyword arguments are
-        LLMEngine.add_request's).
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        """Add `request` (LLMEngine.add_request) and yield its outputs until the finished one.
 
         Raises InvalidRequestError (before yielding anything) if the engine refuses it, and
         ExecutorDiedError (at any point) once the executor has died.
@@ -70,20 +61,18 @@ class AsyncLLMEngine:
             try:
                 if self._dead is not None:
                     raise ExecutorDiedError(str(self._dead))
-                self.engine.add_request(request_id, prompt_token_ids, sampling, pause_positions,
-                                        cache_salt=cache_salt,
-                                        instruction_boundary=instruction_boundary)
+                self.engine.add_request(request)
             except Exception as exc:  # handed back to the caller, who raises it
                 loop.call_soon_threadsafe(_settle, accepted, exc)
                 return
-            self._streams[request_id] = stream
+            self._streams[request.request_id] = stream
             loop.call_soon_threadsafe(_settle, accepted, None)
 
         self._submit(add)
         try:
             await accepted  # a refused request raises here
         except asyncio.CancelledError:
-            self.abort(request_id)  # the add may still have gone through
+            self.abort(request.request_id)  # the add may still have gone through
             raise
         finished = False
         try:
@@ -95,7 +84,7 @@ class AsyncLLMEngine:
                 yield output
         finally:
             if not finished:
-                self.abort(request_id)
+                self.abort(request.request_id)
 
     def abort(self, request_id: str) -> None:
         """Cancel a request (no-op if unknown or already finished)."""

@@ -1,5 +1,5 @@
 """The checkpoint policy: which request-boundary checkpoints a step captures and how, what an
-admitted request restores, and when a bundle is published or dropped (DESIGN.md sections 2, 5).
+admitted request restores, and when a bundle is published or dropped (docs/design.md sections 2, 5).
 
 The scheduler keeps progress, budget, blocks, slots and preemption, and asks this policy at
 fixed points of its step:

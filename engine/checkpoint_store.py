@@ -1,6 +1,6 @@
 """Worker-side checkpoint tensors: capture a request's state at a position, restore it later.
 
-A bundle (DESIGN.md section 2) holds, for a prefix of p tokens:
+A bundle (docs/design.md section 2) holds, for a prefix of p tokens:
 - every Mamba layer's conv state and SSM state at p;
 - every attention layer's "attention tail": a private copy of the K/V of positions
   p - p % B .. p - 1 (the partial last block), so a hit is possible at any position; the full

@@ -21,7 +21,8 @@ class EngineConfig:
     kv_cache_bytes / state_cache_bytes: memory budgets; the block count and the state slot
         count are derived from them (state slots are also capped by max_num_seqs).
     checkpoint_slots: which request-boundary checkpoints to capture, any subset of
-        ("prompt", "response", "instruction"); empty turns checkpoint caching off.
+        ("prompt", "response", "instruction"), stored as a tuple in that order; empty turns
+        checkpoint caching off.
     checkpoint_cache_bytes: budget for checkpoint tensors held outside the KV blocks (recurrent
         state, attention tail, hidden row); the KV blocks they reference count against
         kv_cache_bytes.
@@ -67,11 +68,17 @@ class EngineConfig:
             raise ValueError("kv_cache_bytes and state_cache_bytes must be positive")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if isinstance(self.checkpoint_slots, str):
+            raise ValueError(f"checkpoint_slots must be a list, a subset of {list(CHECKPOINT_SLOTS)}")
         unknown = set(self.checkpoint_slots) - set(CHECKPOINT_SLOTS)
         if unknown:
             raise ValueError(
                 f"checkpoint_slots may hold only {list(CHECKPOINT_SLOTS)}, got {sorted(unknown)}"
             )
+        # one canonical form (a tuple in CHECKPOINT_SLOTS order, duplicates collapsed), so two
+        # configs that ask for the same slots compare equal
+        canonical = tuple(slot for slot in CHECKPOINT_SLOTS if slot in self.checkpoint_slots)
+        object.__setattr__(self, "checkpoint_slots", canonical)
         if self.checkpoint_cache_bytes < 0:
             raise ValueError("checkpoint_cache_bytes must be >= 0")
         if self.tensor_parallel_size < 1:

@@ -3,7 +3,7 @@
 Three executors implement `ModelExecutor`:
   * engine.worker.Worker: the model in this process (tensor_parallel_size 1);
   * engine.multiprocess_executor.MultiprocessExecutor: one spawned process per rank on this host;
-  * deployments.worker_group.RayWorkerGroup: one Ray actor per rank in a placement group.
+  * deployments.worker_group.RayWorkerExecutor: one Ray actor per rank in a placement group.
 Each step costs the engine two calls, whatever the number of ranks: `submit` hands the step to
 the ranks and returns without waiting for it; `collect` returns the oldest submitted step's
 output. Between the two the engine may submit the next step (EngineConfig.async_scheduling),

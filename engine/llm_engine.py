@@ -1,10 +1,12 @@
 """The in-process engine: one object that takes requests and yields outputs.
 
-Tests, benchmarks and the GPU machine use it directly; the Ray scheduler actor wraps it (with
-an executor that forwards steps to worker actors) rather than re-implementing it.
+Tests, benchmarks and the GPU machine use it directly; the LLM server replica wraps it in
+AsyncLLMEngine (with an executor that forwards steps to worker actors) rather than
+re-implementing it.
 
     engine = LLMEngine(EngineConfig())
-    engine.add_request("r1", prompt_token_ids, SamplingParams(max_tokens=8, temperature=0))
+    sampling = SamplingParams(max_tokens=8, temperature=0)
+    engine.add_request(GenerationRequest("r1", prompt_token_ids, sampling))
     while engine.has_unfinished_requests():
         for output in engine.step():
             print(output.new_text, end="")
@@ -24,10 +26,11 @@ from cache.checkpoint_ledger import CheckpointKind, KindCounters
 from engine.checkpoint_policy import CheckpointPolicy
 from engine.config import EngineConfig
 from engine.executor import ModelExecutor
+from engine.generation_request import GenerationRequest
 from engine.model_config import load_model_config
 from engine.output_processor import OutputProcessor, RequestOutput
 from engine.request import FinishReason, Request
-from engine.sampling_params import InvalidRequestError, SamplingParams
+from engine.sampling_params import InvalidRequestError
 from engine.scheduler import Scheduler, SchedulerStats
 from engine.step_io import RunnerOutput, SchedulerOutput
 from engine.worker import Worker
@@ -103,55 +106,45 @@ class LLMEngine:
         self._arrival_counter = itertools.count()
         self._pending_outputs: list[RequestOutput] = []
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        sampling: SamplingParams,
-        pause_positions: Sequence[int] = (),
-        cache_salt: str | None = None,
-        instruction_boundary: int | None = None,
-    ) -> None:
-        """Queue a request. Raises InvalidRequestError if it can never run.
-
-        pause_positions: prompt positions at which a prefill chunk must end (see Request).
-        cache_salt: checkpoints are shared only between requests with the same salt.
-        instruction_boundary: the renderer-verified end of the leading system/developer
-            messages (0 < boundary < len(prompt)), where an instruction checkpoint is captured.
-        """
-        prompt = tuple(int(t) for t in prompt_token_ids)
+    def add_request(self, request: GenerationRequest) -> None:
+        """Queue `request`. Raises InvalidRequestError if it can never run: an empty prompt,
+        token ids outside the vocabulary, prompt + max_tokens beyond max_model_len, a request id
+        still in use, or pause positions / an instruction boundary outside the prompt."""
+        prompt = request.prompt_token_ids
         if not prompt:
             raise InvalidRequestError("the prompt is empty")
         if any(t < 0 or t >= self.vocab_size for t in prompt):
             raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})")
-        if len(prompt) + sampling.max_tokens > self.max_model_len:
+        if len(prompt) + request.sampling.max_tokens > self.max_model_len:
             raise InvalidRequestError(
                 f"this model's maximum context length is {self.max_model_len} tokens, but the "
-                f"request asks for {len(prompt)} prompt tokens plus {sampling.max_tokens} "
+                f"request asks for {len(prompt)} prompt tokens plus {request.sampling.max_tokens} "
                 "output tokens; shorten the prompt or lower max_tokens"
             )
+        request_id = request.request_id
         if request_id in self.scheduler.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if any(chunk.request_id == request_id for step in self._in_flight for chunk in step.chunks):
             # its output would be taken for the new request's (async scheduling)
             raise InvalidRequestError(
                 f"request id {request_id!r} is still in use by the step in flight; retry after the next step()")
-        if any(not 0 < p <= len(prompt) for p in pause_positions):
+        if any(not 0 < p <= len(prompt) for p in request.pause_positions):
             raise InvalidRequestError(f"pause positions must lie in [1, {len(prompt)}]")
-        if instruction_boundary is not None and not 0 < instruction_boundary < len(prompt):
+        boundary = request.instruction_boundary
+        if boundary is not None and not 0 < boundary < len(prompt):
             raise InvalidRequestError(f"instruction_boundary must lie in [1, {len(prompt) - 1}]")
-        pauses = set(pause_positions)
-        request = Request(
+        pauses = set(request.pause_positions)
+        tracked = Request(
             request_id=request_id,
             prompt_token_ids=prompt,
-            sampling=replace(sampling, eos_token_ids=self.eos_token_ids),
+            sampling=replace(request.sampling, eos_token_ids=self.eos_token_ids),
             arrival_index=next(self._arrival_counter),
             pause_positions=tuple(sorted(pauses)),
-            namespace=(self.config.model_dir, cache_salt or ""),
-            instruction_boundary=instruction_boundary,
+            namespace=(self.config.model_dir, request.cache_salt or ""),
+            instruction_boundary=boundary,
         )
-        self.scheduler.add_request(request)
-        self.output_processor.add_request(request)
+        self.scheduler.add_request(tracked)
+        self.output_processor.add_request(tracked)
 
     def abort_request(self, request_id: str) -> None:
         """Cancel a request; its blocks and state slot are freed now and it yields a final

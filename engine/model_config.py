@@ -1,7 +1,7 @@
 """The model's architecture, read from a Hugging Face config.json into one frozen object.
 
 Checkpoints and transformers versions spell the same GraniteMoeHybrid fields differently
-(DESIGN.md section 7); `parse_model_config` accepts every spelling seen and normalises it, and
+(docs/design.md section 7); `parse_model_config` accepts every spelling seen and normalises it, and
 rejects what this engine cannot run (MoE layers, unknown layer kinds) with a ValueError that
 names the offending field.
 """

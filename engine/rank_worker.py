@@ -107,12 +107,9 @@ class RankWorker:
         """Liveness probe (answers while a follower is inside follow())."""
         return self.rank
 
-    def execute(self, scheduler_output: SchedulerOutput, after: RunnerOutput | None = None) -> RunnerOutput:
+    def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         """Rank 0: run one step on every rank. Returns this rank's output, with
         confirmed_captures listing, per bundle, every rank that holds its shard.
-
-        after: unused; the Ray executor passes the previous step's output (a reference) so
-        that Ray starts this call only once that step has finished.
 
         Raises ExecutorDiedError (world_size > 1) if this step or an earlier one failed.
         """

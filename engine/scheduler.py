@@ -1,13 +1,13 @@
 """Continuous-batching scheduler: decides which tokens of which requests run in each step.
 
-One progress rule (DESIGN.md section 4): every request's num_computed_tokens chases its
+One progress rule (docs/design.md section 4): every request's num_computed_tokens chases its
 num_tokens under a per-step token budget. Running requests go first (decode tokens and the
 rest of chunked prefills), then waiting requests are admitted in arrival order while a state
 slot and KV blocks are available. When a running request cannot get a block, the most
 recently arrived running request is preempted: its cache is freed and it is requeued to be
 recomputed from scratch.
 
-Checkpoints (DESIGN.md sections 2 and 5) are the CheckpointPolicy's: the scheduler asks it
+Checkpoints (docs/design.md sections 2 and 5) are the CheckpointPolicy's: the scheduler asks it
 where a request's prefill chunks must end, which captures a chunk or a finish makes, what an
 admitted request restores, and hands it each step's outcome to publish or drop.
 

@@ -1,6 +1,6 @@
 """Which heads, groups and channels of a GraniteMoeHybrid model one tensor-parallel rank holds.
 
-Splitting rules (DESIGN.md section 6):
+Splitting rules (docs/design.md section 6):
 - attention query heads split evenly; KV heads split evenly when they divide by world_size,
   otherwise (fewer KV heads than ranks) each rank holds the one KV head its query heads read;
 - Mamba2 heads split evenly (their x, z, dt, conv channels, A_log, D, dt_bias, norm channels);

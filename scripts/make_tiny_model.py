@@ -41,7 +41,7 @@ SPECIAL_TOKENS = (END_OF_TEXT, PAD, START_OF_ROLE, END_OF_ROLE)
 LAYER_TYPES = ("mamba", "mamba", "attention", "mamba", "mamba", "attention")
 
 # Each message renders on its own, between special tokens, so the rendering of the leading
-# system/developer messages is a token-exact prefix of the whole conversation (DESIGN.md 3):
+# system/developer messages is a token-exact prefix of the whole conversation (docs/design.md section 3):
 # special tokens split the text before BPE runs, hence nothing merges across a message seam.
 # Text parts of list content are joined with "\n" (what vLLM does for string-only templates).
 CHAT_TEMPLATE = (

@@ -1,7 +1,7 @@
 """Checkpoint bundle copies layer by layer, in pure PyTorch: the reference the batched copies
 (engine/kernels/bundle_copy.py) are tested against, and the path for caches without stacks.
 
-A bundle of one request at p tokens (DESIGN.md section 2) is, as tensors:
+A bundle of one request at p tokens (docs/design.md section 2) is, as tensors:
   conv_state (L_mamba, conv_dim, K-1) and ssm_state (L_mamba, H, P, N) fp32: the state slot of
   every Mamba layer, in increasing layer order;
   tail_kv (2, L_attention, p % B, Hkv, Dh) or None when p % B == 0: keys [0] and values [1] of

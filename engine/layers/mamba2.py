@@ -173,7 +173,6 @@ class Mamba2Mixer(ShardedModule):
         ssm_state: torch.Tensor,  # (H, P, N) fp32, not modified
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One request's tokens: returns (y (n, H, P) fp32, new conv_state, new ssm_state)."""
-        n = xBC.shape[0]
         weight = self.conv1d.weight[:, 0, :]  # (conv_dim, K)
         xBC, new_conv_state = causal_conv1d(xBC, conv_state, weight, self.conv1d.bias, apply_silu=True)
         x, B, C, dt, A = self._scan_inputs(xBC, dt_raw)

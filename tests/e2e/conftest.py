@@ -8,6 +8,7 @@ checkpoint slots on. Tests that look at `cached_tokens` send their own fresh `ca
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 import uuid
@@ -18,6 +19,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from deployments.config import AppConfig
+from engine.config import EngineConfig
 
 APP_NAME = "hybrid-serve-e2e"
 MODEL_NAME = "hybrid-serve-tiny"
@@ -26,14 +28,16 @@ BASE_URL = f"http://127.0.0.1:{PORT}"
 
 E2E_CONFIG = AppConfig(
     served_model_name=MODEL_NAME,
-    max_model_len=512,
-    block_size=16,
-    max_num_batched_tokens=256,
-    max_num_seqs=16,
-    kv_cache_bytes=32 * 1024 * 1024,
-    state_cache_bytes=32 * 1024 * 1024,
-    checkpoint_slots=("prompt", "response", "instruction"),
-    checkpoint_cache_bytes=32 * 1024 * 1024,
+    engine=EngineConfig(
+        max_model_len=512,
+        block_size=16,
+        max_num_batched_tokens=256,
+        max_num_seqs=16,
+        kv_cache_bytes=32 * 1024 * 1024,
+        state_cache_bytes=32 * 1024 * 1024,
+        checkpoint_slots=("prompt", "response", "instruction"),
+        checkpoint_cache_bytes=32 * 1024 * 1024,
+    ),
 )
 
 
@@ -61,17 +65,19 @@ def serve_app(ray_session):
 
 @pytest.fixture(scope="session")
 def deploy_variant(serve_app):
-    """A factory: deploy E2E_CONFIG with `overrides` as another app of the same Serve instance,
-    under `route_prefix`; returns an openai client for it. Deleted at the end of the session."""
+    """A factory: deploy E2E_CONFIG with `engine` overriding fields of its EngineConfig and
+    `overrides` its other fields, as another app of the same Serve instance under
+    `route_prefix`; returns an openai client for it. Deleted at the end of the session."""
     from ray import serve
 
     from deployments.app import build_app
 
     deployed: list[str] = []
 
-    def deploy(name: str, route_prefix: str, **overrides) -> openai.OpenAI:
-        serve.run(build_app(E2E_CONFIG.model_copy(update=overrides).model_dump()), name=name,
-                  route_prefix=route_prefix)
+    def deploy(name: str, route_prefix: str, engine: dict | None = None, **overrides) -> openai.OpenAI:
+        engine_config = dataclasses.replace(E2E_CONFIG.engine, **(engine or {}))
+        config = E2E_CONFIG.model_copy(update={**overrides, "engine": engine_config})
+        serve.run(build_app(config.model_dump()), name=name, route_prefix=route_prefix)
         deployed.append(name)
         return openai.OpenAI(base_url=f"{BASE_URL}{route_prefix}/v1", api_key="unused",
                              max_retries=0, timeout=120)
@@ -113,7 +119,7 @@ def http(serve_app):
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    return AutoTokenizer.from_pretrained(E2E_CONFIG.model_dir)
+    return AutoTokenizer.from_pretrained(E2E_CONFIG.engine.model_dir)
 
 
 @pytest.fixture(scope="session")

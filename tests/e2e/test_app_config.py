@@ -20,7 +20,14 @@ def test_unknown_key_is_rejected_by_name():
 
 def test_invalid_value_is_rejected_by_name():
     with pytest.raises(ValueError, match="block_size"):
-        build_app({"block_size": 0})
+        build_app({"engine": {"block_size": 0}})
+
+
+def test_unknown_engine_key_is_rejected_by_name():
+    with pytest.raises(ValueError, match=r"unknown engine key\(s\) \['max_num_seq'\]"):
+        build_app({"engine": {"max_num_seq": 8}})
+    with pytest.raises(ValueError, match="unknown config key 'block_size'"):
+        build_app({"block_size": 16})  # an engine key at the top level
 
 
 def test_serve_config_yaml_args_are_valid():
@@ -29,27 +36,29 @@ def test_serve_config_yaml_args_are_valid():
     assert app["import_path"] == "deployments.app:build_app"
     parsed = parse_app_config(app["args"])
     assert isinstance(parsed, AppConfig)
-    parsed.engine_config()
+    assert parsed.engine.checkpoint_slots == tuple(app["args"]["engine"]["checkpoint_slots"])
 
 
 def test_checkpoint_slots_accept_any_subset_and_reject_unknown_names():
-    assert parse_app_config({}).engine_config().checkpoint_slots == ("prompt", "response", "instruction")
-    assert parse_app_config({"checkpoint_slots": []}).engine_config().checkpoint_slots == ()
-    assert parse_app_config({"checkpoint_slots": ["response", "prompt"]}).checkpoint_slots == (
-        "prompt", "response")
-    with pytest.raises(ValueError, match=r"checkpoint_slots.*unknown checkpoint slot\(s\) \['instructions'\]"):
-        build_app({"checkpoint_slots": ["prompt", "instructions"]})
+    def slots(value):
+        return parse_app_config({"engine": {"checkpoint_slots": value}}).engine.checkpoint_slots
+
+    assert parse_app_config({}).engine.checkpoint_slots == ("prompt", "response", "instruction")
+    assert slots([]) == ()
+    assert slots(["response", "prompt", "response"]) == ("prompt", "response")
+    with pytest.raises(ValueError, match=r"checkpoint_slots may hold only .* got \['instructions'\]"):
+        build_app({"engine": {"checkpoint_slots": ["prompt", "instructions"]}})
     with pytest.raises(ValueError, match="checkpoint_slots"):
-        build_app({"checkpoint_slots": "prompt"})
+        build_app({"engine": {"checkpoint_slots": "prompt"}})
     with pytest.raises(ValueError, match="checkpoint_cache_bytes"):
-        build_app({"checkpoint_cache_bytes": -1})
+        build_app({"engine": {"checkpoint_cache_bytes": -1}})
 
 
 def test_tensor_parallel_size_is_checked_against_the_model_at_build_time():
-    build_app({"tensor_parallel_size": 4})  # the tiny model splits 4 ways
+    build_app({"engine": {"tensor_parallel_size": 4}})  # the tiny model splits 4 ways
     with pytest.raises(ValueError, match="does not divide by tensor_parallel_size=3"):
-        build_app({"tensor_parallel_size": 3})
+        build_app({"engine": {"tensor_parallel_size": 3}})
     with pytest.raises(ValueError, match="tensor_parallel_size"):
-        build_app({"tensor_parallel_size": 0})
+        build_app({"engine": {"tensor_parallel_size": 0}})
     with pytest.raises(ValueError, match="worker_num_cpus"):
         build_app({"worker_num_cpus": 0})

@@ -13,7 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 MODEL_NAME = "hybrid-serve-tiny"
-BLOCK_SIZE = 16  # E2E_CONFIG.block_size
+BLOCK_SIZE = 16  # E2E_CONFIG.engine.block_size
 NO_INSTRUCTION_APP = "hybrid-serve-e2e-no-instruction"
 NO_INSTRUCTION_PREFIX = "/no-instruction"
 
@@ -133,7 +133,7 @@ def test_empty_cache_salt_is_rejected(http):
 def no_instruction_client(deploy_variant):
     """A second small app in the same Serve instance with checkpoint_slots [prompt, response]."""
     return deploy_variant(NO_INSTRUCTION_APP, NO_INSTRUCTION_PREFIX,
-                          checkpoint_slots=("prompt", "response"), worker_num_cpus=0.5)
+                          engine={"checkpoint_slots": ("prompt", "response")}, worker_num_cpus=0.5)
 
 
 def test_without_the_instruction_slot_the_pair_gets_nothing(no_instruction_client, new_salt):
@@ -178,3 +178,8 @@ def test_metrics_exposition(client, http, new_salt):
                  reason="no_leading_instructions") > 0
     for reason in ("all_instructions", "not_a_prefix", "render_error"):
         assert value("hybrid_serve_instruction_boundary_rejections_total", reason=reason) >= 0
+    # the three chats above each observed their time to first token, from arrival at the edge
+    assert value("hybrid_serve_time_to_first_token_seconds_count") >= 3
+    assert value("hybrid_serve_time_to_first_token_seconds_sum") > 0
+    assert (value("hybrid_serve_time_to_first_token_seconds_bucket", le="+Inf")
+            == value("hybrid_serve_time_to_first_token_seconds_count"))

@@ -1,4 +1,4 @@
-"""The scheduler actor's stream merging (pure asyncio, no Ray): deltas that are already waiting
+"""The LLM server's stream merging (pure asyncio, no Ray): deltas that are already waiting
 are merged, nothing is lost or reordered, errors surface, and closing the stream closes its
 source (which is what aborts the request in the engine)."""
 

@@ -1,7 +1,7 @@
-"""Health: the scheduler actor reports unhealthy once one of its rank actors is dead.
+"""Health: an LLM server replica reports unhealthy once one of its rank actors is dead.
 
-Exercised on a private worker group and scheduler actor so the session's application keeps
-running.
+Exercised with the replica's own probe (llm_server.replica_health) on a private worker group
+and an engine in this process, so the session's application keeps running.
 """
 
 from __future__ import annotations
@@ -12,26 +12,29 @@ import time
 import pytest
 import ray
 
-from deployments.llm_server import SchedulerActor
-from deployments.worker_group import WorkerGroup
+from deployments.llm_server import replica_health
+from deployments.worker_group import RayWorkerExecutor, WorkerGroup
+from engine.async_engine import AsyncLLMEngine
 from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
 
 
 @pytest.mark.parametrize("world_size, killed_rank", [(1, 0), (2, 1)])
-def test_scheduler_health_fails_when_a_rank_dies(ray_session, http, world_size, killed_rank):
+def test_replica_health_fails_when_a_rank_dies(ray_session, http, world_size, killed_rank):
     assert http.get("/health").status_code == 200  # the session's app, for contrast
     config = EngineConfig(max_model_len=256, max_num_seqs=2, kv_cache_bytes=8 * 1024 * 1024,
                           state_cache_bytes=8 * 1024 * 1024, tensor_parallel_size=world_size)
     group = asyncio.run(WorkerGroup.start(config, num_cpus_per_rank=0.2))
-    scheduler = SchedulerActor.options(num_cpus=0.1).remote(config, group.ranks)
+    executor = RayWorkerExecutor(group.ranks)
+    engine = AsyncLLMEngine(LLMEngine(config, executor=executor))
     try:
-        ray.get(scheduler.check_health.remote(), timeout=60)
+        asyncio.run(asyncio.wait_for(replica_health(engine, executor), 60))
         ray.kill(group.ranks[killed_rank])
         _wait_until_dead(group.ranks[killed_rank])
         with pytest.raises(ray.exceptions.RayActorError):
-            ray.get(scheduler.check_health.remote(), timeout=60)
+            asyncio.run(asyncio.wait_for(replica_health(engine, executor), 60))
     finally:
-        ray.kill(scheduler)
+        engine.shutdown()
         group.shutdown()
 
 

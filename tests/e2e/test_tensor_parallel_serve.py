@@ -21,7 +21,7 @@ PROMPT = "Tensor parallel ranks agree on every token"
 
 @pytest.fixture(scope="module")
 def tp2_client(deploy_variant):
-    return deploy_variant(TP_APP, TP_PREFIX, tensor_parallel_size=2, worker_num_cpus=0.2,
+    return deploy_variant(TP_APP, TP_PREFIX, engine={"tensor_parallel_size": 2}, worker_num_cpus=0.2,
                           health_check_period_s=1.0)
 
 

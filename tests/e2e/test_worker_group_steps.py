@@ -13,6 +13,7 @@ import pytest
 
 from deployments.worker_group import RayWorkerExecutor, WorkerGroup
 from engine.config import EngineConfig
+from engine.generation_request import GenerationRequest
 from engine.request import PENDING_TOKEN
 from engine.sampling_params import SamplingParams
 from engine.step_io import ScheduledChunk, SchedulerOutput
@@ -88,7 +89,7 @@ def test_after_a_failed_step_later_steps_run(ray_session):
     try:
         failures, reasons = 0, []
         for i in range(12):
-            engine.add_request(f"r{i}", [5 + i, 9, 11, 13, 17], params)
+            engine.add_request(GenerationRequest(f"r{i}", [5 + i, 9, 11, 13, 17], params))
             try:
                 outputs = engine.step()
             except Exception:

@@ -20,6 +20,7 @@ import torch
 
 from deployments.instruction_boundary import find_instruction_boundary
 from engine.config import EngineConfig
+from engine.generation_request import GenerationRequest
 from engine.llm_engine import LLMEngine
 from engine.loader import load_model
 from engine.sampling_params import SamplingParams
@@ -50,7 +51,8 @@ class Tally:
 def run_round(engine: LLMEngine, jobs: list[tuple[str, list[int], int | None, str]], params: SamplingParams):
     """Submit every job at once (id, prompt, boundary, salt) and run them to completion."""
     for request_id, prompt, boundary, salt in jobs:
-        engine.add_request(request_id, prompt, params, cache_salt=salt, instruction_boundary=boundary)
+        engine.add_request(GenerationRequest(request_id, prompt, params, cache_salt=salt,
+                                             instruction_boundary=boundary))
     outcomes = {request_id: Outcome([], [], "", 0) for request_id, *_ in jobs}
     while engine.has_unfinished_requests():
         for out in engine.step():

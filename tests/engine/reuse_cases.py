@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from deployments.instruction_boundary import find_instruction_boundary
+from engine.generation_request import GenerationRequest
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from tests.engine.conversations import render
@@ -38,7 +39,8 @@ def run(engine: LLMEngine, request_id: str, conversation, salt="", params=GREEDY
     """Run one request alone (the engine must be idle) and collect what it produced."""
     prompt = render(engine.tokenizer, conversation)
     boundary = find_instruction_boundary(engine.tokenizer, conversation, prompt).position
-    engine.add_request(request_id, prompt, params, cache_salt=salt, instruction_boundary=boundary)
+    engine.add_request(GenerationRequest(request_id, prompt, params, cache_salt=salt,
+                                         instruction_boundary=boundary))
     result = Alone([], "", 0, [], prompt, boundary, [])
     while engine.has_unfinished_requests():
         for out in engine.step():

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
+from engine.generation_request import GenerationRequest
 from engine.llm_engine import LLMEngine
 from engine.request import PENDING_TOKEN
 from engine.sampling_params import InvalidRequestError, SamplingParams
@@ -32,7 +33,7 @@ def _prompts(count: int, vocab: int, seed: int) -> list[list[int]]:
 def _run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]], salt: str = ""):
     """Run to completion: id -> (token ids, text, finish reason, cached tokens)."""
     for request_id, (prompt, params) in requests.items():
-        engine.add_request(request_id, prompt, params, cache_salt=salt)
+        engine.add_request(GenerationRequest(request_id, prompt, params, cache_salt=salt))
     results = {rid: [[], "", None, 0] for rid in requests}
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -198,12 +199,12 @@ def test_a_request_id_is_refused_while_a_step_in_flight_still_computes_it():
     engine = LLMEngine(EngineConfig())
     prompt = _prompts(1, engine.vocab_size, seed=8)[0]
     probe = _run(engine, {"probe": (prompt, GREEDY)})["probe"][0]
-    engine.add_request("a", prompt, dataclasses.replace(GREEDY, stop_token_ids=(probe[1],)))
+    engine.add_request(GenerationRequest("a", prompt, dataclasses.replace(GREEDY, stop_token_ids=(probe[1],))))
     finished = False
     while not finished:
         finished = any(out.finished for out in engine.step())
     with pytest.raises(InvalidRequestError, match="still in use by the step in flight"):
-        engine.add_request("a", prompt, GREEDY)
+        engine.add_request(GenerationRequest("a", prompt, GREEDY))
     engine.step()  # collects it
     again = _run(engine, {"a": (prompt, GREEDY)}, salt="again")["a"]
     assert again[0] == probe and engine.pool_usage().idle
@@ -238,7 +239,7 @@ def test_after_a_failed_step_the_engine_drains_the_step_in_flight_and_runs_on():
     engine = LLMEngine(config, executor=FailingCollect(config, fail_at=4))
     prompts = _prompts(3, engine.vocab_size, seed=9)
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"f{i}", prompt, GREEDY)
+        engine.add_request(GenerationRequest(f"f{i}", prompt, GREEDY))
     failures = 0
     while engine.has_unfinished_requests():
         try:

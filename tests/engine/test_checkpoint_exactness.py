@@ -1,4 +1,4 @@
-"""The invariant that matters most (DESIGN.md section 5): a request served from a checkpoint
+"""The invariant that matters most (docs/design.md section 5): a request served from a checkpoint
 produces the same output as the same request computed from scratch.
 
 Randomized conversations on the embedded model: shared system prompts with different user

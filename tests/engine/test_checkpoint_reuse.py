@@ -7,6 +7,7 @@ import pytest
 
 from deployments.instruction_boundary import BoundaryRejection, find_instruction_boundary
 from engine.config import EngineConfig
+from engine.generation_request import GenerationRequest
 from engine.llm_engine import LLMEngine
 from engine.step_io import RunnerOutput
 from tests.engine.conversations import render
@@ -135,7 +136,7 @@ def test_a_failed_step_drops_its_captures_and_releases_its_restores(engine):
     executor = FailingCaptureSteps(engine.executor.__class__(EngineConfig()))
     flaky = LLMEngine(EngineConfig(), executor=executor)
     prompt = list(range(5, 60))
-    flaky.add_request("f1", prompt, GREEDY, instruction_boundary=20)
+    flaky.add_request(GenerationRequest("f1", prompt, GREEDY, instruction_boundary=20))
     failures = 0
     while flaky.has_unfinished_requests():
         try:
@@ -154,8 +155,8 @@ def test_a_failed_step_drops_its_captures_and_releases_its_restores(engine):
     assert second.cached == first.boundary > 0
     # A restore whose step fails leaves the bundle unpinned, so eviction can still take it.
     executor.failing = True
-    flaky.add_request("f4", render(flaky.tokenizer, chat(SYSTEM, "Once more?")), GREEDY,
-                      instruction_boundary=first.boundary)
+    flaky.add_request(GenerationRequest("f4", render(flaky.tokenizer, chat(SYSTEM, "Once more?")),
+                                        GREEDY, instruction_boundary=first.boundary))
     with pytest.raises(RuntimeError):
         while flaky.has_unfinished_requests():
             flaky.step()

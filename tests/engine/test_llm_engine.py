@@ -11,6 +11,7 @@ import torch
 
 from engine.async_engine import AsyncLLMEngine
 from engine.config import EngineConfig
+from engine.generation_request import GenerationRequest
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import InvalidRequestError, SamplingParams
 from engine.worker import CacheBudgetError
@@ -32,7 +33,8 @@ def prompts(engine: LLMEngine, count: int, seed: int = 0) -> list[list[int]]:
 def run_all(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]], pauses=None):
     """Run requests to completion; returns id -> (token ids, text, logits rows, finish reason)."""
     for request_id, (prompt, params) in requests.items():
-        engine.add_request(request_id, prompt, params, (pauses or {}).get(request_id, ()))
+        engine.add_request(GenerationRequest(request_id, prompt, params,
+                                             pause_positions=(pauses or {}).get(request_id, ())))
     results = {rid: ([], [], [], None) for rid in requests}
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -78,7 +80,7 @@ def test_preemption_does_not_change_outputs(engine):
 def test_a_pause_position_ends_a_chunk_and_captures_the_hidden_row_there(engine):
     prompt = prompts(engine, 1, seed=2)[0] + prompts(engine, 1, seed=3)[0]
     pause = len(prompt) // 2 + 1
-    engine.add_request("paused", prompt, GREEDY, pause_positions=(pause,))
+    engine.add_request(GenerationRequest("paused", prompt, GREEDY, pause_positions=(pause,)))
     first = engine.step()
     while engine.last_step is None:  # with async scheduling the next call collects the first step
         first += engine.step()
@@ -125,11 +127,11 @@ def test_stop_strings_and_stop_tokens_end_requests(engine):
 
 def test_requests_that_cannot_run_are_refused_clearly(engine):
     with pytest.raises(InvalidRequestError, match="maximum context length"):
-        engine.add_request("long", [5] * 10, SamplingParams(max_tokens=engine.max_model_len))
+        engine.add_request(GenerationRequest("long", [5] * 10, SamplingParams(max_tokens=engine.max_model_len)))
     with pytest.raises(InvalidRequestError, match="empty"):
-        engine.add_request("empty", [], SamplingParams())
+        engine.add_request(GenerationRequest("empty", [], SamplingParams()))
     with pytest.raises(InvalidRequestError):
-        engine.add_request("oov", [engine.vocab_size + 3], SamplingParams())
+        engine.add_request(GenerationRequest("oov", [engine.vocab_size + 3], SamplingParams()))
     with pytest.raises(CacheBudgetError, match="kv_cache_bytes"):
         LLMEngine(EngineConfig(kv_cache_bytes=1024))
     assert not engine.has_unfinished_requests()
@@ -140,13 +142,14 @@ def test_async_engine_streams_and_aborts_free_the_pools(engine):
     prompt = prompts(engine, 1, seed=5)[0]
 
     async def scenario():
-        outputs = [o async for o in async_engine.generate("s1", prompt, GREEDY)]
-        stream = async_engine.generate("s2", prompt, SamplingParams(max_tokens=500, temperature=0, ignore_eos=True))
+        outputs = [o async for o in async_engine.generate(GenerationRequest("s1", prompt, GREEDY))]
+        stream = async_engine.generate(GenerationRequest(
+            "s2", prompt, SamplingParams(max_tokens=500, temperature=0, ignore_eos=True)))
         async for _ in stream:
             break
         await stream.aclose()
         with pytest.raises(InvalidRequestError):
-            async for _ in async_engine.generate("bad", [], GREEDY):
+            async for _ in async_engine.generate(GenerationRequest("bad", [], GREEDY)):
                 pass
         for _ in range(200):
             if engine.pool_usage().num_requests == 0:

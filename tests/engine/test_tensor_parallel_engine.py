@@ -21,6 +21,7 @@ from cache.checkpoint_ledger import CheckpointKind
 from engine.checkpoint_policy import CheckpointPolicy
 from engine.config import EngineConfig
 from engine.executor import ExecutorDiedError
+from engine.generation_request import GenerationRequest
 from engine.llm_engine import LLMEngine
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -219,7 +220,8 @@ def test_a_bundle_is_published_only_when_every_rank_confirmed_it(confirmed, publ
 
 def short_request(engine: LLMEngine, request_id: str) -> None:
     prompt = [int(t) for t in engine.tokenizer.encode("seven rivers and a mountain")]
-    engine.add_request(request_id, prompt, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    engine.add_request(GenerationRequest(
+        request_id, prompt, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)))
 
 
 @pytest.mark.timeout(240)
@@ -260,7 +262,8 @@ def test_a_follower_killed_during_a_step_fails_that_step():
     processes = list(engine.executor._processes)
     long_prompt = [int(t) for t in engine.tokenizer.encode("seven rivers and a mountain " * 300)][:1500]
     try:
-        engine.add_request("long", long_prompt, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+        engine.add_request(GenerationRequest(
+            "long", long_prompt, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)))
         killer = threading.Timer(0.2, os.kill, (processes[1].pid, signal.SIGKILL))
         killer.start()
         started = time.monotonic()

@@ -11,7 +11,7 @@ import torch
 
 from engine.kernels.attention_reference import paged_attention
 from engine.kernels.conv_reference import causal_conv1d
-from engine.kernels.ssd_reference import ssd_chunk_scan, ssd_step
+from engine.kernels.ssd_reference import ssd_chunk_scan
 from tests.gpu.conftest import INTERPRETED, needs_device, needs_log1p, relative_error
 
 pytestmark = [pytest.mark.gpu, needs_device]

@@ -4,7 +4,7 @@ from a shuffled pool, one state slot per request, chunks of any size in one Forw
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch

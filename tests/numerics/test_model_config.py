@@ -1,4 +1,4 @@
-"""config.json spellings (DESIGN.md section 7) and the loader's refusals."""
+"""config.json spellings (docs/design.md section 7) and the loader's refusals."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The embedded default model: loads offline, its chat template, the instruction-boundary
-prefix property (DESIGN.md section 3), reproducible generation, size."""
+prefix property (docs/design.md section 3), reproducible generation, size."""
 
 from __future__ import annotations
 
@@ -127,7 +127,7 @@ def test_chat_template_rejects(tokenizer, messages):
 
 
 def instruction_boundary(tokenizer, messages) -> int | None:
-    """DESIGN.md section 3, as the renderer computes it."""
+    """docs/design.md section 3, as the renderer computes it."""
     ids = render(tokenizer, messages, generation_prompt=True)
     k = 0
     while k < len(messages) and messages[k]["role"] in ("system", "developer"):

@@ -1,4 +1,4 @@
-"""The renderer's instruction boundary fails closed (DESIGN.md section 3), with no Serve.
+"""The renderer's instruction boundary fails closed (docs/design.md section 3), with no Serve.
 
 Custom chat templates on the embedded tokenizer stand in for the templates that break the
 "instructions rendered alone are a token prefix" rule: one that merges the system message into
@@ -20,6 +20,7 @@ from deployments.instruction_boundary import BoundaryRejection, find_instruction
 from deployments.protocol import ChatMessage
 from deployments.renderer import render_chat, tokenize_prompt
 from engine.config import DEFAULT_MODEL_DIR, EngineConfig
+from engine.generation_request import GenerationRequest
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 
@@ -137,8 +138,8 @@ def engine() -> LLMEngine:
 
 def generate(engine: LLMEngine, request_id: str, prompt_ids, salt: str, boundary: int | None):
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    engine.add_request(request_id, prompt_ids, params, cache_salt=salt,
-                       instruction_boundary=boundary)
+    engine.add_request(GenerationRequest(request_id, prompt_ids, params, cache_salt=salt,
+                                         instruction_boundary=boundary))
     tokens, cached = [], None
     while engine.has_unfinished_requests():
         for out in engine.step():

@@ -12,7 +12,7 @@ Neither applies the D skip (y_t + D_h * x_t): the gated RMSNorm that reads y nex
 
 Prefill: `scan_inputs`, our own kernel, turns the conv output and raw dt into q = C, k = B,
 v = x * dt, g = dt * A (fp32, per head) in one launch; fla-core's `chunk_simple_gla` kernels
-(pure Triton, DESIGN.md section 7: its cumsum, chunk-state and output kernels, called one by
+(pure Triton, docs/design.md section 7: its cumsum, chunk-state and output kernels, called one by
 one in `chunk_scan`) scan them with scale 1 in our (H, P, N) state layout (`state_v_first`);
 fp32 inputs (Triton multiplies in tf32), so chunk-edge states stay fp32.
 Decode: `_decode_kernel`, our own: each program owns (one slot, one head, BLOCK_P rows of P),
