@@ -3,8 +3,8 @@
     WorkerGroup.start(config)        placement group (one bundle per rank, STRICT_PACK: one node),
                                      a rendezvous on a free port of bundle 0's node, and one
                                      RankWorker actor per bundle; ranks 1.. enter follow()
-    RankActor                        the RankWorker a Ray actor runs: rank 0 runs steps in the
-                                     order they were submitted
+    RankActor                        the RankWorker a Ray actor runs; rank 0 runs steps in the
+                                     order they were submitted (StepsInOrder)
     RayWorkerExecutor(ranks)         the engine's ModelExecutor inside the LLM server replica: one
                                      actor call to rank 0 per step; health pings every rank
 
@@ -40,10 +40,12 @@ START_TIMEOUT_S = 900.0
 STEP_STALL_S = 600.0
 # A threaded actor: ranks 1.. sit in follow() while health pings still get answered.
 RANK_ACTOR_CONCURRENCY = 2
-# Rank 0's steps run in a concurrency group with a thread for each step that may be in flight
-# (ModelExecutor: at most two); RankActor.execute_in_order runs them one at a time, in order.
+# Rank 0's steps run in a concurrency group of STEP_THREADS threads, and
+# StepsInOrder.execute_in_order runs them one at a time, in submission order. A step waiting
+# for its turn holds a thread, so there must be a thread for every step that can be queued:
+# the engine keeps at most two in flight (ModelExecutor), tools and tests may queue more.
 STEP_GROUP = "steps"
-STEPS_IN_FLIGHT = 2
+STEP_THREADS = 8
 
 
 class WorkerGroupStartError(RuntimeError):
@@ -55,20 +57,21 @@ def _rendezvous_on_this_node(world_size: int) -> Rendezvous:
     return Rendezvous.on_free_port(ray.util.get_node_ip_address(), world_size)
 
 
-class RankActor(RankWorker):
-    """A RankWorker as a threaded Ray actor. Ray may start two calls of one caller out of order
+class StepsInOrder:
+    """Mixin for an actor whose `execute(scheduler_output)` runs steps: `execute_in_order` runs
+    them in the order they were submitted. Ray may start two calls of one caller out of order
     on a threaded actor (each as soon as its arguments have arrived), so rank 0's steps carry
     their submission index and wait for their turn here: step k+1 can be sent while step k
     runs, and still runs after it."""
 
-    def __init__(self, config: EngineConfig, rank: int, rendezvous: Rendezvous) -> None:
-        super().__init__(config, rank, rendezvous)
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
         self._turn = threading.Condition()
         self._next_step = 0
 
     def execute_in_order(self, step_index: int, scheduler_output: SchedulerOutput) -> RunnerOutput:
-        """RankWorker.execute, once every step with a lower index has run; indices start at 0
-        and have no gaps (RayWorkerExecutor numbers its submissions)."""
+        """execute(scheduler_output), once every step with a lower index has run (or failed);
+        indices start at 0 and have no gaps (RayWorkerExecutor numbers its submissions)."""
         with self._turn:
             self._turn.wait_for(lambda: self._next_step == step_index)
         try:
@@ -77,6 +80,10 @@ class RankActor(RankWorker):
             with self._turn:
                 self._next_step += 1
                 self._turn.notify_all()
+
+
+class RankActor(StepsInOrder, RankWorker):
+    """The RankWorker each Ray rank actor runs."""
 
 
 @dataclass
@@ -108,7 +115,7 @@ class WorkerGroup:
 
         rendezvous = await _rendezvous_on_this_node.options(
             scheduling_strategy=in_bundle(0)).remote(world_size)
-        rank_actor = ray.remote(concurrency_groups={STEP_GROUP: STEPS_IN_FLIGHT})(RankActor)
+        rank_actor = ray.remote(concurrency_groups={STEP_GROUP: STEP_THREADS})(RankActor)
         ranks = [
             rank_actor.options(
                 num_cpus=num_cpus_per_rank, num_gpus=1 if on_gpu else 0,
@@ -152,7 +159,7 @@ class RayWorkerExecutor:
     def submit(self, scheduler_output: SchedulerOutput) -> None:
         """Send the step to rank 0 without waiting. It is sent at once, even while the step
         before still runs, so it starts the moment that one ends; its index keeps it behind
-        that step (RankActor.execute_in_order)."""
+        that step (StepsInOrder.execute_in_order)."""
         call = self._ranks[0].execute_in_order.options(concurrency_group=STEP_GROUP).remote(
             self._submitted, scheduler_output)
         self._submitted += 1

@@ -60,30 +60,32 @@ def test_queued_steps_run_in_order_and_read_their_pending_tokens(ray_session, wo
 
 
 def test_after_a_failed_step_later_steps_run(ray_session):
-    """Rank 0 fails one step while the next is already submitted (chained on it, so it fails
-    too). The engine abandons both; the steps after them must not be chained on a failed one."""
+    """Rank 0 fails one step while the next is already submitted. The engine abandons both; the
+    steps after them run in order and finish normally (the step index moves past a failure)."""
     import ray
 
-    from deployments.worker_group import STEP_GROUP
+    from deployments.worker_group import STEP_GROUP, STEP_THREADS, StepsInOrder
     from engine.llm_engine import LLMEngine
     from engine.worker import Worker
 
     config = EngineConfig(max_num_seqs=4, kv_cache_bytes=8 * 1024 * 1024, state_cache_bytes=8 * 1024 * 1024)
 
-    class FailsOnce:
+    class FailsOnce(StepsInOrder):
         def __init__(self) -> None:
+            super().__init__()
             self.worker, self.calls = Worker(config), 0
 
         def cache_capacity(self):
             return self.worker.cache_capacity()
 
-        def execute(self, scheduler_output, after=None):
+        def execute(self, scheduler_output):
             self.calls += 1
             if self.calls == 4:
                 raise RuntimeError("injected step failure")
             return self.worker.execute(scheduler_output)
 
-    rank = ray.remote(concurrency_groups={STEP_GROUP: 1})(FailsOnce).options(max_concurrency=2, num_cpus=0.2).remote()
+    rank = ray.remote(concurrency_groups={STEP_GROUP: STEP_THREADS})(FailsOnce).options(
+        max_concurrency=2, num_cpus=0.2).remote()
     engine = LLMEngine(config, executor=RayWorkerExecutor([rank]))
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     try:
