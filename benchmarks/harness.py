@@ -65,3 +65,38 @@ def middle(values: Sequence[float]) -> float:
     """The value at index len // 2 of the sorted values: the median of an odd count, the upper
     of the two middle values of an even one (no averaging)."""
     return sorted(values)[len(values) // 2]
+
+
+def process_cpu_seconds() -> dict[str, float]:
+    """CPU seconds (user + system) used so far by every process of this host, summed by role:
+    a Ray worker by its actor class ("ray::ServeReplica:app:OpenAIIngress", "ray::RankActor"),
+    any other process by its program name ("raylet", "gcs_server", "python"). Linux only
+    (reads /proc). Take two snapshots and subtract (cpu_seconds_between) to see where a run's
+    CPU went."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    usage: dict[str, float] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the process ended meanwhile
+            continue
+        role = _process_role(argv[0].decode(errors="replace"))
+        usage[role] = usage.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
+    return usage
+
+
+def cpu_seconds_between(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Per role, the CPU seconds spent between two process_cpu_seconds snapshots (roles that
+    used none are left out; a process that ended between them is not counted)."""
+    spent = {role: after[role] - before.get(role, 0.0) for role in after}
+    return {role: seconds for role, seconds in sorted(spent.items()) if seconds > 0}
+
+
+def _process_role(program: str) -> str:
+    if program.startswith("ray::"):  # "ray::RankActor.execute_in_order" while a task runs
+        return program.split(".", 1)[0].split(" ", 1)[0]
+    return Path(program.split(" ", 1)[0]).name or "?"
+

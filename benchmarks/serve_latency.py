@@ -21,6 +21,10 @@ in-process / path for decode speed and throughput; 1.0 means Ray and HTTP cost n
 
 The worker actor runs torch with as many threads as its Ray CPUs (Ray sets OMP_NUM_THREADS);
 the in-process path is given the same thread count so the comparison is like for like.
+For every level it also records where the host's CPU went: CPU milliseconds per output token
+of each process role (the Ray worker processes by actor class, raylet, the benchmark's own
+python process, which is the engine on the in-process and actor paths and the HTTP client on
+the http path). On a 2-core machine that is the cost the serving path adds to every token.
 Prints a table and writes JSON (--out, default benchmarks/results/serve_latency.json).
 """
 
@@ -34,8 +38,9 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, replace
 
-from harness import add_out_argument, write_result
+from harness import add_out_argument, cpu_seconds_between, process_cpu_seconds, write_result
 
+MIN_CPU_MS_SHOWN = 0.05
 PROMPT = "The quick brown fox jumps over the lazy dog while hybrid models keep a recurrent state. "
 
 
@@ -61,10 +66,15 @@ class LevelResult:
     ttft_ms_max: float
     decode_tok_s_mean: float
     throughput_tok_s: float
+    # CPU milliseconds each process role spent per output token during the level (harness.
+    # process_cpu_seconds: every process of the host, the benchmark's own included)
+    cpu_ms_per_token: dict[str, float]
 
 
-def summarize(path: str, concurrency: int, timings: list[RequestTiming], wall_s: float) -> LevelResult:
+def summarize(path: str, concurrency: int, timings: list[RequestTiming], wall_s: float,
+              cpu_s: dict[str, float]) -> LevelResult:
     ttfts = [t.ttft_s * 1000 for t in timings]
+    num_tokens = sum(t.num_tokens for t in timings)
     return LevelResult(
         path=path,
         concurrency=concurrency,
@@ -73,7 +83,8 @@ def summarize(path: str, concurrency: int, timings: list[RequestTiming], wall_s:
         ttft_ms_p50=statistics.median(ttfts),
         ttft_ms_max=max(ttfts),
         decode_tok_s_mean=statistics.fmean(t.decode_tok_s for t in timings),
-        throughput_tok_s=sum(t.num_tokens for t in timings) / wall_s,
+        throughput_tok_s=num_tokens / wall_s,
+        cpu_ms_per_token={role: 1000 * seconds / num_tokens for role, seconds in cpu_s.items()},
     )
 
 
@@ -117,13 +128,17 @@ async def time_http(client, model: str, prompt_ids: list[int], max_tokens: int) 
     return RequestTiming(first, last, num_tokens)
 
 
-async def run_level(one_request, concurrency: int, rounds: int) -> tuple[list[RequestTiming], float]:
-    """`rounds` waves of `concurrency` simultaneous requests; returns timings and total wall time."""
+async def run_level(path: str, one_request, concurrency: int, rounds: int) -> LevelResult:
+    """`rounds` waves of `concurrency` simultaneous requests, timed, with the CPU every process
+    spent meanwhile."""
     timings: list[RequestTiming] = []
+    cpu_before = process_cpu_seconds()
     start = time.perf_counter()
     for _ in range(rounds):
         timings += await asyncio.gather(*(one_request() for _ in range(concurrency)))
-    return timings, time.perf_counter() - start
+    wall_s = time.perf_counter() - start
+    cpu_s = cpu_seconds_between(cpu_before, process_cpu_seconds())
+    return summarize(path, concurrency, timings, wall_s, cpu_s)
 
 
 def bench_engine(label: str, engine, prompt_ids, args) -> list[LevelResult]:
@@ -133,9 +148,8 @@ def bench_engine(label: str, engine, prompt_ids, args) -> list[LevelResult]:
         results = []
         await time_in_process(engine, prompt_ids, 4)  # warm-up
         for c in args.concurrency:
-            timings, wall = await run_level(
-                lambda: time_in_process(engine, prompt_ids, args.max_tokens), c, args.rounds)
-            results.append(summarize(label, c, timings, wall))
+            results.append(await run_level(
+                label, lambda: time_in_process(engine, prompt_ids, args.max_tokens), c, args.rounds))
         return results
 
     try:
@@ -187,9 +201,9 @@ def bench_http(config, prompt_ids, args) -> list[LevelResult]:
                 await time_http(client, model, prompt_ids, 4)  # warm-up
                 results = []
                 for c in args.concurrency:
-                    timings, wall = await run_level(
-                        lambda: time_http(client, model, prompt_ids, args.max_tokens), c, args.rounds)
-                    results.append(summarize("http", c, timings, wall))
+                    results.append(await run_level(
+                        "http", lambda: time_http(client, model, prompt_ids, args.max_tokens), c,
+                        args.rounds))
                 return results
 
         return asyncio.run(main())
@@ -219,6 +233,14 @@ def table(results: list[LevelResult], ratios: list[dict]) -> str:
         lines.append(f"{r.path:<11} {r.concurrency:>4} {r.num_requests:>4} {r.ttft_ms_mean:>12.1f} "
                      f"{r.ttft_ms_p50:>8.1f} {r.ttft_ms_max:>8.1f} {r.decode_tok_s_mean:>16.1f} "
                      f"{r.throughput_tok_s:>11.1f}")
+    lines += ["", "CPU ms per output token, by process role (every process of the host; "
+              f"roles under {MIN_CPU_MS_SHOWN} ms summed as 'other')"]
+    for r in results:
+        shown = {role: ms for role, ms in r.cpu_ms_per_token.items() if ms >= MIN_CPU_MS_SHOWN}
+        other = sum(r.cpu_ms_per_token.values()) - sum(shown.values())
+        parts = [f"{role} {ms:.2f}" for role, ms in sorted(shown.items(), key=lambda kv: -kv[1])]
+        lines.append(f"  {r.path:<11} {r.concurrency:>2}: total {sum(r.cpu_ms_per_token.values()):.2f}"
+                     f" = {', '.join(parts)}, other {other:.2f}")
     lines += ["", "Overhead vs in-process (1.0 = free): TTFT path/in-process; decode speed and "
               "throughput in-process/path"]
     for o in ratios:
