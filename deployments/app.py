@@ -2,7 +2,8 @@
 
     OpenAIIngress (HTTP + handle API)
       -> Renderer   (chat template, tokenizer)
-      -> LLMServer  (the engine's step loop + one worker actor per tensor-parallel rank)
+      -> LLMServer  (the engine's step loop; the model itself with one rank, one worker actor
+                     per rank with tensor_parallel_size > 1)
 
 `build_app(args)` validates the args (unknown keys rejected, see deployments.config) and
 returns the bound Application; `serve.run(build_app({...}))` runs it from Python.
@@ -30,6 +31,17 @@ def check_model_splits(config: AppConfig) -> None:
         rank_shard_layout(model_config, TensorParallel(rank, world_size))
 
 
+def llm_server_resources(config: AppConfig) -> dict:
+    """The LLM server replica's Ray resources. With one rank the replica runs the model, so it
+    also asks for the rank's worker_num_cpus and, on CUDA, its GPU; with more ranks each rank
+    actor asks for its own (deployments.worker_group)."""
+    engine = config.engine
+    if engine.tensor_parallel_size > 1:
+        return {"num_cpus": config.llm_server_num_cpus}
+    return {"num_cpus": config.llm_server_num_cpus + config.worker_num_cpus,
+            "num_gpus": 1 if engine.device.startswith("cuda") else 0}
+
+
 def build_app(args: dict) -> Application:
     """Build the application from serve_config.yaml `args` (a dict) or an AppConfig.
 
@@ -42,7 +54,7 @@ def build_app(args: dict) -> Application:
         ray_actor_options={"num_cpus": config.renderer_num_cpus}, **serve_options
     ).bind(config.engine.model_dir)
     llm_server = LLMServer.options(
-        ray_actor_options={"num_cpus": config.llm_server_num_cpus},
+        ray_actor_options=llm_server_resources(config),
         health_check_period_s=config.health_check_period_s, **serve_options
     ).bind(config)
     return OpenAIIngress.options(

@@ -22,8 +22,9 @@ class AppConfig(BaseModel):
     `engine` is the engine's own EngineConfig (engine/config.py), validated field by field with
     the engine's checks; serve_config.yaml gives it as a nested block. CPU fields are Ray
     logical CPUs; the defaults add up to 1.3 so the whole application fits a 2-core machine,
-    with one full CPU for the worker actor (the only process that runs the model); each further
-    tensor-parallel rank asks for another worker_num_cpus.
+    with one full CPU for the process that runs the model: the LLM server replica itself with
+    one rank (it asks for llm_server_num_cpus + worker_num_cpus), else one worker actor per
+    tensor-parallel rank (worker_num_cpus each).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -31,12 +32,19 @@ class AppConfig(BaseModel):
     engine: EngineConfig = Field(default_factory=EngineConfig)
     served_model_name: str = Field("hybrid-serve-tiny", min_length=1)
 
+    stream_interval: int = Field(
+        4, ge=1,
+        description="Tokens per streamed delta after the first (the last may carry fewer): each "
+                    "delta costs the LLM server, ingress and proxy CPU, so fewer deltas leave "
+                    "more for the model (docs/design.md section 6).")
+
     # Ray resources (logical CPUs) and Serve request limits.
     ingress_num_cpus: float = Field(0.1, ge=0)
     renderer_num_cpus: float = Field(0.1, ge=0)
     llm_server_num_cpus: float = Field(
         0.1, ge=0, description="The LLM server replica, which runs the engine's step loop.")
-    worker_num_cpus: float = Field(1.0, gt=0, description="Per tensor-parallel rank.")
+    worker_num_cpus: float = Field(
+        1.0, gt=0, description="Per tensor-parallel rank: torch threads of the process running it.")
     max_ongoing_requests: int = Field(256, ge=1, description="Per replica, every deployment.")
     health_check_period_s: float = Field(
         10.0, gt=0, description="How often Serve probes each LLM server replica (its actors).")

@@ -2,13 +2,15 @@
 
     LLMServer (Serve replica)   AsyncLLMEngine: queues, block pool, state pool, step loop (a
                                 thread of this replica); streams RequestOutputs to the ingress
-                                and aborts a request whose stream is closed
-      -> rank actors            deployments.worker_group: one RankWorker per tensor-parallel
-                                rank in a placement group (model shard and its caches)
+                                and aborts a request whose stream is closed. With one rank
+                                (tensor_parallel_size 1) the model runs here too.
+      -> rank actors            only with tensor_parallel_size > 1: deployments.worker_group,
+                                one RankActor per rank in a placement group (model shard and
+                                its caches)
 
-The engine reaches the ranks through RayWorkerExecutor: one actor call to rank 0 per step,
-which broadcasts the step to the other ranks (engine/rank_worker.py). Why the step loop lives
-in the replica and not in an actor of its own: docs/design.md section 6.
+With rank actors the engine reaches them through RayWorkerExecutor: one actor call to rank 0
+per step, which broadcasts the step to the other ranks (engine/rank_worker.py). Why the step
+loop, and with one rank the model, live in the replica: docs/design.md section 6.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import logging
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, replace
 
+import torch
 from ray import serve
 from ray.actor import ActorHandle
 
@@ -43,13 +46,17 @@ def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
                    new_text="".join(out.new_text for out in outputs))
 
 
-async def coalesce(outputs: AsyncGenerator[RequestOutput, None]) -> AsyncGenerator[RequestOutput, None]:
-    """Re-yield `outputs`, merging all outputs already waiting into one delta.
+async def coalesce(
+    outputs: AsyncGenerator[RequestOutput, None], stream_interval: int = 1,
+) -> AsyncGenerator[RequestOutput, None]:
+    """Re-yield `outputs` as fewer, larger deltas: every output already waiting is merged into
+    one, and a delta is held back until it carries `stream_interval` tokens.
 
-    A consumer that keeps up gets one output per engine step; one that lags (a busy event loop,
-    a slow hop downstream) gets fewer, larger deltas instead of a growing backlog of messages.
-    The first output is never delayed. Errors from `outputs` are raised after the outputs that
-    preceded them. Closing this generator cancels the reader, which closes `outputs`.
+    The first output and the final one are never held back. A consumer that keeps up gets one
+    delta per engine step (stream_interval 1) or per stream_interval tokens; one that lags (a
+    busy event loop, a slow hop downstream) gets larger deltas instead of a growing backlog of
+    messages. Errors from `outputs` are raised after the outputs that preceded them. Closing
+    this generator cancels the reader, which closes `outputs`.
     """
     ready: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
 
@@ -61,20 +68,25 @@ async def coalesce(outputs: AsyncGenerator[RequestOutput, None]) -> AsyncGenerat
             ready.put_nowait(exc)
 
     reader = asyncio.create_task(read())
+    held: list[RequestOutput] = []
+    sent_first = False
     try:
         while True:
             batch = [await ready.get()]
             while not ready.empty():
                 batch.append(ready.get_nowait())
-            outs = [item for item in batch if not isinstance(item, Exception)]
-            if outs:
-                merged = merge_outputs(outs)
+            for item in batch:
+                if isinstance(item, Exception):  # the reader's last item
+                    if held:
+                        yield merge_outputs(held)
+                    raise item
+                held.append(item)
+            num_tokens = sum(len(out.new_token_ids) for out in held)
+            if held[-1].finished or not sent_first or num_tokens >= stream_interval:
+                merged, held, sent_first = merge_outputs(held), [], True
                 yield merged
                 if merged.finished:
                     return
-            for item in batch:
-                if isinstance(item, Exception):
-                    raise item
     finally:
         reader.cancel()
         await asyncio.gather(reader, return_exceptions=True)
@@ -88,34 +100,45 @@ class ModelInfo:
     model_dir: str
 
 
-async def replica_health(engine: AsyncLLMEngine, executor: RayWorkerExecutor) -> None:
-    """Raise if the step loop or the executor died (a rank failed mid-step), a rank actor is
-    gone (RayActorError), one does not answer, or a step has stalled (TimeoutError)."""
+async def replica_health(engine: AsyncLLMEngine, ranks: RayWorkerExecutor | None) -> None:
+    """Raise if the step loop or the executor died (a rank failed mid-step) or, with rank
+    actors (`ranks`), one is gone (RayActorError), does not answer, or a step has stalled
+    (TimeoutError)."""
     if not engine.is_alive():
         raise RuntimeError("the engine step loop or its executor is not running")
-    await executor.check_health(HEALTH_CHECK_TIMEOUT_S / 2)
+    if ranks is not None:
+        await ranks.check_health(HEALTH_CHECK_TIMEOUT_S / 2)
 
 
 @serve.deployment
 class LLMServer:
-    """One model replica: starts its rank actors, runs the engine over them, streams generations.
+    """One model replica: runs the engine (and with one rank the model), streams generations.
 
-    The rank actors and their placement group are owned by this replica, so they go with it;
-    `check_health` fails when the step loop or any rank is dead or stuck, and Serve then
-    replaces the replica.
+    With tensor_parallel_size > 1 the replica starts and owns the rank actors and their
+    placement group, so they go with it. `check_health` fails when the step loop or any rank
+    is dead or stuck, and Serve then replaces the replica. build_app gives the replica the
+    rank's resources when it runs the model itself (llm_server_resources).
     """
 
     async def __init__(self, config: AppConfig) -> None:
-        self._workers = await WorkerGroup.start(config.engine, config.worker_num_cpus)
-        self._executor = RayWorkerExecutor(self._workers.ranks)
+        self._workers: WorkerGroup | None = None
+        self._executor: RayWorkerExecutor | None = None
+        if config.engine.tensor_parallel_size > 1:
+            self._workers = await WorkerGroup.start(config.engine, config.worker_num_cpus)
+            self._executor = RayWorkerExecutor(self._workers.ranks)
+        elif not config.engine.device.startswith("cuda"):
+            torch.set_num_threads(max(1, int(config.worker_num_cpus)))
         try:
-            # loading the tokenizer and sizing the caches blocks: keep the event loop free
+            # loading the model, the tokenizer and sizing the caches blocks: keep the event
+            # loop free (executor None: LLMEngine runs the model in this process)
             engine = await asyncio.to_thread(LLMEngine, config.engine, self._executor)
         except BaseException:
-            self._workers.shutdown()
+            if self._workers is not None:
+                self._workers.shutdown()
             raise
         self._info = ModelInfo(max_model_len=engine.max_model_len, model_dir=config.engine.model_dir)
         self._engine = AsyncLLMEngine(engine)
+        self._stream_interval = config.stream_interval
         self._num_aborted = 0
 
     def model_info(self) -> ModelInfo:
@@ -123,8 +146,8 @@ class LLMServer:
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
         """Stream the request's RequestOutputs (call with handle.options(stream=True)); the
-        last one has finished=True. Outputs that pile up while the caller lags are merged
-        (`coalesce`).
+        last one has finished=True. After the first, each carries AppConfig.stream_interval
+        tokens or more, and outputs that pile up while the caller lags are merged (`coalesce`).
 
         Raises APIError (400 for requests the engine refuses, 503 once the executor died, 500
         otherwise). If the caller stops iterating (client disconnect, cancellation) the request
@@ -132,7 +155,7 @@ class LLMServer:
         """
         finished = False
         try:
-            async for out in coalesce(self._engine.generate(request)):
+            async for out in coalesce(self._engine.generate(request), self._stream_interval):
                 finished = out.finished
                 yield out
         except (GeneratorExit, asyncio.CancelledError):
@@ -161,12 +184,14 @@ class LLMServer:
         await replica_health(self._engine, self._executor)
 
     def rank_actors(self) -> list[ActorHandle]:
-        """The tensor-parallel rank actors, rank order (for operators and fault tests)."""
-        return list(self._workers.ranks)
+        """The tensor-parallel rank actors, rank order (for operators and fault tests); none
+        with one rank, whose model runs in this replica."""
+        return list(self._workers.ranks) if self._workers is not None else []
 
     def __del__(self) -> None:
         try:
             self._engine.shutdown()
-            self._workers.shutdown()
+            if self._workers is not None:
+                self._workers.shutdown()
         except Exception:  # interpreter shutdown, actors already gone
             pass

@@ -23,6 +23,13 @@ def test_invalid_value_is_rejected_by_name():
         build_app({"engine": {"block_size": 0}})
 
 
+def test_stream_interval_must_be_positive():
+    assert parse_app_config({}).stream_interval >= 1
+    assert parse_app_config({"stream_interval": 1}).stream_interval == 1
+    with pytest.raises(ValueError, match="stream_interval"):
+        build_app({"stream_interval": 0})
+
+
 def test_unknown_engine_key_is_rejected_by_name():
     with pytest.raises(ValueError, match=r"unknown engine key\(s\) \['max_num_seq'\]"):
         build_app({"engine": {"max_num_seq": 8}})

@@ -78,3 +78,56 @@ def test_closing_the_stream_closes_its_source():
         await asyncio.wait_for(closed.wait(), 1)
 
     asyncio.run(main())
+
+
+def test_stream_interval_holds_deltas_until_they_carry_enough_tokens():
+    async def steady():
+        for i in range(10):
+            yield output(i, finished=i == 9)
+            await asyncio.sleep(0.002)  # about one engine step apart
+
+    async def main(interval):
+        return [out.new_token_ids async for out in coalesce(steady(), interval)]
+
+    deltas = asyncio.run(main(4))
+    assert deltas[0] == (0,)  # the first at once
+    assert all(len(ids) >= 4 for ids in deltas[1:-1])  # then at least four a delta
+    assert len(deltas) <= 4
+    assert [t for ids in deltas for t in ids] == list(range(10))  # nothing lost or reordered
+
+
+def test_stream_interval_one_sends_each_output_as_it_comes():
+    async def main():
+        taken = asyncio.Event()
+
+        async def in_lockstep():  # the next output only once the last one was received
+            for i in range(6):
+                yield output(i, finished=i == 5)
+                await taken.wait()
+                taken.clear()
+
+        deltas = []
+        async for out in coalesce(in_lockstep(), stream_interval=1):
+            deltas.append(out.new_token_ids)
+            taken.set()
+        return deltas
+
+    assert asyncio.run(main()) == [(i,) for i in range(6)]
+
+
+def test_stream_interval_never_holds_back_outputs_before_an_error():
+    async def failing():
+        yield output(0)
+        yield output(1)
+        await asyncio.sleep(0.002)
+        raise ValueError("engine died")
+
+    async def main():
+        seen = []
+        with pytest.raises(ValueError, match="engine died"):
+            async for out in coalesce(failing(), stream_interval=8):
+                seen.append(out.new_token_ids)
+        return seen
+
+    assert [t for ids in asyncio.run(main()) for t in ids] == [0, 1]
+
