@@ -8,8 +8,8 @@ held, the full KV blocks referenced, pins and recency.
 Life of a bundle:
   reserve -> PENDING: holds one BlockPool reference per full KV block and its bytes; invisible.
   publish -> PUBLISHED (every rank confirmed, endpoint new): visible to lookup, in the radix index.
-          -> dropped (a rank missing, or a duplicate endpoint).
-  discard -> dropped (capture failed or was abandoned).
+          -> dropped (a rank missing, or a duplicate endpoint). A capture that failed or was
+             abandoned is published with no confirmations, so it is dropped the same way.
   lookup pins a published bundle until unpin; evict_lru / evict_until drop unpinned published ones.
 Dropping a bundle releases its block references and its bytes; the workers may then free its
 tensors. The block references are taken at reserve, not at publish: the capturing request may
@@ -78,7 +78,7 @@ class KindCounters:
     hit: int = 0  # returned by lookup
     evicted: int = 0  # dropped by evict_lru / evict_until
     deduplicated: int = 0  # dropped at publish, endpoint already present
-    dropped: int = 0  # never published: a rank did not confirm, or discarded
+    dropped: int = 0  # never published: a rank did not confirm (or the capture was abandoned)
 
 
 class CheckpointLedger:
@@ -191,12 +191,6 @@ class CheckpointLedger:
         self._touch(bundle)
         counters.captured += 1
         return PublishOutcome.PUBLISHED
-
-    def discard(self, bundle_id: BundleId) -> None:
-        """Drop a pending bundle (capture failed or abandoned), releasing its references."""
-        bundle = self._pending(bundle_id)
-        self.counters[bundle.kind].dropped += 1
-        self._drop(bundle)
 
     # ---- lookup and pinning --------------------------------------------------------------------
 

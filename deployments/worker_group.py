@@ -2,7 +2,7 @@
 
     WorkerGroup.start(config)        placement group (one bundle per rank, STRICT_PACK: one node),
                                      a rendezvous on a free port of bundle 0's node, and one
-                                     RankWorker actor per bundle; ranks 1.. enter follow()
+                                     RankActor per bundle; ranks 1.. enter follow()
     RankActor                        the RankWorker a Ray actor runs; rank 0 runs steps in the
                                      order they were submitted (StepsInOrder)
     RayWorkerExecutor(ranks)         the engine's ModelExecutor inside the LLM server replica: one
@@ -88,7 +88,7 @@ class RankActor(StepsInOrder, RankWorker):
 
 @dataclass
 class WorkerGroup:
-    """One replica's ranks: `ranks[r]` is the RankWorker actor of rank r."""
+    """One replica's ranks: `ranks[r]` is the RankActor of rank r."""
 
     ranks: list[ActorHandle]
     placement: PlacementGroup

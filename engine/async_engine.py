@@ -5,7 +5,8 @@ step thread through a queue and are applied between steps, so the engine is only
 by one thread. Closing or cancelling a generate() iterator aborts its request, which frees its
 blocks and state slot.
 
-A step that fails fails its requests and the loop goes on, except when the executor died
+A step that fails fails every unfinished request (LLMEngine.fail_all: the state of the steps
+in flight is unknown) and the loop goes on, except when the executor died
 (ExecutorDiedError: a tensor-parallel rank is gone). Then every open stream raises that error,
 every later request is refused with it, and is_alive() turns False so the replica is replaced.
 """

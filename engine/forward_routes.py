@@ -14,7 +14,10 @@ runs the first that accepts the step:
                                                 GpuBatchPlan copied to the device
 
 Every route decides the step's kernel choices once, when it builds its plan (GpuBatchPlan's
-kernel_choices), and hands the plan to the model; the layers read it and choose nothing. The
+kernel_choices), and hands the plan to the model; the layers read it. The one choice left to
+a layer is the single-row GEMM, which the linear layers take by the operands' shapes
+(routes_to_skinny in engine/layers/parallel_linear.py), because the same layer serves every
+route. The
 worker keeps what outlives a step (caches, checkpoints, hidden-row lifetimes, sampled tokens).
 """
 

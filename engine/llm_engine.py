@@ -14,7 +14,6 @@ re-implementing it.
 
 from __future__ import annotations
 
-import itertools
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -103,7 +102,6 @@ class LLMEngine:
         # Steps submitted to the executor and not yet collected, oldest first (at most one
         # between step() calls with async_scheduling, none without).
         self._in_flight: deque[SchedulerOutput] = deque()
-        self._arrival_counter = itertools.count()
         self._pending_outputs: list[RequestOutput] = []
 
     def add_request(self, request: GenerationRequest) -> None:
@@ -138,7 +136,6 @@ class LLMEngine:
             request_id=request_id,
             prompt_token_ids=prompt,
             sampling=replace(request.sampling, eos_token_ids=self.eos_token_ids),
-            arrival_index=next(self._arrival_counter),
             pause_positions=tuple(sorted(pauses)),
             namespace=(self.config.model_dir, request.cache_salt or ""),
             instruction_boundary=boundary,

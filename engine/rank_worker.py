@@ -15,7 +15,8 @@ Failure is fail-fast, because ranks that stop agreeing on the step sequence woul
 other in a collective forever: a rank >0 whose step fails exits its process at once (its peers'
 collectives then fail on the closed connection), and rank 0 raises ExecutorDiedError for the
 failed step and every later one. A single rank (world_size 1) never broadcasts; a failed step
-fails only that step's requests, as in process.
+raises for that step only and the engine goes on, as in process (it fails the requests then
+unfinished, LLMEngine.fail_all).
 
 The model's collectives use the default group (NCCL on CUDA, gloo on CPU; COLLECTIVE_TIMEOUT);
 steps and confirmations travel over a gloo group of their own (IDLE_TIMEOUT), so they never

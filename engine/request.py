@@ -54,7 +54,6 @@ class Request:
     request_id: str
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
-    arrival_index: int
     pause_positions: tuple[int, ...] = ()
     namespace: tuple[str, str] = ("", "")
     instruction_boundary: int | None = None

@@ -87,7 +87,7 @@ class SchedulerOutput:
     finished_request_ids: tuple[str, ...] = ()
     captures: tuple[CaptureOp, ...] = ()
     restores: tuple[RestoreOp, ...] = ()
-    # Bundles the scheduler forgot (evicted, invalidated, unconfirmed): the runner frees them.
+    # Bundles the scheduler forgot (evicted, duplicate, unconfirmed): the runner frees them.
     dropped_bundle_ids: tuple[int, ...] = ()
 
     @property

@@ -198,7 +198,7 @@ def test_a_bundle_is_published_only_when_every_rank_confirmed_it(confirmed, publ
     scheduler = checkpointing_scheduler(world_size=2)
     prompt = tuple(range(10, 30))
     params = SamplingParams(max_tokens=4, temperature=0, eos_token_ids=(2,))
-    scheduler.add_request(Request("a", prompt, params, 0))
+    scheduler.add_request(Request("a", prompt, params))
     prefill = scheduler.schedule()
     scheduler.update_from_output(prefill, RunnerOutput(sampled_token_ids={"a": 7}))
     step = scheduler.schedule()  # takes the prompt checkpoint reserved after the prefill

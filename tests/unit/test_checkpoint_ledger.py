@@ -61,10 +61,10 @@ def test_publish_without_exactly_every_rank_drops_and_releases_blocks(confirmed)
         ledger.publish(bundle_id, {0, 1}, world_size=2)
 
 
-def test_discard_releases_a_pending_bundle():
+def test_an_unconfirmed_publish_releases_a_pending_bundle():
     pool, ledger = make_ledger()
     bundle_id = capture(pool, ledger, [1, 2, 3, 4], publish=False)
-    ledger.discard(bundle_id)
+    assert ledger.publish(bundle_id, set(), world_size=1) is PublishOutcome.UNCONFIRMED
     assert pool.num_free == 16 and ledger.bytes_held == 0 and len(ledger) == 0
 
 
@@ -90,7 +90,7 @@ def test_reserve_checks_blocks_and_budget():
     assert ledger.reserve(NS, [1, 2, 3, 4, 5], PROMPT, 21, blocks) is None
     held = ledger.reserve(NS, [1], PROMPT, 15, [])
     assert ledger.reserve(NS, [1, 2, 3, 4, 5], PROMPT, 6, blocks) is None  # 15 + 6 > 20
-    ledger.discard(held)
+    ledger.publish(held, set(), world_size=1)  # abandoned: dropped
     assert [pool.ref_count(b) for b in (blocks[0], blocks[1], 15)] == [1, 1, 0]  # nothing changed
 
 
@@ -137,7 +137,7 @@ def test_a_block_stays_allocated_while_any_bundle_references_it():
     assert ledger.bundles_for_block(shared) == {a, b, pending} and pool.ref_count(shared) == 3
 
     assert ledger.evict_lru() == a
-    ledger.discard(pending)
+    ledger.publish(pending, set(), world_size=1)  # abandoned: dropped
     assert ledger.bundles_for_block(shared) == {b} and pool.ref_count(shared) == 1
     assert shared not in pool.allocate(pool.num_free)  # every free block, but not this one
     assert ledger.lookup(NS, [1, 2, 3, 4, 5, 6]).bundle_id == b
@@ -285,10 +285,10 @@ class LedgerMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.model.pending)
     @rule(data=st.data())
-    def discard(self, data):
+    def abandon(self, data):
         bundle_id = data.draw(st.sampled_from(sorted(self.model.pending)))
         del self.model.pending[bundle_id]
-        self.ledger.discard(bundle_id)
+        assert self.ledger.publish(bundle_id, set(), world_size=1) is PublishOutcome.UNCONFIRMED
 
     @precondition(lambda self: self.model.published)
     @rule(data=st.data(), suffix=st.lists(st.integers(0, 2), max_size=4).map(tuple),
@@ -358,7 +358,7 @@ class LedgerMachine(RuleBasedStateMachine):
                 self.ledger.unpin(bundle_id)
             self.model.pins[bundle_id] = 0
         for bundle_id in list(self.model.pending):
-            self.ledger.discard(bundle_id)
+            self.ledger.publish(bundle_id, set(), world_size=1)
         while self.check_evict_lru() is not None:  # evict_until(BUDGET) would keep 0-byte bundles
             pass
         assert self.pool.num_free == NUM_BLOCKS

@@ -24,7 +24,7 @@ def make_policy(kinds=ALL_KINDS, in_pass=False, world_size=1, checkpoint_bytes=1
 
 def admitted(policy, rid, prompt_len=40, boundary=None, pauses=(), first=0):
     """A request as the scheduler leaves it once admitted: a state slot and blocks for its prompt."""
-    request = Request(rid, tuple(range(10, 10 + prompt_len)), PARAMS, 0, pause_positions=pauses,
+    request = Request(rid, tuple(range(10, 10 + prompt_len)), PARAMS, pause_positions=pauses,
                       instruction_boundary=boundary)
     request.state_slot = policy.cache.acquire_state_slot()
     request.block_ids = policy.cache.allocate_blocks(0, prompt_len)
@@ -201,7 +201,7 @@ def published(policy, prompt_len=40):
 def test_a_lookup_restores_the_checkpoint_and_its_pin_is_released_at_settle():
     policy = make_policy()
     bundle_id = published(policy, prompt_len=40)
-    reader = Request("r", tuple(range(10, 60)), PARAMS, 1)
+    reader = Request("r", tuple(range(10, 60)), PARAMS)
     hit = policy.lookup(reader)
     assert hit is not None and (hit.bundle_id, hit.num_tokens) == (bundle_id, 40)
     assert policy.cache.ledger.get(bundle_id).pin_count == 1
@@ -219,7 +219,7 @@ def test_a_lookup_restores_the_checkpoint_and_its_pin_is_released_at_settle():
 def test_a_cancelled_restore_unpins_and_an_abandoned_one_too():
     policy = make_policy()
     bundle_id = published(policy)
-    reader = Request("r", tuple(range(10, 60)), PARAMS, 1)
+    reader = Request("r", tuple(range(10, 60)), PARAMS)
     policy.cancel_restore(policy.lookup(reader))
     assert policy.cache.ledger.get(bundle_id).pin_count == 0
     hit = policy.lookup(reader)
@@ -233,7 +233,7 @@ def test_with_checkpoints_off_a_lookup_finds_nothing():
     policy = make_policy()
     published(policy)
     off = CheckpointPolicy(policy.cache)
-    assert off.lookup(Request("r", tuple(range(10, 60)), PARAMS, 1)) is None
+    assert off.lookup(Request("r", tuple(range(10, 60)), PARAMS)) is None
 
 
 def test_a_capture_is_published_only_when_every_rank_confirmed_it():

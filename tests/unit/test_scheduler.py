@@ -19,9 +19,9 @@ def make_scheduler(num_blocks=64, num_slots=4, block_size=16, budget=64, max_seq
     return Scheduler(cache, max_num_batched_tokens=budget, max_num_seqs=max_seqs, max_model_len=max_len)
 
 
-def make_request(rid, prompt_len, max_tokens=4, pauses=(), arrival=0, **sampling):
+def make_request(rid, prompt_len, max_tokens=4, pauses=(), **sampling):
     params = SamplingParams(max_tokens=max_tokens, temperature=0, eos_token_ids=(EOS,), **sampling)
-    return Request(rid, tuple(range(10, 10 + prompt_len)), params, arrival, pause_positions=pauses)
+    return Request(rid, tuple(range(10, 10 + prompt_len)), params, pause_positions=pauses)
 
 
 def run_step(scheduler: Scheduler, token_for=lambda rid: 7) -> SchedulerOutput:
@@ -50,9 +50,9 @@ def test_capture_flag_is_set_only_on_the_chunk_ending_at_the_pause():
 
 def test_decode_tokens_and_prefill_chunks_share_the_budget():
     scheduler = make_scheduler(budget=20)
-    scheduler.add_request(make_request("a", 5, max_tokens=10, arrival=0))
+    scheduler.add_request(make_request("a", 5, max_tokens=10))
     run_step(scheduler)  # a: prefill 5 and sample
-    scheduler.add_request(make_request("b", 40, arrival=1))
+    scheduler.add_request(make_request("b", 40))
     out = run_step(scheduler)
     sizes = {c.request_id: len(c.token_ids) for c in out.chunks}
     assert sizes == {"a": 1, "b": 19}
@@ -75,8 +75,8 @@ def test_chunks_carry_the_right_tokens_and_positions_through_decode():
 
 def test_admission_waits_when_no_state_slot_is_free_and_keeps_arrival_order():
     scheduler = make_scheduler(num_slots=1, budget=64)
-    scheduler.add_request(make_request("a", 4, max_tokens=2, arrival=0))
-    scheduler.add_request(make_request("b", 4, max_tokens=2, arrival=1))
+    scheduler.add_request(make_request("a", 4, max_tokens=2))
+    scheduler.add_request(make_request("b", 4, max_tokens=2))
     out = run_step(scheduler)
     assert [c.request_id for c in out.chunks] == ["a"]
     assert scheduler.waiting[0].request_id == "b"
@@ -103,8 +103,8 @@ def test_preemption_frees_the_newest_request_and_recomputes_it_from_scratch():
     # 6 blocks of 4 tokens: two requests of 10 prompt tokens fit (3 blocks each) but not
     # once both grow past 12 tokens.
     scheduler = make_scheduler(num_blocks=6, block_size=4, budget=64, num_slots=2)
-    scheduler.add_request(make_request("old", 10, max_tokens=6, arrival=0))
-    scheduler.add_request(make_request("new", 10, max_tokens=6, arrival=1))
+    scheduler.add_request(make_request("old", 10, max_tokens=6))
+    scheduler.add_request(make_request("new", 10, max_tokens=6))
     preempted_chunk = None
     for _ in range(4):
         out = run_step(scheduler)
@@ -194,7 +194,7 @@ def test_many_requests_under_pressure_all_finish_and_pools_return_to_idle():
     rng = random.Random(0)
     scheduler = make_scheduler(num_blocks=24, block_size=4, budget=16, num_slots=3, max_seqs=3)
     for i in range(20):
-        scheduler.add_request(make_request(f"r{i}", rng.randint(1, 30), max_tokens=rng.randint(1, 8), arrival=i))
+        scheduler.add_request(make_request(f"r{i}", rng.randint(1, 30), max_tokens=rng.randint(1, 8)))
     steps = 0
     while scheduler.has_unfinished_requests():
         out = run_step(scheduler, token_for=lambda rid: 5)

@@ -24,7 +24,7 @@ def _scheduler(in_pass: bool, budget=4096) -> Scheduler:
 def _request(boundary: int, prompt_len=300, pauses=()) -> Request:
     params = SamplingParams(max_tokens=2, temperature=0, eos_token_ids=(2,))
     # Scheduler.add_request adds the boundary to the pauses where the policy cuts there
-    return Request("a", tuple(range(10, 10 + prompt_len)), params, 0, pause_positions=pauses,
+    return Request("a", tuple(range(10, 10 + prompt_len)), params, pause_positions=pauses,
                    instruction_boundary=boundary)
 
 
