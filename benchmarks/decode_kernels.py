@@ -67,7 +67,7 @@ def mamba_decode_rows(copy_bw: float) -> list[dict]:
     from engine.kernels.gpu.conv import advance_conv_states, causal_conv1d_varlen
     from engine.kernels.gpu.mamba_decode import conv_ssd_decode
     from engine.kernels.gpu.ssd import decode_block_p, ssd_decode_update
-    from engine.layers.mamba2 import FUSED_DECODE_MAX_ROWS
+    from engine.kernels.gpu.batch_plan import FUSED_DECODE_MAX_ROWS
 
     conv_dim, width = H * P + 2 * G * N, 4
     rows = []

@@ -8,8 +8,8 @@
 # The first argument picks the tests to run before the benchmark (default: all of tests/gpu;
 # "none" runs none); "rest" runs the other device tests after it, as time allows.
 #
-# On a fresh machine the 228 device tests of the seventh session took about 560 s in one
-# process, mostly Triton compiling and autotuning on the CPU (each compilation on one core).
+# On a fresh machine the device tests take about 560 s in one process, mostly Triton compiling
+# and autotuning on the CPU (each compilation on one core).
 # GPU_TEST_WORKERS processes (default 8, of the H200 machine's 16 cores; 0: one process) share
 # the CPU, the GPU and Triton's on-disk cache of compiled kernels, so that tests and roofline
 # fit one 10-minute call: `bash scripts/gpu_check.sh`. The benchmark starts only after every

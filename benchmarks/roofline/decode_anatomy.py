@@ -6,10 +6,11 @@ torch.profiler."""
 
 from __future__ import annotations
 
+from unittest import mock
+
 import torch
 
 from engine.layers.attention import PagedAttention
-from engine.layers.mamba2 import Mamba2Mixer
 from engine.request import PENDING_TOKEN
 from engine.step_io import SchedulerOutput
 from engine.worker import Worker
@@ -56,8 +57,8 @@ def decode_step_anatomy(worker: Worker, request: int, position: int, blocks_per_
         graphs._inputs[:used].copy_(graphs._hosts[0][:used], non_blocking=True)
         _, _, inner_argmax = graphs._forward(1)
     replay = graphs._graphs[1]
-    unfolded = graph_without(graphs, Mamba2Mixer, "_folded_norm_row", lambda self, hidden, plan: None)
-    three_gemms = graph_without(graphs, PagedAttention, "project_qkv", three_projections)
+    unfolded = graph_without(graphs, mock.patch.object(graphs, "fold_gated_norm", False))
+    three_gemms = graph_without(graphs, mock.patch.object(PagedAttention, "project_qkv", three_projections))
     variants = {
         "replay": lambda: replay.replay(),
         "replay, the gated norm in its own kernel": lambda: unfolded.replay(),
@@ -99,14 +100,13 @@ def decode_step_anatomy(worker: Worker, request: int, position: int, blocks_per_
             "async_critical_path": path, "async_span_s": (kernel_span(on_gpu) or 0.0) / profiled_steps}
 
 
-def graph_without(graphs, owner: type, method: str, replacement) -> torch.cuda.CUDAGraph:
-    """The batch-1 decode graph's forward pass (no input copy) captured afresh with
-    owner.method replaced, after one eager run of it (Triton compiles and tunes outside the
-    capture): the step without one optimisation, for a ratio in the same run."""
-    from unittest import mock
-
+def graph_without(graphs, patch) -> torch.cuda.CUDAGraph:
+    """The batch-1 decode graph's forward pass (no input copy) captured afresh inside `patch`
+    (a mock.patch that turns one optimisation off), after one eager run of it (Triton compiles
+    and tunes outside the capture): the step without that optimisation, for a ratio in the
+    same run."""
     graph = torch.cuda.CUDAGraph()
-    with mock.patch.object(owner, method, replacement), torch.inference_mode():
+    with patch, torch.inference_mode():
         graphs._forward(1)
         torch.cuda.synchronize()
         with torch.cuda.graph(graph):
@@ -115,7 +115,7 @@ def graph_without(graphs, owner: type, method: str, replacement) -> torch.cuda.C
     return graph
 
 
-def three_projections(self: PagedAttention, hidden: torch.Tensor):
+def three_projections(self: PagedAttention, hidden: torch.Tensor, stacked: bool = False):
     """PagedAttention.project_qkv as three GEMMs over the q, k and v weights (instead of one
     over the stacked weight)."""
     from engine.layers.parallel_linear import linear

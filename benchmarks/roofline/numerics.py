@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from engine.forward_batch import build_forward_batch
+from engine.kernels.gpu.batch_plan import build_gpu_batch_plan
 from engine.loader import load_model
 from engine.step_io import SchedulerOutput
 from engine.worker import Worker
@@ -24,7 +25,9 @@ def numerics_check(worker: Worker, model_dir: Path, prompt_len: int = 32, new_to
     for i in range(new_tokens):
         batch = build_forward_batch(list(step.chunks), BLOCK_SIZE, worker.device)
         with torch.inference_mode():
-            hidden = worker.model(batch, worker.caches)
+            plan = build_gpu_batch_plan(batch, BLOCK_SIZE, worker.device,
+                                        fold_gated_norm=worker.eager_pass.fold_gated_norm)
+            hidden = worker.model(batch, worker.caches, gpu_plan=plan)
             gpu_logits.append(worker.model.compute_logits(hidden[-1:]).cpu()[0])
         tokens.append(int(gpu_logits[-1].argmax()))
         step = SchedulerOutput((chunk(request, tokens[-1:], len(tokens) - 1, blocks, False),))
