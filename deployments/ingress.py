@@ -122,25 +122,11 @@ class OpenAIIngress:
 
     @app.post("/v1/chat/completions")
     async def http_chat(self, body: ChatCompletionRequest):
-        try:
-            meta, outputs = await self._start_chat(body)
-            if not body.stream:
-                return json_response(chat_response(meta, await collect(outputs)))
-            outputs = await first_output_ready(outputs)
-        except Exception as exc:
-            return error_json(as_api_error(exc))
-        return sse_response(chat_chunks(meta, outputs, body.include_usage))
+        return await self._respond(body, self._start_chat, chat_response, chat_chunks)
 
     @app.post("/v1/completions")
     async def http_completions(self, body: CompletionRequest):
-        try:
-            meta, outputs = await self._start_completion(body)
-            if not body.stream:
-                return json_response(completion_response(meta, await collect(outputs)))
-            outputs = await first_output_ready(outputs)
-        except Exception as exc:
-            return error_json(as_api_error(exc))
-        return sse_response(completion_chunks(meta, outputs, body.include_usage))
+        return await self._respond(body, self._start_completion, completion_response, completion_chunks)
 
     @app.get("/v1/models")
     def http_models(self):
@@ -162,6 +148,19 @@ class OpenAIIngress:
         return Response(content=self._metrics.exposition(stats), media_type=CONTENT_TYPE_LATEST)
 
     # ----- one code path for both APIs
+
+    async def _respond(self, body, start, full_response, chunks):
+        """The HTTP answer to `body`: started with `start`, then one JSON body built by
+        `full_response`, or server-sent events from `chunks`; errors before the first output
+        as an OpenAI error body with its status."""
+        try:
+            meta, outputs = await start(body)
+            if not body.stream:
+                return json_response(full_response(meta, await collect(outputs)))
+            outputs = await first_output_ready(outputs)
+        except Exception as exc:
+            return error_json(as_api_error(exc))
+        return sse_response(chunks(meta, outputs, body.include_usage))
 
     async def _start_chat(self, request: ChatCompletionRequest) -> _Started:
         arrival_time = time.time()

@@ -200,18 +200,30 @@ class AssistantMessage(BaseModel):
     content: str
 
 
-class ChatChoice(BaseModel):
+class ChoiceBase(BaseModel):
+    """The fields every choice has (subclasses add its content and finish_reason); logprobs
+    are not supported and always null."""
+
     index: int = 0
-    message: AssistantMessage
     logprobs: None = None
+
+
+class ChatChoice(ChoiceBase):
+    message: AssistantMessage
     finish_reason: FinishReason | None
 
 
-class ChatCompletionResponse(BaseModel):
+class ResponseEnvelope(BaseModel):
+    """The fields every completion response and chunk starts with (subclasses add `object`,
+    `choices` and `usage`)."""
+
     id: str
-    object: Literal["chat.completion"] = "chat.completion"
     created: int
     model: str
+
+
+class ChatCompletionResponse(ResponseEnvelope):
+    object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
     usage: Usage
 
@@ -227,48 +239,34 @@ class DeltaMessage(BaseModel):
         return {k: v for k, v in handler(self).items() if v is not None}
 
 
-class ChatChunkChoice(BaseModel):
-    index: int = 0
+class ChatChunkChoice(ChoiceBase):
     delta: DeltaMessage
-    logprobs: None = None
     finish_reason: FinishReason | None = None
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(ResponseEnvelope):
     """One SSE event. The usage-only final chunk has no choices."""
 
-    id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
 
 
-class CompletionChoice(BaseModel):
-    index: int = 0
+class CompletionChoice(ChoiceBase):
     text: str
-    logprobs: None = None
     finish_reason: FinishReason | None = None
 
 
-class CompletionResponse(BaseModel):
-    id: str
+class CompletionResponse(ResponseEnvelope):
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
     choices: list[CompletionChoice]
     usage: Usage
 
 
-class CompletionChunk(BaseModel):
-    """One SSE event of a streamed completion (same object name as the full response)."""
+class CompletionChunk(CompletionResponse):
+    """One SSE event of a streamed completion: a CompletionResponse (same object name) whose
+    usage comes only in the final chunk."""
 
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
     usage: Usage | None = None
 
 

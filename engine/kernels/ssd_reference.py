@@ -57,15 +57,11 @@ def ssd_step_batched(
 
 
 def ssd_recurrent(
-    x: torch.Tensor,  # (T, H, P)
-    dt: torch.Tensor,  # (T, H)
-    A: torch.Tensor,  # (H,)
-    B: torch.Tensor,  # (T, G, N)
-    C: torch.Tensor,  # (T, G, N)
-    D: torch.Tensor | None,  # (H,)
-    initial_state: torch.Tensor,  # (H, P, N) fp32
+    x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+    D: torch.Tensor | None, initial_state: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token-by-token recurrence: returns (y (T, H, P) fp32, final_state (H, P, N) fp32)."""
+    """Token-by-token recurrence (arguments shaped as ssd_chunk_scan's): returns
+    (y (T, H, P) fp32, final_state (H, P, N) fp32)."""
     state = initial_state.float()
     outputs = []
     for t in range(x.shape[0]):

@@ -211,18 +211,14 @@ class Mamba2Mixer(ShardedModule):
         return x, B, C, dt, A
 
     def mix_batch_gpu(
-        self,
-        xBC: torch.Tensor,  # (T, conv_dim), pre-conv
-        dt_raw: torch.Tensor,  # (T, H)
-        conv_state: torch.Tensor,  # (num_slots, conv_dim, K-1), chunk slots updated in place
-        ssm_state: torch.Tensor,  # (num_slots, H, P, N) fp32, chunk slots updated in place
-        plan: GpuBatchPlan,
+        self, xBC: torch.Tensor, dt_raw: torch.Tensor, conv_state: torch.Tensor,
+        ssm_state: torch.Tensor, plan: GpuBatchPlan,
         captures: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every chunk at once on CUDA: a step whose plan chose the fused decode kernel
-        (plan.fused_mamba_decode: a small decode-only step, what the decode CUDA graphs run)
-        takes mix_decode_only_gpu, two launches; any other step mix_chunks_gpu. Both mutate
-        the chunks' state slots in place. Returns (y (T, H, P) fp32 without the D skip, x
+        """Every chunk at once on CUDA (arguments as mix_chunks_gpu's): a step whose plan chose
+        the fused decode kernel (plan.fused_mamba_decode: a small decode-only step, what the
+        decode CUDA graphs run) takes mix_decode_only_gpu, two launches; any other step
+        mix_chunks_gpu. Both mutate the chunks' state slots in place. Returns (y (T, H, P) fp32 without the D skip, x
         (T, I) the scan's input: the conv output's x columns), so the caller adds D * x (the
         gated norm does, as it reads y)."""
         if plan.fused_mamba_decode:
@@ -230,11 +226,8 @@ class Mamba2Mixer(ShardedModule):
         return self.mix_chunks_gpu(xBC, dt_raw, conv_state, ssm_state, plan, captures)
 
     def mix_decode_only_gpu(
-        self,
-        xBC: torch.Tensor,  # (T, conv_dim), pre-conv
-        dt_raw: torch.Tensor,  # (T, H)
-        conv_state: torch.Tensor,  # (num_slots, conv_dim, K-1), chunk slots updated in place
-        ssm_state: torch.Tensor,  # (num_slots, H, P, N) fp32, chunk slots updated in place
+        self, xBC: torch.Tensor, dt_raw: torch.Tensor, conv_state: torch.Tensor,
+        ssm_state: torch.Tensor,  # as mix_chunks_gpu's
         plan: GpuBatchPlan,  # every chunk one token (plan.num_prefill == 0), row i = chunk i
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """mix_chunks_gpu for a plan of 1-token chunks only, in two launches instead of three:
@@ -248,12 +241,8 @@ class Mamba2Mixer(ShardedModule):
         return y, x.view(T, self.intermediate_size)
 
     def _decode_step_gpu(
-        self,
-        xBC: torch.Tensor,  # (T, conv_dim), pre-conv
-        dt_raw: torch.Tensor,  # (T, H)
-        conv_state: torch.Tensor,  # (num_slots, conv_dim, K-1), chunk slots updated in place
-        ssm_state: torch.Tensor,  # (num_slots, H, P, N) fp32, chunk slots updated in place
-        plan: GpuBatchPlan,  # every chunk one token
+        self, xBC: torch.Tensor, dt_raw: torch.Tensor, conv_state: torch.Tensor,
+        ssm_state: torch.Tensor, plan: GpuBatchPlan,  # as mix_decode_only_gpu's
         x: torch.Tensor | None,  # (T, H, P) written, or None with gated_norm
         y: torch.Tensor | None,  # (T, H, P) fp32 written, or None with gated_norm
         gated_norm=None,  # mamba_decode.GatedNormOutputs, written instead of x and y

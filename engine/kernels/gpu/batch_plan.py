@@ -199,6 +199,23 @@ def _block_tables(chunks, indices: np.ndarray, width: int) -> np.ndarray:
     return padded_rows([chunks[i].block_table for i in indices.tolist()], width)
 
 
+def _no_decode_rows(empty: torch.Tensor) -> dict:
+    """GpuBatchPlan's decode fields for a step without decode chunks (`empty`: a 0-length
+    int64 tensor on the plan's device)."""
+    return dict(num_decode=0, decode_rows=empty, decode_slots=empty, decode_reset=empty,
+                decode_seq_lens=empty, decode_block_table=empty.view(0, 0))
+
+
+def _no_prefill_rows(arange: torch.Tensor) -> dict:
+    """GpuBatchPlan's prefill and prefill-attention fields for a step without prefill chunks,
+    as views of `arange` (0, 1, 2, ...: no allocation)."""
+    empty = arange[:0]
+    return dict(num_prefill=0, prefill_rows=None, prefill_cu_seqlens=arange[:1],
+                prefill_scan_chunks=None, prefill_slots=empty, prefill_reset=empty,
+                fresh_chunks=(), paged_first_rows=empty, paged_lengths=empty,
+                paged_positions=empty, paged_tables=empty.view(0, 0), paged_max_length=0)
+
+
 def decode_only_plan(
     chunk_slot: torch.Tensor,  # (B,) int64 state slot of each row
     chunk_reset: torch.Tensor,  # (B,) int64, nonzero = start from a zero state
@@ -214,31 +231,12 @@ def decode_only_plan(
     fold_gated_norm)."""
     num_rows = chunk_slot.shape[0]
     rows = arange[:num_rows]
-    empty = arange[:0]
     return GpuBatchPlan(
-        num_chunks=num_rows,
-        cu_seqlens=arange[: num_rows + 1],
-        chunk_slot=chunk_slot,
-        chunk_reset=chunk_reset,
-        token_chunk=rows,
-        num_decode=num_rows,
-        decode_rows=rows,
-        decode_slots=chunk_slot,
-        decode_reset=chunk_reset,
-        decode_seq_lens=seq_lens,
-        decode_block_table=block_table,
-        num_prefill=0,
-        prefill_rows=None,
-        prefill_cu_seqlens=arange[:1],
-        prefill_scan_chunks=None,
-        prefill_slots=empty,
-        prefill_reset=empty,
-        fresh_chunks=(),
-        paged_first_rows=empty,
-        paged_lengths=empty,
-        paged_positions=empty,
-        paged_tables=empty.view(0, 0),
-        paged_max_length=0,
+        num_chunks=num_rows, cu_seqlens=arange[: num_rows + 1], chunk_slot=chunk_slot,
+        chunk_reset=chunk_reset, token_chunk=rows,
+        num_decode=num_rows, decode_rows=rows, decode_slots=chunk_slot, decode_reset=chunk_reset,
+        decode_seq_lens=seq_lens, decode_block_table=block_table,
+        **_no_prefill_rows(arange),
         **kernel_choices(num_rows, num_rows, 0, in_pass=False, fold_gated_norm=fold_gated_norm),
     )
 
@@ -260,31 +258,13 @@ def single_prefill_plan(
     Tpad rows whose padding rows are invalid (dt = 0 there, so the final state is the state
     after token n); attention serves the n real queries through the paged kernel."""
     num_rows = token_chunk.shape[0]
-    empty = arange[:0]
     return GpuBatchPlan(
-        num_chunks=2,
-        cu_seqlens=cu_seqlens,
-        chunk_slot=chunk_slot,
-        chunk_reset=chunk_reset,
+        num_chunks=2, cu_seqlens=cu_seqlens, chunk_slot=chunk_slot, chunk_reset=chunk_reset,
         token_chunk=token_chunk,
-        num_decode=0,
-        decode_rows=empty,
-        decode_slots=empty,
-        decode_reset=empty,
-        decode_seq_lens=empty,
-        decode_block_table=empty.view(0, 0),
-        num_prefill=1,
-        prefill_rows=None,
-        prefill_cu_seqlens=scan_bounds,
-        prefill_scan_chunks=None,
-        prefill_slots=chunk_slot[:1],
-        prefill_reset=chunk_reset[:1],
-        prefill_valid=token_chunk == 0,
-        fresh_chunks=(),
-        paged_first_rows=arange[:1],
-        paged_lengths=length,
-        paged_positions=start_position,
-        paged_tables=block_table,
-        paged_max_length=num_rows,
+        **_no_decode_rows(arange[:0]),
+        num_prefill=1, prefill_rows=None, prefill_cu_seqlens=scan_bounds, prefill_scan_chunks=None,
+        prefill_slots=chunk_slot[:1], prefill_reset=chunk_reset[:1], prefill_valid=token_chunk == 0,
+        fresh_chunks=(), paged_first_rows=arange[:1], paged_lengths=length,
+        paged_positions=start_position, paged_tables=block_table, paged_max_length=num_rows,
         **kernel_choices(num_rows, 0, 1, in_pass=False, fold_gated_norm=False),
     )

@@ -122,12 +122,8 @@ def _gated_rms_norm_kernel(
 
 
 def gated_rms_norm(
-    y: torch.Tensor,  # (T, I)
-    gate: torch.Tensor,  # (T, I)
-    weight: torch.Tensor,  # (I,)
-    group_size: int,
-    eps: float,
-    out_dtype: torch.dtype,
+    y: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, group_size: int, eps: float,
+    out_dtype: torch.dtype,  # as norm_reference.gated_rms_norm's
     out: torch.Tensor | None = None,  # (T, I) out_dtype; allocated when None
     skip: tuple[torch.Tensor, torch.Tensor] | None = None,  # (x (T, I), D (H,) fp32)
 ) -> torch.Tensor:
