@@ -133,16 +133,26 @@ class AsyncLLMEngine:
                 logger.exception("engine step failed")
                 self.engine.fail_all(f"engine step failed: {exc!r}")
                 continue
-            for output in outputs:
-                self._deliver(output)
+            self._deliver(outputs)
 
-    def _deliver(self, output: RequestOutput) -> None:
-        stream = self._streams.get(output.request_id)
-        if stream is None:
-            return
-        if output.finished:
-            del self._streams[output.request_id]
-        stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, output)
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs to their streams: one wake-up of each event loop per step,
+        however many of its streams got an output."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            if output.finished:
+                del self._streams[output.request_id]
+            by_loop.setdefault(stream.loop, []).append((stream.outputs, output))
+        for loop, deliveries in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, deliveries)
+
+
+def _put_all(deliveries: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for outputs, output in deliveries:
+        outputs.put_nowait(output)
 
 
 def _settle(future: asyncio.Future, error: BaseException | None) -> None:
