@@ -17,18 +17,21 @@ from deployments.config import AppConfig, parse_app_config
 from deployments.ingress import OpenAIIngress
 from deployments.llm_server import LLMServer
 from deployments.renderer import Renderer
-from engine.model_config import load_model_config
-from engine.shard_layout import rank_shard_layout
-from engine.tensor_parallel import TensorParallel
+from engine.cache_capacity import check_cache_budgets
 
 
-def check_model_splits(config: AppConfig) -> None:
-    """Raise ValueError if the model's head counts cannot be split (or replicated)
-    tensor_parallel_size ways, naming the count."""
-    world_size = config.engine.tensor_parallel_size
-    model_config = load_model_config(config.engine.model_dir)
-    for rank in range(world_size):
-        rank_shard_layout(model_config, TensorParallel(rank, world_size))
+def check_engine_config(config: AppConfig) -> None:
+    """Raise ValueError, naming the key, for an engine configuration the workers would refuse
+    when they start: a model_dir without config.json, head counts that cannot be split (or
+    replicated) tensor_parallel_size ways, max_model_len beyond the model's context, or cache
+    budgets that cannot hold one request (engine/cache_capacity.py). Without this check Serve
+    would restart the failing replica again and again and the deploy would never finish."""
+    try:
+        check_cache_budgets(config.engine)
+    except FileNotFoundError as exc:
+        raise ValueError(f"invalid hybrid-serve app args: engine.model_dir: {exc}") from None
+    except ValueError as exc:
+        raise ValueError(f"invalid hybrid-serve app args: engine: {exc}") from None
 
 
 def llm_server_resources(config: AppConfig) -> dict:
@@ -48,7 +51,7 @@ def build_app(args: dict) -> Application:
     Raises ValueError naming every unknown or invalid key.
     """
     config: AppConfig = parse_app_config(args)
-    check_model_splits(config)  # fail at build time, not when the replica starts
+    check_engine_config(config)  # fail at build time, not when the replica starts
     serve_options = {"max_ongoing_requests": config.max_ongoing_requests}
     renderer = Renderer.options(
         ray_actor_options={"num_cpus": config.renderer_num_cpus}, **serve_options

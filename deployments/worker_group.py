@@ -29,7 +29,7 @@ from engine.config import EngineConfig
 from engine.executor import ExecutorDiedError
 from engine.rank_worker import RankWorker, Rendezvous
 from engine.step_io import RunnerOutput, SchedulerOutput
-from engine.worker import CacheCapacity
+from engine.cache_capacity import CacheCapacity
 
 # Reserving the bundles may wait for the autoscaler to add a node.
 PLACEMENT_TIMEOUT_S = 600.0

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from engine.step_io import RunnerOutput, SchedulerOutput
-    from engine.worker import CacheCapacity
+    from engine.cache_capacity import CacheCapacity
 
 
 class ModelExecutor(Protocol):

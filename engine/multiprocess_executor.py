@@ -23,7 +23,7 @@ from multiprocessing.connection import Connection
 from engine.config import EngineConfig
 from engine.executor import ExecutorDiedError
 from engine.step_io import RunnerOutput, SchedulerOutput
-from engine.worker import CacheCapacity
+from engine.cache_capacity import CacheCapacity
 
 START_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 10.0

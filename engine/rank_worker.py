@@ -38,7 +38,8 @@ from engine.config import EngineConfig
 from engine.executor import ExecutorDiedError
 from engine.step_io import RunnerOutput, SchedulerOutput
 from engine.tensor_parallel import TensorParallel
-from engine.worker import CacheCapacity, Worker
+from engine.cache_capacity import CacheCapacity
+from engine.worker import Worker
 
 logger = logging.getLogger(__name__)
 

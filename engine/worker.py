@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cache.cache_manager import BundleSizing
+from engine.cache_capacity import CacheCapacity, size_caches
 from engine.checkpoint_store import CheckpointStore
 from engine.config import EngineConfig
 from engine.forward_routes import (
@@ -37,25 +37,6 @@ from engine.tensor_parallel import TensorParallel
 
 # A step's tokens are read back while the next one runs: at most two steps in flight.
 _MAX_IN_FLIGHT = 2
-
-
-class CacheBudgetError(ValueError):
-    """The configured memory budgets cannot hold what the configuration asks for."""
-
-
-@dataclass(frozen=True)
-class CacheCapacity:
-    """What the worker allocated; the scheduler's pools are sized from it."""
-
-    num_blocks: int
-    num_state_slots: int
-    block_size: int
-    max_model_len: int
-    bundle_sizing: BundleSizing
-    world_size: int = 1  # tensor-parallel ranks that must confirm each capture
-    # The worker can capture at a position inside a prefill chunk during its forward pass
-    # (CaptureOp.in_pass): the CUDA path of a single rank.
-    in_pass_capture: bool = False
 
 
 @dataclass(frozen=True)
@@ -121,7 +102,7 @@ class Worker:
             config.model_dir, dtype=getattr(torch, config.dtype), device=self.device, tp=tp
         )
         self.rank = self.model.tp.rank
-        self.capacity = _size_caches(config, self.model, self.model_config.max_position_embeddings)
+        self.capacity = size_caches(config, self.model_config, self.model.tp)
         # On one CUDA device decode steps and short single-chunk prefill steps replay CUDA
         # graphs (engine/cuda_graphs.py, engine/prefill_graphs.py), whose padding rows need a
         # state slot and a KV block that the scheduler never hands out: one of each is
@@ -309,39 +290,3 @@ class _SubmittedStep:
     output: RunnerOutput
     sampled_ids: list[str]
     tokens: PendingTokens
-
-
-def _size_caches(config: EngineConfig, model, model_max_len: int) -> CacheCapacity:
-    """Derive block and slot counts from the byte budgets; fail clearly if they are too small."""
-    max_model_len = config.max_model_len or model_max_len
-    if max_model_len > model_max_len:
-        raise CacheBudgetError(
-            f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {model_max_len}"
-        )
-    num_blocks = config.kv_cache_bytes // model.kv_bytes_per_block(config.block_size)
-    num_slots = min(config.max_num_seqs, config.state_cache_bytes // model.state_bytes_per_slot())
-    if num_blocks * config.block_size < max_model_len:
-        raise CacheBudgetError(
-            f"kv_cache_bytes={config.kv_cache_bytes} holds {num_blocks} blocks of "
-            f"{config.block_size} tokens, fewer than max_model_len={max_model_len}; "
-            "raise kv_cache_bytes or lower max_model_len"
-        )
-    if num_slots < 1:
-        raise CacheBudgetError(
-            f"state_cache_bytes={config.state_cache_bytes} cannot hold one recurrent state slot "
-            f"({model.state_bytes_per_slot()} bytes)"
-        )
-    kv_bytes_per_token = model.kv_bytes_per_block(config.block_size) // config.block_size
-    return CacheCapacity(
-        num_blocks=num_blocks,
-        num_state_slots=num_slots,
-        block_size=config.block_size,
-        max_model_len=max_model_len,
-        world_size=model.tp.world_size,
-        in_pass_capture=config.device.startswith("cuda") and model.tp.world_size == 1,
-        bundle_sizing=BundleSizing(
-            state_bytes=model.state_bytes_per_slot(),
-            kv_bytes_per_token=kv_bytes_per_token,
-            hidden_row_bytes=model.config.hidden_size * model.dtype.itemsize,
-        ),
-    )

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine import cache_capacity
 from engine.forward_batch import ForwardBatch, ModelCaches
 from engine.kernels.gpu.batch_plan import GpuBatchPlan
 from engine.layers.attention import PagedAttention
@@ -212,25 +213,15 @@ class GraniteMoeHybridModel(nn.Module):
 
     def mamba_state_shape(self) -> tuple[tuple[int, int], tuple[int, int, int]]:
         """This rank's ((conv_dim, K-1), (H, P, N)) of one state slot of one Mamba layer."""
-        c = self.config
-        heads, groups = width(self.layout.mamba_heads), width(self.layout.mamba_groups)
-        conv_dim = heads * c.mamba_d_head + 2 * groups * c.mamba_d_state
-        return (conv_dim, c.mamba_d_conv - 1), (heads, c.mamba_d_head, c.mamba_d_state)
+        return cache_capacity.mamba_state_shape(self.config, self.layout)
 
     def kv_bytes_per_block(self, block_size: int) -> int:
-        """Bytes of one KV block on this rank across all attention layers (K and V of the
-        rank's KV heads, model dtype)."""
-        c = self.config
-        per_layer = 2 * block_size * self.kv_heads_per_rank() * c.head_dim * self.dtype.itemsize
-        return len(c.attention_layers) * per_layer
+        """Bytes of one KV block on this rank (engine/cache_capacity.py)."""
+        return cache_capacity.kv_bytes_per_block(self.config, self.layout, self.dtype, block_size)
 
     def state_bytes_per_slot(self) -> int:
-        """Bytes of one recurrent state slot on this rank across all Mamba layers (the rank's
-        conv channels in model dtype, its heads' SSM state in fp32)."""
-        (conv_dim, taps), (heads, head_dim, state_size) = self.mamba_state_shape()
-        conv = conv_dim * taps * self.dtype.itemsize
-        ssm = heads * head_dim * state_size * torch.float32.itemsize
-        return len(self.config.mamba_layers) * (conv + ssm)
+        """Bytes of one recurrent state slot on this rank (engine/cache_capacity.py)."""
+        return cache_capacity.state_bytes_per_slot(self.config, self.layout, self.dtype)
 
     def allocate_caches(
         self, num_blocks: int, block_size: int, num_state_slots: int, device=None

@@ -44,6 +44,7 @@ def test_serve_config_yaml_args_are_valid():
     parsed = parse_app_config(app["args"])
     assert isinstance(parsed, AppConfig)
     assert parsed.engine.checkpoint_slots == tuple(app["args"]["engine"]["checkpoint_slots"])
+    build_app(app["args"])  # and the workers would accept it
 
 
 def test_checkpoint_slots_accept_any_subset_and_reject_unknown_names():
@@ -69,3 +70,18 @@ def test_tensor_parallel_size_is_checked_against_the_model_at_build_time():
         build_app({"engine": {"tensor_parallel_size": 0}})
     with pytest.raises(ValueError, match="worker_num_cpus"):
         build_app({"worker_num_cpus": 0})
+
+
+def test_values_the_workers_would_refuse_fail_the_build_naming_the_key():
+    """Refused at build time, so `serve run` fails at once instead of Serve restarting a
+    replica whose worker raises (the embedded model's context is 4,096 tokens)."""
+    with pytest.raises(ValueError, match="max_model_len 8192 exceeds the model's max_position_embeddings 4096"):
+        build_app({"engine": {"max_model_len": 8192}})
+    with pytest.raises(ValueError, match="kv_cache_bytes=65536 holds .* fewer than max_model_len=4096"):
+        build_app({"engine": {"kv_cache_bytes": 65536}})
+    with pytest.raises(ValueError, match="state_cache_bytes=16 cannot hold one recurrent state slot"):
+        build_app({"engine": {"state_cache_bytes": 16}})
+    with pytest.raises(ValueError, match="engine.model_dir: .*config.json"):
+        build_app({"engine": {"model_dir": "/nonexistent/model"}})
+    build_app({"engine": {"max_model_len": 4096}})  # the model's own context fits the defaults
+

@@ -14,7 +14,7 @@ from engine.config import EngineConfig
 from engine.generation_request import GenerationRequest
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import InvalidRequestError, SamplingParams
-from engine.worker import CacheBudgetError
+from engine.cache_capacity import CacheBudgetError
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, return_logits=True)
 
