@@ -85,3 +85,26 @@ def test_values_the_workers_would_refuse_fail_the_build_naming_the_key():
         build_app({"engine": {"model_dir": "/nonexistent/model"}})
     build_app({"engine": {"max_model_len": 4096}})  # the model's own context fits the defaults
 
+
+def test_check_config_exits_with_the_refusal_before_serve_run(tmp_path):
+    """`make serve` runs deployments.check_config first, because `serve run` on a config file
+    blocks even when build_app refuses the args."""
+    import subprocess
+    import sys
+
+    config = yaml.safe_load((REPO_ROOT / "serve_config.yaml").read_text())
+    config["applications"][0]["args"]["engine"]["max_model_len"] = 8192
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(config))
+
+    def check(path):
+        return subprocess.run([sys.executable, "-m", "deployments.check_config", str(path)],
+                              cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+
+    refused = check(bad)
+    assert refused.returncode == 2
+    assert "application 'hybrid-serve'" in refused.stderr and "max_model_len 8192" in refused.stderr
+    accepted = check(REPO_ROOT / "serve_config.yaml")
+    assert accepted.returncode == 0, accepted.stderr
+    assert "hybrid-serve" in accepted.stdout
+
