@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from ray.serve import Application
 
+from deployments.api_keys import ApiKeys
 from deployments.config import AppConfig, parse_app_config
 from deployments.ingress import OpenAIIngress
 from deployments.llm_server import LLMServer
@@ -52,6 +53,11 @@ def build_app(args: dict) -> Application:
     """
     config: AppConfig = parse_app_config(args)
     check_engine_config(config)  # fail at build time, not when the replica starts
+    if config.api_keys_file is not None:
+        try:
+            ApiKeys.load(config.api_keys_file, environ={})
+        except ValueError as exc:
+            raise ValueError(f"invalid hybrid-serve app args: {exc}") from None
     serve_options = {"max_ongoing_requests": config.max_ongoing_requests}
     renderer = Renderer.options(
         ray_actor_options={"num_cpus": config.renderer_num_cpus}, **serve_options
@@ -62,4 +68,4 @@ def build_app(args: dict) -> Application:
     ).bind(config)
     return OpenAIIngress.options(
         ray_actor_options={"num_cpus": config.ingress_num_cpus}, **serve_options
-    ).bind(renderer, llm_server, config.served_model_name)
+    ).bind(renderer, llm_server, config.served_model_name, config.api_keys_file)

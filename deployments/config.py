@@ -38,6 +38,12 @@ class AppConfig(BaseModel):
                     "delta costs the LLM server, ingress and proxy CPU, so fewer deltas leave "
                     "more for the model (docs/design.md section 6).")
 
+    api_keys_file: str | None = Field(
+        None,
+        description="File of API keys, one a line; with it (or HYBRID_SERVE_API_KEYS set in the "
+                    "ingress's environment) every route but /health needs a key, and each key's "
+                    "checkpoints are its own (deployments/api_keys.py).")
+
     # Ray resources (logical CPUs) and Serve request limits.
     ingress_num_cpus: float = Field(0.1, ge=0)
     renderer_num_cpus: float = Field(0.1, ge=0)

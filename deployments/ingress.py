@@ -18,12 +18,13 @@ consumer goes away, which aborts the request in the engine.
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from deployments.api_keys import TENANT_SCOPE, ApiKeyMiddleware, ApiKeys, scoped_cache_salt
 from deployments.errors import APIError, as_api_error, error_json, install_error_handlers
 from deployments.http_stream import first_output_ready, json_response, sse_response
 from deployments.openai_format import (
@@ -59,6 +60,7 @@ _Started = tuple[ResponseMeta, AsyncGenerator[RequestOutput, None]]
 
 app = FastAPI(title="hybrid-serve", summary="OpenAI-compatible API for hybrid Mamba2+attention LLMs")
 install_error_handlers(app)
+app.add_middleware(ApiKeyMiddleware)
 
 
 @serve.deployment
@@ -67,8 +69,10 @@ class OpenAIIngress:
     """Routes and handle methods. Holds no model state: only handles and the model's name/limits."""
 
     async def __init__(
-        self, renderer: DeploymentHandle, llm_server: DeploymentHandle, served_model_name: str
+        self, renderer: DeploymentHandle, llm_server: DeploymentHandle, served_model_name: str,
+        api_keys_file: str | None = None,
     ) -> None:
+        app.state.api_keys = ApiKeys.load(api_keys_file)  # read by ApiKeyMiddleware
         self._renderer = renderer
         self._llm = llm_server
         self._model_name = served_model_name
@@ -121,12 +125,14 @@ class OpenAIIngress:
     # ----- HTTP routes
 
     @app.post("/v1/chat/completions")
-    async def http_chat(self, body: ChatCompletionRequest):
-        return await self._respond(body, self._start_chat, chat_response, chat_chunks)
+    async def http_chat(self, body: ChatCompletionRequest, request: Request):
+        return await self._respond(body, request.scope.get(TENANT_SCOPE, ""), self._start_chat,
+                                   chat_response, chat_chunks)
 
     @app.post("/v1/completions")
-    async def http_completions(self, body: CompletionRequest):
-        return await self._respond(body, self._start_completion, completion_response, completion_chunks)
+    async def http_completions(self, body: CompletionRequest, request: Request):
+        return await self._respond(body, request.scope.get(TENANT_SCOPE, ""), self._start_completion,
+                                   completion_response, completion_chunks)
 
     @app.get("/v1/models")
     def http_models(self):
@@ -149,12 +155,13 @@ class OpenAIIngress:
 
     # ----- one code path for both APIs
 
-    async def _respond(self, body, start, full_response, chunks):
-        """The HTTP answer to `body`: started with `start`, then one JSON body built by
-        `full_response`, or server-sent events from `chunks`; errors before the first output
-        as an OpenAI error body with its status."""
+    async def _respond(self, body, tenant: str, start, full_response, chunks):
+        """The HTTP answer to `body` from `tenant` (deployments/api_keys.py; "" without keys):
+        started with `start`, then one JSON body built by `full_response`, or server-sent
+        events from `chunks`; errors before the first output as an OpenAI error body with its
+        status."""
         try:
-            meta, outputs = await start(body)
+            meta, outputs = await start(body, tenant)
             if not body.stream:
                 return json_response(full_response(meta, await collect(outputs)))
             outputs = await first_output_ready(outputs)
@@ -162,7 +169,7 @@ class OpenAIIngress:
             return error_json(as_api_error(exc))
         return sse_response(chunks(meta, outputs, body.include_usage))
 
-    async def _start_chat(self, request: ChatCompletionRequest) -> _Started:
+    async def _start_chat(self, request: ChatCompletionRequest, tenant: str = "") -> _Started:
         arrival_time = time.time()
         self._check_model(request.model)
         try:
@@ -171,9 +178,9 @@ class OpenAIIngress:
             raise as_api_error(exc) from None
         self._metrics.count_boundary_rejection(prompt.boundary_rejection)
         return self._start(new_request_id("chatcmpl"), prompt, request,
-                           request.requested_max_tokens(), arrival_time)
+                           request.requested_max_tokens(), arrival_time, tenant)
 
-    async def _start_completion(self, request: CompletionRequest) -> _Started:
+    async def _start_completion(self, request: CompletionRequest, tenant: str = "") -> _Started:
         arrival_time = time.time()
         self._check_model(request.model)
         try:
@@ -181,14 +188,14 @@ class OpenAIIngress:
         except Exception as exc:
             raise as_api_error(exc) from None
         return self._start(new_request_id("cmpl"), prompt, request,
-                           request.requested_max_tokens(), arrival_time)
+                           request.requested_max_tokens(), arrival_time, tenant)
 
     def _start(
         self, request_id: str, prompt: RenderedPrompt, fields: SamplingFields,
-        max_tokens: int | None, arrival_time: float,
+        max_tokens: int | None, arrival_time: float, tenant: str,
     ) -> _Started:
-        """Validate sampling against the context, build the engine's GenerationRequest and
-        open (lazily) the LLM server stream."""
+        """Validate sampling against the context, build the engine's GenerationRequest (its
+        cache salt scoped to the tenant) and open (lazily) the LLM server stream."""
         sampling = to_sampling_params(fields, max_tokens, len(prompt.token_ids),
                                       self._info.max_model_len)
         request = GenerationRequest(
@@ -196,7 +203,7 @@ class OpenAIIngress:
             prompt_token_ids=prompt.token_ids,
             sampling=sampling,
             instruction_boundary=prompt.instruction_boundary,
-            cache_salt=fields.cache_salt,
+            cache_salt=scoped_cache_salt(tenant, fields.cache_salt),
             arrival_time=arrival_time,
         )
         meta = ResponseMeta(id=request_id, created=now(), model=self._model_name)
