@@ -29,8 +29,11 @@ class AppConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    engine: EngineConfig = Field(default_factory=EngineConfig)
-    served_model_name: str = Field("hybrid-serve-tiny", min_length=1)
+    engine: EngineConfig = Field(
+        default_factory=EngineConfig,
+        description="The engine's configuration (the table below); unknown keys are refused.")
+    served_model_name: str = Field(
+        "hybrid-serve-tiny", min_length=1, description="The `model` name clients send.")
 
     stream_interval: int = Field(
         4, ge=1,
@@ -45,15 +48,19 @@ class AppConfig(BaseModel):
                     "checkpoints are its own (deployments/api_keys.py).")
 
     # Ray resources (logical CPUs) and Serve request limits.
-    ingress_num_cpus: float = Field(0.1, ge=0)
-    renderer_num_cpus: float = Field(0.1, ge=0)
+    ingress_num_cpus: float = Field(0.1, ge=0, description="Ray CPUs of each ingress replica.")
+    renderer_num_cpus: float = Field(0.1, ge=0, description="Ray CPUs of each renderer replica.")
     llm_server_num_cpus: float = Field(
-        0.1, ge=0, description="The LLM server replica, which runs the engine's step loop.")
+        0.1, ge=0, description="Ray CPUs of each LLM server replica (the engine's step loop), "
+                               "besides the model's worker_num_cpus when it runs the model.")
     worker_num_cpus: float = Field(
-        1.0, gt=0, description="Per tensor-parallel rank: torch threads of the process running it.")
-    max_ongoing_requests: int = Field(256, ge=1, description="Per replica, every deployment.")
+        1.0, gt=0, description="Ray CPUs and torch threads per tensor-parallel rank: of the LLM "
+                               "server replica with one rank, of each worker actor with more.")
+    max_ongoing_requests: int = Field(
+        256, ge=1, description="Requests each replica of every deployment serves at once.")
     health_check_period_s: float = Field(
-        10.0, gt=0, description="How often Serve probes each LLM server replica (its actors).")
+        10.0, gt=0, description="How often Serve probes each LLM server replica (its step loop "
+                                "and rank actors).")
 
     @field_validator("engine", mode="before")
     @classmethod

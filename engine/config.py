@@ -2,60 +2,67 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "tiny-granite-hybrid"
 CHECKPOINT_SLOTS = ("prompt", "response", "instruction")
 
 
+def _option(default, help: str):
+    """A field with its one-line meaning, which docs/configuration.md is generated from
+    (deployments/config_reference.py)."""
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything the in-process engine needs to start.
+    """Everything the in-process engine needs to start; each field's meaning is its `help`
+    (rendered in docs/configuration.md). The cache budgets are per tensor-parallel rank.
 
-    max_model_len: longest prompt + output in tokens; None takes the model's
-        max_position_embeddings.
-    block_size: tokens per KV block.
-    max_num_batched_tokens: token budget of one step (prefill chunks plus decode tokens).
-    max_num_seqs: most requests running at once (also the number of recurrent state slots).
-    kv_cache_bytes / state_cache_bytes: memory budgets; the block count and the state slot
-        count are derived from them (state slots are also capped by max_num_seqs).
-    checkpoint_slots: which request-boundary checkpoints to capture, any subset of
-        ("prompt", "response", "instruction"), stored as a tuple in that order; empty turns
-        checkpoint caching off.
-    checkpoint_cache_bytes: budget for checkpoint tensors held outside the KV blocks (recurrent
-        state, attention tail, hidden row); the KV blocks they reference count against
-        kv_cache_bytes.
-    tensor_parallel_size: ranks the model is split over (one process or Ray actor each; one
-        GPU each on CUDA). The cache budgets are per rank.
-    in_pass_capture: allow the instruction checkpoint to be taken inside the prefill chunk's
-        forward pass instead of cutting the chunk at the boundary. It takes effect only where
-        the worker reports it can (CacheCapacity.in_pass_capture: one rank on CUDA); LLMEngine
-        combines the two into CheckpointPolicy.in_pass_capture. False always cuts.
-    async_scheduling: schedule and submit step k+1 before step k's tokens are back, so the
-        device starts it as soon as step k ends and the engine's host work (updating,
-        detokenizing, scheduling) overlaps the device; each step() returns the outputs of the
-        step before. A request that stops then has computed one token more than it would
-        without (its last sampled token, fed by the step already in flight), so its response
-        checkpoint covers that token too. False: each step is collected before the next is
-        scheduled.
+    in_pass_capture takes effect only where the worker reports it can
+    (CacheCapacity.in_pass_capture: one rank on CUDA); LLMEngine combines the two into
+    CheckpointPolicy.in_pass_capture. With async_scheduling each step() returns the outputs of
+    the step before, and a request that stops has computed one token more than it would
+    without (its last sampled token, fed by the step already in flight), so its response
+    checkpoint covers that token too.
     """
 
-    model_dir: str = str(DEFAULT_MODEL_DIR)
-    max_model_len: int | None = None
-    block_size: int = 16
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 16
-    kv_cache_bytes: int = 64 * 1024 * 1024
-    state_cache_bytes: int = 64 * 1024 * 1024
-    checkpoint_slots: tuple[str, ...] = CHECKPOINT_SLOTS
-    checkpoint_cache_bytes: int = 64 * 1024 * 1024
-    dtype: str = "float32"
-    device: str = "cpu"
-    seed: int = 0
-    tensor_parallel_size: int = 1
-    in_pass_capture: bool = True
-    async_scheduling: bool = True
+    model_dir: str = _option(str(DEFAULT_MODEL_DIR), "Local Hugging Face model directory "
+                             "(config.json, safetensors, tokenizer); the default is the embedded "
+                             "tiny model.")
+    max_model_len: int | None = _option(None, "Longest prompt + output of a request, in tokens; "
+                                        "unset: the model's max_position_embeddings.")
+    block_size: int = _option(16, "Tokens per KV block.")
+    max_num_batched_tokens: int = _option(512, "Token budget of one engine step (prefill chunks "
+                                          "plus decode tokens).")
+    max_num_seqs: int = _option(16, "Most requests running at once (also caps the recurrent "
+                                "state slots).")
+    kv_cache_bytes: int = _option(64 * 1024 * 1024, "Memory for KV blocks, per rank; the block "
+                                  "count is derived from it and must hold one request of "
+                                  "max_model_len tokens.")
+    state_cache_bytes: int = _option(64 * 1024 * 1024, "Memory for recurrent state slots, per "
+                                     "rank; the slot count is derived from it.")
+    checkpoint_slots: tuple[str, ...] = _option(CHECKPOINT_SLOTS, "Request-boundary checkpoints "
+                                                "to capture: any subset of prompt, response, "
+                                                "instruction; empty turns checkpoint caching off.")
+    checkpoint_cache_bytes: int = _option(64 * 1024 * 1024, "Memory for checkpoint tensors held "
+                                          "outside the KV blocks (recurrent state, attention "
+                                          "tail, hidden row), per rank; the KV blocks they "
+                                          "reference count against kv_cache_bytes.")
+    dtype: str = _option("float32", "Model dtype: float32, bfloat16 or float16.")
+    device: str = _option("cpu", "cpu, or cuda (one GPU per rank).")
+    seed: int = _option(0, "torch seed of the workers, and of sampling for requests without "
+                        "their own seed.")
+    tensor_parallel_size: int = _option(1, "Ranks the model is split over: 1 runs the model in "
+                                        "the LLM server replica, N > 1 one worker (one GPU on "
+                                        "cuda) each.")
+    in_pass_capture: bool = _option(True, "Take the instruction checkpoint inside the prefill "
+                                    "chunk's forward pass where the worker can (one rank on "
+                                    "cuda); false always ends a chunk at the boundary.")
+    async_scheduling: bool = _option(True, "Schedule and submit each step before the previous "
+                                     "one's tokens are back, so the device never waits for the "
+                                     "host; false runs one step at a time.")
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
