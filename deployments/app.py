@@ -15,10 +15,16 @@ from ray.serve import Application
 
 from deployments.api_keys import ApiKeys
 from deployments.config import AppConfig, parse_app_config
+from deployments.http_limits import RequestLimits
 from deployments.ingress import OpenAIIngress
 from deployments.llm_server import LLMServer
 from deployments.renderer import Renderer
 from engine.cache_capacity import check_cache_budgets
+
+
+# Requests an ingress replica takes beyond max_requests_in_flight: /health, /metrics, /v1/models
+# and the generation requests the middleware answers with 429.
+INGRESS_HEADROOM = 64
 
 
 def check_engine_config(config: AppConfig) -> None:
@@ -66,6 +72,9 @@ def build_app(args: dict) -> Application:
         ray_actor_options=llm_server_resources(config),
         health_check_period_s=config.health_check_period_s, **serve_options
     ).bind(config)
+    limits = RequestLimits(config.max_body_bytes, config.max_requests_in_flight, config.retry_after_s)
     return OpenAIIngress.options(
-        ray_actor_options={"num_cpus": config.ingress_num_cpus}, **serve_options
-    ).bind(renderer, llm_server, config.served_model_name, config.api_keys_file)
+        ray_actor_options={"num_cpus": config.ingress_num_cpus},
+        # above the middleware's own limit, so a request beyond it gets a 429, not a queue
+        max_ongoing_requests=config.max_requests_in_flight + INGRESS_HEADROOM,
+    ).bind(renderer, llm_server, config.served_model_name, limits, config.api_keys_file)

@@ -47,6 +47,16 @@ class AppConfig(BaseModel):
                     "ingress's environment) every route but /health needs a key, and each key's "
                     "checkpoints are its own (deployments/api_keys.py).")
 
+    max_body_bytes: int = Field(
+        8 * 1024 * 1024, ge=1024,
+        description="Largest request body the ingress reads; a larger one gets HTTP 413.")
+    max_requests_in_flight: int = Field(
+        256, ge=1,
+        description="Generation requests each ingress replica accepts at once; beyond it a "
+                    "request gets HTTP 429 with Retry-After at once instead of queueing.")
+    retry_after_s: float = Field(
+        1.0, gt=0, description="The Retry-After of a 429 (rounded up to whole seconds).")
+
     # Ray resources (logical CPUs) and Serve request limits.
     ingress_num_cpus: float = Field(0.1, ge=0, description="Ray CPUs of each ingress replica.")
     renderer_num_cpus: float = Field(0.1, ge=0, description="Ray CPUs of each renderer replica.")
@@ -57,7 +67,9 @@ class AppConfig(BaseModel):
         1.0, gt=0, description="Ray CPUs and torch threads per tensor-parallel rank: of the LLM "
                                "server replica with one rank, of each worker actor with more.")
     max_ongoing_requests: int = Field(
-        256, ge=1, description="Requests each replica of every deployment serves at once.")
+        256, ge=1, description="Requests each renderer and LLM server replica serves at once "
+                               "(the ingress takes max_requests_in_flight plus room for /health "
+                               "and /metrics).")
     health_check_period_s: float = Field(
         10.0, gt=0, description="How often Serve probes each LLM server replica (its step loop "
                                 "and rank actors).")

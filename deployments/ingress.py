@@ -26,6 +26,7 @@ from ray.serve.handle import DeploymentHandle
 
 from deployments.api_keys import TENANT_SCOPE, ApiKeyMiddleware, ApiKeys, scoped_cache_salt
 from deployments.errors import APIError, as_api_error, error_json, install_error_handlers
+from deployments.http_limits import RequestLimits, RequestLimitsMiddleware
 from deployments.http_stream import first_output_ready, json_response, sse_response
 from deployments.openai_format import (
     ResponseMeta,
@@ -60,7 +61,8 @@ _Started = tuple[ResponseMeta, AsyncGenerator[RequestOutput, None]]
 
 app = FastAPI(title="hybrid-serve", summary="OpenAI-compatible API for hybrid Mamba2+attention LLMs")
 install_error_handlers(app)
-app.add_middleware(ApiKeyMiddleware)
+app.add_middleware(RequestLimitsMiddleware)
+app.add_middleware(ApiKeyMiddleware)  # added last, runs first: no limit is spent on a refused key
 
 
 @serve.deployment
@@ -70,9 +72,10 @@ class OpenAIIngress:
 
     async def __init__(
         self, renderer: DeploymentHandle, llm_server: DeploymentHandle, served_model_name: str,
-        api_keys_file: str | None = None,
+        limits: RequestLimits, api_keys_file: str | None = None,
     ) -> None:
         app.state.api_keys = ApiKeys.load(api_keys_file)  # read by ApiKeyMiddleware
+        app.state.request_limits = limits  # read by RequestLimitsMiddleware
         self._renderer = renderer
         self._llm = llm_server
         self._model_name = served_model_name

@@ -100,3 +100,14 @@ def test_openai_client_raises_typed_errors(client):
     assert missing.value.body["code"] == "model_not_found"
     ok = client.chat.completions.create(model=MODEL_NAME, messages=USER, max_tokens=2)
     assert ok.choices[0].message.role == "assistant"
+
+
+def test_a_body_over_max_body_bytes_gets_413_and_the_server_keeps_serving(http):
+    from deployments.config import AppConfig
+
+    limit = AppConfig().max_body_bytes  # the session app runs the default
+    big = json.dumps(chat(messages=[{"role": "user", "content": "x" * (limit + 1)}]))
+    response = http.post(CHAT, content=big, headers={"content-type": "application/json"})
+    assert response.status_code == 413
+    assert "max_body_bytes" in response.json()["error"]["message"]
+    assert http.post(CHAT, json=chat()).status_code == 200

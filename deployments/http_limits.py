@@ -1,0 +1,87 @@
+"""Request limits at the HTTP edge, before a request costs anything.
+
+RequestLimitsMiddleware (ASGI, in front of the ingress's routes; its limits are
+scope["app"].state.request_limits, set by the ingress replica):
+  - a body larger than max_body_bytes gets 413 (from Content-Length when the client sends it,
+    else while the body is read), with an OpenAI error body;
+  - a generation request (POST .../completions) beyond max_requests_in_flight, the requests
+    this ingress replica has accepted and not yet answered to the end, gets 429 with
+    Retry-After at once, instead of waiting in a queue with no bound.
+The ingress deployment's own Serve limit (max_ongoing_requests) is set above
+max_requests_in_flight (deployments/app.py), so excess requests reach this middleware and are
+answered, rather than waiting in Serve's proxy.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from starlette.exceptions import HTTPException
+
+from deployments.errors import APIError, error_json
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    max_body_bytes: int
+    max_requests_in_flight: int
+    retry_after_s: float
+
+
+class BodyTooLarge(HTTPException):
+    """Raised while the body is read; FastAPI passes HTTPExceptions through its body parsing
+    to the app's handler, which answers with an OpenAI error body."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"The request body exceeds {limit} bytes (max_body_bytes).")
+
+
+class RequestLimitsMiddleware:
+    def __init__(self, app) -> None:
+        self.app = app
+        self.in_flight = 0  # generation requests of this replica not yet answered to the end
+
+    async def __call__(self, scope, receive, send) -> None:
+        limits: RequestLimits | None = getattr(scope["app"].state, "request_limits", None)
+        if scope["type"] != "http" or limits is None:
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > limits.max_body_bytes:
+            await _reply(scope, receive, send, _too_large(limits))
+            return
+        generation = scope["method"] == "POST" and scope["path"].endswith("completions")
+        if generation and self.in_flight >= limits.max_requests_in_flight:
+            error = APIError(429, f"The server is at its limit of {limits.max_requests_in_flight} "
+                             "requests in flight; retry after the Retry-After delay.",
+                             "rate_limit_error", None, "rate_limit_exceeded")
+            await _reply(scope, receive, send, error,
+                         {"Retry-After": str(max(1, math.ceil(limits.retry_after_s)))})
+            return
+        received = 0
+
+        async def counted_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limits.max_body_bytes:
+                    raise BodyTooLarge(limits.max_body_bytes)
+            return message
+
+        self.in_flight += generation
+        try:
+            await self.app(scope, counted_receive, send)
+        finally:
+            self.in_flight -= generation
+
+
+def _too_large(limits: RequestLimits) -> APIError:
+    return APIError(413, BodyTooLarge(limits.max_body_bytes).detail, "invalid_request_error")
+
+
+async def _reply(scope, receive, send, error: APIError, headers: dict | None = None) -> None:
+    response = error_json(error)
+    response.headers.update(headers or {})
+    await response(scope, receive, send)

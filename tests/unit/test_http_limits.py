@@ -1,0 +1,80 @@
+"""Request limits at the HTTP edge (deployments/http_limits.py), in front of a small FastAPI
+app with the ingress's error handlers: 413 for large bodies, declared or streamed, 429 with
+Retry-After beyond the requests in flight, and nothing held after requests end."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+from fastapi import FastAPI
+
+from deployments.errors import install_error_handlers
+from deployments.http_limits import RequestLimits, RequestLimitsMiddleware
+
+LIMITS = RequestLimits(max_body_bytes=1000, max_requests_in_flight=1, retry_after_s=2.5)
+
+
+def make_app(release: asyncio.Event) -> FastAPI:
+    app = FastAPI()
+    install_error_handlers(app)
+    app.add_middleware(RequestLimitsMiddleware)
+    app.state.request_limits = LIMITS
+
+    @app.post("/v1/completions")
+    async def completions(body: dict):
+        await release.wait()
+        return {"size": len(str(body))}
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    return app
+
+
+def run(scenario) -> None:
+    async def main():
+        release = asyncio.Event()
+        transport = httpx.ASGITransport(app=make_app(release))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            await scenario(client, release)
+
+    asyncio.run(main())
+
+
+def test_bodies_over_the_limit_get_413_declared_or_streamed():
+    async def scenario(client, release):
+        release.set()
+        declared = await client.post("/v1/completions", json={"prompt": "x" * 2000})
+        assert declared.status_code == 413
+        assert "max_body_bytes" in declared.json()["error"]["message"]
+
+        async def chunks():  # no Content-Length: counted while FastAPI reads it
+            for _ in range(4):
+                yield b" " * 400
+            yield b"{}"
+
+        streamed = await client.post("/v1/completions", content=chunks(),
+                                     headers={"content-type": "application/json"})
+        assert streamed.status_code == 413, streamed.text
+        assert (await client.post("/v1/completions", json={"prompt": "x"})).status_code == 200
+
+    run(scenario)
+
+
+def test_requests_beyond_the_limit_in_flight_get_429_with_retry_after():
+    async def scenario(client, release):
+        first = asyncio.create_task(client.post("/v1/completions", json={"prompt": "a"}))
+        await asyncio.sleep(0.05)  # the first is in flight, held by the endpoint
+        refused = await client.post("/v1/completions", json={"prompt": "b"})
+        assert refused.status_code == 429
+        assert refused.headers["retry-after"] == "3"
+        assert refused.json()["error"]["code"] == "rate_limit_exceeded"
+        assert (await client.get("/health")).status_code == 200  # not a generation route
+        release.set()
+        assert (await first).status_code == 200
+        again = await client.post("/v1/completions", json={"prompt": "c"})
+        assert again.status_code == 200  # the slot was given back
+
+    run(scenario)
