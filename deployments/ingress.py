@@ -54,6 +54,7 @@ from deployments.protocol import (
 from deployments.llm_server import ModelInfo
 from deployments.metrics import AppMetrics
 from deployments.renderer import RenderedPrompt
+from deployments.request_log import RequestRecord, log_request
 from engine.generation_request import GenerationRequest
 from engine.llm_engine import EngineStats, PoolUsage, RequestOutput
 
@@ -163,8 +164,15 @@ class OpenAIIngress:
         started with `start`, then one JSON body built by `full_response`, or server-sent
         events from `chunks`; errors before the first output as an OpenAI error body with its
         status."""
+        received = time.time()
         try:
             meta, outputs = await start(body, tenant)
+        except Exception as exc:  # refused before it reached the engine: logged here
+            error = as_api_error(exc)
+            log_request(RequestRecord(None, "error", error.status_code,
+                                      duration_s=time.time() - received))
+            return error_json(error)
+        try:  # from here on _generate logs the request when it ends
             if not body.stream:
                 return json_response(full_response(meta, await collect(outputs)))
             outputs = await first_output_ready(outputs)
@@ -214,23 +222,32 @@ class OpenAIIngress:
 
     async def _generate(self, request: GenerationRequest) -> AsyncGenerator[RequestOutput, None]:
         """The LLM server's stream; cancelled (request aborted) if not drained to the end.
-        Observes the time to first token from request.arrival_time."""
+        Observes the time to first token from request.arrival_time, and logs the request's
+        RequestRecord when it ends (deployments/request_log.py)."""
         stream = self._llm.options(stream=True).generate.remote(request)
+        record = RequestRecord(request.request_id)
         finished = False
-        first = True
         try:
             async for out in stream:
-                if first:
-                    self._metrics.observe_time_to_first_token(time.time() - request.arrival_time)
-                    first = False
+                if record.ttft_s is None:
+                    record.ttft_s = time.time() - request.arrival_time
+                    self._metrics.observe_time_to_first_token(record.ttft_s)
                 finished = out.finished
+                record.finish_reason = out.finish_reason
+                record.prompt_tokens, record.cached_tokens = out.num_prompt_tokens, out.num_cached_tokens
+                record.output_tokens = out.num_output_tokens
                 raise_if_failed(out)
                 yield out
+            record.status = "ok"
         except Exception as exc:
-            raise as_api_error(exc) from None
+            error = as_api_error(exc)
+            record.status, record.http_status = "error", error.status_code
+            raise error from None
         finally:
             if not finished:
                 stream.cancel()
+            record.duration_s = time.time() - request.arrival_time
+            log_request(record)
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self._model_name:
