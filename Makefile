@@ -16,8 +16,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 serve: $(STAMP)
-	$(VENV)/bin/python -m deployments.check_config serve_config.yaml
-	$(VENV)/bin/serve run serve_config.yaml
+	$(VENV)/bin/python -m deployments.serve_main serve_config.yaml
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q tests
