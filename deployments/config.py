@@ -56,6 +56,11 @@ class AppConfig(BaseModel):
                     "request gets HTTP 429 with Retry-After at once instead of queueing.")
     retry_after_s: float = Field(
         1.0, gt=0, description="The Retry-After of a 429 (rounded up to whole seconds).")
+    max_stop_strings: int = Field(
+        16, ge=1, description="Stop strings, and stop token ids, one request may give; more get "
+                              "HTTP 400.")
+    max_stop_string_chars: int = Field(
+        256, ge=1, description="Longest stop string accepted; a longer one gets HTTP 400.")
 
     # Ray resources (logical CPUs) and Serve request limits.
     ingress_num_cpus: float = Field(0.1, ge=0, description="Ray CPUs of each ingress replica.")

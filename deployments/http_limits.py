@@ -1,5 +1,8 @@
 """Request limits at the HTTP edge, before a request costs anything.
 
+check_stop_limits: the stop conditions of one request (the ingress checks them first, for HTTP
+and handle calls alike).
+
 RequestLimitsMiddleware (ASGI, in front of the ingress's routes; its limits are
 scope["app"].state.request_limits, set by the ingress replica):
   - a body larger than max_body_bytes gets 413 (from Content-Length when the client sends it,
@@ -20,6 +23,7 @@ from dataclasses import dataclass
 from starlette.exceptions import HTTPException
 
 from deployments.errors import APIError, error_json
+from deployments.protocol import SamplingFields
 
 
 @dataclass(frozen=True)
@@ -27,6 +31,24 @@ class RequestLimits:
     max_body_bytes: int
     max_requests_in_flight: int
     retry_after_s: float
+    max_stop_strings: int = 16  # stop strings, and stop token ids, a request may give
+    max_stop_string_chars: int = 256
+
+
+def check_stop_limits(fields: SamplingFields, limits: RequestLimits) -> None:
+    """Raise APIError 400 (param "stop" or "stop_token_ids") for more stop strings or stop token
+    ids than limits.max_stop_strings, or a stop string longer than max_stop_string_chars: every
+    stop string is matched against every step's new text."""
+    stops = fields.stop_strings()
+    if len(stops) > limits.max_stop_strings:
+        raise APIError.bad_request(
+            f"at most {limits.max_stop_strings} stop strings are accepted, got {len(stops)}", "stop")
+    if any(len(stop) > limits.max_stop_string_chars for stop in stops):
+        raise APIError.bad_request(
+            f"stop strings may have at most {limits.max_stop_string_chars} characters", "stop")
+    if len(fields.stop_token_ids or ()) > limits.max_stop_strings:
+        raise APIError.bad_request(
+            f"at most {limits.max_stop_strings} stop token ids are accepted", "stop_token_ids")
 
 
 class BodyTooLarge(HTTPException):

@@ -26,7 +26,7 @@ from ray.serve.handle import DeploymentHandle
 
 from deployments.api_keys import TENANT_SCOPE, ApiKeyMiddleware, ApiKeys, scoped_cache_salt
 from deployments.errors import APIError, as_api_error, error_json, install_error_handlers
-from deployments.http_limits import RequestLimits, RequestLimitsMiddleware
+from deployments.http_limits import RequestLimits, RequestLimitsMiddleware, check_stop_limits
 from deployments.http_stream import first_output_ready, json_response, sse_response
 from deployments.openai_format import (
     ResponseMeta,
@@ -77,6 +77,7 @@ class OpenAIIngress:
     ) -> None:
         app.state.api_keys = ApiKeys.load(api_keys_file)  # read by ApiKeyMiddleware
         app.state.request_limits = limits  # read by RequestLimitsMiddleware
+        self._limits = limits
         self._renderer = renderer
         self._llm = llm_server
         self._model_name = served_model_name
@@ -183,6 +184,7 @@ class OpenAIIngress:
     async def _start_chat(self, request: ChatCompletionRequest, tenant: str = "") -> _Started:
         arrival_time = time.time()
         self._check_model(request.model)
+        check_stop_limits(request, self._limits)
         try:
             prompt: RenderedPrompt = await self._renderer.render_chat.remote(request.messages)
         except Exception as exc:
@@ -194,6 +196,7 @@ class OpenAIIngress:
     async def _start_completion(self, request: CompletionRequest, tenant: str = "") -> _Started:
         arrival_time = time.time()
         self._check_model(request.model)
+        check_stop_limits(request, self._limits)
         try:
             prompt: RenderedPrompt = await self._renderer.tokenize_prompt.remote(request.prompt)
         except Exception as exc:

@@ -38,6 +38,11 @@ BAD_REQUESTS = [
     ("max-tokens-negative", CHAT, chat(max_tokens=-3), 400, "max_tokens"),
     ("max-completion-tokens-zero", CHAT, chat(max_completion_tokens=0), 400, "max_completion_tokens"),
     ("beyond-context", CHAT, chat(max_tokens=600), 400, "max_tokens"),
+    # the app's default stop limits (AppConfig: max_stop_strings 16, max_stop_string_chars 256)
+    ("too-many-stop-strings", CHAT, chat(stop=[f"s{i}" for i in range(17)]), 400, "stop"),
+    ("stop-string-too-long", COMPLETIONS, completion(stop=["x" * 257]), 400, "stop"),
+    ("too-many-stop-token-ids", COMPLETIONS, completion(stop_token_ids=list(range(17))), 400,
+     "stop_token_ids"),
     ("temperature-negative", CHAT, chat(temperature=-0.5), 400, "temperature"),
     ("top-p-zero", CHAT, chat(top_p=0), 400, "top_p"),
     ("top-p-above-one", CHAT, chat(top_p=1.5), 400, "top_p"),

@@ -78,3 +78,24 @@ def test_requests_beyond_the_limit_in_flight_get_429_with_retry_after():
         assert again.status_code == 200  # the slot was given back
 
     run(scenario)
+
+
+def test_stop_limits_accept_up_to_the_limit_and_refuse_beyond():
+    import pytest
+
+    from deployments.errors import APIError
+    from deployments.http_limits import check_stop_limits
+    from deployments.protocol import CompletionRequest
+
+    limits = RequestLimits(1000, 1, 1.0, max_stop_strings=3, max_stop_string_chars=5)
+
+    def request(**fields):
+        return CompletionRequest(prompt="x", **fields)
+
+    check_stop_limits(request(stop=["a", "b", "12345"], stop_token_ids=[1, 2, 3]), limits)
+    check_stop_limits(request(stop="12345"), limits)
+    for fields, param in (({"stop": ["a", "b", "c", "d"]}, "stop"), ({"stop": "123456"}, "stop"),
+                          ({"stop_token_ids": [1, 2, 3, 4]}, "stop_token_ids")):
+        with pytest.raises(APIError) as refused:
+            check_stop_limits(request(**fields), limits)
+        assert refused.value.status_code == 400 and refused.value.param == param
