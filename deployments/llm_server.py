@@ -16,7 +16,6 @@ loop, and with one rank the model, live in the replica: docs/design.md section 6
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, replace
 
@@ -31,9 +30,10 @@ from engine.async_engine import AsyncLLMEngine
 from engine.generation_request import GenerationRequest
 from engine.llm_engine import EngineStats, LLMEngine, PoolUsage, RequestOutput
 
-logger = logging.getLogger("ray.serve")
-
-HEALTH_CHECK_TIMEOUT_S = 20.0
+# A step running longer than this makes the replica unhealthy (a hang that no collective
+# timeout catches, e.g. outside the model's collectives).
+STEP_STALL_S = 600.0
+RANK_PING_TIMEOUT_S = 10.0
 
 
 def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
@@ -100,14 +100,16 @@ class ModelInfo:
     model_dir: str
 
 
-async def replica_health(engine: AsyncLLMEngine, ranks: RayWorkerExecutor | None) -> None:
-    """Raise if the step loop or the executor died (a rank failed mid-step) or, with rank
-    actors (`ranks`), one is gone (RayActorError), does not answer, or a step has stalled
-    (TimeoutError)."""
+async def replica_health(engine: AsyncLLMEngine, executor: RayWorkerExecutor | None) -> None:
+    """Raise if the step loop or the executor died (a rank failed mid-step), a step has run for
+    over STEP_STALL_S (TimeoutError: a hang no collective timeout catches), or, with rank actors
+    (`executor`), one is gone (RayActorError) or does not answer within RANK_PING_TIMEOUT_S."""
     if not engine.is_alive():
         raise RuntimeError("the engine step loop or its executor is not running")
-    if ranks is not None:
-        await ranks.check_health(HEALTH_CHECK_TIMEOUT_S / 2)
+    if engine.step_running_for() > STEP_STALL_S:
+        raise TimeoutError(f"a step has run for over {STEP_STALL_S:.0f} s")
+    if executor is not None:
+        await executor.check_health(RANK_PING_TIMEOUT_S)
 
 
 @serve.deployment

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -35,9 +34,9 @@ from engine.cache_capacity import CacheCapacity
 PLACEMENT_TIMEOUT_S = 600.0
 # Every rank joined and loaded its shard (rank_worker.COLLECTIVE_TIMEOUT bounds the join).
 START_TIMEOUT_S = 900.0
-# A step running longer than this makes the replica unhealthy (a hang that no collective
-# timeout catches, e.g. outside the model's collectives).
-STEP_STALL_S = 600.0
+# How long a step waits for the steps before it to reach rank 0 (StepsInOrder); one that never
+# arrives ends the group instead of blocking every later step.
+STEP_ORDER_TIMEOUT_S = 600.0
 # A threaded actor: ranks 1.. sit in follow() while health pings still get answered.
 RANK_ACTOR_CONCURRENCY = 2
 # Rank 0's steps run in a concurrency group of STEP_THREADS threads, and
@@ -73,7 +72,9 @@ class StepsInOrder:
         """execute(scheduler_output), once every step with a lower index has run (or failed);
         indices start at 0 and have no gaps (RayWorkerExecutor numbers its submissions)."""
         with self._turn:
-            self._turn.wait_for(lambda: self._next_step == step_index)
+            if not self._turn.wait_for(lambda: self._next_step == step_index, STEP_ORDER_TIMEOUT_S):
+                raise ExecutorDiedError(f"step {self._next_step} never reached rank 0; step "
+                                        f"{step_index} waited {STEP_ORDER_TIMEOUT_S:.0f} s for it")
         try:
             return self.execute(scheduler_output)
         finally:
@@ -150,8 +151,7 @@ class RayWorkerExecutor:
     def __init__(self, ranks: list[ActorHandle]) -> None:
         self._ranks = ranks
         self._submitted = 0
-        # the steps submitted and not collected: (rank 0's answer, time.monotonic() at submit)
-        self._in_flight: deque[tuple[ray.ObjectRef, float]] = deque()
+        self._in_flight: deque[ray.ObjectRef] = deque()  # rank 0's answers, not yet collected
 
     def cache_capacity(self) -> CacheCapacity:
         return ray.get(self._ranks[0].cache_capacity.remote())
@@ -163,10 +163,10 @@ class RayWorkerExecutor:
         call = self._ranks[0].execute_in_order.options(concurrency_group=STEP_GROUP).remote(
             self._submitted, scheduler_output)
         self._submitted += 1
-        self._in_flight.append((call, time.monotonic()))
+        self._in_flight.append(call)
 
     def collect(self) -> RunnerOutput:
-        answer, _ = self._in_flight[0]
+        answer = self._in_flight[0]
         try:
             return ray.get(answer)
         except RayActorError as exc:
@@ -177,14 +177,7 @@ class RayWorkerExecutor:
             self._in_flight.popleft()
 
     async def check_health(self, timeout_s: float) -> None:
-        """Raise RayActorError if any rank is dead, TimeoutError if one does not answer or
-        the step in flight has run longer than STEP_STALL_S."""
-        try:  # the step thread may pop the entry meanwhile
-            started = self._in_flight[0][1]
-        except IndexError:
-            started = None
-        if started is not None and time.monotonic() - started > STEP_STALL_S:
-            raise TimeoutError(f"a step has run for over {STEP_STALL_S:.0f} s")
+        """Raise RayActorError if any rank is dead, TimeoutError if one does not answer."""
         pings = [actor.ping.remote() for actor in self._ranks]
         try:
             await asyncio.wait_for(asyncio.gather(*pings), timeout_s)

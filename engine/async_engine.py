@@ -17,6 +17,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -43,6 +44,7 @@ class AsyncLLMEngine:
         self._streams: dict[str, _Stream] = {}
         self._stopped = False
         self._dead: ExecutorDiedError | None = None
+        self._step_started: float | None = None  # time.monotonic() when the running step() began
         self._thread = threading.Thread(target=self._run_loop, name="engine-step-loop", daemon=True)
         self._thread.start()
 
@@ -98,6 +100,12 @@ class AsyncLLMEngine:
         """The step loop runs and its executor has not died."""
         return self._thread.is_alive() and self._dead is None
 
+    def step_running_for(self) -> float:
+        """Seconds the step loop has been inside its current LLMEngine.step() (0.0 between
+        steps): a step that never returns (a hang no collective timeout catches) shows here."""
+        started = self._step_started
+        return 0.0 if started is None else time.monotonic() - started
+
     def shutdown(self) -> None:
         """Stop the step loop, then the engine's executor."""
         self._stopped = True
@@ -119,6 +127,7 @@ class AsyncLLMEngine:
                 self._wakeup.wait()
                 self._wakeup.clear()
                 continue
+            self._step_started = time.monotonic()
             try:
                 outputs = self.engine.step()
             except ExecutorDiedError as exc:
@@ -129,10 +138,12 @@ class AsyncLLMEngine:
                                                      ExecutorDiedError(str(exc)))
                 self._streams.clear()
                 continue
-            except Exception as exc:  # a failed step fails its requests, never the loop
+            except Exception as exc:  # a failed step fails the unfinished requests, never the loop
                 logger.exception("engine step failed")
                 self.engine.fail_all(f"engine step failed: {exc!r}")
                 continue
+            finally:
+                self._step_started = None
             self._deliver(outputs)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
