@@ -22,7 +22,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from deployments.errors import APIError, error_json
+from deployments.errors import APIError, send_error
 
 API_KEYS_ENV = "HYBRID_SERVE_API_KEYS"
 TENANT_SCOPE = "hybrid_serve.tenant"  # the ASGI scope key the middleware sets
@@ -103,13 +103,11 @@ class ApiKeyMiddleware:
             tenant = ""
             if keys.enabled and not scope["path"].endswith("/health"):
                 headers = dict(scope.get("headers") or [])
-                authorization = headers.get(b"authorization", b"").decode("latin-1")
+                authorization = headers.get(b"authorization", b"").decode("utf-8", "replace")
                 try:
                     tenant = keys.tenant_of(authorization)
                 except APIError as exc:
-                    response = error_json(exc)
-                    response.headers["WWW-Authenticate"] = "Bearer"
-                    await response(scope, receive, send)
+                    await send_error(scope, receive, send, exc, {"WWW-Authenticate": "Bearer"})
                     return
             scope[TENANT_SCOPE] = tenant
         await self.app(scope, receive, send)

@@ -72,8 +72,10 @@ def build_app(args: dict) -> Application:
         ray_actor_options=llm_server_resources(config),
         health_check_period_s=config.health_check_period_s, **serve_options
     ).bind(config)
-    limits = RequestLimits(config.max_body_bytes, config.max_requests_in_flight, config.retry_after_s,
-                           config.max_stop_strings, config.max_stop_string_chars)
+    limits = RequestLimits(
+        max_body_bytes=config.max_body_bytes, max_requests_in_flight=config.max_requests_in_flight,
+        retry_after_s=config.retry_after_s, max_stop_strings=config.max_stop_strings,
+        max_stop_string_chars=config.max_stop_string_chars)
     return OpenAIIngress.options(
         ray_actor_options={"num_cpus": config.ingress_num_cpus},
         # above the middleware's own limit, so a request beyond it gets a 429, not a queue

@@ -15,7 +15,7 @@ import dataclasses
 from pydantic.fields import FieldInfo
 
 from deployments.config import AppConfig
-from engine.config import EngineConfig
+from engine.config import DEFAULT_MODEL_DIR, EngineConfig
 
 HEADER = """# Configuration reference
 
@@ -69,7 +69,7 @@ def _default(value) -> str:
         return "[" + ", ".join(map(str, value)) + "]"
     if isinstance(value, int) and not isinstance(value, bool) and value >= 1024 * 1024 and value % (1024 * 1024) == 0:
         return f"{value} ({value // (1024 * 1024)} MiB)"
-    if isinstance(value, str) and "/" in value:
+    if value == str(DEFAULT_MODEL_DIR):
         return "the embedded tiny model"
     return str(value).lower() if isinstance(value, bool) else str(value)
 

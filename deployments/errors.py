@@ -92,6 +92,13 @@ def error_json(error: APIError) -> JSONResponse:
     return JSONResponse(error.to_response().model_dump(), status_code=error.status_code)
 
 
+async def send_error(scope, receive, send, error: APIError, headers: dict | None = None) -> None:
+    """Answer an ASGI request with `error` (for middlewares, which answer before any route)."""
+    response = error_json(error)
+    response.headers.update(headers or {})
+    await response(scope, receive, send)
+
+
 def validation_error(errors: list[dict[str, Any]]) -> APIError:
     """One 400 from pydantic/FastAPI validation errors; `param` is the first bad field's path."""
     first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}

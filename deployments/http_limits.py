@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from starlette.exceptions import HTTPException
 
-from deployments.errors import APIError, error_json
+from deployments.errors import APIError, send_error
 from deployments.protocol import SamplingFields
 
 
@@ -31,8 +31,8 @@ class RequestLimits:
     max_body_bytes: int
     max_requests_in_flight: int
     retry_after_s: float
-    max_stop_strings: int = 16  # stop strings, and stop token ids, a request may give
-    max_stop_string_chars: int = 256
+    max_stop_strings: int  # stop strings, and stop token ids, a request may give
+    max_stop_string_chars: int
 
 
 def check_stop_limits(fields: SamplingFields, limits: RequestLimits) -> None:
@@ -71,15 +71,15 @@ class RequestLimitsMiddleware:
             return
         declared = dict(scope.get("headers") or []).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > limits.max_body_bytes:
-            await _reply(scope, receive, send, _too_large(limits))
+            await send_error(scope, receive, send, _too_large(limits))
             return
         generation = scope["method"] == "POST" and scope["path"].endswith("completions")
         if generation and self.in_flight >= limits.max_requests_in_flight:
             error = APIError(429, f"The server is at its limit of {limits.max_requests_in_flight} "
                              "requests in flight; retry after the Retry-After delay.",
                              "rate_limit_error", None, "rate_limit_exceeded")
-            await _reply(scope, receive, send, error,
-                         {"Retry-After": str(max(1, math.ceil(limits.retry_after_s)))})
+            await send_error(scope, receive, send, error,
+                             {"Retry-After": str(max(1, math.ceil(limits.retry_after_s)))})
             return
         received = 0
 
@@ -102,8 +102,3 @@ class RequestLimitsMiddleware:
 def _too_large(limits: RequestLimits) -> APIError:
     return APIError(413, BodyTooLarge(limits.max_body_bytes).detail, "invalid_request_error")
 
-
-async def _reply(scope, receive, send, error: APIError, headers: dict | None = None) -> None:
-    response = error_json(error)
-    response.headers.update(headers or {})
-    await response(scope, receive, send)

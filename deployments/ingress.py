@@ -66,6 +66,16 @@ app.add_middleware(RequestLimitsMiddleware)
 app.add_middleware(ApiKeyMiddleware)  # added last, runs first: no limit is spent on a refused key
 
 
+def refused(exc: BaseException, arrival_time: float) -> APIError:
+    """`exc` as the APIError of a request refused before it reached the engine (a bad model
+    name, a limit, the renderer, sampling against the context), its record logged: _generate
+    logs only the requests that reach the engine. (Defined above the class: @serve.ingress
+    freezes the routes, with the module globals they see, when the class is decorated.)"""
+    error = as_api_error(exc)
+    log_request(RequestRecord(None, "error", error.status_code, duration_s=time.time() - arrival_time))
+    return error
+
+
 @serve.deployment
 @serve.ingress(app)
 class OpenAIIngress:
@@ -145,7 +155,8 @@ class OpenAIIngress:
 
     @app.get("/health")
     async def http_health(self):
-        """200 when the LLM server's actors answer; 503 otherwise."""
+        """200 when the LLM server replica is healthy (its step loop runs, no step has stalled,
+        its rank actors answer); 503 otherwise."""
         try:
             await self._llm.check_health.remote()
         except Exception as exc:
@@ -165,15 +176,8 @@ class OpenAIIngress:
         started with `start`, then one JSON body built by `full_response`, or server-sent
         events from `chunks`; errors before the first output as an OpenAI error body with its
         status."""
-        received = time.time()
         try:
             meta, outputs = await start(body, tenant)
-        except Exception as exc:  # refused before it reached the engine: logged here
-            error = as_api_error(exc)
-            log_request(RequestRecord(None, "error", error.status_code,
-                                      duration_s=time.time() - received))
-            return error_json(error)
-        try:  # from here on _generate logs the request when it ends
             if not body.stream:
                 return json_response(full_response(meta, await collect(outputs)))
             outputs = await first_output_ready(outputs)
@@ -183,26 +187,24 @@ class OpenAIIngress:
 
     async def _start_chat(self, request: ChatCompletionRequest, tenant: str = "") -> _Started:
         arrival_time = time.time()
-        self._check_model(request.model)
-        check_stop_limits(request, self._limits)
         try:
+            self._check_request(request)
             prompt: RenderedPrompt = await self._renderer.render_chat.remote(request.messages)
+            self._metrics.count_boundary_rejection(prompt.boundary_rejection)
+            return self._start(new_request_id("chatcmpl"), prompt, request,
+                               request.requested_max_tokens(), arrival_time, tenant)
         except Exception as exc:
-            raise as_api_error(exc) from None
-        self._metrics.count_boundary_rejection(prompt.boundary_rejection)
-        return self._start(new_request_id("chatcmpl"), prompt, request,
-                           request.requested_max_tokens(), arrival_time, tenant)
+            raise refused(exc, arrival_time) from None
 
     async def _start_completion(self, request: CompletionRequest, tenant: str = "") -> _Started:
         arrival_time = time.time()
-        self._check_model(request.model)
-        check_stop_limits(request, self._limits)
         try:
+            self._check_request(request)
             prompt: RenderedPrompt = await self._renderer.tokenize_prompt.remote(request.prompt)
+            return self._start(new_request_id("cmpl"), prompt, request,
+                               request.requested_max_tokens(), arrival_time, tenant)
         except Exception as exc:
-            raise as_api_error(exc) from None
-        return self._start(new_request_id("cmpl"), prompt, request,
-                           request.requested_max_tokens(), arrival_time, tenant)
+            raise refused(exc, arrival_time) from None
 
     def _start(
         self, request_id: str, prompt: RenderedPrompt, fields: SamplingFields,
@@ -252,6 +254,10 @@ class OpenAIIngress:
             record.duration_s = time.time() - request.arrival_time
             log_request(record)
 
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self._model_name:
-            raise APIError.model_not_found(model)
+    def _check_request(self, request: SamplingFields) -> None:
+        """The checks that need neither the renderer nor the engine: the model name and the
+        stop-condition limits. Raises APIError."""
+        if request.model is not None and request.model != self._model_name:
+            raise APIError.model_not_found(request.model)
+        check_stop_limits(request, self._limits)
+

@@ -1,11 +1,13 @@
-"""One structured log line for every request the ingress serves, written when it ends.
+"""One structured log line for every request that reaches an ingress route, written when it
+ends (HTTP and handle calls alike).
 
     request_done {"cached_tokens": 96, "duration_s": 0.41, "finish_reason": "length", ...}
 
-The fields: request id (null for an HTTP request refused before it was given one), status
-("ok", "error" with its HTTP status, or "cancelled" when the client went away first), finish
-reason, prompt, cached and output tokens, time to first token
-and duration in seconds. Never the prompt or the output text. Lines go to the "ray.serve"
+The fields: request id (null for a request refused before it was given one), status ("ok",
+"error" with its HTTP status, or "cancelled" when the client went away first), finish reason,
+prompt, cached and output tokens, time to first token, duration and end time in seconds.
+Requests a middleware answers (401, 413, 429) and bodies that fail validation never reach a
+route and have no line. Never the prompt or the output text. Lines go to the "ray.serve"
 logger, so Serve writes them to the ingress replica's log file.
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import asdict, dataclass
 
 logger = logging.getLogger("ray.serve")
@@ -32,7 +35,9 @@ class RequestRecord:
     duration_s: float = 0.0
 
     def line(self) -> str:
-        fields = asdict(self)
+        """The log line: PREFIX, then the fields as one JSON object with the time the line is
+        written (end_time, Unix seconds)."""
+        fields = {**asdict(self), "end_time": round(time.time(), 3)}
         for key in ("ttft_s", "duration_s"):
             if fields[key] is not None:
                 fields[key] = round(fields[key], 4)

@@ -34,7 +34,8 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     from ray.serve.scripts import cli
 
-    return cli.main(args=["run", *argv], prog_name="serve", standalone_mode=False) or 0
+    cli.main(args=["run", *argv], prog_name="serve")  # exits: click's standalone mode
+    return 0
 
 
 if __name__ == "__main__":

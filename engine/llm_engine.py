@@ -1,8 +1,8 @@
 """The in-process engine: one object that takes requests and yields outputs.
 
 Tests, benchmarks and the GPU machine use it directly; the LLM server replica wraps it in
-AsyncLLMEngine (with an executor that forwards steps to worker actors) rather than
-re-implementing it.
+AsyncLLMEngine rather than re-implementing it (with tensor_parallel_size > 1, over an executor
+that forwards steps to worker actors).
 
     engine = LLMEngine(EngineConfig())
     sampling = SamplingParams(max_tokens=8, temperature=0)

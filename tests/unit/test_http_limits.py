@@ -12,10 +12,11 @@ from fastapi import FastAPI
 from deployments.errors import install_error_handlers
 from deployments.http_limits import RequestLimits, RequestLimitsMiddleware
 
-LIMITS = RequestLimits(max_body_bytes=1000, max_requests_in_flight=1, retry_after_s=2.5)
+LIMITS = RequestLimits(max_body_bytes=1000, max_requests_in_flight=1, retry_after_s=2.5,
+                       max_stop_strings=16, max_stop_string_chars=256)
 
 
-def make_app(release: asyncio.Event) -> FastAPI:
+def make_app(release: asyncio.Event, entered: asyncio.Event | None = None) -> FastAPI:
     app = FastAPI()
     install_error_handlers(app)
     app.add_middleware(RequestLimitsMiddleware)
@@ -23,6 +24,8 @@ def make_app(release: asyncio.Event) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: dict):
+        if entered is not None:
+            entered.set()
         await release.wait()
         return {"size": len(str(body))}
 
@@ -35,16 +38,16 @@ def make_app(release: asyncio.Event) -> FastAPI:
 
 def run(scenario) -> None:
     async def main():
-        release = asyncio.Event()
-        transport = httpx.ASGITransport(app=make_app(release))
+        release, entered = asyncio.Event(), asyncio.Event()
+        transport = httpx.ASGITransport(app=make_app(release, entered))
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-            await scenario(client, release)
+            await scenario(client, release, entered)
 
     asyncio.run(main())
 
 
 def test_bodies_over_the_limit_get_413_declared_or_streamed():
-    async def scenario(client, release):
+    async def scenario(client, release, entered):
         release.set()
         declared = await client.post("/v1/completions", json={"prompt": "x" * 2000})
         assert declared.status_code == 413
@@ -64,9 +67,9 @@ def test_bodies_over_the_limit_get_413_declared_or_streamed():
 
 
 def test_requests_beyond_the_limit_in_flight_get_429_with_retry_after():
-    async def scenario(client, release):
+    async def scenario(client, release, entered):
         first = asyncio.create_task(client.post("/v1/completions", json={"prompt": "a"}))
-        await asyncio.sleep(0.05)  # the first is in flight, held by the endpoint
+        await asyncio.wait_for(entered.wait(), 10)  # the first is in flight, held by the endpoint
         refused = await client.post("/v1/completions", json={"prompt": "b"})
         assert refused.status_code == 429
         assert refused.headers["retry-after"] == "3"
@@ -87,7 +90,8 @@ def test_stop_limits_accept_up_to_the_limit_and_refuse_beyond():
     from deployments.http_limits import check_stop_limits
     from deployments.protocol import CompletionRequest
 
-    limits = RequestLimits(1000, 1, 1.0, max_stop_strings=3, max_stop_string_chars=5)
+    limits = RequestLimits(max_body_bytes=1000, max_requests_in_flight=1, retry_after_s=1.0,
+                           max_stop_strings=3, max_stop_string_chars=5)
 
     def request(**fields):
         return CompletionRequest(prompt="x", **fields)
