@@ -16,6 +16,7 @@ loop, and with one rank the model, live in the replica: docs/design.md section 6
 from __future__ import annotations
 
 import asyncio
+from contextlib import aclosing
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, replace
 
@@ -156,10 +157,12 @@ class LLMServer:
         is aborted in the engine, which frees its KV blocks and state slot.
         """
         finished = False
+        outputs = coalesce(self._engine.generate(request), self._stream_interval)
         try:
-            async for out in coalesce(self._engine.generate(request), self._stream_interval):
-                finished = out.finished
-                yield out
+            async with aclosing(outputs):  # closed now, not when collected: that aborts the request
+                async for out in outputs:
+                    finished = out.finished
+                    yield out
         except (GeneratorExit, asyncio.CancelledError):
             raise
         except Exception as exc:
