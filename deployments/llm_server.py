@@ -16,8 +16,8 @@ loop, and with one rank the model, live in the replica: docs/design.md section 6
 from __future__ import annotations
 
 import asyncio
-from contextlib import aclosing
 from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass, replace
 
 import torch
