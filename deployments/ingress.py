@@ -1,7 +1,7 @@
 """Ingress deployment: the OpenAI HTTP routes and the Python handle API, over one code path.
 
 HTTP:   POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health,
-        GET /metrics (Prometheus text format, see deployments.metrics).
+        GET /metrics (no samples: metrics are exported through Ray, see deployments.metrics).
 Handle: `serve.get_app_handle(name)` returns a handle to this deployment; call the typed methods
 
     handle = serve.get_app_handle("hybrid-serve")
@@ -20,7 +20,6 @@ from collections.abc import AsyncGenerator, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
@@ -52,7 +51,7 @@ from deployments.protocol import (
     now,
 )
 from deployments.llm_server import ModelInfo
-from deployments.metrics import AppMetrics
+from deployments.metrics import METRICS_CONTENT_TYPE, METRICS_ELSEWHERE, RequestMetrics
 from deployments.renderer import RenderedPrompt
 from deployments.request_log import RequestRecord, log_request
 from engine.generation_request import GenerationRequest
@@ -66,13 +65,16 @@ app.add_middleware(RequestLimitsMiddleware)
 app.add_middleware(ApiKeyMiddleware)  # added last, runs first: no limit is spent on a refused key
 
 
-def refused(exc: BaseException, arrival_time: float) -> APIError:
+def refused(exc: BaseException, arrival_time: float, metrics: RequestMetrics) -> APIError:
     """`exc` as the APIError of a request refused before it reached the engine (a bad model
-    name, a limit, the renderer, sampling against the context), its record logged: _generate
-    logs only the requests that reach the engine. (Defined above the class: @serve.ingress
-    freezes the routes, with the module globals they see, when the class is decorated.)"""
+    name, a limit, the renderer, sampling against the context), its record logged and
+    counted in `metrics`: _generate records only the requests that reach the engine.
+    (Defined above the class: @serve.ingress freezes the routes, with the module globals
+    they see, when the class is decorated.)"""
     error = as_api_error(exc)
-    log_request(RequestRecord(None, "error", error.status_code, duration_s=time.time() - arrival_time))
+    record = RequestRecord(None, "error", error.status_code, duration_s=time.time() - arrival_time)
+    log_request(record)
+    metrics.record_request(record)
     return error
 
 
@@ -93,7 +95,7 @@ class OpenAIIngress:
         self._model_name = served_model_name
         self._info: ModelInfo = await llm_server.model_info.remote()
         self._created = now()
-        self._metrics = AppMetrics()
+        self._metrics = RequestMetrics()
 
     # ----- Python handle API (typed request in, typed response or chunks out)
 
@@ -164,10 +166,10 @@ class OpenAIIngress:
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
-    async def http_metrics(self):
-        """Prometheus text exposition: engine counters (fetched now) and boundary rejections."""
-        stats = await self._llm.engine_stats.remote()
-        return Response(content=self._metrics.exposition(stats), media_type=CONTENT_TYPE_LATEST)
+    def http_metrics(self):
+        """A Prometheus exposition without samples that says where the metrics are: Ray
+        exports them from every replica (deployments.metrics)."""
+        return Response(content=METRICS_ELSEWHERE, media_type=METRICS_CONTENT_TYPE)
 
     # ----- one code path for both APIs
 
@@ -194,7 +196,7 @@ class OpenAIIngress:
             return self._start(new_request_id("chatcmpl"), prompt, request,
                                request.requested_max_tokens(), arrival_time, tenant)
         except Exception as exc:
-            raise refused(exc, arrival_time) from None
+            raise refused(exc, arrival_time, self._metrics) from None
 
     async def _start_completion(self, request: CompletionRequest, tenant: str = "") -> _Started:
         arrival_time = time.time()
@@ -204,7 +206,7 @@ class OpenAIIngress:
             return self._start(new_request_id("cmpl"), prompt, request,
                                request.requested_max_tokens(), arrival_time, tenant)
         except Exception as exc:
-            raise refused(exc, arrival_time) from None
+            raise refused(exc, arrival_time, self._metrics) from None
 
     def _start(
         self, request_id: str, prompt: RenderedPrompt, fields: SamplingFields,
@@ -227,8 +229,9 @@ class OpenAIIngress:
 
     async def _generate(self, request: GenerationRequest) -> AsyncGenerator[RequestOutput, None]:
         """The LLM server's stream; cancelled (request aborted) if not drained to the end.
-        Observes the time to first token from request.arrival_time, and logs the request's
-        RequestRecord when it ends (deployments/request_log.py)."""
+        Measures the time to first token from request.arrival_time; when the request ends,
+        logs its RequestRecord and records it as metrics (deployments/request_log.py,
+        deployments/metrics.py)."""
         stream = self._llm.options(stream=True).generate.remote(request)
         record = RequestRecord(request.request_id)
         finished = False
@@ -236,7 +239,6 @@ class OpenAIIngress:
             async for out in stream:
                 if record.ttft_s is None:
                     record.ttft_s = time.time() - request.arrival_time
-                    self._metrics.observe_time_to_first_token(record.ttft_s)
                 finished = out.finished
                 record.finish_reason = out.finish_reason
                 record.prompt_tokens, record.cached_tokens = out.num_prompt_tokens, out.num_cached_tokens
@@ -253,6 +255,7 @@ class OpenAIIngress:
                 stream.cancel()
             record.duration_s = time.time() - request.arrival_time
             log_request(record)
+            self._metrics.record_request(record)
 
     def _check_request(self, request: SamplingFields) -> None:
         """The checks that need neither the renderer nor the engine: the model name and the

@@ -26,6 +26,7 @@ from ray.actor import ActorHandle
 
 from deployments.config import AppConfig
 from deployments.errors import as_api_error
+from deployments.metrics import EngineMetricsExporter
 from deployments.worker_group import RayWorkerExecutor, WorkerGroup
 from engine.async_engine import AsyncLLMEngine
 from engine.generation_request import GenerationRequest
@@ -143,6 +144,8 @@ class LLMServer:
         self._engine = AsyncLLMEngine(engine)
         self._stream_interval = config.stream_interval
         self._num_aborted = 0
+        # the engine's counters, pools and queues to Ray's metrics each second, off the step thread
+        self._metrics_export = asyncio.create_task(EngineMetricsExporter(engine).run())
 
     def model_info(self) -> ModelInfo:
         return self._info

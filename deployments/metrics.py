@@ -1,101 +1,252 @@
-"""Prometheus metrics of the application, rendered by the ingress at GET /metrics.
+"""The application's metrics, exported through Ray's metrics (ray.serve.metrics).
 
-Two sources, one exposition:
-- the engine's counters live in the LLM server replica; each scrape fetches one EngineStats
-  snapshot from the LLM server and EngineStatsCollector turns it into metric families
-  (checkpoints by kind and event, prompt tokens restored vs computed, preemptions, bytes held);
-- measured here, in the ingress: instruction boundary rejections, from each chat request's
-  RenderedPrompt.boundary_rejection (so no second fetch from the renderer is needed), and the
-  time to first token, from the GenerationRequest's arrival_time to its first output.
+Each replica records into Ray's metrics; the metrics agent of each node serves them to
+Prometheus at that node's metrics export port (`ray start --metrics-export-port`, or
+`ray.init(_metrics_export_port=...)`), with every name prefixed `ray_` by Ray's exporter and
+tagged with the deployment, replica and application (Serve's tags) and the worker id (Ray's).
+Each replica's series are its own, so `sum(...)` in PromQL adds up replicas and nodes.
 
-Limitation: with several replicas, a scrape sees the ingress replica that serves it and the LLM
-server replica its handle call is routed to; the numbers are per replica, not sums. With one
-replica of each (the default) they are the application's.
+    ingress replica      RequestMetrics: requests by status, output tokens, time to first
+                         token, inter-token and end-to-end latency (it sees each whole stream),
+                         instruction boundary rejections
+    LLM server replica   EngineMetricsExporter: every EXPORT_PERIOD_S, on the replica's event
+                         loop, the engine's cumulative counters (EngineStats) become Counter
+                         increments (the delta since the last export) and its pools and queues
+                         gauges; nothing on a request's path, nothing on the step thread
+
+METRICS lists every metric; `exported_names()` the names Prometheus sees (dashboards/ uses
+them). Ray's histograms export `_sum` from bucket midpoints, so only the buckets and `_count`
+are exact. A counter appears once it has been incremented (Ray cannot export a zero).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Literal
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
+from deployments.request_log import RequestRecord
 
-from deployments.instruction_boundary import BoundaryRejection
-from engine.llm_engine import EngineStats
+logger = logging.getLogger("ray.serve")
 
-PREFIX = "hybrid_serve"
+# What GET /metrics at the ingress answers: a valid exposition without samples, since a
+# replica's own numbers are not the application's once there are several.
+METRICS_ELSEWHERE = (
+    "# hybrid-serve exports its metrics through Ray: the metrics agent of each node serves them\n"
+    "# at http://<node>:<metrics export port>/metrics (ray start --metrics-export-port), named\n"
+    "# ray_hybrid_serve_*, one series per replica; sum them (README.md, section Metrics).\n")
+METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+RAY_PREFIX = "ray_"  # Ray's exporter prepends it to every application metric
+EXPORT_PERIOD_S = 1.0
 CHECKPOINT_EVENTS = ("captured", "hit", "evicted", "deduplicated", "dropped")
-TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
-class EngineStatsCollector(Collector):
-    """Metric families from the latest EngineStats snapshot (none before the first one)."""
+@dataclass(frozen=True)
+class MetricSpec:
+    """One metric: its name as recorded (Ray adds RAY_PREFIX), kind, help and tags."""
+
+    name: str
+    kind: Literal["counter", "gauge", "histogram"]
+    description: str
+    tag_keys: tuple[str, ...] = ()
+    boundaries: tuple[float, ...] = ()  # histogram buckets (upper bounds, seconds)
+
+    def exported_names(self) -> tuple[str, ...]:
+        """The sample names Prometheus scrapes: `_total` for a counter, `_bucket`, `_count` and
+        `_sum` for a histogram, the name itself for a gauge."""
+        name = RAY_PREFIX + self.name
+        if self.kind == "counter":
+            return (name + "_total",)
+        if self.kind == "histogram":
+            return (name + "_bucket", name + "_count", name + "_sum")
+        return (name,)
+
+    def create(self):
+        """The Ray metric (call inside a Serve replica, which adds Serve's tags)."""
+        from ray.serve import metrics
+
+        if self.kind == "counter":
+            return metrics.Counter(self.name, self.description, tag_keys=self.tag_keys)
+        if self.kind == "gauge":
+            return metrics.Gauge(self.name, self.description, tag_keys=self.tag_keys)
+        return metrics.Histogram(self.name, self.description, boundaries=list(self.boundaries),
+                                 tag_keys=self.tag_keys)
+
+
+# ----- measured by the ingress, one record per request when it ends
+REQUESTS = MetricSpec(
+    "hybrid_serve_requests", "counter",
+    "Requests that reached a generation route, by status (ok, error, cancelled), HTTP status "
+    "class (2xx, 4xx, 5xx; none when cancelled) and finish reason (none if unfinished).",
+    ("status", "http_status", "finish_reason"))
+OUTPUT_TOKENS = MetricSpec(
+    "hybrid_serve_output_tokens", "counter", "Output tokens streamed to clients (at request end).")
+TIME_TO_FIRST_TOKEN = MetricSpec(
+    "hybrid_serve_time_to_first_token_seconds", "histogram",
+    "From the ingress receiving a request to its first output from the engine.",
+    boundaries=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0))
+INTER_TOKEN_LATENCY = MetricSpec(
+    "hybrid_serve_inter_token_latency_seconds", "histogram",
+    "Per request with two or more output tokens: (end-to-end - time to first token) / "
+    "(output tokens - 1).",
+    boundaries=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5))
+REQUEST_LATENCY = MetricSpec(
+    "hybrid_serve_request_latency_seconds", "histogram",
+    "End-to-end: from the ingress receiving a request to its stream ending.",
+    boundaries=(0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0))
+BOUNDARY_REJECTIONS = MetricSpec(
+    "hybrid_serve_instruction_boundary_rejections", "counter",
+    "Chat prompts without an instruction boundary, by reason (docs/design.md section 3).",
+    ("reason",))
+
+# ----- exported by each LLM server replica from its engine
+CHECKPOINT_EVENTS_TOTAL = MetricSpec(
+    "hybrid_serve_checkpoint_events", "counter",
+    "Checkpoint events by kind (prompt, response, instruction) and event (captured, hit, "
+    "evicted, deduplicated, dropped).", ("kind", "event"))
+PROMPT_TOKENS_RESTORED = MetricSpec(
+    "hybrid_serve_prompt_tokens_restored", "counter",
+    "Prompt tokens restored from checkpoints (at first admission).")
+PROMPT_TOKENS_COMPUTED = MetricSpec(
+    "hybrid_serve_prompt_tokens_computed", "counter",
+    "Prompt tokens left to prefill after restoring (at first admission).")
+PREEMPTIONS = MetricSpec(
+    "hybrid_serve_preemptions", "counter",
+    "Requests preempted (blocks and state slot freed, requeued to be recomputed).")
+ENGINE_REQUESTS = MetricSpec(
+    "hybrid_serve_engine_requests", "gauge",
+    "Requests in the engine by state: running, waiting (never preempted), preempted (waiting "
+    "again to be recomputed).", ("state",))
+KV_BLOCKS = MetricSpec(
+    "hybrid_serve_kv_blocks", "gauge",
+    "KV blocks by state: free, requests (held by a request, maybe shared with checkpoints), "
+    "checkpoints (held by checkpoints alone, evictable).", ("state",))
+STATE_SLOTS = MetricSpec(
+    "hybrid_serve_state_slots", "gauge", "Recurrent state slots by state: free, used.", ("state",))
+CHECKPOINTS = MetricSpec(
+    "hybrid_serve_checkpoints", "gauge", "Checkpoints held (published or pending).")
+CHECKPOINT_BYTES = MetricSpec(
+    "hybrid_serve_checkpoint_bytes", "gauge",
+    "Bytes held by checkpoints outside the shared KV blocks.")
+
+METRICS = (REQUESTS, OUTPUT_TOKENS, TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY, REQUEST_LATENCY,
+           BOUNDARY_REJECTIONS, CHECKPOINT_EVENTS_TOTAL, PROMPT_TOKENS_RESTORED,
+           PROMPT_TOKENS_COMPUTED, PREEMPTIONS, ENGINE_REQUESTS, KV_BLOCKS, STATE_SLOTS,
+           CHECKPOINTS, CHECKPOINT_BYTES)
+
+
+def exported_names() -> frozenset[str]:
+    """Every sample name Prometheus scrapes from the application (with Ray's prefix)."""
+    return frozenset(name for spec in METRICS for name in spec.exported_names())
+
+
+class RequestMetrics:
+    """The ingress replica's metrics. Create inside the replica (Serve's tags)."""
 
     def __init__(self) -> None:
-        self.snapshot: EngineStats | None = None
-
-    def collect(self) -> Iterator[Metric]:
-        stats = self.snapshot
-        if stats is None:
-            return
-        for event in CHECKPOINT_EVENTS:
-            family = CounterMetricFamily(
-                f"{PREFIX}_checkpoints_{event}", f"Checkpoints {event}, by kind (slot).",
-                labels=["kind"])
-            for kind, counters in sorted(stats.checkpoints.items()):
-                family.add_metric([kind], getattr(counters, event))
-            yield family
-        yield CounterMetricFamily(
-            f"{PREFIX}_prompt_tokens_restored",
-            "Prompt tokens restored from checkpoints (at first admission).",
-            value=stats.scheduler.prompt_tokens_restored)
-        yield CounterMetricFamily(
-            f"{PREFIX}_prompt_tokens_computed",
-            "Prompt tokens left to prefill after restoring (at first admission).",
-            value=stats.scheduler.prompt_tokens_computed)
-        yield CounterMetricFamily(
-            f"{PREFIX}_preemptions", "Requests preempted (blocks and state slot freed, requeued).",
-            value=stats.scheduler.preemptions)
-        yield GaugeMetricFamily(
-            f"{PREFIX}_checkpoint_bytes",
-            "Bytes held by checkpoints outside the shared KV blocks.", value=stats.checkpoint_bytes)
-        yield GaugeMetricFamily(
-            f"{PREFIX}_checkpoints", "Checkpoints held (published or pending).",
-            value=stats.num_checkpoints)
-
-
-class AppMetrics:
-    """The ingress's registry: its boundary rejection counter and time-to-first-token
-    histogram, plus the engine collector.
-
-    Not thread safe across scrapes on purpose: the ingress calls `exposition` on its event loop
-    with no await between setting the snapshot and rendering it.
-    """
-
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.boundary_rejections = Counter(
-            f"{PREFIX}_instruction_boundary_rejections",
-            "Chat prompts without an instruction boundary, by reason (docs/design.md section 3).",
-            ["reason"], registry=self.registry)
-        for reason in BoundaryRejection:
-            self.boundary_rejections.labels(reason=reason.value)  # export zeros from the start
-        self.time_to_first_token = Histogram(
-            f"{PREFIX}_time_to_first_token_seconds",
-            "From the ingress receiving a request to its first output from the engine.",
-            buckets=TTFT_BUCKETS_S, registry=self.registry)
-        self._engine = EngineStatsCollector()
-        self.registry.register(self._engine)
+        self._requests = REQUESTS.create()
+        self._output_tokens = OUTPUT_TOKENS.create()
+        self._ttft = TIME_TO_FIRST_TOKEN.create()
+        self._itl = INTER_TOKEN_LATENCY.create()
+        self._latency = REQUEST_LATENCY.create()
+        self._boundary_rejections = BOUNDARY_REJECTIONS.create()
 
     def count_boundary_rejection(self, reason: str | None) -> None:
+        """Count a chat prompt's RenderedPrompt.boundary_rejection (None: it has a boundary)."""
         if reason is not None:
-            self.boundary_rejections.labels(reason=reason).inc()
+            self._boundary_rejections.inc(tags={"reason": str(reason)})
 
-    def observe_time_to_first_token(self, seconds: float) -> None:
-        self.time_to_first_token.observe(max(0.0, seconds))
+    def record_request(self, record: RequestRecord) -> None:
+        """Record an ended request from its RequestRecord (deployments/request_log.py):
+        refused ones count by status only; ones that reached the engine also observe their
+        latencies and output tokens."""
+        if record.status == "cancelled":
+            http_status = "none"
+        else:
+            http_status = f"{(record.http_status or 200) // 100}xx"
+        self._requests.inc(tags={"status": record.status, "http_status": http_status,
+                                 "finish_reason": record.finish_reason or "none"})
+        if record.output_tokens > 0:
+            self._output_tokens.inc(record.output_tokens)
+        if record.ttft_s is None:
+            return
+        self._ttft.observe(max(0.0, record.ttft_s))
+        self._latency.observe(max(0.0, record.duration_s))
+        if record.output_tokens >= 2:
+            decode_s = max(0.0, record.duration_s - record.ttft_s)
+            self._itl.observe(decode_s / (record.output_tokens - 1))
 
-    def exposition(self, stats: EngineStats) -> bytes:
-        """The text exposition format of every metric, with `stats` as the engine's numbers."""
-        self._engine.snapshot = stats
-        return generate_latest(self.registry)
+
+class EngineMetricsExporter:
+    """Exports one engine's numbers from an LLM server replica: counters as increments since
+    the last export, pools and queues as gauges. Create inside the replica, then run `run()` as
+    a task of its event loop.
+
+    Reads the engine from the event loop's thread while the step thread runs, as
+    LLMServer.engine_stats does: each number is one the engine held, the set may be a step
+    apart. A read that fails (a structure resized mid-read) is retried at the next export.
+    """
+
+    def __init__(self, engine) -> None:
+        """engine: the replica's LLMEngine (read only: stats(), pool_usage(), its scheduler's
+        running and waiting queues)."""
+        self._engine = engine
+        self._exported: dict[tuple, int] = {}  # (metric name, tag values) -> value exported
+        self._counters = {spec.name: spec.create() for spec in (
+            CHECKPOINT_EVENTS_TOTAL, PROMPT_TOKENS_RESTORED, PROMPT_TOKENS_COMPUTED, PREEMPTIONS)}
+        self._gauges = {spec.name: spec.create() for spec in (
+            ENGINE_REQUESTS, KV_BLOCKS, STATE_SLOTS, CHECKPOINTS, CHECKPOINT_BYTES)}
+
+    async def run(self, period_s: float = EXPORT_PERIOD_S) -> None:
+        """Export every `period_s` until cancelled; a failed export logs once per run of
+        failures and is retried."""
+        failing = False
+        while True:
+            try:
+                self.export()
+                failing = False
+            except Exception:
+                if not failing:
+                    logger.warning("exporting the engine's metrics failed; retrying", exc_info=True)
+                failing = True
+            await asyncio.sleep(period_s)
+
+    def export(self) -> None:
+        """Record the engine's numbers now."""
+        stats = self._engine.stats()
+        usage = self._engine.pool_usage()
+        scheduler = self._engine.scheduler
+        running = len(scheduler.running)
+        waiting = list(scheduler.waiting)  # one C-level copy: never sees the deque mid-change
+        preempted = sum(1 for request in waiting if request.num_preemptions > 0)
+
+        for kind, counters in stats.checkpoints.items():
+            for event in CHECKPOINT_EVENTS:
+                self._count(CHECKPOINT_EVENTS_TOTAL, getattr(counters, event),
+                            {"kind": kind, "event": event})
+        self._count(PROMPT_TOKENS_RESTORED, stats.scheduler.prompt_tokens_restored)
+        self._count(PROMPT_TOKENS_COMPUTED, stats.scheduler.prompt_tokens_computed)
+        self._count(PREEMPTIONS, stats.scheduler.preemptions)
+
+        held_by_requests = usage.total_blocks - usage.free_blocks - usage.checkpoint_only_blocks
+        self._set(ENGINE_REQUESTS, {"running": running, "waiting": len(waiting) - preempted,
+                                    "preempted": preempted})
+        self._set(KV_BLOCKS, {"free": usage.free_blocks, "requests": held_by_requests,
+                              "checkpoints": usage.checkpoint_only_blocks})
+        self._set(STATE_SLOTS, {"free": usage.free_state_slots,
+                                "used": usage.total_state_slots - usage.free_state_slots})
+        self._gauges[CHECKPOINTS.name].set(stats.num_checkpoints)
+        self._gauges[CHECKPOINT_BYTES.name].set(stats.checkpoint_bytes)
+
+    def _count(self, spec: MetricSpec, total: int, tags: dict[str, str] | None = None) -> None:
+        """Increment `spec`'s counter by what `total` (the engine's cumulative value) grew."""
+        key = (spec.name, tuple(sorted((tags or {}).items())))
+        delta = total - self._exported.get(key, 0)
+        if delta > 0:
+            self._counters[spec.name].inc(delta, tags=tags)
+            self._exported[key] = total
+
+    def _set(self, spec: MetricSpec, by_state: dict[str, int]) -> None:
+        for state, value in by_state.items():
+            self._gauges[spec.name].set(value, tags={"state": state})

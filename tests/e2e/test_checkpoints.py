@@ -1,5 +1,5 @@
 """Request-boundary checkpoints through the OpenAI API: instruction reuse, multi-turn, repeat,
-namespaces, the checkpoint_slots switch, and GET /metrics.
+namespaces, the checkpoint_slots switch, and what GET /metrics answers.
 
 Every test sends its own fresh cache_salt, so checkpoints of other tests can never hit it and
 `cached_tokens` is exactly what this test's own requests left behind. Boundaries are computed
@@ -146,40 +146,13 @@ def test_without_the_instruction_slot_the_pair_gets_nothing(no_instruction_clien
     assert cached(chat(no_instruction_client, second, salt)) > 0
 
 
-def test_metrics_exposition(client, http, new_salt):
-    """Self-contained: makes one instruction hit and one rejection, then scrapes."""
-    salt = new_salt()
-    chat(client, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER_1}], salt)
-    chat(client, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER_2}], salt)
-    chat(client, [{"role": "user", "content": USER_1}], salt)  # no leading instructions
-
+def test_metrics_route_serves_no_numbers_and_says_where_they_are(http):
+    """GET /metrics is a valid Prometheus exposition without samples: one replica's numbers are
+    not the application's, so the metrics go through Ray's metrics agent instead
+    (tests/metrics/test_ray_metrics.py checks what it exports)."""
     response = http.get("/metrics")
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/plain")
-    samples = {}
-    for family in text_string_to_metric_families(response.text):
-        for sample in family.samples:
-            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-
-    def value(name: str, **labels) -> float:
-        return samples[(name, tuple(sorted(labels.items())))]
-
-    assert value("hybrid_serve_checkpoints_captured_total", kind="instruction") > 0
-    assert value("hybrid_serve_checkpoints_hit_total", kind="instruction") > 0
-    for kind in ("prompt", "response", "instruction"):
-        for event in ("captured", "hit", "evicted", "deduplicated", "dropped"):
-            assert value(f"hybrid_serve_checkpoints_{event}_total", kind=kind) >= 0
-    assert value("hybrid_serve_prompt_tokens_restored_total") > 0
-    assert value("hybrid_serve_prompt_tokens_computed_total") > 0
-    assert value("hybrid_serve_preemptions_total") >= 0
-    assert value("hybrid_serve_checkpoint_bytes") > 0
-    assert value("hybrid_serve_checkpoints") > 0
-    assert value("hybrid_serve_instruction_boundary_rejections_total",
-                 reason="no_leading_instructions") > 0
-    for reason in ("all_instructions", "not_a_prefix", "render_error"):
-        assert value("hybrid_serve_instruction_boundary_rejections_total", reason=reason) >= 0
-    # the three chats above each observed their time to first token, from arrival at the edge
-    assert value("hybrid_serve_time_to_first_token_seconds_count") >= 3
-    assert value("hybrid_serve_time_to_first_token_seconds_sum") > 0
-    assert (value("hybrid_serve_time_to_first_token_seconds_bucket", le="+Inf")
-            == value("hybrid_serve_time_to_first_token_seconds_count"))
+    assert [family for family in text_string_to_metric_families(response.text)
+            if family.samples] == []
+    assert "ray_hybrid_serve_" in response.text and "metrics-export-port" in response.text
