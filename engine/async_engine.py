@@ -5,9 +5,10 @@ step thread through a queue and are applied between steps, so the engine is only
 by one thread. Closing or cancelling a generate() iterator aborts its request, which frees its
 blocks and state slot.
 
-A step that fails fails every unfinished request (LLMEngine.fail_all: the state of the steps
-in flight is unknown) and the loop goes on, except when the executor died
-(ExecutorDiedError: a tensor-parallel rank is gone). Then every open stream raises that error,
+A step the executor fails is recovered inside LLMEngine.step: a request that breaks every
+step it is in ends with an error, the others go on. An exception of the engine's own fails every unfinished
+request (LLMEngine.fail_all: their state is unknown) and the loop goes on. When the executor
+died (ExecutorDiedError: a tensor-parallel rank is gone) every open stream raises that error,
 every later request is refused with it, and is_alive() turns False so the replica is replaced.
 """
 
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 from cache.cache_manager import PoolUsage
 from engine.executor import ExecutorDiedError
 from engine.generation_request import GenerationRequest
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import FAILED_REQUEST_MESSAGE, LLMEngine
 from engine.output_processor import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -138,9 +139,9 @@ class AsyncLLMEngine:
                                                      ExecutorDiedError(str(exc)))
                 self._streams.clear()
                 continue
-            except Exception as exc:  # a failed step fails the unfinished requests, never the loop
-                logger.exception("engine step failed")
-                self.engine.fail_all(f"engine step failed: {exc!r}")
+            except Exception:  # fails the unfinished requests, never the loop
+                logger.exception("engine step failed; failing every unfinished request")
+                self.engine.fail_all(FAILED_REQUEST_MESSAGE)
                 continue
             finally:
                 self._step_started = None

@@ -14,6 +14,7 @@ that forwards steps to worker actors).
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -24,7 +25,7 @@ from cache.cache_manager import CacheManager, PoolUsage
 from cache.checkpoint_ledger import CheckpointKind, KindCounters
 from engine.checkpoint_policy import CheckpointPolicy
 from engine.config import EngineConfig
-from engine.executor import ModelExecutor
+from engine.executor import ExecutorDiedError, ModelExecutor
 from engine.generation_request import GenerationRequest
 from engine.model_config import load_model_config
 from engine.output_processor import OutputProcessor, RequestOutput
@@ -35,6 +36,12 @@ from engine.step_io import RunnerOutput, SchedulerOutput
 from engine.worker import Worker
 
 __all__ = ["LLMEngine", "ModelExecutor", "RequestOutput", "PoolUsage"]
+
+logger = logging.getLogger(__name__)
+
+# What a request failed by the engine tells its client: nothing about the server's internals
+# (the exception is logged with the request ids).
+FAILED_REQUEST_MESSAGE = "the server failed while generating this request"
 
 
 @dataclass(frozen=True)
@@ -106,13 +113,17 @@ class LLMEngine:
 
     def add_request(self, request: GenerationRequest) -> None:
         """Queue `request`. Raises InvalidRequestError if it can never run: an empty prompt,
-        token ids outside the vocabulary, prompt + max_tokens beyond max_model_len, a request id
-        still in use, or pause positions / an instruction boundary outside the prompt."""
+        prompt or stop token ids outside the vocabulary, prompt + max_tokens beyond
+        max_model_len, a request id still in use, or pause positions / an instruction boundary
+        outside the prompt."""
         prompt = request.prompt_token_ids
         if not prompt:
             raise InvalidRequestError("the prompt is empty")
         if any(t < 0 or t >= self.vocab_size for t in prompt):
             raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})")
+        if any(t < 0 or t >= self.vocab_size for t in request.sampling.stop_token_ids):
+            # the sampler masks them in the logits (min_tokens): an id outside would fail the step
+            raise InvalidRequestError(f"stop token ids must be in [0, {self.vocab_size})")
         if len(prompt) + request.sampling.max_tokens > self.max_model_len:
             raise InvalidRequestError(
                 f"this model's maximum context length is {self.max_model_len} tokens, but the "
@@ -175,42 +186,47 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule and submit one step of every running request; collect, update and emit the
-        step before it (async_scheduling) or this one. A step that fails is abandoned
-        (Scheduler.abandon_step) and its exception raised; the caller fails the requests."""
+        step before it (async_scheduling) or this one.
+
+        A step the executor fails (its submit or collect raises) is abandoned with every step
+        in flight, and the engine recovers (Scheduler.requeue_failed): its requests are
+        recomputed, each alone until it samples again, and one that has been in
+        MAX_FAILED_STEPS failed steps ends with finish_reason "error" and
+        FAILED_REQUEST_MESSAGE; the others go on. ExecutorDiedError (a rank is gone) is raised instead: nothing can
+        run any more. An exception of the engine's own (scheduler, output processor) is
+        raised: the requests' state is unknown, the caller fails them (fail_all).
+        """
         self.last_step = None
+        outputs: list[RequestOutput] = []
         scheduler_output = self.scheduler.schedule()
-        if scheduler_output.has_work:
-            try:
-                self.executor.submit(scheduler_output)
-            except BaseException:
-                self.scheduler.abandon_step(scheduler_output)
-                raise
-            self._in_flight.append(scheduler_output)
-        keep = int(self.config.async_scheduling and scheduler_output.has_work)
-        outputs = []
-        while len(self._in_flight) > keep:
-            outputs += self._collect_oldest()
+        unsubmitted: SchedulerOutput | None = None
+        try:
+            if scheduler_output.has_work:
+                unsubmitted = scheduler_output
+                _runner_call(self.executor.submit, scheduler_output)
+                unsubmitted = None
+                self._in_flight.append(scheduler_output)
+            keep = int(self.config.async_scheduling and scheduler_output.has_work)
+            while len(self._in_flight) > keep:
+                outputs += self._collect_oldest()
+        except ExecutorDiedError:
+            self._abandon_in_flight(unsubmitted)
+            raise
+        except RunnerFailedError:
+            failed = self._abandon_in_flight(unsubmitted)
+            logger.exception("the runner failed a step; requests %s requeued or failed",
+                             sorted({c.request_id for step in failed for c in step.chunks}))
+            for request_id in self.scheduler.requeue_failed(failed):
+                self._finish(request_id, FinishReason.ERROR, FAILED_REQUEST_MESSAGE)
         pending, self._pending_outputs = self._pending_outputs, []
         return pending + outputs
 
     def _collect_oldest(self) -> list[RequestOutput]:
-        """Collect the oldest step in flight, update the requests from it, emit their outputs.
-        If collecting fails, every step in flight is abandoned (the later ones collected first,
-        their outputs ignored, so the executor holds no step of a failed sequence), and the
-        exception raised."""
-        scheduler_output = self._in_flight.popleft()
-        try:
-            runner_output = self.executor.collect()
-        except BaseException:
-            self.scheduler.abandon_step(scheduler_output)
-            while self._in_flight:
-                later = self._in_flight.popleft()
-                try:
-                    self.executor.collect()
-                except Exception:
-                    pass  # failed as well: abandoned all the same
-                self.scheduler.abandon_step(later)
-            raise
+        """Collect the oldest step in flight (it leaves _in_flight once collected), update the
+        requests from it, emit their outputs."""
+        scheduler_output = self._in_flight[0]
+        runner_output = _runner_call(self.executor.collect)
+        self._in_flight.popleft()
         self.last_step = StepTrace(scheduler_output, runner_output)
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
         outputs = self.output_processor.process(updated, runner_output)
@@ -219,10 +235,42 @@ class LLMEngine:
                 self.scheduler.finish_request(output.request_id, FinishReason.STOP)  # stop string
         return outputs
 
+    def _abandon_in_flight(self, unsubmitted: SchedulerOutput | None) -> list[SchedulerOutput]:
+        """Abandon the step whose submit failed (`unsubmitted`), else the oldest in flight
+        (whose collect failed), with every other step in flight; those are collected first,
+        their outputs ignored, so the executor holds no step of a failed sequence. Returns the
+        abandoned steps, the failed one first."""
+        in_flight = list(self._in_flight)
+        self._in_flight.clear()
+        for _ in in_flight[int(unsubmitted is None):]:
+            try:
+                self.executor.collect()
+            except Exception:
+                pass  # failed as well: abandoned all the same
+        failed = ([unsubmitted] if unsubmitted is not None else []) + in_flight
+        for step in failed:
+            self.scheduler.abandon_step(step)
+        return failed
+
     def _finish(self, request_id: str, reason: FinishReason, error: str | None = None) -> None:
         request = self.scheduler.finish_request(request_id, reason)
         if request is not None:
             self._pending_outputs.append(self.output_processor.finish(request, error))
+
+
+class RunnerFailedError(RuntimeError):
+    """The executor raised while submitting or collecting a step (not ExecutorDiedError)."""
+
+
+def _runner_call(method, *args):
+    """`method(*args)` of the executor, its failures (but ExecutorDiedError) as
+    RunnerFailedError: those the engine recovers from (LLMEngine.step)."""
+    try:
+        return method(*args)
+    except ExecutorDiedError:
+        raise
+    except Exception as exc:
+        raise RunnerFailedError(f"{type(exc).__name__}: {exc}") from exc
 
 
 def _local_executor(config: EngineConfig) -> ModelExecutor:

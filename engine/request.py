@@ -65,6 +65,7 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     state_slot: int | None = None
     num_preemptions: int = 0
+    num_failed_steps: int = 0  # failed steps it was in (Scheduler.requeue_failed)
     num_pending_tokens: int = 0
 
     @property

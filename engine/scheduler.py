@@ -7,6 +7,11 @@ slot and KV blocks are available. When a running request cannot get a block, the
 recently arrived running request is preempted: its cache is freed and it is requeued to be
 recomputed from scratch.
 
+A step the runner fails (docs/design.md section 4.1) is abandoned; its requests are requeued to
+be recomputed and each runs alone ("suspect") until it samples a token again, so a request
+that breaks every step it is in fails alone until it reaches MAX_FAILED_STEPS and is failed,
+while the others go on (`requeue_failed`).
+
 Checkpoints (docs/design.md sections 2 and 5) are the CheckpointPolicy's: the scheduler asks it
 where a request's prefill chunks must end, which captures a chunk or a finish makes, what an
 admitted request restores, and hands it each step's outcome to publish or drop.
@@ -25,6 +30,10 @@ from engine.checkpoint_policy import CheckpointPolicy
 from engine.request import FinishReason, Request, RequestStatus, token_stop_reason
 from engine.step_io import RestoreOp, RunnerOutput, ScheduledChunk, SchedulerOutput
 
+# A request that was in this many failed steps is failed: one that breaks every step fails its
+# solo retries and reaches it; a transient fault rarely hits the same request this often.
+MAX_FAILED_STEPS = 3
+
 
 @dataclass
 class SchedulerStats:
@@ -33,6 +42,8 @@ class SchedulerStats:
     preemptions: int = 0
     prompt_tokens_restored: int = 0  # at first admission, from checkpoints
     prompt_tokens_computed: int = 0  # at first admission, left to prefill
+    failed_steps: int = 0  # steps the runner failed (requeue_failed)
+    requests_failed: int = 0  # requests failed by requeue_failed
 
 
 class Scheduler:
@@ -56,6 +67,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._finished_since_last_step: list[str] = []
+        self.suspects: set[str] = set()  # requeued after a failed step: run alone until they sample
         self.stats = SchedulerStats()
 
     # ----------------------------------------------------------------- requests in and out
@@ -84,6 +96,7 @@ class Scheduler:
         elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
         self._release_cache(request)
+        self.suspects.discard(request_id)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self._finished_since_last_step.append(request_id)
@@ -110,6 +123,13 @@ class Scheduler:
         # reserved before this step: taken at its start (this step's chunks reserve for the next)
         captures = self.checkpoints.take_reserved()
 
+        restores: list[RestoreOp] = []
+        suspect_chunk = self._schedule_suspect(budget, restores) if self.suspects else None
+        if suspect_chunk is not None:
+            chunks.append(suspect_chunk)  # alone: nothing else runs in this step
+            budget = 0
+        admit = not self.suspects  # a suspect that does not fit yet waits at the head
+
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
@@ -123,8 +143,7 @@ class Scheduler:
             budget -= num_new
             index += 1
 
-        restores: list[RestoreOp] = []
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while admit and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             chunk = self._admit(self.waiting[0], budget, restores)
             if chunk is None:
                 break  # first come, first served: nothing overtakes the head of the queue
@@ -150,6 +169,40 @@ class Scheduler:
         self.checkpoints.abandon(scheduler_output)
         self._finished_since_last_step.extend(scheduler_output.finished_request_ids)
 
+    def requeue_failed(self, steps: list[SchedulerOutput]) -> list[str]:
+        """The runner failed steps[0]; steps[1:] were in flight after it. All were abandoned
+        (abandon_step), so none of their tokens will arrive. Returns the ids of the requests to
+        fail: those that have now been in MAX_FAILED_STEPS failed steps. Every other request
+        of these steps is requeued, first in line, to be recomputed from its known tokens
+        (pending ones dropped), and runs alone until it samples a token again (a suspect): a
+        request that breaks every step it is in reaches the limit alone, the others go on.
+        Outputs stay exact: a recomputed request continues from the same tokens."""
+        self.stats.failed_steps += 1
+        to_fail: list[str] = []
+        requeued: list[Request] = []
+        for request_id in dict.fromkeys(c.request_id for step in steps for c in step.chunks):
+            request = self.requests.get(request_id)
+            if request is None:
+                continue  # finished while the step ran
+            request.num_failed_steps += 1
+            if request.num_failed_steps >= MAX_FAILED_STEPS:
+                to_fail.append(request_id)
+            else:
+                requeued.append(request)
+        for request in reversed(requeued):
+            if request.status is RequestStatus.RUNNING:
+                self.running.remove(request)
+                self._release_cache(request)
+            else:  # preempted in the step that failed: already waiting
+                self.waiting.remove(request)
+            request.num_computed_tokens = 0
+            request.num_pending_tokens = 0
+            request.status = RequestStatus.WAITING
+            self.waiting.appendleft(request)
+            self.suspects.add(request.request_id)
+        self.stats.requests_failed += len(to_fail)
+        return to_fail
+
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput
     ) -> list[Request]:
@@ -168,6 +221,7 @@ class Scheduler:
             if request is None or not chunk.sample:
                 continue  # finished while the step ran, or sampled nothing
             request.resolve_pending_token(runner_output.sampled_token_ids[chunk.request_id])
+            self.suspects.discard(request.request_id)  # it ran alone and sampled: cleared
             reason = token_stop_reason(request, self.max_model_len)
             if reason is not None:
                 self.finish_request(request.request_id, reason)
@@ -210,6 +264,24 @@ class Scheduler:
         request.num_pending_tokens += int(chunk.sample)
         self.checkpoints.reserve_after_chunk(request, chunk)
         return chunk
+
+    def _schedule_suspect(self, budget: int, restores: list[RestoreOp]) -> ScheduledChunk | None:
+        """The next chunk of the first suspect (running ones first, then the waiting queue,
+        where it is moved to the head and admitted), or None if it does not fit now."""
+        for request in self.running:
+            if request.request_id in self.suspects:
+                if request.sampled_all_it_may:
+                    return None  # its last token is in flight
+                num_new = self._chunk_length(request, budget)
+                if not self._grow_blocks_or_preempt(request, num_new):
+                    return None
+                return self._make_chunk(request, num_new)
+        request = next(r for r in self.waiting if r.request_id in self.suspects)
+        if len(self.running) >= self.max_num_seqs:
+            return None
+        self.waiting.remove(request)
+        self.waiting.appendleft(request)
+        return self._admit(request, budget, restores)
 
     def _grow_blocks_or_preempt(self, request: Request, num_new: int) -> bool:
         """Give a running request blocks for num_new more tokens, preempting the newest

@@ -210,51 +210,6 @@ def test_a_request_id_is_refused_while_a_step_in_flight_still_computes_it():
     assert again[0] == probe and engine.pool_usage().idle
 
 
-class FailingCollect:
-    """The in-process worker, whose `fail_at`-th collect raises after the step ran (an error on
-    the way back)."""
-
-    def __init__(self, config: EngineConfig, fail_at: int) -> None:
-        self.worker, self.fail_at, self.collects = Worker(config), fail_at, 0
-
-    def cache_capacity(self):
-        return self.worker.cache_capacity()
-
-    def submit(self, scheduler_output: SchedulerOutput) -> None:
-        self.worker.submit(scheduler_output)
-
-    def collect(self) -> RunnerOutput:
-        self.collects += 1
-        output = self.worker.collect()
-        if self.collects == self.fail_at:
-            raise RuntimeError("injected failure")
-        return output
-
-    def shutdown(self) -> None:
-        pass
-
-
-def test_after_a_failed_step_the_engine_drains_the_step_in_flight_and_runs_on():
-    config = EngineConfig(max_num_seqs=4)
-    engine = LLMEngine(config, executor=FailingCollect(config, fail_at=4))
-    prompts = _prompts(3, engine.vocab_size, seed=9)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(GenerationRequest(f"f{i}", prompt, GREEDY))
-    failures = 0
-    while engine.has_unfinished_requests():
-        try:
-            engine.step()
-        except RuntimeError:
-            failures += 1
-            engine.fail_all("injected")
-    assert failures == 1
-    assert engine.pool_usage().idle
-    # the worker holds no step of the failed sequence: later requests run as on a fresh engine
-    expected = _run(LLMEngine(config), {f"g{i}": (p, GREEDY) for i, p in enumerate(prompts)})
-    got = _run(engine, {f"g{i}": (p, GREEDY) for i, p in enumerate(prompts)}, salt="after")
-    assert {k: v[0] for k, v in got.items()} == {k: v[0] for k, v in expected.items()}
-
-
 def test_preemption_while_a_token_is_pending_changes_nothing():
     """The exactness workload under the tight budget (preemption and eviction, requests
     preempted while their last token is in flight and re-admitted with it pending), with and
