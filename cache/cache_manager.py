@@ -28,13 +28,16 @@ class PoolUsage:
     checkpoint_only_blocks: int = 0  # referenced by checkpoints alone (evictable)
     num_checkpoints: int = 0
     checkpoint_bytes: int = 0
+    checkpoint_pins: int = 0  # taken by restores in progress
 
     @property
     def idle(self) -> bool:
-        """No request holds a block or a slot (checkpoints may still hold blocks)."""
+        """No request holds a block, a slot or a checkpoint pin (checkpoints may still hold
+        blocks)."""
         return (
             self.free_blocks + self.checkpoint_only_blocks == self.total_blocks
             and self.free_state_slots == self.total_state_slots
+            and self.checkpoint_pins == 0
         )
 
 
@@ -72,10 +75,12 @@ class CacheManager:
 
     # ------------------------------------------------------------------ blocks and slots
 
-    def allocate_blocks(self, num_blocks_held: int, num_tokens: int) -> list[int] | None:
+    def allocate_blocks(self, num_blocks_held: int, num_tokens: int, owner: str | None = None) -> list[int] | None:
         """New blocks so that a request holding `num_blocks_held` covers `num_tokens` positions.
 
-        Evicts unpinned checkpoints (least recently used first) while blocks are short. Returns
+        Evicts unpinned checkpoints (least recently used first; those of the request's tenant
+        `owner`, or above their fair share, before others: CheckpointLedger.evict_lru) while
+        blocks are short. Returns
         the new block ids (possibly empty), or None if they still do not fit; on None no block
         was allocated (checkpoints may have been evicted).
         """
@@ -83,7 +88,7 @@ class CacheManager:
         if missing <= 0:
             return []
         while self.blocks.num_free < missing:
-            evicted = self.ledger.evict_lru()
+            evicted = self.ledger.evict_lru(owner)
             if evicted is None:
                 return None
             self._dropped_bundles.append(evicted)
@@ -118,19 +123,21 @@ class CacheManager:
         token_ids: Sequence[int],
         kind: CheckpointKind,
         block_ids: Sequence[int],
+        owner: str = "",
     ) -> int | None:
-        """A pending bundle id for a capture of token_ids by a request holding block_ids, or None
-        when it is not worth it (already published there) or does not fit the byte budget even
-        after evicting unpinned checkpoints."""
+        """A pending bundle id, owned by `owner`, for a capture of token_ids by a request holding
+        block_ids, or None when it is not worth it (already published there) or does not fit
+        the byte budget even after the evictions the fair-share rule allows
+        (CheckpointLedger.evict_until)."""
         if self.ledger.has_checkpoint(namespace, token_ids):
             return None
         num_bytes = self.sizing.bundle_bytes(len(token_ids) % self.block_size)
-        evicted = self.ledger.evict_until(num_bytes)
+        evicted = self.ledger.evict_until(num_bytes, owner)
         if evicted is None:
             return None
         self._dropped_bundles.extend(evicted)
         full_blocks = block_ids[: len(token_ids) // self.block_size]
-        return self.ledger.reserve(namespace, token_ids, kind, num_bytes, full_blocks)
+        return self.ledger.reserve(namespace, token_ids, kind, num_bytes, full_blocks, owner)
 
     def publish(self, bundle_id: int, confirmed_ranks: set[int], world_size: int) -> bool:
         """Make a captured bundle visible if every rank confirmed; False means it was dropped
@@ -163,4 +170,5 @@ class CacheManager:
             checkpoint_only_blocks=self.ledger.num_blocks_held_alone(),
             num_checkpoints=len(self.ledger),
             checkpoint_bytes=self.ledger.bytes_held,
+            checkpoint_pins=self.ledger.num_pins,
         )

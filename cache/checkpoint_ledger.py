@@ -10,7 +10,8 @@ Life of a bundle:
   publish -> PUBLISHED (every rank confirmed, endpoint new): visible to lookup, in the radix index.
           -> dropped (a rank missing, or a duplicate endpoint). A capture that failed or was
              abandoned is published with no confirmations, so it is dropped the same way.
-  lookup pins a published bundle until unpin; evict_lru / evict_until drop unpinned published ones.
+  lookup pins a published bundle until unpin; evict_lru / evict_until drop unpinned published ones,
+  each tenant (owner) keeping its fair share of the budget against other tenants (evict_until).
 Dropping a bundle releases its block references and its bytes; the workers may then free its
 tensors. The block references are taken at reserve, not at publish: the capturing request may
 finish and release its own blocks before the ranks confirm, and a block must not be reused while
@@ -60,6 +61,7 @@ class Bundle:
     block_ids: tuple[int, ...]  # full KV blocks of tokens [0, p - p mod B); one reference each
     state: BundleState = BundleState.PENDING
     pin_count: int = 0
+    owner: str = ""  # the tenant whose request captured it (evict_until's fair share)
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,11 @@ class CheckpointLedger:
     def free_bytes(self) -> int:
         return self.budget_bytes - self._bytes_held
 
+    @property
+    def num_pins(self) -> int:
+        """Pins held by restores in progress (lookup without its unpin yet)."""
+        return sum(bundle.pin_count for bundle in list(self._bundles.values()))
+
     def __len__(self) -> int:
         """Number of bundles the ledger knows, pending ones included."""
         return len(self._bundles)
@@ -120,8 +127,8 @@ class CheckpointLedger:
 
     def num_blocks_held_alone(self) -> int:
         """Blocks whose every reference belongs to a bundle (freed if those are dropped)."""
-        return sum(
-            1 for block, holders in self._bundles_by_block.items()
+        return sum(  # over a copy: metrics and pool_usage read while the step thread runs
+            1 for block, holders in list(self._bundles_by_block.items())
             if self.blocks.ref_count(block) == len(holders)
         )
 
@@ -138,8 +145,10 @@ class CheckpointLedger:
         kind: CheckpointKind,
         num_bytes: int,
         block_ids: Sequence[int],
+        owner: str = "",
     ) -> BundleId | None:
-        """A new PENDING bundle id, invisible to lookups, or None if `num_bytes` does not fit.
+        """A new PENDING bundle id, owned by `owner`, invisible to lookups, or None if
+        `num_bytes` does not fit.
 
         `block_ids` are the full KV blocks of the first len(token_ids) // block_size tokens, all
         allocated; each gets one BlockPool reference now. Call evict_until(num_bytes) first to
@@ -157,7 +166,8 @@ class CheckpointLedger:
         if num_bytes > self.free_bytes:
             return None
         self.blocks.share(list(blocks))
-        bundle = Bundle(self._next_id, namespace, tokens, CheckpointKind(kind), num_bytes, blocks)
+        bundle = Bundle(self._next_id, namespace, tokens, CheckpointKind(kind), num_bytes, blocks,
+                        owner=owner)
         self._next_id += 1
         self._bundles[bundle.bundle_id] = bundle
         for block in blocks:
@@ -219,36 +229,54 @@ class CheckpointLedger:
 
     # ---- eviction --------------------------------------------------------------------------------
 
-    def evict_lru(self) -> BundleId | None:
+    def evict_lru(self, owner: str | None = None) -> BundleId | None:
         """Drop the least recently used unpinned published bundle; its id, or None if there is none.
 
-        Releases its block references (the caller may then find blocks freed in the BlockPool).
+        With `owner` (a request of that tenant needs KV blocks), the bundles the fair-share rule
+        of evict_until lets it evict go first; only when there is none does another go, since a
+        running request comes before any checkpoint. Releases the bundle's block references
+        (the caller may then find blocks freed in the BlockPool).
         """
-        for bundle_id in self._lru:
-            bundle = self._bundles[bundle_id]
-            if bundle.pin_count == 0:
-                self._evict(bundle)
-                return bundle_id
-        return None
+        unpinned = (self._bundles[b] for b in self._lru if self._bundles[b].pin_count == 0)
+        victim = next(unpinned, None)
+        if victim is None:
+            return None
+        if owner is not None and victim.owner != owner:  # look for one the rule allows
+            held, fair_share = self._holdings(owner)
+            allowed = (b for b in unpinned if b.owner == owner or held[b.owner] - b.num_bytes >= fair_share)
+            if held[victim.owner] - victim.num_bytes < fair_share:
+                victim = next(allowed, victim)
+        self._evict(victim)
+        return victim.bundle_id
 
-    def evict_until(self, bytes_needed: int) -> list[BundleId] | None:
-        """Evict least recently used unpinned bundles until free_bytes >= bytes_needed.
+    def evict_until(self, bytes_needed: int, owner: str = "") -> list[BundleId] | None:
+        """Evict least recently used unpinned bundles until free_bytes >= bytes_needed, for a
+        capture owned by `owner`, under the fair-share rule: `owner`'s own bundles may all be
+        evicted, another owner's only while that owner keeps at least its fair share of the
+        budget, budget_bytes / the number of owners holding bundles (`owner` counted). So a
+        tenant whose checkpoints fit its share never loses them to another tenant's captures;
+        with one owner (no API keys) this is plain LRU.
 
         Returns the evicted ids, least recent first (empty if there was room already), or None
-        when even evicting every unpinned published bundle would not make room: then nothing
-        was evicted. Pinned and pending bundles are never evicted.
+        when the evictions allowed would not make room: then nothing was evicted. Pinned and
+        pending bundles are never evicted.
         """
         shortfall = bytes_needed - self.free_bytes
         if shortfall <= 0:
             return []
+        held, fair_share = self._holdings(owner)
         victims: list[Bundle] = []
         for bundle_id in self._lru:
             if shortfall <= 0:
                 break
             bundle = self._bundles[bundle_id]
-            if bundle.pin_count == 0:
-                victims.append(bundle)
-                shortfall -= bundle.num_bytes
+            if bundle.pin_count:
+                continue
+            if bundle.owner != owner and held[bundle.owner] - bundle.num_bytes < fair_share:
+                continue  # it would take that owner below its share
+            held[bundle.owner] -= bundle.num_bytes
+            victims.append(bundle)
+            shortfall -= bundle.num_bytes
         if shortfall > 0:
             return None
         for bundle in victims:
@@ -256,6 +284,14 @@ class CheckpointLedger:
         return [bundle.bundle_id for bundle in victims]
 
     # ---- internals -------------------------------------------------------------------------------
+
+    def _holdings(self, owner: str) -> tuple[dict[str, int], float]:
+        """Bytes held by each owner (`owner` included, maybe with 0) and the fair share of the
+        budget: budget_bytes / the number of those owners."""
+        held: dict[str, int] = {owner: 0}
+        for bundle in self._bundles.values():
+            held[bundle.owner] = held.get(bundle.owner, 0) + bundle.num_bytes
+        return held, self.budget_bytes / len(held)
 
     def _pending(self, bundle_id: BundleId) -> Bundle:
         bundle = self._bundles.get(bundle_id)

@@ -216,7 +216,8 @@ class CheckpointPolicy:
         endpoint = (request.namespace, tokens)
         if endpoint in self._pending_endpoints.values():
             return None
-        bundle_id = self.cache.reserve_checkpoint(request.namespace, tokens, kind, request.block_ids)
+        bundle_id = self.cache.reserve_checkpoint(request.namespace, tokens, kind, request.block_ids,
+                                                  owner=request.tenant)
         if bundle_id is None:
             return None
         self._pending_endpoints[bundle_id] = endpoint

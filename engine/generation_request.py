@@ -26,6 +26,9 @@ class GenerationRequest:
         captured; None when there is none (docs/design.md section 3).
     cache_salt: checkpoints are shared only between requests with the same salt (and model);
         None or "" is the shared namespace.
+    tenant: who owns the checkpoints the request captures, for the checkpoint budget's fair
+        share (cache/checkpoint_ledger.py); the API key's tenant id, "" without keys. (The
+        ingress also puts it in front of cache_salt, which keeps tenants' namespaces apart.)
     arrival_time: when the edge received the request (time.time(), before rendering); the
         ingress measures the time to first token from it (deployments/metrics.py). The
         scheduler orders requests by when the engine accepted them, not by this clock, which
@@ -42,6 +45,7 @@ class GenerationRequest:
     sampling: SamplingParams
     instruction_boundary: int | None = None
     cache_salt: str | None = None
+    tenant: str = ""
     arrival_time: float = field(default_factory=time.time)
     pause_positions: tuple[int, ...] = ()
 

@@ -149,6 +149,7 @@ class LLMEngine:
             sampling=replace(request.sampling, eos_token_ids=self.eos_token_ids),
             pause_positions=tuple(sorted(pauses)),
             namespace=(self.config.model_dir, request.cache_salt or ""),
+            tenant=request.tenant,
             instruction_boundary=boundary,
         )
         self.scheduler.add_request(tracked)

@@ -56,6 +56,7 @@ class Request:
     sampling: SamplingParams
     pause_positions: tuple[int, ...] = ()
     namespace: tuple[str, str] = ("", "")
+    tenant: str = ""  # owner of its checkpoints (GenerationRequest.tenant)
     instruction_boundary: int | None = None
     num_cached_tokens: int | None = None
     output_token_ids: list[int] = field(default_factory=list)

@@ -288,7 +288,7 @@ class Scheduler:
         running requests until they fit. False if `request` itself had to be preempted."""
         needed_tokens = request.num_computed_tokens + num_new
         while True:
-            new_blocks = self.cache.allocate_blocks(len(request.block_ids), needed_tokens)
+            new_blocks = self.cache.allocate_blocks(len(request.block_ids), needed_tokens, request.tenant)
             if new_blocks is not None:
                 request.block_ids.extend(new_blocks)
                 return True
@@ -310,7 +310,7 @@ class Scheduler:
         restored = hit.num_tokens if hit is not None else 0
         shared_blocks = list(hit.block_ids) if hit is not None else []
         num_new = self._chunk_length(request, budget, start=restored)
-        fresh_blocks = self.cache.allocate_blocks(len(shared_blocks), restored + num_new)
+        fresh_blocks = self.cache.allocate_blocks(len(shared_blocks), restored + num_new, request.tenant)
         if fresh_blocks is None:
             if hit is not None:
                 self.checkpoints.cancel_restore(hit)

@@ -27,11 +27,11 @@ def make_ledger(num_blocks=16, block_size=2, budget=100):
     return pool, CheckpointLedger(pool, block_size, budget)
 
 
-def capture(pool, ledger, tokens, num_bytes=10, kind=PROMPT, ns=NS, publish=True):
+def capture(pool, ledger, tokens, num_bytes=10, kind=PROMPT, ns=NS, publish=True, owner=""):
     """A request computes `tokens` in fresh blocks, reserves a bundle, finishes, then publishes."""
     request_blocks = pool.allocate(-(-len(tokens) // ledger.block_size))
     full = request_blocks[: len(tokens) // ledger.block_size]
-    bundle_id = ledger.reserve(ns, tokens, kind, num_bytes, full)
+    bundle_id = ledger.reserve(ns, tokens, kind, num_bytes, full, owner)
     pool.release(request_blocks)
     if publish and bundle_id is not None:
         assert ledger.publish(bundle_id, {0, 1}, world_size=2) is PublishOutcome.PUBLISHED
@@ -118,6 +118,53 @@ def test_eviction_is_least_recently_used_first():
     assert ledger.evict_until(10) == [middle]
     assert ledger.evict_until(25) == [new, old]
     assert ledger.evict_until(0) == []
+
+
+def test_a_tenant_keeps_its_fair_share_against_another_tenants_captures():
+    """Budget 100, two tenants: each keeps 50 bytes against the other. Tenant a holds 40 (within
+    its share); tenant b fills the rest and goes on capturing: b evicts only its own bundles,
+    never a's, though a's are the least recently used."""
+    pool, ledger = make_ledger(num_blocks=64, budget=100)
+    a_ids = [capture(pool, ledger, (1, i), owner="a") for i in range(4)]  # 40 bytes
+    b_ids = [capture(pool, ledger, (2, i), owner="b") for i in range(6)]  # 60: budget full
+    for i in range(6, 30):  # b keeps capturing: each needs room
+        assert ledger.evict_until(10, owner="b") is not None
+        capture(pool, ledger, (2, i), owner="b")
+    assert all(ledger.get(bundle_id) is not None for bundle_id in a_ids)
+    assert not any(ledger.get(bundle_id) is not None for bundle_id in b_ids)
+
+
+def test_a_tenant_above_its_share_loses_only_the_surplus():
+    """a took 70 of 100 bytes while the budget was empty; b's captures evict a's least recently
+    used bundles down to a's share (50), then only b's own."""
+    pool, ledger = make_ledger(num_blocks=64, budget=100)
+    a_ids = [capture(pool, ledger, (1, i), owner="a") for i in range(7)]
+    b_ids = [capture(pool, ledger, (2, i), owner="b") for i in range(3)]
+    for i in range(3, 13):
+        assert ledger.evict_until(10, owner="b") is not None
+        capture(pool, ledger, (2, i), owner="b")
+    assert [ledger.get(i) is not None for i in a_ids] == [False] * 2 + [True] * 5
+    assert not any(ledger.get(i) is not None for i in b_ids)
+
+
+def test_a_lone_tenant_may_take_the_budget_and_a_newcomer_only_its_share():
+    pool, ledger = make_ledger(num_blocks=64, budget=50)
+    ids = [capture(pool, ledger, (1, i), owner="a") for i in range(5)]
+    assert ledger.evict_until(20, owner="a") == ids[:2]
+    # a holds 30, 20 are free; a newcomer's share is 25 each: it gets the free 20, but evicting
+    # one of a's (30 - 10 < 25) is not allowed, so a capture needing 30 does not fit
+    assert ledger.evict_until(20, owner="newcomer") == []
+    assert ledger.evict_until(30, owner="newcomer") is None
+    assert all(ledger.get(i) is not None for i in ids[2:])
+
+
+def test_block_pressure_evicts_the_needy_tenants_own_checkpoints_first():
+    pool, ledger = make_ledger(num_blocks=64, budget=100)
+    a_old = capture(pool, ledger, (1, 1), owner="a")
+    b_own = capture(pool, ledger, (2, 1), owner="b")
+    assert ledger.evict_lru(owner="b") == b_own  # a's is older but within a's share
+    assert ledger.evict_lru(owner="b") == a_old  # nothing else left: a running request comes first
+    assert ledger.evict_lru(owner="b") is None
 
 
 def test_a_block_stays_allocated_while_any_bundle_references_it():
