@@ -32,6 +32,8 @@ from engine.sampling_params import InvalidRequestError, SamplingParams
 if TYPE_CHECKING:
     from engine.llm_engine import RequestOutput
 
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
 
 def to_sampling_params(
     request: SamplingFields, max_tokens: int | None, num_prompt_tokens: int, max_model_len: int
@@ -40,6 +42,8 @@ def to_sampling_params(
 
     max_tokens None means "up to the context length" (as vLLM does). prompt + max_tokens must
     fit max_model_len: a request that cannot complete is refused up front, never truncated.
+    A temperature below GREEDY_BELOW_TEMPERATURE is greedy (as in vLLM): dividing the logits
+    by it would overflow them to infinities.
     """
     room = max_model_len - num_prompt_tokens
     if room < 1:
@@ -53,10 +57,11 @@ def to_sampling_params(
             f"This model's maximum context length is {max_model_len} tokens. However, you "
             f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
             f"prompt, {max_tokens} for the completion).", "max_tokens")
+    temperature = request.temperature if request.temperature >= GREEDY_BELOW_TEMPERATURE else 0.0
     try:
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=request.temperature,
+            temperature=temperature,
             top_p=request.top_p,
             top_k=request.top_k,
             seed=request.seed,

@@ -5,68 +5,97 @@ error into an OpenAI error body with HTTP 400. The same objects are the Python h
 `await handle.chat.remote(ChatCompletionRequest(...))` returns a ChatCompletionResponse.
 
 Supported beyond OpenAI (as in vLLM): top_k, stop_token_ids, ignore_eos, min_tokens, cache_salt.
-Unknown fields are ignored; known OpenAI features this server does not implement (n > 1,
-logprobs, tools, non-text response formats, echo, suffix, best_of > 1) are rejected with 400
-rather than silently ignored.
+Numbers must be finite (no NaN or infinities), temperature at most 2 (as in OpenAI), every
+string valid Unicode (no lone surrogates: the tokenizer and the JSON answers cannot carry them),
+a seed a 64-bit integer, and stop token ids non-negative (the engine checks them against the
+vocabulary). Unknown fields are ignored; known OpenAI features this server does not implement
+(n > 1, logprobs, tools, non-text response formats, echo, suffix, best_of > 1) are rejected
+with 400 rather than silently ignored.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 # ----- requests
+
+
+def _unicode_text(value: str) -> str:
+    """JSON can carry lone surrogates (an escaped "\\ud800"); they are not text."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"must be valid Unicode text (a lone surrogate at {exc.start})") from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(_unicode_text)]
+
+# Request models validate again when given an instance (revalidate_instances): the handle API
+# validates what a caller built with model_construct, or changed after construction.
+REQUEST_CONFIG = ConfigDict(extra="ignore", allow_inf_nan=False, revalidate_instances="always")
 
 
 class TextContentPart(BaseModel):
     """One part of a list-valued message content; only text parts are supported."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", revalidate_instances="always")
 
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
     """A conversation message. Roles are the ones the chat template knows."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = REQUEST_CONFIG
 
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextContentPart]
-    name: str | None = None
+    content: Text | list[TextContentPart]
+    name: Text | None = None
 
 
 class StreamOptions(BaseModel):
+    model_config = REQUEST_CONFIG
+
     include_usage: bool = False
 
 
 class SamplingFields(BaseModel):
     """Sampling fields shared by chat and completions (ranges checked here, before the engine)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = REQUEST_CONFIG
 
-    model: str | None = None
+    model: Text | None = None
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0)
+    temperature: float = Field(1.0, ge=0, le=2)  # OpenAI's range; far above, logits / t is nan
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
+    stop: Text | list[Text] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     n: int = Field(1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Text | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: bool | int | None = None
-    cache_salt: str | None = Field(
+    cache_salt: Text | None = Field(
         None, min_length=1,
         description="Checkpoints are reused only between requests with the same salt (as in vLLM).",
     )
@@ -144,9 +173,9 @@ class ChatCompletionRequest(SamplingFields):
 class CompletionRequest(SamplingFields):
     """POST /v1/completions. `prompt` is one string or one list of token ids (no batches)."""
 
-    prompt: str | list[int]
+    prompt: Text | list[int]
     echo: bool = False
-    suffix: str | None = None
+    suffix: Text | None = None
     best_of: int | None = Field(None, ge=1, le=1)
 
     @field_validator("prompt")

@@ -77,6 +77,8 @@ def sample_row(logits: torch.Tensor, sampling: SamplingParams, generator: torch.
         sorted_probs, order = torch.sort(probs, descending=True)
         # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
         mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        sorted_probs = sorted_probs.masked_fill(mass_before >= sampling.top_p, 0.0)
+        dropped = mass_before >= sampling.top_p
+        dropped[0] = False  # also when top_p is 0 in the logits' dtype (below ~1e-45 in fp32)
+        sorted_probs = sorted_probs.masked_fill(dropped, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
     return torch.multinomial(probs, 1, generator=generator)[0]

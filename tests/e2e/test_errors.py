@@ -22,7 +22,7 @@ def completion(**fields):
 
 
 BAD_REQUESTS = [
-    # (id, path, body (dict or raw str), status, param or None when unchecked)
+    # (id, path, body (dict, or raw str or bytes), status, param or None when unchecked)
     ("malformed-json", CHAT, '{"messages": [', 400, None),
     ("body-not-an-object", CHAT, "[1, 2]", 400, None),
     ("missing-messages", CHAT, {"model": MODEL_NAME}, 400, "messages"),
@@ -57,6 +57,24 @@ BAD_REQUESTS = [
     ("completion-prompt-too-long", COMPLETIONS, completion(prompt=[5] * 600, max_tokens=None), 400, None),
     ("completion-unknown-model", COMPLETIONS, completion(model="nope"), 404, "model"),
     ("completion-temperature-negative", COMPLETIONS, completion(temperature=-1), 400, "temperature"),
+    # found by tests/e2e/test_fuzz.py (each was a 500, most by failing the engine step)
+    ("temperature-nan", CHAT, json.dumps(chat(temperature=float("nan"))), 400, "temperature"),
+    ("temperature-infinity", CHAT, json.dumps(chat(temperature=float("inf"), min_tokens=1)), 400,
+     "temperature"),
+    ("temperature-huge", CHAT, chat(temperature=1e300, min_tokens=1), 400, "temperature"),
+    ("top-p-nan", COMPLETIONS, json.dumps(completion(top_p=float("nan"))), 400, "top_p"),
+    ("seed-beyond-64-bits", COMPLETIONS, completion(seed=2**64), 400, "seed"),
+    ("stop-token-id-negative", COMPLETIONS, completion(stop_token_ids=[-1]), 400, "stop_token_ids[0]"),
+    ("stop-token-id-out-of-vocab", COMPLETIONS, completion(stop_token_ids=[10**6], min_tokens=1), 400,
+     None),
+    ("prompt-lone-surrogate", COMPLETIONS, json.dumps(completion(prompt="a\ud800b")), 400, "prompt"),
+    ("model-lone-surrogate", CHAT, json.dumps(chat(model="\udc00")), 400, "model"),
+    ("content-lone-surrogate-as-utf8", CHAT, json.dumps(chat(messages=[
+        {"role": "user", "content": "a\ud800"}]), ensure_ascii=False).encode("utf-8", "surrogatepass"),
+     400, "messages[0].content"),
+    ("invalid-utf8", CHAT, b'{"messages": [{"role": "user", "content": "\xff\xfe"}], "max_tokens": 1}',
+     400, None),
+    ("nested-10k-deep", CHAT, '{"messages": ' + "[" * 10_000 + "]" * 10_000 + "}", 400, None),
 ]
 
 
@@ -81,7 +99,7 @@ def assert_still_serving(http):
 @pytest.mark.parametrize("path,body,status,param", [r[1:] for r in BAD_REQUESTS],
                          ids=[r[0] for r in BAD_REQUESTS])
 def test_bad_request_gets_openai_error_and_server_keeps_serving(http, path, body, status, param):
-    if isinstance(body, str):
+    if isinstance(body, (str, bytes)):
         response = http.post(path, content=body, headers={"content-type": "application/json"})
     else:
         response = http.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
@@ -116,3 +134,37 @@ def test_a_body_over_max_body_bytes_gets_413_and_the_server_keeps_serving(http):
     assert response.status_code == 413
     assert "max_body_bytes" in response.json()["error"]["message"]
     assert http.post(CHAT, json=chat()).status_code == 200
+
+
+@pytest.mark.parametrize("extreme", [{"temperature": 1e-300}, {"temperature": 5e-324, "min_tokens": 2},
+                                     {"top_p": 5e-324}, {"top_p": 1e-300, "min_tokens": 2}])
+def test_extreme_sampling_values_sample_the_top_token(http, extreme):
+    """A temperature below 1e-5 is greedy; a top_p below every probability keeps the top token
+    (both failed the engine step before: logits / 1e-300 overflow, 5e-324 is 0 in fp32)."""
+    greedy = http.post(CHAT, json=chat(temperature=0, ignore_eos=True, **{
+        k: v for k, v in extreme.items() if k == "min_tokens"}))
+    sampled = http.post(CHAT, json=chat(ignore_eos=True, **extreme))
+    assert greedy.status_code == sampled.status_code == 200, sampled.text
+    assert sampled.json()["choices"][0]["message"] == greedy.json()["choices"][0]["message"]
+
+
+def test_handle_validates_requests_built_without_validation(app_handle):
+    """The handle API validates what model_construct built (nothing) and plain dicts, with the
+    400 an HTTP body gets: a NaN temperature reached the engine's step before."""
+    from deployments.errors import APIError
+    from deployments.protocol import ChatCompletionRequest, ChatCompletionResponse
+
+    unchecked = ChatCompletionRequest.model_construct(messages=USER, max_tokens=2,
+                                                      temperature=float("nan"), min_tokens=1)
+    with pytest.raises(APIError) as refused:
+        app_handle.chat.remote(unchecked).result()
+    assert refused.value.status_code == 400 and refused.value.param == "temperature"
+    with pytest.raises(APIError) as refused_stream:
+        list(app_handle.options(stream=True).chat_stream.remote(unchecked))
+    assert refused_stream.value.status_code == 400
+    constructed = ChatCompletionRequest.model_construct(messages=USER, max_tokens=2,
+                                                        stream_options={"include_usage": True})
+    chunks = list(app_handle.options(stream=True).chat_stream.remote(constructed))
+    assert chunks[-1].usage.completion_tokens >= 1
+    as_dict = app_handle.chat.remote(chat(max_tokens=2)).result()
+    assert isinstance(as_dict, ChatCompletionResponse)

@@ -96,3 +96,14 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached():
     params = [SamplingParams(temperature=0, min_tokens=2, stop_token_ids=(4,), eos_token_ids=(3,))]
     assert Sampler().sample(logits.clone(), ["r"], params, [1]).tolist() not in ([3], [4])
     assert Sampler().sample(logits.clone(), ["r"], params, [2]).tolist() == [3]
+
+
+def test_a_top_p_that_rounds_to_zero_in_fp32_still_keeps_the_top_token():
+    """top_p 5e-324 (found by tests/e2e/test_fuzz.py) is 0 in the logits' fp32: without the
+    first token kept explicitly every probability was zeroed and torch.multinomial raised."""
+    from engine.sampler import sample_row
+
+    logits = random_logits(rows=1)[0]
+    for top_p in (5e-324, 1e-300, 1e-9):
+        token = sample_row(logits, SamplingParams(temperature=1.0, top_p=top_p), torch.Generator())
+        assert token.item() == logits.argmax().item()
