@@ -132,6 +132,9 @@ def test_requests_that_cannot_run_are_refused_clearly(engine):
         engine.add_request(GenerationRequest("empty", [], SamplingParams()))
     with pytest.raises(InvalidRequestError):
         engine.add_request(GenerationRequest("oov", [engine.vocab_size + 3], SamplingParams()))
+    with pytest.raises(InvalidRequestError, match="stop token ids"):  # masked in the logits: would fail the step
+        engine.add_request(GenerationRequest("oov-stop", [5], SamplingParams(
+            min_tokens=1, stop_token_ids=(engine.vocab_size,))))
     with pytest.raises(CacheBudgetError, match="kv_cache_bytes"):
         LLMEngine(EngineConfig(kv_cache_bytes=1024))
     assert not engine.has_unfinished_requests()
