@@ -16,8 +16,8 @@ autoscaling 1..2 on few ongoing requests.
           requests it holds. Then the worker node goes idle and is removed.
 
 Every request must finish with all its max_tokens tokens (finish_reason "length") and
-`data: [DONE]`. Which replica served a request comes from the LLM server replicas' Serve logs
-(JSON): the request's x-request-id is Serve's request id there. The script writes RESULT.json
+`data: [DONE]`. Which replica served a request comes from the LLM server replicas' Serve
+logs (serve_logs.py): the request's x-request-id is Serve's request id there. The script writes RESULT.json
 (see `main`) and always shuts Serve, Ray and the cluster down; the caller asserts.
 """
 
@@ -40,6 +40,7 @@ import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fake_cluster import CLIENT_ENV, FakeAutoscalingCluster  # noqa: E402
+from serve_logs import drain_events, replica_logs, replica_nodes, served_by  # noqa: E402
 
 os.environ.update(CLIENT_ENV)  # before ray is imported: it reads the auth mode once
 import ray  # noqa: E402
@@ -172,67 +173,6 @@ def steady(entry: dict, replicas: int) -> bool:
     return entry.get("replicas") == {"RUNNING": replicas}
 
 
-def replica_logs(logs_dir: Path) -> dict[str, list[dict]]:
-    """The LLM server replicas' Serve log records (JSON lines), by replica id."""
-    logs: dict[str, list[dict]] = {}
-    for path in sorted((logs_dir / "serve").glob(f"replica_{APP_NAME}_{LLM_DEPLOYMENT}_*.log")):
-        records = []
-        for line in path.read_text(errors="replace").splitlines():
-            try:
-                records.append(json.loads(line))
-            except ValueError:
-                continue
-        replica = path.stem.removeprefix(f"replica_{APP_NAME}_{LLM_DEPLOYMENT}_")
-        logs[replica] = records
-    return logs
-
-
-def served_by(logs: dict[str, list[dict]]) -> dict[str, str]:
-    """request id -> replica id, from each replica's access log line of `generate`."""
-    owner = {}
-    for replica, records in logs.items():
-        for record in records:
-            message = record.get("message", "")
-            if message.startswith("CALL generate ") and record.get("request_id"):
-                owner[record["request_id"]] = replica
-    return owner
-
-
-def replica_nodes(logs: dict[str, list[dict]]) -> dict[str, list[str]]:
-    """replica id -> the node ids its log records name (Ray's JSON log context)."""
-    return {replica: sorted({r["node_id"] for r in records if r.get("node_id")})
-            for replica, records in logs.items()}
-
-
-def log_time(record: dict) -> float:
-    """A JSON log record's wall-clock time (epoch seconds)."""
-    if "timestamp_ns" in record:
-        return int(record["timestamp_ns"]) / 1e9
-    stamp, millis = record["asctime"].split(",")
-    return time.mktime(time.strptime(stamp, "%Y-%m-%d %H:%M:%S")) + int(millis) / 1000
-
-
-def drain_events(logs: dict[str, list[dict]]) -> dict[str, dict]:
-    """Per replica that was stopped, from Serve's drain loop: `started` (when its shutdown
-    began: the loop's first line, one wait period late), `ongoing_while_draining` (the
-    ongoing-request counts it logged: "Waiting for an additional ...s to shut down: N ongoing
-    requests"), `shutdown_complete` (it logged that the graceful shutdown completed)."""
-    events = {}
-    for replica, records in logs.items():
-        drain = [r for r in records if r.get("message", "").startswith(
-            ("Waiting for an additional", "Drained ongoing requests"))]
-        if not drain:
-            continue
-        waits = [int(r["message"].split(": ", 1)[1].split()[0]) for r in drain
-                 if r["message"].startswith("Waiting")]
-        events[replica] = {
-            "started": log_time(drain[0]) - LLM_DRAIN_OPTIONS["graceful_shutdown_wait_loop_s"],
-            "ongoing_while_draining": waits,
-            "shutdown_complete": any("Graceful shutdown complete" in r.get("message", "")
-                                     for r in records)}
-    return events
-
-
 async def chat(client: httpx.AsyncClient, phase: str, max_tokens: int) -> dict:
     """One streaming chat request; its outcome as a record (`ok`: every token, finish_reason
     "length", usage and [DONE])."""
@@ -301,7 +241,7 @@ async def scenario(monitor: Monitor, logs_dir: Path, result: dict) -> None:
 
         def both_served() -> bool:
             counts = {}
-            for replica in served_by(replica_logs(logs_dir)).values():
+            for replica in served_by(replica_logs(logs_dir, APP_NAME, LLM_DEPLOYMENT)).values():
                 counts[replica] = counts.get(replica, 0) + 1
             return (len(counts) >= 2
                     and all(n >= MIN_REQUESTS_PER_REPLICA for n in counts.values()))
@@ -381,9 +321,9 @@ def main(result_path: str) -> None:
                                              SCENARIO_TIMEOUT_S))
             finally:
                 result["timeline"] = monitor.timeline
-        logs = replica_logs(logs_dir)
+        logs = replica_logs(logs_dir, APP_NAME, LLM_DEPLOYMENT)
         result["served_by"] = served_by(logs)
-        result["drain"] = drain_events(logs)
+        result["drain"] = drain_events(logs, LLM_DRAIN_OPTIONS["graceful_shutdown_wait_loop_s"])
         result["replica_nodes"] = replica_nodes(logs)
     except BaseException:
         result["error"] = traceback.format_exc()
