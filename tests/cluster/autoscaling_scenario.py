@@ -17,8 +17,9 @@ autoscaling 1..2 on few ongoing requests.
 
 Every request must finish with all its max_tokens tokens (finish_reason "length") and
 `data: [DONE]`. Which replica served a request comes from the LLM server replicas' Serve
-logs (serve_logs.py): the request's x-request-id is Serve's request id there. The script writes RESULT.json
-(see `main`) and always shuts Serve, Ray and the cluster down; the caller asserts.
+logs (serve_logs.py): the request's x-request-id is Serve's request id there. The script
+writes RESULT.json (see `main`) and always shuts Serve, Ray and the cluster down; the caller
+asserts.
 """
 
 from __future__ import annotations
