@@ -64,7 +64,8 @@ def build_app(args: dict) -> Application:
             ApiKeys.load(config.api_keys_file, environ={})
         except ValueError as exc:
             raise ValueError(f"invalid hybrid-serve app args: {exc}") from None
-    serve_options = {"max_ongoing_requests": config.max_ongoing_requests}
+    serve_options = {"max_ongoing_requests": config.max_ongoing_requests,
+                     "max_queued_requests": config.max_queued_requests}
     renderer = Renderer.options(
         ray_actor_options={"num_cpus": config.renderer_num_cpus}, **serve_options
     ).bind(config.engine.model_dir)
@@ -75,7 +76,8 @@ def build_app(args: dict) -> Application:
     limits = RequestLimits(
         max_body_bytes=config.max_body_bytes, max_requests_in_flight=config.max_requests_in_flight,
         retry_after_s=config.retry_after_s, max_stop_strings=config.max_stop_strings,
-        max_stop_string_chars=config.max_stop_string_chars)
+        max_stop_string_chars=config.max_stop_string_chars,
+        max_prompt_tokens=config.max_prompt_tokens, max_output_tokens=config.max_output_tokens)
     return OpenAIIngress.options(
         ray_actor_options={"num_cpus": config.ingress_num_cpus},
         # above the middleware's own limit, so a request beyond it gets a 429, not a queue

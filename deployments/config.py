@@ -61,6 +61,20 @@ class AppConfig(BaseModel):
                               "HTTP 400.")
     max_stop_string_chars: int = Field(
         256, ge=1, description="Longest stop string accepted; a longer one gets HTTP 400.")
+    max_prompt_tokens: int | None = Field(
+        None, ge=1,
+        description="Longest prompt accepted, in tokens; a longer one gets HTTP 400. Unset: "
+                    "any prompt that leaves room for one output token in engine.max_model_len.")
+    max_output_tokens: int = Field(
+        4096, ge=1,
+        description="Largest max_tokens a request may ask for (HTTP 400 beyond), and the "
+                    "max_tokens of a request that gives none (capped by the room left in "
+                    "engine.max_model_len), so no request runs away with the replica.")
+    max_queued_requests: int = Field(
+        1024, ge=1,
+        description="Requests each ingress replica may queue for a renderer or LLM server "
+                    "replica that is at max_ongoing_requests; beyond it a request gets HTTP "
+                    "503 with Retry-After (Serve's max_queued_requests).")
 
     # Ray resources (logical CPUs) and Serve request limits.
     ingress_num_cpus: float = Field(0.1, ge=0, description="Ray CPUs of each ingress replica.")

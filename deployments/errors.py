@@ -8,12 +8,14 @@ raises the same errors the HTTP API returns.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
+from ray.serve.exceptions import BackPressureError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.protocol import ErrorInfo, ErrorResponse
@@ -21,6 +23,9 @@ from engine.executor import ExecutorDiedError
 from engine.sampling_params import InvalidRequestError
 
 logger = logging.getLogger("ray.serve")
+
+# The Retry-After of a 503: a full queue drains, a lost replica is replaced, within seconds.
+RETRY_AFTER_S = 1.0
 M = TypeVar("M", bound=BaseModel)
 
 
@@ -34,13 +39,15 @@ class APIError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        retry_after_s: float | None = None,
     ) -> None:
-        super().__init__(status_code, message, type, param, code)
+        super().__init__(status_code, message, type, param, code, retry_after_s)  # all pickled
         self.status_code = status_code
         self.message = message
         self.type = type
         self.param = param
         self.code = code
+        self.retry_after_s = retry_after_s  # sent as the Retry-After header (whole seconds)
 
     def __str__(self) -> str:
         return f"{self.status_code} {self.type}: {self.message}"
@@ -55,9 +62,14 @@ class APIError(Exception):
                    "model_not_found")
 
     @classmethod
-    def unavailable(cls, detail: str) -> APIError:
-        return cls(503, "The model replica lost a worker and is being replaced; retry the "
-                   f"request. ({detail})", "server_error", None, "replica_unavailable")
+    def unavailable(cls) -> APIError:
+        return cls(503, "The model replica lost a process and is being replaced; retry the "
+                   "request.", "server_error", None, "replica_unavailable", RETRY_AFTER_S)
+
+    @classmethod
+    def overloaded(cls) -> APIError:
+        return cls(503, "The server's request queues are full; retry after the Retry-After "
+                   "delay.", "server_error", None, "overloaded", RETRY_AFTER_S)
 
     def to_response(self) -> ErrorResponse:
         return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type,
@@ -74,14 +86,16 @@ def as_api_error(exc: BaseException) -> APIError:
     while getattr(root, "cause", None) is not None:  # RayTaskError keeps the original here
         root = root.cause
     if isinstance(root, APIError):
-        return APIError(root.status_code, root.message, root.type, root.param, root.code)
+        return APIError(*root.args)
+    if isinstance(root, BackPressureError):  # a deployment's max_queued_requests is reached
+        return APIError.overloaded()
     if isinstance(root, InvalidRequestError):
         return APIError.bad_request(str(root.args[0]) if root.args else str(root))
     if isinstance(root, ExecutorDiedError) or _is_dead_actor(root):
-        return APIError.unavailable(f"{type(root).__name__}: {root}")
+        logger.warning("a process of the model replica is gone: %s: %s", type(root).__name__, root)
+        return APIError.unavailable()
     logger.exception("internal error while serving a request", exc_info=exc)
-    return APIError(500, f"Internal server error ({type(root).__name__})", "server_error", None,
-                    "internal_error")
+    return APIError(500, "Internal server error", "server_error", None, "internal_error")
 
 
 def _is_dead_actor(exc: BaseException) -> bool:
@@ -91,7 +105,11 @@ def _is_dead_actor(exc: BaseException) -> bool:
 
 
 def error_json(error: APIError) -> JSONResponse:
-    return JSONResponse(error.to_response().model_dump(), status_code=error.status_code)
+    headers = None
+    if error.retry_after_s is not None:
+        headers = {"Retry-After": str(max(1, math.ceil(error.retry_after_s)))}
+    return JSONResponse(error.to_response().model_dump(), status_code=error.status_code,
+                        headers=headers)
 
 
 async def send_error(scope, receive, send, error: APIError, headers: dict | None = None) -> None:

@@ -24,8 +24,13 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from deployments.api_keys import TENANT_SCOPE, ApiKeyMiddleware, ApiKeys, scoped_cache_salt
-from deployments.errors import APIError, as_api_error, error_json, install_error_handlers
-from deployments.http_limits import RequestLimits, RequestLimitsMiddleware, check_stop_limits
+from deployments.errors import APIError, as_api_error, error_json, install_error_handlers, validated
+from deployments.http_limits import (
+    RequestLimits,
+    RequestLimitsMiddleware,
+    check_stop_limits,
+    output_token_budget,
+)
 from deployments.http_stream import first_output_ready, json_response, sse_response
 from deployments.openai_format import (
     ResponseMeta,
@@ -101,25 +106,38 @@ class OpenAIIngress:
 
     async def chat(self, request: ChatCompletionRequest) -> ChatCompletionResponse:
         """Full chat completion. Raises APIError (status_code 400/404/500) on failure."""
+        request = self._validated(ChatCompletionRequest, request)
         meta, outputs = await self._start_chat(request)
         return chat_response(meta, await collect(outputs))
 
     async def chat_stream(self, request: ChatCompletionRequest) -> AsyncIterator[ChatCompletionChunk]:
         """Streamed chat completion (call with handle.options(stream=True))."""
+        request = self._validated(ChatCompletionRequest, request)
         meta, outputs = await self._start_chat(request)
         async for chunk in chat_chunks(meta, outputs, request.include_usage):
             yield chunk
 
     async def completions(self, request: CompletionRequest) -> CompletionResponse:
         """Full text completion. Raises APIError on failure."""
+        request = self._validated(CompletionRequest, request)
         meta, outputs = await self._start_completion(request)
         return completion_response(meta, await collect(outputs))
 
     async def completions_stream(self, request: CompletionRequest) -> AsyncIterator[CompletionChunk]:
         """Streamed text completion (call with handle.options(stream=True))."""
+        request = self._validated(CompletionRequest, request)
         meta, outputs = await self._start_completion(request)
         async for chunk in completion_chunks(meta, outputs, request.include_usage):
             yield chunk
+
+    def _validated(self, model, request):
+        """A handle caller's request validated as `model` (the HTTP routes get theirs validated
+        by FastAPI): objects built with model_construct, or changed after construction, and
+        dicts get the same 400 an HTTP body would (refused and logged)."""
+        try:
+            return validated(model, request)
+        except APIError as exc:
+            raise refused(exc, time.time(), self._metrics) from None
 
     def models(self) -> ModelList:
         return ModelList(data=[ModelCard(id=self._model_name, created=self._created,
@@ -212,8 +230,11 @@ class OpenAIIngress:
         self, request_id: str, prompt: RenderedPrompt, fields: SamplingFields,
         max_tokens: int | None, arrival_time: float, tenant: str,
     ) -> _Started:
-        """Validate sampling against the context, build the engine's GenerationRequest (its
-        cache salt scoped to the tenant) and open (lazily) the LLM server stream."""
+        """Validate the prompt and sampling against the limits and the context, build the
+        engine's GenerationRequest (its cache salt scoped to the tenant) and open (lazily) the
+        LLM server stream."""
+        max_tokens = output_token_budget(len(prompt.token_ids), max_tokens,
+                                         self._info.max_model_len, self._limits)
         sampling = to_sampling_params(fields, max_tokens, len(prompt.token_ids),
                                       self._info.max_model_len)
         request = GenerationRequest(
@@ -222,6 +243,7 @@ class OpenAIIngress:
             sampling=sampling,
             instruction_boundary=prompt.instruction_boundary,
             cache_salt=scoped_cache_salt(tenant, fields.cache_salt),
+            tenant=tenant,
             arrival_time=arrival_time,
         )
         meta = ResponseMeta(id=request_id, created=now(), model=self._model_name)

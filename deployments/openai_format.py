@@ -77,7 +77,9 @@ def to_sampling_params(
 def raise_if_failed(out: RequestOutput) -> None:
     """An engine-side failure ("error") or a server-side abort ends the request with an error."""
     if out.finish_reason == "error":
-        raise APIError(500, f"The engine failed the request: {out.error}", "server_error")
+        # out.error is the engine's words; the client learns nothing of the server's internals
+        raise APIError(500, f"The server failed while generating this request (id "
+                            f"{out.request_id}); it may succeed if retried.", "server_error")
     if out.finish_reason == "abort":
         raise APIError(503, "The server aborted the request.", "server_error")
 

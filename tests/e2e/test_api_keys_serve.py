@@ -18,6 +18,9 @@ MODEL_NAME = "hybrid-serve-tiny"
 SYSTEM = "You answer questions about trains in one short, friendly sentence, and cite no sources."
 USER_1 = "Which train goes to the coast on Sundays?"
 USER_2 = "Is there a night train to the mountains, and does it carry bicycles?"
+# About ten bundles of the tiny model (~150 KB each: states, attention tail, hidden row), so
+# one tenant's traffic fills it; with two tenants each keeps five against the other.
+CHECKPOINT_BUDGET_BYTES = 1_600_000
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +28,8 @@ def keyed(deploy_variant, tmp_path_factory):
     keys_file = tmp_path_factory.mktemp("keys") / "api_keys"
     keys_file.write_text(f"# two tenants\n{KEY_A}\n{KEY_B}\n")
     anonymous = deploy_variant(KEYS_APP, KEYS_PREFIX, api_keys_file=str(keys_file),
-                               worker_num_cpus=0.2)
+                               worker_num_cpus=0.2,
+                               engine={"checkpoint_cache_bytes": CHECKPOINT_BUDGET_BYTES})
     return str(anonymous.base_url).rstrip("/")
 
 
@@ -69,3 +73,29 @@ def test_a_tenants_checkpoints_serve_only_its_own_requests(keyed):
     assert cached(chat(tenant_a, USER_2)) > 0  # a's instruction checkpoint serves a
     assert cached(chat(tenant_b, USER_2)) == 0  # but never b, same system prompt and all
     assert cached(chat(tenant_b, USER_1)) > 0  # b's own does
+
+
+def test_a_tenant_filling_the_budget_evicts_only_its_own_checkpoints(keyed):
+    """Tenant b sends twelve requests with twelve system prompts: three checkpoints each, far
+    beyond the budget, so b's captures evict. Tenant a's instruction checkpoint, captured first
+    and least recently used, lies within a's fair share (cache/checkpoint_ledger.py
+    evict_until) and still serves a afterwards."""
+    from ray import serve
+
+    tenant_a, tenant_b = client(keyed, KEY_A), client(keyed, KEY_B)
+    system_a = "You are a ferry timetable assistant: answer with departure times only, no prose."
+
+    def ask(c, system, user):
+        return c.chat.completions.create(
+            model=MODEL_NAME, max_tokens=4, temperature=0, extra_body={"ignore_eos": True},
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": user}])
+
+    assert cached(ask(tenant_a, system_a, "When is the first ferry?")) == 0
+    stats = serve.get_app_handle(KEYS_APP).engine_stats.remote().result()
+    evicted_before = sum(c.evicted for c in stats.checkpoints.values())
+    for i in range(12):
+        ask(tenant_b, f"You are helper number {i} of the harbour office; answer in one line.",
+            f"Question {i}: where do I buy tickets?")
+    stats = serve.get_app_handle(KEYS_APP).engine_stats.remote().result()
+    assert sum(c.evicted for c in stats.checkpoints.values()) - evicted_before >= 10
+    assert cached(ask(tenant_a, system_a, "And the last ferry of the day?")) > 0

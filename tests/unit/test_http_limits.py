@@ -5,6 +5,7 @@ Retry-After beyond the requests in flight, and nothing held after requests end."
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import httpx
 from fastapi import FastAPI
@@ -13,7 +14,8 @@ from deployments.errors import install_error_handlers
 from deployments.http_limits import RequestLimits, RequestLimitsMiddleware
 
 LIMITS = RequestLimits(max_body_bytes=1000, max_requests_in_flight=1, retry_after_s=2.5,
-                       max_stop_strings=16, max_stop_string_chars=256)
+                       max_stop_strings=16, max_stop_string_chars=256, max_prompt_tokens=None,
+                       max_output_tokens=4096)
 
 
 def make_app(release: asyncio.Event, entered: asyncio.Event | None = None) -> FastAPI:
@@ -90,8 +92,7 @@ def test_stop_limits_accept_up_to_the_limit_and_refuse_beyond():
     from deployments.http_limits import check_stop_limits
     from deployments.protocol import CompletionRequest
 
-    limits = RequestLimits(max_body_bytes=1000, max_requests_in_flight=1, retry_after_s=1.0,
-                           max_stop_strings=3, max_stop_string_chars=5)
+    limits = dataclasses.replace(LIMITS, max_stop_strings=3, max_stop_string_chars=5)
 
     def request(**fields):
         return CompletionRequest(prompt="x", **fields)
@@ -103,3 +104,38 @@ def test_stop_limits_accept_up_to_the_limit_and_refuse_beyond():
         with pytest.raises(APIError) as refused:
             check_stop_limits(request(**fields), limits)
         assert refused.value.status_code == 400 and refused.value.param == param
+
+
+def test_prompt_and_output_token_limits():
+    from deployments.errors import APIError
+    from deployments.http_limits import output_token_budget
+
+    limits = dataclasses.replace(LIMITS, max_prompt_tokens=100, max_output_tokens=50)
+    assert output_token_budget(100, 50, 1000, limits) == 50
+    assert output_token_budget(100, None, 1000, limits) == 50  # the cap, not the room (900)
+    assert output_token_budget(100, None, 120, limits) == 20  # the room, below the cap
+    assert output_token_budget(100, None, 100, limits) is None  # no room: refused downstream
+    for prompt, max_tokens, param in ((101, 1, "messages"), (10, 51, "max_tokens")):
+        try:
+            output_token_budget(prompt, max_tokens, 1000, limits)
+        except APIError as exc:
+            assert (exc.status_code, exc.param) == (400, param)
+            assert str(limits.max_prompt_tokens if param == "messages" else 50) in exc.message
+        else:
+            raise AssertionError(f"{prompt} prompt tokens, max_tokens {max_tokens} accepted")
+
+
+def test_a_full_queue_is_a_503_with_retry_after():
+    """Serve raises BackPressureError to the ingress when a deployment's max_queued_requests is
+    reached (through Ray, wrapped); the client gets 503 with Retry-After and an OpenAI body."""
+    import json
+
+    from ray.serve.exceptions import BackPressureError
+
+    from deployments.errors import as_api_error, error_json
+
+    error = as_api_error(BackPressureError(num_queued_requests=9, max_queued_requests=8))
+    response = error_json(error)
+    assert response.status_code == 503 and response.headers["Retry-After"] == "1"
+    body = json.loads(response.body)
+    assert body["error"]["code"] == "overloaded" and "queue" in body["error"]["message"]
