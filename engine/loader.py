@@ -2,23 +2,30 @@
 
 Every tensor of every *.safetensors file must map to exactly one model parameter and every
 parameter must be filled, with the exact shape; anything else is a ValueError naming the tensor.
+Loading shows a progress bar over the shard files' bytes (stderr) and logs the time it took.
 Loading one parameter happens in `load_parameter` only: under tensor parallelism it reads just
 the rank's shard of the checkpoint tensor (safetensors slices), so no rank holds the full model.
 """
 
 from __future__ import annotations
 
+import logging
+import math
+import time
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from torch import nn
+from tqdm import tqdm
 
 from engine.model_config import HybridModelConfig, load_model_config
 from engine.models.granite_moe_hybrid import GraniteMoeHybridModel
 from engine.tensor_parallel import SliceSource, TensorParallel, TensorShard
 
 _TIED_LM_HEAD = "lm_head.weight"
+
+logger = logging.getLogger(__name__)
 
 
 def load_model(
@@ -45,9 +52,13 @@ def load_model(
     expected = dict(model.named_parameters())
     shards = model.parameter_shards()
     loaded: set[str] = set()
+    started = time.monotonic()
+    progress = tqdm(total=sum(file.stat().st_size for file in files), unit="B", unit_scale=True,
+                    mininterval=1.0, desc=f"loading {model_dir.name} ({len(files)} shards)")
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for checkpoint_name in f.keys():
+                progress.update(_checkpoint_bytes(f.get_slice(checkpoint_name)))
                 if config.tie_word_embeddings and checkpoint_name == _TIED_LM_HEAD:
                     continue  # tied to embed_tokens.weight, as transformers does
                 name = parameter_name(checkpoint_name)
@@ -61,11 +72,26 @@ def load_model(
                 )
                 _set_parameter(model, name, value)
                 loaded.add(name)
+    progress.update(progress.total - progress.n)  # the files' headers
+    progress.close()
     missing = sorted(set(expected) - loaded)
     if missing:
         raise ValueError(f"{model_dir}: checkpoint lacks tensors for {missing}")
     model.stack_projections()
+    logger.info("loaded %s (%s): %d tensors from %d shard file(s), %.2f GiB, in %.1f s",
+                model_dir, "unsharded" if tp is None else f"rank {tp.rank} of {tp.world_size}",
+                len(loaded), len(files), progress.total / 2**30, time.monotonic() - started)
     return model.eval(), config
+
+
+# Bytes per element of the safetensors dtypes (for the progress bar's byte count).
+_DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2,
+                "I16": 2, "U16": 2}
+
+
+def _checkpoint_bytes(source: SliceSource) -> int:
+    """Bytes of a checkpoint tensor in its file (1 per element for 8-bit and unknown dtypes)."""
+    return math.prod(source.get_shape()) * _DTYPE_BYTES.get(source.get_dtype(), 1)
 
 
 def parameter_name(checkpoint_name: str) -> str:
