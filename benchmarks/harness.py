@@ -88,6 +88,24 @@ def process_cpu_seconds() -> dict[str, float]:
     return usage
 
 
+def process_rss_bytes() -> dict[str, int]:
+    """Resident memory of every process of this host, summed by role (as process_cpu_seconds
+    names them). Linux only (reads /proc/<pid>/statm)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    usage: dict[str, int] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            resident_pages = int((entry / "statm").read_text().split()[1])
+        except (OSError, IndexError, ValueError):  # ended meanwhile, or a kernel thread
+            continue
+        role = _process_role(argv[0].decode(errors="replace"))
+        usage[role] = usage.get(role, 0) + resident_pages * page
+    return usage
+
+
 def cpu_seconds_between(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """Per role, the CPU seconds spent between two process_cpu_seconds snapshots (roles that
     used none are left out; a process that ended between them is not counted)."""
