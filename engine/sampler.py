@@ -1,8 +1,10 @@
 """Turn logits rows into tokens, one row per sampling request.
 
-Greedy rows take the argmax. Random rows apply temperature, then top-k, then top-p, and draw
-from the request's own torch.Generator, so a seeded request gets the same tokens whatever else
-shares its batch. min_tokens is enforced by masking EOS and stop token ids.
+Greedy rows take the argmax. Random rows apply temperature, then top-k, then top-p, and draw;
+a seeded request's draw for its n-th output token comes from a generator seeded with (seed, n)
+alone, so it gets the same tokens whatever else shares its batch and however often its steps
+were retried (a failed step's draws are not replayed: docs/design.md section 4.1). min_tokens is
+enforced by masking EOS and stop token ids.
 """
 
 from __future__ import annotations
@@ -17,17 +19,11 @@ class Sampler:
         self.device = torch.device(device)
         self._default_generator = torch.Generator(device=self.device)
         self._default_generator.manual_seed(seed)
-        self._request_generators: dict[str, torch.Generator] = {}
-
-    def forget(self, request_ids: tuple[str, ...] | list[str]) -> None:
-        """Drop the per-request RNGs of requests that ended."""
-        for request_id in request_ids:
-            self._request_generators.pop(request_id, None)
+        self._seeded_generator = torch.Generator(device=self.device)  # reseeded for each draw
 
     def sample(
         self,
         logits: torch.Tensor,  # (n, V) fp32
-        request_ids: list[str],
         params: list[SamplingParams],
         num_output_tokens: list[int],
         argmax: torch.Tensor | None = None,  # (n,) int64, torch.argmax(logits, -1) computed already
@@ -50,19 +46,17 @@ class Sampler:
         if drawn:
             tokens = tokens.clone()
             for row in drawn:
-                generator = self._generator_for(request_ids[row], params[row])
+                generator = self._generator_for(params[row], num_output_tokens[row])
                 tokens[row] = sample_row(logits[row], params[row], generator)
         return tokens
 
-    def _generator_for(self, request_id: str, sampling: SamplingParams) -> torch.Generator:
+    def _generator_for(self, sampling: SamplingParams, num_output_tokens: int) -> torch.Generator:
+        """The shared generator for unseeded requests; for a seeded one, a generator seeded
+        with a mix of the seed and the index of the token it draws."""
         if sampling.seed is None:
             return self._default_generator
-        generator = self._request_generators.get(request_id)
-        if generator is None:
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(sampling.seed)
-            self._request_generators[request_id] = generator
-        return generator
+        mixed = (sampling.seed + (num_output_tokens + 1) * 0x9E3779B97F4A7C15) % 2**64
+        return self._seeded_generator.manual_seed(mixed)
 
 
 def sample_row(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator) -> torch.Tensor:

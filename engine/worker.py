@@ -188,7 +188,6 @@ class Worker:
         if len(self._in_flight) >= _MAX_IN_FLIGHT:
             raise RuntimeError(f"submit() with {_MAX_IN_FLIGHT} steps in flight: collect() first")
         started = time.perf_counter()
-        self.sampler.forget(scheduler_output.finished_request_ids)
         self.checkpoints.drop(scheduler_output.dropped_bundle_ids)
         output = RunnerOutput()
         for capture in scheduler_output.captures:
@@ -275,7 +274,6 @@ class Worker:
                 output.logits[chunk.request_id] = logits[i].clone()  # to the host at collect
         return self.sampler.sample(
             logits,
-            request_ids=[chunk.request_id for chunk in chunks],
             params=[chunk.sampling for chunk in chunks],
             num_output_tokens=[chunk.num_output_tokens for chunk in chunks],
             argmax=argmax,

@@ -66,10 +66,10 @@ def prompts(count: int, vocab: int, seed: int) -> list[list[int]]:
     return [torch.randint(5, vocab, (n,), generator=generator).tolist() for n in lengths]
 
 
-def run(engine: LLMEngine, requests: dict[str, list[int]]) -> dict[str, tuple]:
+def run(engine: LLMEngine, requests: dict[str, list[int]], sampling=lambda request_id: GREEDY) -> dict[str, tuple]:
     """Add every request, step to the end: id -> (token ids, finish reason, error)."""
     for request_id, prompt in requests.items():
-        engine.add_request(GenerationRequest(request_id, prompt, GREEDY))
+        engine.add_request(GenerationRequest(request_id, prompt, sampling(request_id)))
     tokens = {rid: [] for rid in requests}
     ends = {}
     while engine.has_unfinished_requests():
@@ -105,6 +105,17 @@ def test_a_transient_failure_loses_no_request(config, requests, expected):
     assert executor.failures == 2 and engine.stats().scheduler.failed_steps == 2
     assert engine.stats().scheduler.requests_failed == 0
     assert engine.pool_usage().idle
+
+
+def test_seeded_sampling_draws_the_same_tokens_after_a_recovery(config, requests):
+    """A failed step drew tokens that were thrown away; the recomputed requests draw again and
+    must get what a healthy engine draws (the sampler's draw depends on seed and index)."""
+    seeded = lambda request_id: SamplingParams(max_tokens=10, temperature=1.0, ignore_eos=True,
+                                               seed=int(request_id[1:]) + 100)
+    expected = run(LLMEngine(config), requests, seeded)
+    engine = LLMEngine(config, executor=FaultyWorker(config, fail_collects=(4, 8)))
+    assert run(engine, requests, seeded) == expected
+    assert engine.stats().scheduler.failed_steps == 2
 
 
 def test_the_request_that_breaks_its_steps_fails_alone(config, requests, expected):
