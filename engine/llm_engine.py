@@ -193,15 +193,17 @@ class LLMEngine:
         in flight, and the engine recovers (Scheduler.requeue_failed): its requests are
         recomputed, each alone until it samples again, and one that has been in
         MAX_FAILED_STEPS failed steps ends with finish_reason "error" and
-        FAILED_REQUEST_MESSAGE; the others go on. ExecutorDiedError (a rank is gone) is raised instead: nothing can
-        run any more. An exception of the engine's own (scheduler, output processor) is
-        raised: the requests' state is unknown, the caller fails them (fail_all).
+        FAILED_REQUEST_MESSAGE, after its last token output; the others go on.
+        ExecutorDiedError (a rank is gone) is raised instead: nothing can run any more. An
+        exception of the engine's own (scheduler, output processor) is raised: the requests'
+        state is unknown, the caller fails them (fail_all). Either way the outputs collected
+        before it are returned by the next step() call, ahead of any later ones.
         """
         self.last_step = None
-        outputs: list[RequestOutput] = []
-        scheduler_output = self.scheduler.schedule()
+        outputs, self._pending_outputs = self._pending_outputs, []  # ends from between steps
         unsubmitted: SchedulerOutput | None = None
         try:
+            scheduler_output = self.scheduler.schedule()
             if scheduler_output.has_work:
                 unsubmitted = scheduler_output
                 _runner_call(self.executor.submit, scheduler_output)
@@ -212,15 +214,19 @@ class LLMEngine:
                 outputs += self._collect_oldest()
         except ExecutorDiedError:
             self._abandon_in_flight(unsubmitted)
+            self._pending_outputs = outputs + self._pending_outputs  # for whoever steps next
             raise
         except RunnerFailedError:
             failed = self._abandon_in_flight(unsubmitted)
             logger.exception("the runner failed a step; requests %s requeued or failed",
                              sorted({c.request_id for step in failed for c in step.chunks}))
-            for request_id in self.scheduler.requeue_failed(failed):
+            for request_id in self.scheduler.requeue_failed(failed):  # after their last tokens
                 self._finish(request_id, FinishReason.ERROR, FAILED_REQUEST_MESSAGE)
-        pending, self._pending_outputs = self._pending_outputs, []
-        return pending + outputs
+        except BaseException:  # the engine's own: outputs so far stay ahead of what follows
+            self._pending_outputs = outputs + self._pending_outputs
+            raise
+        failures, self._pending_outputs = self._pending_outputs, []
+        return outputs + failures
 
     def _collect_oldest(self) -> list[RequestOutput]:
         """Collect the oldest step in flight (it leaves _in_flight once collected), update the
