@@ -97,6 +97,9 @@ class CheckpointLedger:
         self._bundles_by_block: dict[int, set[BundleId]] = {}
         self._next_id = 0
         self._bytes_held = 0
+        # per owner: bytes held and bundles held (owners with none are left out)
+        self._owner_bytes: dict[str, int] = {}
+        self._owner_bundles: dict[str, int] = {}
 
     # ---- reading (changes nothing) -----------------------------------------------------------
 
@@ -173,6 +176,8 @@ class CheckpointLedger:
         for block in blocks:
             self._bundles_by_block.setdefault(block, set()).add(bundle.bundle_id)
         self._bytes_held += num_bytes
+        self._owner_bytes[owner] = self._owner_bytes.get(owner, 0) + num_bytes
+        self._owner_bundles[owner] = self._owner_bundles.get(owner, 0) + 1
         return bundle.bundle_id
 
     def publish(self, bundle_id: BundleId, confirmed_ranks: set[int], world_size: int) -> PublishOutcome:
@@ -286,11 +291,9 @@ class CheckpointLedger:
     # ---- internals -------------------------------------------------------------------------------
 
     def _holdings(self, owner: str) -> tuple[dict[str, int], float]:
-        """Bytes held by each owner (`owner` included, maybe with 0) and the fair share of the
-        budget: budget_bytes / the number of those owners."""
-        held: dict[str, int] = {owner: 0}
-        for bundle in self._bundles.values():
-            held[bundle.owner] = held.get(bundle.owner, 0) + bundle.num_bytes
+        """Bytes held by each owner holding bundles, and by `owner` (maybe 0), and the fair
+        share of the budget: budget_bytes / the number of those owners. O(owners)."""
+        held = {owner: 0, **self._owner_bytes}
         return held, self.budget_bytes / len(held)
 
     def _pending(self, bundle_id: BundleId) -> Bundle:
@@ -321,4 +324,8 @@ class CheckpointLedger:
                 del self._bundles_by_block[block]
         self.blocks.release(list(bundle.block_ids))
         self._bytes_held -= bundle.num_bytes
+        self._owner_bytes[bundle.owner] -= bundle.num_bytes
+        self._owner_bundles[bundle.owner] -= 1
+        if not self._owner_bundles[bundle.owner]:
+            del self._owner_bundles[bundle.owner], self._owner_bytes[bundle.owner]
         del self._bundles[bundle.bundle_id]
