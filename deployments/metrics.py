@@ -114,6 +114,12 @@ PROMPT_TOKENS_COMPUTED = MetricSpec(
 PREEMPTIONS = MetricSpec(
     "hybrid_serve_preemptions", "counter",
     "Requests preempted (blocks and state slot freed, requeued to be recomputed).")
+FAILED_STEPS = MetricSpec(
+    "hybrid_serve_failed_steps", "counter",
+    "Engine steps the executor failed and the engine recovered from (docs/design.md 4.1).")
+REQUESTS_FAILED = MetricSpec(
+    "hybrid_serve_requests_failed", "counter",
+    "Requests failed by the engine after MAX_FAILED_STEPS failed steps (HTTP 500).")
 ENGINE_REQUESTS = MetricSpec(
     "hybrid_serve_engine_requests", "gauge",
     "Requests in the engine by state: running, waiting (never preempted), preempted (waiting "
@@ -132,8 +138,8 @@ CHECKPOINT_BYTES = MetricSpec(
 
 METRICS = (REQUESTS, OUTPUT_TOKENS, TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY, REQUEST_LATENCY,
            BOUNDARY_REJECTIONS, CHECKPOINT_EVENTS_TOTAL, PROMPT_TOKENS_RESTORED,
-           PROMPT_TOKENS_COMPUTED, PREEMPTIONS, ENGINE_REQUESTS, KV_BLOCKS, STATE_SLOTS,
-           CHECKPOINTS, CHECKPOINT_BYTES)
+           PROMPT_TOKENS_COMPUTED, PREEMPTIONS, FAILED_STEPS, REQUESTS_FAILED, ENGINE_REQUESTS,
+           KV_BLOCKS, STATE_SLOTS, CHECKPOINTS, CHECKPOINT_BYTES)
 
 
 def exported_names() -> frozenset[str]:
@@ -194,7 +200,8 @@ class EngineMetricsExporter:
         self._engine = engine
         self._exported: dict[tuple, int] = {}  # (metric name, tag values) -> value exported
         self._counters = {spec.name: spec.create() for spec in (
-            CHECKPOINT_EVENTS_TOTAL, PROMPT_TOKENS_RESTORED, PROMPT_TOKENS_COMPUTED, PREEMPTIONS)}
+            CHECKPOINT_EVENTS_TOTAL, PROMPT_TOKENS_RESTORED, PROMPT_TOKENS_COMPUTED, PREEMPTIONS,
+            FAILED_STEPS, REQUESTS_FAILED)}
         self._gauges = {spec.name: spec.create() for spec in (
             ENGINE_REQUESTS, KV_BLOCKS, STATE_SLOTS, CHECKPOINTS, CHECKPOINT_BYTES)}
 
@@ -228,6 +235,8 @@ class EngineMetricsExporter:
         self._count(PROMPT_TOKENS_RESTORED, stats.scheduler.prompt_tokens_restored)
         self._count(PROMPT_TOKENS_COMPUTED, stats.scheduler.prompt_tokens_computed)
         self._count(PREEMPTIONS, stats.scheduler.preemptions)
+        self._count(FAILED_STEPS, stats.scheduler.failed_steps)
+        self._count(REQUESTS_FAILED, stats.scheduler.requests_failed)
 
         held_by_requests = usage.total_blocks - usage.free_blocks - usage.checkpoint_only_blocks
         self._set(ENGINE_REQUESTS, {"running": running, "waiting": len(waiting) - preempted,
