@@ -54,15 +54,16 @@ def check_stop_limits(fields: SamplingFields, limits: RequestLimits) -> None:
 
 
 def output_token_budget(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int,
-                        limits: RequestLimits) -> int | None:
+                        limits: RequestLimits, prompt_param: str = "messages") -> int | None:
     """The max_tokens to build the request with: the client's, or for none given
     limits.max_output_tokens capped by the room left in the context (None when there is no
     room: to_sampling_params refuses that). Raises APIError 400 for a prompt longer than
-    limits.max_prompt_tokens or a max_tokens above limits.max_output_tokens."""
+    limits.max_prompt_tokens (param `prompt_param`: "messages" or "prompt") or a max_tokens
+    above limits.max_output_tokens."""
     if limits.max_prompt_tokens is not None and num_prompt_tokens > limits.max_prompt_tokens:
         raise APIError.bad_request(
             f"the prompt has {num_prompt_tokens} tokens; this server accepts at most "
-            f"{limits.max_prompt_tokens} (max_prompt_tokens)", "messages")
+            f"{limits.max_prompt_tokens} (max_prompt_tokens)", prompt_param)
     if max_tokens is not None:
         if max_tokens > limits.max_output_tokens:
             raise APIError.bad_request(

@@ -233,8 +233,9 @@ class OpenAIIngress:
         """Validate the prompt and sampling against the limits and the context, build the
         engine's GenerationRequest (its cache salt scoped to the tenant) and open (lazily) the
         LLM server stream."""
-        max_tokens = output_token_budget(len(prompt.token_ids), max_tokens,
-                                         self._info.max_model_len, self._limits)
+        max_tokens = output_token_budget(
+            len(prompt.token_ids), max_tokens, self._info.max_model_len, self._limits,
+            "messages" if isinstance(fields, ChatCompletionRequest) else "prompt")
         sampling = to_sampling_params(fields, max_tokens, len(prompt.token_ids),
                                       self._info.max_model_len)
         request = GenerationRequest(

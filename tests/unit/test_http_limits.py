@@ -115,12 +115,12 @@ def test_prompt_and_output_token_limits():
     assert output_token_budget(100, None, 1000, limits) == 50  # the cap, not the room (900)
     assert output_token_budget(100, None, 120, limits) == 20  # the room, below the cap
     assert output_token_budget(100, None, 100, limits) is None  # no room: refused downstream
-    for prompt, max_tokens, param in ((101, 1, "messages"), (10, 51, "max_tokens")):
+    for prompt, max_tokens, param in ((101, 1, "prompt"), (10, 51, "max_tokens")):
         try:
-            output_token_budget(prompt, max_tokens, 1000, limits)
+            output_token_budget(prompt, max_tokens, 1000, limits, prompt_param="prompt")
         except APIError as exc:
             assert (exc.status_code, exc.param) == (400, param)
-            assert str(limits.max_prompt_tokens if param == "messages" else 50) in exc.message
+            assert str(limits.max_prompt_tokens if param == "prompt" else 50) in exc.message
         else:
             raise AssertionError(f"{prompt} prompt tokens, max_tokens {max_tokens} accepted")
 
