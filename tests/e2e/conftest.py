@@ -63,11 +63,13 @@ def serve_app(ray_session):
         serve.shutdown()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def deploy_variant(serve_app):
     """A factory: deploy E2E_CONFIG with `engine` overriding fields of its EngineConfig and
     `overrides` its other fields, as another app of the same Serve instance under
-    `route_prefix`; returns an openai client for it. Deleted at the end of the session."""
+    `route_prefix`; returns an openai client for it. Deleted at the end of the test module,
+    so that the variants of different modules never hold the session's CPUs together (a
+    tensor-parallel variant's placement group would wait for them for ever)."""
     from ray import serve
 
     from deployments.app import build_app
