@@ -1,0 +1,15 @@
+"""hybrid-serve-bench: chat workloads against any OpenAI-compatible server, checkpoint policies
+side by side, and the report (Markdown table + PNG plots).
+
+Modules, one responsibility each:
+  tokens.py      how many tokens a text or a message prefix is (a model's tokenizer, or words x ratio)
+  workloads.py   pure: the conversations of each workload, from a seed and sizes
+  accounting.py  pure: shareable tokens (what a perfect prefix cache could restore) per request
+  client.py      one streaming chat request -> one RequestRecord
+  runner.py      conversations, concurrency and Poisson arrivals against targets -> records
+  stats.py       pure: percentiles and the summary rows
+  plots.py       the PNG plots (matplotlib, Agg)
+  report.py      the result JSON, the Markdown report and the plots, under one folder
+  policies.py    hybrid-serve in process, one Serve app per checkpoint_slots setting
+  cli.py         `hybrid-serve-bench run | compare-servers | compare-policies`
+"""

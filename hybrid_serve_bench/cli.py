@@ -1,0 +1,206 @@
+"""`hybrid-serve-bench`: chat workloads against OpenAI-compatible servers, and the report.
+
+    hybrid-serve-bench run --base-url http://127.0.0.1:8000 --workload shared-instructions
+    hybrid-serve-bench compare-servers --base-url http://host-a:8000 --base-url http://host-b:8000
+    hybrid-serve-bench compare-policies --instruction-tokens 500 --requests 48 --concurrency 4
+
+run drives one server, compare-servers several (same workloads, interleaved, one table), and
+compare-policies starts hybrid-serve in this process with one app per checkpoint_slots setting
+and compares them. Each writes bench.json, report.md and four PNG plots to --out-dir (default
+benchmarks/results/bench/<mode>, relative to the current directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import shlex
+import sys
+import uuid
+from pathlib import Path
+
+import httpx
+from tqdm import tqdm
+
+from hybrid_serve_bench.policies import POLICIES, parse_policy, serve_policies
+from hybrid_serve_bench.report import RESULT_FIELDS, summary_table, write_report
+from hybrid_serve_bench.runner import RunSettings, Target, run_workloads, server_identity
+from hybrid_serve_bench.stats import summarize
+from hybrid_serve_bench.tokens import DEFAULT_TOKENS_PER_WORD, TokenCounter, TokenizerCounter, WordCounter
+from hybrid_serve_bench.workloads import WORKLOAD_KINDS, Sizes, Workload, build_workloads
+
+DEFAULT_OUT = Path("benchmarks/results/bench")
+
+
+def _pair(text: str) -> tuple[int, int]:
+    low, _, high = text.partition("-")
+    return int(low), int(high or low)
+
+
+def _rate(text: str) -> float | None:
+    return None if text in ("closed", "none") else float(text)
+
+
+def add_common(p: argparse.ArgumentParser) -> None:
+    w = p.add_argument_group("workloads (fixed seed; token sizes as the token counter counts)")
+    w.add_argument("--workload", nargs="+", choices=WORKLOAD_KINDS, default=list(WORKLOAD_KINDS))
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--systems", type=int, default=4, help="S: shared system prompts")
+    w.add_argument("--instruction-tokens", type=int, nargs="+", default=[2000],
+                   help="L: system prompt tokens; several values sweep shared-instructions")
+    w.add_argument("--requests", type=int, default=48,
+                   help="requests of shared-instructions, few-shot and no-sharing")
+    w.add_argument("--user-tokens", type=_pair, default=(50, 500), help="MIN-MAX user message tokens")
+    w.add_argument("--conversations", type=int, default=8, help="C (multi-turn)")
+    w.add_argument("--turns", type=int, default=4, help="T (multi-turn)")
+    w.add_argument("--agents", type=int, default=6)
+    w.add_argument("--agent-turns", type=int, default=5)
+    w.add_argument("--developer-tokens", type=int, default=1500)
+    w.add_argument("--examples", type=int, default=6, help="few-shot examples")
+    w.add_argument("--tokenizer", default=None,
+                   help="local model dir whose tokenizer counts tokens (default: words x ratio)")
+    w.add_argument("--tokens-per-word", type=float, default=DEFAULT_TOKENS_PER_WORD)
+    r = p.add_argument_group("load")
+    r.add_argument("--concurrency", type=int, default=4)
+    r.add_argument("--rate", type=_rate, nargs="+", default=[None],
+                   help="conversations/s, Poisson arrivals; 'closed' = closed loop (default)")
+    r.add_argument("--max-tokens", type=int, default=16)
+    r.add_argument("--rounds", type=int, default=4, help="interleaving rounds over the targets")
+    r.add_argument("--target-ttft-ms", type=float, default=1000.0)
+    r.add_argument("--timeout-s", type=float, default=600.0)
+    r.add_argument("--cache-salt", default=None,
+                   help="salt prefix sent as cache_salt (default: a fresh one per run)")
+    r.add_argument("--no-cache-salt", action="store_true",
+                   help="send no cache_salt (servers that refuse unknown fields)")
+    r.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos: true")
+    p.add_argument("--out-dir", type=Path, default=None,
+                   help=f"default: {DEFAULT_OUT}/<mode>")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="hybrid-serve-bench", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="mode", required=True)
+    run = sub.add_parser("run", help="one server")
+    run.add_argument("--base-url", required=True, help="server root, without /v1")
+    run.add_argument("--model", default=None, help="default: the first id of GET /v1/models")
+    run.add_argument("--label", default=None)
+    servers = sub.add_parser("compare-servers", help="several servers, interleaved, one table")
+    servers.add_argument("--base-url", action="append", required=True)
+    servers.add_argument("--model", action="append", default=None,
+                         help="one for all, or one per --base-url (default: from /v1/models)")
+    servers.add_argument("--label", action="append", default=None)
+    policies = sub.add_parser("compare-policies", help="hybrid-serve in process, one app per setting")
+    policies.add_argument("--policies", type=parse_policy, nargs="+", default=list(POLICIES),
+                          help="checkpoint_slots settings, e.g. none prompt prompt,response")
+    policies.add_argument("--model-dir", default=None, help="default: the embedded tiny model")
+    policies.add_argument("--max-model-len", type=int, default=4096)
+    policies.add_argument("--port", type=int, default=8252)
+    policies.add_argument("--ray-cpus", type=int, default=8)
+    for p in (run, servers, policies):
+        add_common(p)
+    return parser.parse_args(argv)
+
+
+def token_counter(args: argparse.Namespace) -> TokenCounter:
+    if args.tokenizer:
+        return TokenizerCounter(args.tokenizer)
+    return WordCounter(args.tokens_per_word)
+
+
+def sizes_of(args: argparse.Namespace) -> Sizes:
+    return Sizes(seed=args.seed, systems=args.systems, instruction_tokens=args.instruction_tokens[0],
+                 requests=args.requests, user_tokens=args.user_tokens,
+                 conversations=args.conversations, turns=args.turns, agents=args.agents,
+                 agent_turns=args.agent_turns, developer_tokens=args.developer_tokens,
+                 examples=args.examples)
+
+
+async def _identities(base_urls: list[str]) -> list[dict]:
+    async with httpx.AsyncClient(timeout=30) as client:
+        return [await server_identity(client, url) for url in base_urls]
+
+
+def _model_of(identity: dict, given: str | None, base_url: str) -> str:
+    if given:
+        return given
+    try:
+        return identity["data"][0]["id"]
+    except (KeyError, IndexError, TypeError):
+        raise SystemExit(f"{base_url}: GET /v1/models gave no model id ({identity}); pass --model")
+
+
+def measure(args: argparse.Namespace, targets: list[Target], workloads: list[Workload],
+            counter: TokenCounter) -> tuple[list[dict], list[dict], list[dict]]:
+    """Identify the servers, run the workloads with a progress bar, summarize.
+    Returns (target dicts, summary rows, records)."""
+    identities = asyncio.run(_identities([t.base_url for t in targets]))
+    salt = None if args.no_cache_salt else (args.cache_salt or f"bench-{uuid.uuid4().hex[:12]}")
+    settings = RunSettings(concurrency=args.concurrency, max_tokens=args.max_tokens,
+                           rounds=args.rounds, timeout_s=args.timeout_s, seed=args.seed,
+                           ignore_eos=not args.no_ignore_eos, cache_salt=salt)
+    total = sum(w.num_requests for w in workloads) * len(args.rate) * len(targets)
+    with tqdm(total=total, unit="req", desc="requests") as bar:
+        records, passes = asyncio.run(run_workloads(targets, workloads, args.rate, settings,
+                                                    counter, on_request=lambda: bar.update(1)))
+    rows = summarize(records, passes, args.target_ttft_ms)
+    target_dicts = [{"label": t.label, "base_url": t.base_url, "model": t.model,
+                     "server_models": identity} for t, identity in zip(targets, identities)]
+    return target_dicts, rows, records
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.mode == "compare-policies" and not args.tokenizer:
+        from engine.config import DEFAULT_MODEL_DIR
+
+        args.tokenizer = args.model_dir or str(DEFAULT_MODEL_DIR)
+    counter = token_counter(args)
+    workloads = build_workloads(args.workload, sizes_of(args), counter, args.instruction_tokens)
+
+    if args.mode == "compare-policies":
+        with serve_policies(args.policies, model_dir=args.model_dir, max_model_len=args.max_model_len,
+                            port=args.port, ray_cpus=args.ray_cpus) as (targets, configs):
+            target_dicts, rows, records = measure(args, targets, workloads, counter)
+        for target, config in zip(target_dicts, configs):
+            target["checkpoint_slots"] = config["engine"]["checkpoint_slots"]
+            target["app_config"] = config
+    else:
+        urls = [args.base_url] if args.mode == "run" else args.base_url
+        models = [args.model] if args.mode == "run" else (args.model or [None])
+        labels = [args.label] if args.mode == "run" else (args.label or [None] * len(urls))
+        if len(models) == 1:
+            models = models * len(urls)
+        if len(models) != len(urls) or len(labels) != len(urls):
+            raise SystemExit("give --model and --label once, or once per --base-url")
+        identities = asyncio.run(_identities(urls))
+        targets = [Target(label or url, url, _model_of(identity, model, url))
+                   for url, model, label, identity in zip(urls, models, labels, identities)]
+        target_dicts, rows, records = measure(args, targets, workloads, counter)
+
+    result = {
+        "benchmark": "hybrid-serve-bench", "mode": args.mode,
+        "command": shlex.join(["hybrid-serve-bench", *argv]),
+        "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
+                    "python": platform.python_version()},
+        "targets": target_dicts,
+        "settings": {k: v for k, v in vars(args).items()
+                     if k in ("concurrency", "rate", "max_tokens", "rounds", "target_ttft_ms",
+                              "seed", "cache_salt", "no_cache_salt", "no_ignore_eos")},
+        "token_counter": counter.name,
+        "workloads": [{"name": w.name, "kind": w.kind, "requests": w.num_requests, "params": w.params}
+                      for w in workloads],
+        "summary": rows, "records": records,
+    }
+    assert tuple(result) == RESULT_FIELDS
+    lengths = {w.name: w.params["instruction_tokens"] for w in workloads if w.kind == "shared-instructions"}
+    paths = write_report(result, args.out_dir or DEFAULT_OUT / args.mode, lengths)
+    print(summary_table(rows))
+    for name, path in paths.items():
+        print(f"{name}: {path}")
+
+
+if __name__ == "__main__":
+    main()
