@@ -1,0 +1,158 @@
+"""The benchmark's pure parts: workloads from a seed, shareable-token accounting, percentiles and
+summary rows, usage parsing. No server, no Ray."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybrid_serve_bench.accounting import ShareableTracker
+from hybrid_serve_bench.client import cached_tokens_of, sse_data
+from hybrid_serve_bench.stats import SUMMARY_FIELDS, percentile, summarize_pass
+from hybrid_serve_bench.tokens import MESSAGE_OVERHEAD_TOKENS, WordCounter
+from hybrid_serve_bench.workloads import WORKLOAD_KINDS, Sizes, build_workloads, make_text
+
+COUNTER = WordCounter(1.0)  # one token a word: sizes are checkable by hand
+SMALL = Sizes(seed=3, systems=2, instruction_tokens=60, requests=6, user_tokens=(10, 20),
+              conversations=2, turns=3, turn_user_tokens=(5, 10), agents=2, agent_turns=3,
+              developer_tokens=150, tool_result_tokens=(5, 10), examples=2, example_tokens=10)
+
+
+def test_workloads_are_a_function_of_the_seed():
+    first = build_workloads(list(WORKLOAD_KINDS), SMALL, COUNTER)
+    again = build_workloads(list(WORKLOAD_KINDS), SMALL, COUNTER)
+    other = build_workloads(list(WORKLOAD_KINDS), Sizes(**{**SMALL.__dict__, "seed": 4}), COUNTER)
+    assert first == again
+    for a, b in zip(first, other):
+        assert a.conversations != b.conversations, a.name
+
+
+def test_workload_shapes_follow_the_sizes():
+    by = {w.name: w for w in build_workloads(list(WORKLOAD_KINDS), SMALL, COUNTER)}
+    shared = by["shared-instructions"]
+    assert shared.num_requests == 6
+    systems = [c.turns[0].new_messages[0]["content"] for c in shared.conversations]
+    assert len(set(systems)) == 2 and systems[0] == systems[2] == systems[4]
+    assert all(COUNTER.count(s) <= 60 for s in systems)
+    users = [c.turns[0].new_messages[1]["content"] for c in shared.conversations]
+    assert len(set(users)) == 6 and all(COUNTER.count(u) <= 20 for u in users)
+    multi = by["multi-turn"]
+    assert [len(c.turns) for c in multi.conversations] == [3, 3]
+    assert all(t.keep_reply for c in multi.conversations for t in c.turns)
+    agent = by["agent-loop"]
+    developer = agent.conversations[0].turns[0].new_messages[0]
+    assert developer["role"] == "developer" and "search_orders" in developer["content"]
+    assert agent.conversations[1].turns[0].new_messages[0] == developer
+    assert [m["role"] for m in agent.conversations[0].turns[1].new_messages] == ["assistant", "user"]
+    few = by["few-shot"]
+    heads = {tuple(m["content"] for m in c.turns[0].new_messages[:-1]) for c in few.conversations}
+    assert len(heads) == 1 and len(next(iter(heads))) == 1 + 2 * 2
+    lone = by["no-sharing"]
+    assert len({c.turns[0].new_messages[0]["content"] for c in lone.conversations}) == 6
+
+
+def test_instruction_length_sweep_names_each_length():
+    names = [w.name for w in build_workloads(["shared-instructions"], SMALL, COUNTER, [30, 60])]
+    assert names == ["shared-instructions@30", "shared-instructions@60"]
+
+
+def test_make_text_fits_the_token_count():
+    import random
+
+    for n in (1, 7, 100, 500):
+        text = make_text(random.Random(n), n, COUNTER, "Lead:")
+        assert n - 1 <= COUNTER.count(text) <= n
+        assert text.startswith("Lead:")
+
+
+def test_shareable_shared_instructions_counts_the_system_prompt_after_its_first_use():
+    workload = build_workloads(["shared-instructions"], SMALL, COUNTER)[0]
+    tracker = ShareableTracker(COUNTER)
+    shareable = []
+    for conversation in workload.conversations:
+        messages = list(conversation.turns[0].new_messages)
+        shareable.append(tracker.shareable_tokens(messages))
+        tracker.record_sent(messages)
+    system_tokens = [COUNTER.prefix_tokens([c.turns[0].new_messages[0]]) for c in workload.conversations]
+    assert shareable[:2] == [0, 0]
+    assert shareable[2:] == system_tokens[2:]
+    assert system_tokens[2] == COUNTER.count(workload.conversations[2].turns[0].new_messages[0]["content"]) \
+        + MESSAGE_OVERHEAD_TOKENS
+
+
+def test_shareable_multi_turn_includes_the_reply_it_resends():
+    tracker = ShareableTracker(COUNTER)
+    turn1 = [{"role": "user", "content": "a b c"}]
+    assert tracker.shareable_tokens(turn1) == 0
+    tracker.record_sent(turn1)
+    tracker.record_reply(turn1, "x y")
+    turn2 = [*turn1, {"role": "assistant", "content": "x y"}, {"role": "user", "content": "d"}]
+    assert tracker.shared_messages(turn2) == 2
+    assert tracker.shareable_tokens(turn2) == (3 + 4) + (2 + 4)
+    other_reply = [*turn1, {"role": "assistant", "content": "z"}, {"role": "user", "content": "d"}]
+    assert tracker.shared_messages(other_reply) == 1
+
+
+def test_shareable_no_sharing_is_zero():
+    workload = build_workloads(["no-sharing"], SMALL, COUNTER)[0]
+    tracker = ShareableTracker(COUNTER)
+    for conversation in workload.conversations:
+        messages = list(conversation.turns[0].new_messages)
+        assert tracker.shareable_tokens(messages) == 0
+        tracker.record_sent(messages)
+
+
+def test_percentile_is_nearest_rank():
+    values = list(range(100, 0, -1))  # 1..100, unsorted
+    assert percentile(values, 50) == 50
+    assert percentile(values, 95) == 95
+    assert percentile(values, 99) == 99
+    assert percentile(values, 100) == 100
+    assert percentile([1, 2, 3, 4], 50) == 2
+    assert percentile([1, 2, 3, 4], 51) == 3
+    assert percentile([7.5], 99) == 7.5
+    assert percentile([], 50) is None
+    with pytest.raises(ValueError):
+        percentile([1], 0)
+
+
+def _record(ttft, prompt=100, cached=None, shareable=0, completion=4, error=None):
+    return {"ttft_s": ttft, "itl_s": 0.01, "e2e_s": (ttft or 0) + 0.05, "prompt_tokens": prompt,
+            "cached_tokens": cached, "shareable_tokens": shareable, "completion_tokens": completion,
+            "error": error}
+
+
+def test_summary_row_keeps_not_reported_apart_from_zero():
+    row = summarize_pass("t", "w", None, [_record(0.1, shareable=50), _record(0.2, shareable=50)],
+                         wall_s=2.0, target_ttft_ms=150)
+    assert tuple(row) == SUMMARY_FIELDS
+    assert row["cached_tokens"] is None and row["prompt_tokens_computed"] is None
+    assert row["token_hit_rate"] is None
+    zero = summarize_pass("t", "w", None, [_record(0.1, cached=0, shareable=50)], 1.0, 150)
+    assert zero["cached_tokens"] == 0 and zero["token_hit_rate"] == 0.0
+    assert zero["prompt_tokens_computed"] == 100
+
+
+def test_summary_row_math():
+    records = [_record(0.1, cached=40, shareable=50), _record(0.3, cached=50, shareable=50),
+               _record(None, prompt=None, error="HTTP 500")]
+    row = summarize_pass("t", "w", 2.0, records, wall_s=4.0, target_ttft_ms=200)
+    assert (row["requests"], row["errors"]) == (3, 1)
+    assert row["ttft_p50_ms"] == pytest.approx(100) and row["ttft_p99_ms"] == pytest.approx(300)
+    assert row["prompt_tokens"] == 200 and row["cached_tokens"] == 90
+    assert row["prompt_tokens_computed"] == 110
+    assert row["token_hit_rate"] == pytest.approx(0.9)
+    assert row["output_tok_s"] == pytest.approx(8 / 4.0)
+    assert row["requests_s"] == pytest.approx(0.5)
+    assert row["goodput_rps"] == pytest.approx(0.25)  # one of two under 200 ms
+
+
+def test_usage_parsing():
+    assert cached_tokens_of(None) is None
+    assert cached_tokens_of({"prompt_tokens": 5}) is None
+    assert cached_tokens_of({"prompt_tokens_details": None}) is None
+    assert cached_tokens_of({"prompt_tokens_details": {}}) is None
+    assert cached_tokens_of({"prompt_tokens_details": {"cached_tokens": 0}}) == 0
+    assert cached_tokens_of({"prompt_tokens_details": {"cached_tokens": 17}}) == 17
+    assert sse_data('data: {"a": 1}') == '{"a": 1}'
+    assert sse_data('data:{"a": 1}') == '{"a": 1}'
+    assert sse_data(": keep-alive") is None and sse_data("event: x") is None
