@@ -4,13 +4,13 @@ unhealthy, Serve replaces it, and requests after the replacement succeed."""
 
 from __future__ import annotations
 
-import threading
 import time
 
-import httpx
 import pytest
 import ray
 from ray import serve
+
+from tests.e2e.in_flight import TwoLongRequests
 
 
 TP_APP = "hybrid-serve-e2e-tp2"
@@ -39,50 +39,17 @@ def test_tp2_replica_matches_tp1_app(tp2_client, client):
 
 @pytest.mark.timeout(300)
 def test_killed_rank_fails_in_flight_requests_with_503_then_replica_recovers(tp2_client, http):
-    base_url = str(http.base_url)
     expected = greedy_completion(tp2_client)
     server = serve.get_deployment_handle("LLMServer", app_name=TP_APP)
     ranks = server.rank_actors.remote().result()
     assert len(ranks) == 2
 
-    long_request = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 400, "temperature": 0,
-                    "ignore_eos": True}
-    results: dict[str, object] = {}
-    streamed_first = threading.Event()
-
-    def non_streaming() -> None:
-        with httpx.Client(base_url=base_url, timeout=120) as http:
-            results["plain"] = http.post(f"{TP_PREFIX}/v1/completions", json=long_request)
-
-    def streaming() -> None:
-        events = []
-        with httpx.Client(base_url=base_url, timeout=120) as http:
-            with http.stream("POST", f"{TP_PREFIX}/v1/completions",
-                             json={**long_request, "stream": True}) as response:
-                results["stream_status"] = response.status_code
-                for line in response.iter_lines():
-                    if line.startswith("data: "):
-                        events.append(line.removeprefix("data: "))
-                        streamed_first.set()
-        results["stream_events"] = events
-
-    threads = [threading.Thread(target=non_streaming), threading.Thread(target=streaming)]
-    for thread in threads:
-        thread.start()
-    assert streamed_first.wait(60), "the stream produced no first chunk"
-    _wait_for_running_requests(server, 2)
+    in_flight = TwoLongRequests(str(http.base_url), TP_PREFIX, PROMPT)
+    in_flight.start()
+    in_flight.wait_running(server)
     ray.kill(ranks[1])
-    for thread in threads:
-        thread.join(120)
-
-    plain = results["plain"]
-    assert plain.status_code == 503, plain.text
-    assert plain.json()["error"]["code"] == "replica_unavailable"
-    assert results["stream_status"] == 200  # headers left with the first token
-    events = results["stream_events"]
-    assert events[-1] == "[DONE]"
-    assert '"replica_unavailable"' in events[-2], events[-2]
-    assert len(events) < 400  # the stream ended early, with the error
+    in_flight.finish()
+    in_flight.assert_both_ended_with_503()
 
     with pytest.raises(Exception, match="not running|RayActorError|died"):
         server.check_health.remote().result(timeout_s=30)
@@ -98,11 +65,3 @@ def test_killed_rank_fails_in_flight_requests_with_503_then_replica_recovers(tp2
             time.sleep(1.0)
     new_ranks = server.rank_actors.remote().result()
     assert {r._actor_id for r in new_ranks}.isdisjoint({r._actor_id for r in ranks})
-
-
-def _wait_for_running_requests(server, count: int, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while server.pool_usage.remote().result().num_requests < count:
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{count} requests never ran together")
-        time.sleep(0.05)
