@@ -100,7 +100,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     policies.add_argument("--ray-cpus", type=int, default=8)
     for p in (run, servers, policies):
         add_common(p)
+    again = sub.add_parser("report", help="redraw report.md and the plots from a bench.json")
+    again.add_argument("bench_json", type=Path)
     return parser.parse_args(argv)
+
+
+def redraw(path: Path) -> dict[str, Path]:
+    """report.md and the plots again, beside `path` (a bench.json), from its summary rows; the
+    JSON itself is rewritten unchanged (its command is still the run's)."""
+    import json
+
+    result = json.loads(path.read_text())
+    lengths = {w["name"]: w["params"]["instruction_tokens"] for w in result["workloads"]
+               if w["kind"] == "shared-instructions"}
+    return write_report(result, path.parent, lengths)
 
 
 def token_counter(args: argparse.Namespace) -> TokenCounter:
@@ -136,7 +149,7 @@ def measure(args: argparse.Namespace, targets: list[Target], workloads: list[Wor
     """Identify the servers, run the workloads with a progress bar, summarize.
     Returns (target dicts, summary rows, records)."""
     identities = asyncio.run(_identities([t.base_url for t in targets]))
-    salt = None if args.no_cache_salt else (args.cache_salt or f"bench-{uuid.uuid4().hex[:12]}")
+    salt = None if args.no_cache_salt else args.cache_salt
     settings = RunSettings(concurrency=args.concurrency, max_tokens=args.max_tokens,
                            rounds=args.rounds, timeout_s=args.timeout_s, seed=args.seed,
                            ignore_eos=not args.no_ignore_eos, cache_salt=salt)
@@ -153,10 +166,16 @@ def measure(args: argparse.Namespace, targets: list[Target], workloads: list[Wor
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    if args.mode == "report":
+        for name, path in redraw(args.bench_json).items():
+            print(f"{name}: {path}")
+        return
     if args.mode == "compare-policies" and not args.tokenizer:
         from engine.config import DEFAULT_MODEL_DIR
 
         args.tokenizer = args.model_dir or str(DEFAULT_MODEL_DIR)
+    if not args.no_cache_salt and not args.cache_salt:
+        args.cache_salt = f"bench-{uuid.uuid4().hex[:12]}"  # recorded in the result's settings
     counter = token_counter(args)
     workloads = build_workloads(args.workload, sizes_of(args), counter, args.instruction_tokens)
 

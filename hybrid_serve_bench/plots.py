@@ -60,7 +60,7 @@ def _grouped_bars(ax, groups: list[str], series: list[str], value, label_missing
                 ax.plot([x, x], [height, top], color="black", linewidth=1)
     ax.set_xticks(range(len(groups)), groups, rotation=20, ha="right", fontsize=8)
     handles = [plt.Rectangle((0, 0), 1, 1, color=f"C{i}") for i in range(len(series))]
-    ax.legend(handles, series, fontsize=7)
+    ax.legend(handles, series, fontsize=7, ncol=2, loc="upper center")
 
 
 def ttft_by_workload(rows: list[dict], path: Path) -> Path:
@@ -75,6 +75,7 @@ def ttft_by_workload(rows: list[dict], path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(workloads)), 4))
     _grouped_bars(ax, workloads, targets, value, "failed")
     ax.set_ylabel("TTFT ms (bar p50, line to p95)")
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.25)  # room for the legend
     ax.set_title("Time to first token by workload")
     return _save(fig, path)
 
@@ -93,7 +94,7 @@ def hit_rate_by_policy(rows: list[dict], path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(workloads)), 4))
     _grouped_bars(ax, workloads, targets, value, "not reported")
     ax.set_ylabel("restored / shareable tokens, %")
-    ax.set_ylim(0, 110)
+    ax.set_ylim(0, 135)  # room for the legend above 100%
     ax.set_title("Token hit rate by policy / server")
     return _save(fig, path)
 
