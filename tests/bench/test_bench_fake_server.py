@@ -110,3 +110,18 @@ def test_report_says_not_reported_and_ttft_skips_the_role_chunk(fake_server, tmp
         assert cells[9] == "not reported" and cells[10] == "not reported"  # computed, hit rate
         assert "0.0%" not in line
     assert "not reported" in capsys.readouterr().out
+
+
+def test_report_redraws_from_the_json(fake_server, tmp_path):
+    cli.main(["run", "--base-url", fake_server, "--workload", "no-sharing", "--requests", "2",
+              "--instruction-tokens", "20", "--user-tokens", "5-10", "--max-tokens", "2",
+              "--out-dir", str(tmp_path)])
+    before = json.loads((tmp_path / "bench.json").read_text())
+    for png in tmp_path.glob("*.png"):
+        png.unlink()
+    (tmp_path / "report.md").unlink()
+    cli.main(["report", str(tmp_path / "bench.json")])
+    assert json.loads((tmp_path / "bench.json").read_text()) == before
+    assert "| not reported |" in (tmp_path / "report.md").read_text()
+    assert len(list(tmp_path.glob("*.png"))) == 4
+    assert all(p.read_bytes().startswith(b"\x89PNG") for p in tmp_path.glob("*.png"))
