@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from hybrid_serve_bench.tokens import TokenCounter
 
@@ -214,7 +214,7 @@ def build_workloads(kinds: list[str], sizes: Sizes, counter: TokenCounter,
             for length in lengths:
                 name = f"shared-instructions@{length}" if len(lengths) > 1 else "shared-instructions"
                 workloads.append(shared_instructions(
-                    _with(sizes, instruction_tokens=length), counter, name))
+                    replace(sizes, instruction_tokens=length), counter, name))
         elif kind == "multi-turn":
             workloads.append(multi_turn(sizes, counter))
         elif kind == "agent-loop":
@@ -227,8 +227,3 @@ def build_workloads(kinds: list[str], sizes: Sizes, counter: TokenCounter,
             raise ValueError(f"unknown workload {kind!r}; choose from {list(WORKLOAD_KINDS)}")
     return workloads
 
-
-def _with(sizes: Sizes, **changes) -> Sizes:
-    from dataclasses import replace
-
-    return replace(sizes, **changes)
