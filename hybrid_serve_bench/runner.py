@@ -10,7 +10,9 @@ cache_salt (when salts are on), so no pass restores what another one left.
 Arrivals within a chunk: with rate None, a closed loop of `concurrency` workers, each taking the
 next conversation and running its turns one after the other; with a rate (conversations per
 second), conversations start at Poisson arrival times (seeded) and every request waits for one
-of `concurrency` slots.
+of `concurrency` slots. The arrivals restart with every chunk (and the chunk drains before the
+next target's), so a rate pass is `rounds` short bursts at that rate, not one steady stream:
+use few rounds and many requests per rate when the queueing itself is the question.
 """
 
 from __future__ import annotations
