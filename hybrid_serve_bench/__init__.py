@@ -11,5 +11,6 @@ Modules, one responsibility each:
   plots.py       the PNG plots (matplotlib, Agg)
   report.py      the result JSON, the Markdown report and the plots, under one folder
   policies.py    hybrid-serve in process, one Serve app per checkpoint_slots setting
+  engine_target.py  the engine in process with no Ray and no HTTP, one per setting (--in-process)
   cli.py         `hybrid-serve-bench run | compare-servers | compare-policies`
 """

@@ -6,7 +6,9 @@
 
 run drives one server, compare-servers several (same workloads, interleaved, one table), and
 compare-policies starts hybrid-serve in this process with one app per checkpoint_slots setting
-and compares them. Each writes bench.json, report.md and four PNG plots to --out-dir (default
+and compares them; with --in-process it drives one engine per setting directly, with no Ray and
+no HTTP (engine_target.py; the GPU runs, e.g. --in-process --device cuda --dtype bfloat16).
+Each writes bench.json, report.md and four PNG plots to --out-dir (default
 benchmarks/results/bench/<mode>, relative to the current directory).
 """
 
@@ -98,6 +100,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     policies.add_argument("--max-model-len", type=int, default=4096)
     policies.add_argument("--port", type=int, default=8252)
     policies.add_argument("--ray-cpus", type=int, default=8)
+    engine = policies.add_argument_group("--in-process: one engine per setting, no Ray, no HTTP")
+    engine.add_argument("--in-process", action="store_true")
+    engine.add_argument("--ttft-at-first-token", action="store_true",
+                        help="TTFT at the first generated token, text or not (random-weight models)")
+    engine.add_argument("--device", default="cpu")
+    engine.add_argument("--dtype", default="float32")
+    engine.add_argument("--max-num-seqs", type=int, default=16)
+    engine.add_argument("--max-num-batched-tokens", type=int, default=512)
+    engine.add_argument("--kv-cache-mib", type=int, default=64, help="per engine")
+    engine.add_argument("--state-cache-mib", type=int, default=64, help="per engine")
+    engine.add_argument("--checkpoint-cache-mib", type=int, default=64, help="per engine")
     for p in (run, servers, policies):
         add_common(p)
     again = sub.add_parser("report", help="redraw report.md and the plots from a bench.json")
@@ -144,11 +157,25 @@ def _model_of(identity: dict, given: str | None, base_url: str) -> str:
         raise SystemExit(f"{base_url}: GET /v1/models gave no model id ({identity}); pass --model")
 
 
+def in_process_config(args: argparse.Namespace):
+    """The engine config every --in-process policy starts from (engine_target.engine_targets
+    sets checkpoint_slots)."""
+    from engine.config import EngineConfig
+
+    mib = 1024 * 1024
+    fields = dict(max_model_len=args.max_model_len, device=args.device, dtype=args.dtype,
+                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                  kv_cache_bytes=args.kv_cache_mib * mib, state_cache_bytes=args.state_cache_mib * mib,
+                  checkpoint_cache_bytes=args.checkpoint_cache_mib * mib)
+    return EngineConfig(**fields, **({"model_dir": args.model_dir} if args.model_dir else {}))
+
+
 def measure(args: argparse.Namespace, targets: list[Target], workloads: list[Workload],
             counter: TokenCounter) -> tuple[list[dict], list[dict], list[dict]]:
-    """Identify the servers, run the workloads with a progress bar, summarize.
-    Returns (target dicts, summary rows, records)."""
-    identities = asyncio.run(_identities([t.base_url for t in targets]))
+    """Identify the servers (in-process targets by their render time), run the workloads with
+    a progress bar, summarize. Returns (target dicts, summary rows, records)."""
+    identities = asyncio.run(_identities([t.base_url for t in targets if t.chat is None]))[::-1]
+    identities = [identities.pop() if t.chat is None else {"in_process": True} for t in targets]
     salt = None if args.no_cache_salt else args.cache_salt
     settings = RunSettings(concurrency=args.concurrency, max_tokens=args.max_tokens,
                            rounds=args.rounds, timeout_s=args.timeout_s, seed=args.seed,
@@ -160,6 +187,38 @@ def measure(args: argparse.Namespace, targets: list[Target], workloads: list[Wor
     rows = summarize(records, passes, args.target_ttft_ms)
     target_dicts = [{"label": t.label, "base_url": t.base_url, "model": t.model,
                      "server_models": identity} for t, identity in zip(targets, identities)]
+    for target, info in zip(targets, target_dicts):
+        if target.chat is not None:  # seconds of rendering, left out of the TTFT (engine_target.py)
+            info["render_s_p50"] = target.chat.render_p50_s()
+            target.chat.render_s.clear()
+    return target_dicts, rows, records
+
+
+def prepare(args: argparse.Namespace) -> tuple[TokenCounter, list[Workload]]:
+    """The token counter (compare-policies counts with its model's tokenizer) and the
+    workloads; gives the run a fresh cache salt unless one was passed or salts are off."""
+    if args.mode == "compare-policies" and not args.tokenizer:
+        from engine.config import DEFAULT_MODEL_DIR
+
+        args.tokenizer = args.model_dir or str(DEFAULT_MODEL_DIR)
+    if not args.no_cache_salt and not args.cache_salt:
+        args.cache_salt = f"bench-{uuid.uuid4().hex[:12]}"  # recorded in the result's settings
+    counter = token_counter(args)
+    return counter, build_workloads(args.workload, sizes_of(args), counter, args.instruction_tokens)
+
+
+def measure_engines(args: argparse.Namespace, targets: list[Target], configs: list[dict],
+                    workloads: list[Workload],
+                    counter: TokenCounter) -> tuple[list[dict], list[dict], list[dict]]:
+    """measure() over in-process targets (engine_target.engine_targets), each target dict
+    with its engine config and the device's name."""
+    from hybrid_serve_bench.engine_target import device_name
+
+    target_dicts, rows, records = measure(args, targets, workloads, counter)
+    for target, config in zip(target_dicts, configs):
+        target["checkpoint_slots"] = config["checkpoint_slots"]
+        target["engine_config"] = config
+        target["device_name"] = device_name(config["device"])
     return target_dicts, rows, records
 
 
@@ -170,16 +229,16 @@ def main(argv: list[str] | None = None) -> None:
         for name, path in redraw(args.bench_json).items():
             print(f"{name}: {path}")
         return
-    if args.mode == "compare-policies" and not args.tokenizer:
-        from engine.config import DEFAULT_MODEL_DIR
+    counter, workloads = prepare(args)
 
-        args.tokenizer = args.model_dir or str(DEFAULT_MODEL_DIR)
-    if not args.no_cache_salt and not args.cache_salt:
-        args.cache_salt = f"bench-{uuid.uuid4().hex[:12]}"  # recorded in the result's settings
-    counter = token_counter(args)
-    workloads = build_workloads(args.workload, sizes_of(args), counter, args.instruction_tokens)
+    if args.mode == "compare-policies" and args.in_process:
+        from hybrid_serve_bench.engine_target import engine_targets, warm_up
 
-    if args.mode == "compare-policies":
+        with engine_targets(args.policies, in_process_config(args),
+                            ttft_at_first_token=args.ttft_at_first_token) as (targets, configs):
+            asyncio.run(warm_up(targets, [w.conversations[0].turns[0].new_messages for w in workloads]))
+            target_dicts, rows, records = measure_engines(args, targets, configs, workloads, counter)
+    elif args.mode == "compare-policies":
         with serve_policies(args.policies, model_dir=args.model_dir, max_model_len=args.max_model_len,
                             port=args.port, ray_cpus=args.ray_cpus) as (targets, configs):
             target_dicts, rows, records = measure(args, targets, workloads, counter)
@@ -199,6 +258,15 @@ def main(argv: list[str] | None = None) -> None:
                    for url, model, label, identity in zip(urls, models, labels, identities)]
         target_dicts, rows, records = measure(args, targets, workloads, counter)
 
+    paths = write_result(args, argv, target_dicts, rows, records, workloads, counter)
+    print(summary_table(rows))
+    for name, path in paths.items():
+        print(f"{name}: {path}")
+
+
+def write_result(args: argparse.Namespace, argv: list[str], target_dicts: list[dict], rows: list[dict],
+                 records: list[dict], workloads: list[Workload], counter: TokenCounter) -> dict[str, Path]:
+    """bench.json, report.md and the plots under --out-dir (default: DEFAULT_OUT/<mode>)."""
     result = {
         "benchmark": "hybrid-serve-bench", "mode": args.mode,
         "command": shlex.join(["hybrid-serve-bench", *argv]),
@@ -215,10 +283,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     assert tuple(result) == RESULT_FIELDS
     lengths = {w.name: w.params["instruction_tokens"] for w in workloads if w.kind == "shared-instructions"}
-    paths = write_report(result, args.out_dir or DEFAULT_OUT / args.mode, lengths)
-    print(summary_table(rows))
-    for name, path in paths.items():
-        print(f"{name}: {path}")
+    return write_report(result, args.out_dir or DEFAULT_OUT / args.mode, lengths)
 
 
 if __name__ == "__main__":

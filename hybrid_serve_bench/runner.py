@@ -20,13 +20,13 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import httpx
 
 from hybrid_serve_bench.accounting import ShareableTracker
-from hybrid_serve_bench.client import RECORD_FIELDS, ChatRequest, stream_chat
+from hybrid_serve_bench.client import RECORD_FIELDS, ChatRequest, StreamResult, stream_chat
 from hybrid_serve_bench.tokens import TokenCounter
 from hybrid_serve_bench.workloads import Conversation, Workload
 
@@ -34,12 +34,15 @@ from hybrid_serve_bench.workloads import Conversation, Workload
 @dataclass(frozen=True)
 class Target:
     """A server to drive: label (the table's row name), base_url (without /v1), model name, and
-    fields added to every request body (cache_salt and ignore_eos are added per pass)."""
+    fields added to every request body (cache_salt and ignore_eos are added per pass).
+    chat: an in-process target's request function (engine_target.py), called instead of
+    POSTing to base_url; None for a server."""
 
     label: str
     base_url: str
     model: str
     extra_body: dict | None = None
+    chat: Callable[[ChatRequest], Awaitable[StreamResult]] | None = None
 
     @property
     def chat_url(self) -> str:
@@ -111,8 +114,10 @@ async def _run_conversation(client: httpx.AsyncClient, state: _PassState, conver
             shareable = state.tracker.shareable_tokens(messages)
             state.tracker.record_sent(messages)
             start_s = time.perf_counter() - t0
-            result = await stream_chat(client, state.target.chat_url, ChatRequest(
-                state.target.model, messages, settings.max_tokens, extra_body=state.extra_body))
+            request = ChatRequest(state.target.model, messages, settings.max_tokens,
+                                  extra_body=state.extra_body)
+            result = await (state.target.chat(request) if state.target.chat
+                            else stream_chat(client, state.target.chat_url, request))
         state.tracker.record_reply(messages, result.reply)
         record = {"workload": state.workload.name, "target": state.target.label,
                   "conversation": conversation.key, "turn": index, "rate": state.rate,
