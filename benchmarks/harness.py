@@ -74,35 +74,35 @@ def process_cpu_seconds() -> dict[str, float]:
     (reads /proc). Take two snapshots and subtract (cpu_seconds_between) to see where a run's
     CPU went."""
     ticks = os.sysconf("SC_CLK_TCK")
-    usage: dict[str, float] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:  # the process ended meanwhile
-            continue
-        role = _process_role(argv[0].decode(errors="replace"))
-        usage[role] = usage.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
-    return usage
+
+    def cpu_seconds(proc: Path) -> float:
+        fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / ticks
+
+    return _sum_by_role(cpu_seconds)
 
 
 def process_rss_bytes() -> dict[str, int]:
     """Resident memory of every process of this host, summed by role (as process_cpu_seconds
     names them). Linux only (reads /proc/<pid>/statm)."""
     page = os.sysconf("SC_PAGE_SIZE")
-    usage: dict[str, int] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
+    return _sum_by_role(lambda proc: int((proc / "statm").read_text().split()[1]) * page)
+
+
+def _sum_by_role(measure):
+    """measure(/proc/<pid>) summed over this host's processes by role (_process_role); a
+    process that ends meanwhile, or a kernel thread without the fields, is left out."""
+    usage = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
             continue
         try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-            resident_pages = int((entry / "statm").read_text().split()[1])
-        except (OSError, IndexError, ValueError):  # ended meanwhile, or a kernel thread
+            program = (proc / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+            value = measure(proc)
+        except (OSError, IndexError, ValueError):
             continue
-        role = _process_role(argv[0].decode(errors="replace"))
-        usage[role] = usage.get(role, 0) + resident_pages * page
+        role = _process_role(program)
+        usage[role] = usage.get(role, 0) + value
     return usage
 
 

@@ -66,3 +66,17 @@ class TwoLongRequests:
                     if line.startswith("data: "):
                         self.stream_events.append(line.removeprefix("data: "))
                         self._first_chunk.set()
+
+
+def until_it_answers(check, timeout_s: float) -> None:
+    """Call `check()` every second until it passes (a replaced replica starts; requests
+    meanwhile may fail); re-raise its last failure after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            check()
+            return
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1.0)

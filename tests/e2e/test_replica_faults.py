@@ -6,13 +6,11 @@ steps fail: tests/engine/test_step_faults.py.)"""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import ray
 from ray import serve
 
-from tests.e2e.in_flight import TwoLongRequests
+from tests.e2e.in_flight import TwoLongRequests, until_it_answers
 
 FAULT_APP, FAULT_PREFIX = "hybrid-serve-e2e-replica-fault", "/replica-fault"
 MODEL_NAME = "hybrid-serve-tiny"
@@ -46,14 +44,9 @@ def test_killed_llm_server_replica_fails_in_flight_requests_with_503_then_is_rep
     assert in_flight.plain.headers["retry-after"] == "1"
     assert "Error" not in in_flight.plain.json()["error"]["message"]  # no exception names
 
-    deadline = time.monotonic() + 240
-    while True:  # Serve starts a new replica; requests meanwhile may get 503
-        try:
-            assert greedy(client) == expected
-            break
-        except Exception:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(1.0)
+    def replaced() -> None:  # Serve starts a new replica; requests meanwhile may get 503
+        assert greedy(client) == expected
+
+    until_it_answers(replaced, timeout_s=240)
     assert victim not in llm_server_replica_names(FAULT_APP)
     assert len(llm_server_replica_names(FAULT_APP)) == 1

@@ -4,13 +4,12 @@ unhealthy, Serve replaces it, and requests after the replacement succeed."""
 
 from __future__ import annotations
 
-import time
 
 import pytest
 import ray
 from ray import serve
 
-from tests.e2e.in_flight import TwoLongRequests
+from tests.e2e.in_flight import TwoLongRequests, until_it_answers
 
 
 TP_APP = "hybrid-serve-e2e-tp2"
@@ -54,14 +53,9 @@ def test_killed_rank_fails_in_flight_requests_with_503_then_replica_recovers(tp2
     with pytest.raises(Exception, match="not running|RayActorError|died"):
         server.check_health.remote().result(timeout_s=30)
 
-    deadline = time.monotonic() + 180
-    while True:
-        try:
-            assert greedy_completion(tp2_client) == expected
-            break
-        except Exception:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(1.0)
+    def replaced() -> None:
+        assert greedy_completion(tp2_client) == expected
+
+    until_it_answers(replaced, timeout_s=180)
     new_ranks = server.rank_actors.remote().result()
     assert {r._actor_id for r in new_ranks}.isdisjoint({r._actor_id for r in ranks})
