@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cache.block_pool import BlockPool
-from cache.checkpoint_ledger import CheckpointKind, CheckpointLedger, Hit, PublishOutcome
+from cache.checkpoint_ledger import BundleListener, CheckpointKind, CheckpointLedger, Hit, PublishOutcome
 from cache.radix_index import Namespace
 from cache.state_pool import StatePool
 
@@ -65,11 +65,14 @@ class CacheManager:
         block_size: int,
         checkpoint_bytes: int = 0,
         sizing: BundleSizing | None = None,
+        listener: BundleListener | None = None,
     ) -> None:
+        """listener: told of every bundle published and every published one dropped
+        (CheckpointLedger)."""
         self.block_size = block_size
         self.blocks = BlockPool(num_blocks)
         self.state_slots = StatePool(num_state_slots)
-        self.ledger = CheckpointLedger(self.blocks, block_size, checkpoint_bytes)
+        self.ledger = CheckpointLedger(self.blocks, block_size, checkpoint_bytes, listener)
         self.sizing = sizing or BundleSizing(0, 0, 0)
         self._dropped_bundles: list[int] = []
 

@@ -12,6 +12,9 @@ Life of a bundle:
              abandoned is published with no confirmations, so it is dropped the same way.
   lookup pins a published bundle until unpin; evict_lru / evict_until drop unpinned published ones,
   each tenant (owner) keeping its fair share of the budget against other tenants (evict_until).
+A BundleListener given to the ledger hears of every bundle that becomes visible and of every
+visible one that goes (engine/checkpoint_events.py turns that into the engine's event feed);
+pending bundles that never publish are not reported.
 Dropping a bundle releases its block references and its bytes; the workers may then free its
 tensors. The block references are taken at reserve, not at publish: the capturing request may
 finish and release its own blocks before the ranks confirm, and a block must not be reused while
@@ -27,6 +30,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
+from typing import Protocol
 
 from cache.block_pool import BlockPool
 from cache.radix_index import BundleId, Namespace, RadixIndex
@@ -64,6 +68,15 @@ class Bundle:
     owner: str = ""  # the tenant whose request captured it (evict_until's fair share)
 
 
+class BundleListener(Protocol):
+    """Told, on the thread that changes the ledger, when a bundle becomes visible to lookups
+    and when a visible one is dropped (evicted). Must not call back into the ledger."""
+
+    def published(self, bundle: Bundle) -> None: ...
+
+    def dropped(self, bundle: Bundle) -> None: ...
+
+
 @dataclass(frozen=True)
 class Hit:
     """A pinned bundle to restore: share `block_ids`, copy tail and state, then unpin."""
@@ -84,10 +97,14 @@ class KindCounters:
 
 
 class CheckpointLedger:
-    def __init__(self, blocks: BlockPool, block_size: int, budget_bytes: int) -> None:
+    def __init__(
+        self, blocks: BlockPool, block_size: int, budget_bytes: int,
+        listener: BundleListener | None = None,
+    ) -> None:
         if block_size < 1 or budget_bytes < 0:
             raise ValueError(f"bad block_size {block_size} or budget_bytes {budget_bytes}")
         self.blocks = blocks
+        self.listener = listener
         self.block_size = block_size
         self.budget_bytes = budget_bytes
         self.index = RadixIndex()
@@ -205,6 +222,8 @@ class CheckpointLedger:
         self._lru[bundle_id] = None
         self._touch(bundle)
         counters.captured += 1
+        if self.listener is not None:
+            self.listener.published(bundle)
         return PublishOutcome.PUBLISHED
 
     # ---- lookup and pinning --------------------------------------------------------------------
@@ -312,11 +331,14 @@ class CheckpointLedger:
         self._drop(bundle)
 
     def _drop(self, bundle: Bundle) -> None:
-        """Forget `bundle`: out of the index and LRU, block references and bytes released."""
+        """Forget `bundle`: out of the index and LRU, block references and bytes released; the
+        listener hears of it if it was published."""
         assert bundle.pin_count == 0
         if bundle.state is BundleState.PUBLISHED:
             self.index.remove(bundle.namespace, bundle.bundle_id)
             del self._lru[bundle.bundle_id]
+            if self.listener is not None:
+                self.listener.dropped(bundle)
         for block in bundle.block_ids:
             holders = self._bundles_by_block[block]
             holders.discard(bundle.bundle_id)

@@ -21,14 +21,18 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from cache.cache_manager import PoolUsage
+from engine.checkpoint_events import CheckpointEvent
 from engine.executor import ExecutorDiedError
 from engine.generation_request import GenerationRequest
 from engine.llm_engine import FAILED_REQUEST_MESSAGE, LLMEngine
 from engine.output_processor import RequestOutput
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -94,6 +98,10 @@ class AsyncLLMEngine:
         """Cancel a request (no-op if unknown or already finished)."""
         self._submit(lambda: self.engine.abort_request(request_id))
 
+    async def drain_checkpoint_events(self) -> list[CheckpointEvent]:
+        """LLMEngine.drain_checkpoint_events, run on the step thread between steps."""
+        return await self._on_step_thread(self.engine.drain_checkpoint_events)
+
     def pool_usage(self) -> PoolUsage:
         return self.engine.pool_usage()
 
@@ -119,6 +127,22 @@ class AsyncLLMEngine:
     def _submit(self, command: Callable[[], None]) -> None:
         self._commands.put(command)
         self._wakeup.set()
+
+    async def _on_step_thread(self, function: Callable[[], T]) -> T:
+        """function() run on the step thread between steps; its result, or what it raised."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[T] = loop.create_future()
+
+        def command() -> None:
+            try:
+                result = function()
+            except Exception as exc:  # handed back to the caller, who raises it
+                loop.call_soon_threadsafe(_settle, done, exc)
+                return
+            loop.call_soon_threadsafe(_resolve, done, result)
+
+        self._submit(command)
+        return await done
 
     def _run_loop(self) -> None:
         while not self._stopped:
@@ -165,6 +189,11 @@ class AsyncLLMEngine:
 def _put_all(deliveries: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
     for outputs, output in deliveries:
         outputs.put_nowait(output)
+
+
+def _resolve(future: asyncio.Future, result) -> None:
+    if not future.done():
+        future.set_result(result)
 
 
 def _settle(future: asyncio.Future, error: BaseException | None) -> None:

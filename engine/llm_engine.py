@@ -23,6 +23,7 @@ from transformers import AutoTokenizer
 
 from cache.cache_manager import CacheManager, PoolUsage
 from cache.checkpoint_ledger import CheckpointKind, KindCounters
+from engine.checkpoint_events import CheckpointEvent, CheckpointEventFeed
 from engine.checkpoint_policy import CheckpointPolicy
 from engine.config import EngineConfig
 from engine.executor import ExecutorDiedError, ModelExecutor
@@ -52,6 +53,7 @@ class EngineStats:
     checkpoints: dict[str, KindCounters]
     checkpoint_bytes: int
     num_checkpoints: int
+    checkpoint_events_lost: int = 0  # events the bounded feed forgot, nobody having drained them
 
 
 @dataclass(frozen=True)
@@ -83,12 +85,14 @@ class LLMEngine:
         model_config = load_model_config(config.model_dir)
         self.vocab_size = model_config.vocab_size
         self.eos_token_ids = _eos_token_ids(model_config.eos_token_ids, self.tokenizer.eos_token_id)
+        self.checkpoint_events = CheckpointEventFeed()
         cache = CacheManager(
             capacity.num_blocks,
             capacity.num_state_slots,
             capacity.block_size,
             checkpoint_bytes=config.checkpoint_cache_bytes,
             sizing=capacity.bundle_sizing,
+            listener=self.checkpoint_events,
         )
         checkpoints = CheckpointPolicy(
             cache,
@@ -183,7 +187,13 @@ class LLMEngine:
             checkpoints={kind.value: replace(c) for kind, c in ledger.counters.items()},
             checkpoint_bytes=ledger.bytes_held,
             num_checkpoints=len(ledger),
+            checkpoint_events_lost=self.checkpoint_events.num_lost,
         )
+
+    def drain_checkpoint_events(self) -> list[CheckpointEvent]:
+        """Bundles published and published bundles dropped since the last drain, oldest first
+        (engine/checkpoint_events.py). Step thread only."""
+        return self.checkpoint_events.drain()
 
     def step(self) -> list[RequestOutput]:
         """Schedule and submit one step of every running request; collect, update and emit the
