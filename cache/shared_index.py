@@ -1,0 +1,374 @@
+"""The cluster's checkpoint index: which replica holds a checkpoint of which token prefix.
+
+Pure bookkeeping, no Ray: deployments/checkpoint_index.py wraps one SharedIndex in a named
+actor per application, LLM server replicas report their published and dropped bundles to it
+(ReplicaReport), and each request router keeps a local mirror of it (`snapshot`, `delta`) to
+pick the replica holding a prompt's longest checkpoint (deployments/checkpoint_router.py).
+
+A record says "replica R holds bundle B: namespace N, covering `length` tokens whose digest is
+D". The index keeps digests, never token ids: a lookup digests the prompt's prefixes only at the
+lengths the namespace holds, and compares digests. A digest collision or a stale record sends a
+request to a replica that does not have the checkpoint: a miss there (the engine's own index
+compares exact tokens), never a wrong answer.
+
+Versions: every change (a record put, a record removed) takes the next version number. The
+index keeps the last `max_changes` changes, so a mirror at version v gets `delta(incarnation,
+v)`; a mirror too far behind, or of another incarnation (the index actor restarted empty and
+drew a new one), gets `snapshot()` instead.
+
+Replicas: a replica's first report, and any report after `remove_replica` or an index restart,
+must be a full one (every bundle it holds). A delta from a replica the index does not know is
+refused (`ReportAck.accepted` False) and the replica answers with a full report, so anyone may
+call `remove_replica` (a replica shutting down, a router that saw it go) without losing a live
+replica's records for long.
+
+Sizes: at most `max_records` records; beyond, the oldest put goes first (a lost record costs a
+miss). Not thread-safe: one owner (an actor's event loop, a router's event loop).
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from collections import deque
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from hashlib import blake2b
+from typing import Literal
+
+Namespace = tuple[str, str]  # the engine's namespace: (model_dir, cache_salt or "")
+RecordKey = tuple[str, int]  # (replica id, bundle id)
+
+DIGEST_BYTES = 16
+DEFAULT_MAX_RECORDS = 65_536
+DEFAULT_MAX_CHANGES = 16_384
+
+
+def _token_bytes(token_ids: Sequence[int]) -> bytes:
+    """Token ids as little-endian int64s, the same bytes on every host."""
+    data = array("q", token_ids)
+    if sys.byteorder != "little":
+        data.byteswap()
+    return data.tobytes()
+
+
+def token_digest(token_ids: Sequence[int]) -> bytes:
+    """The digest of a whole token sequence (what a record carries)."""
+    return blake2b(_token_bytes(token_ids), digest_size=DIGEST_BYTES).digest()
+
+
+def prefix_digests(token_ids: Sequence[int], lengths: Iterable[int]) -> dict[int, bytes]:
+    """{L: token_digest(token_ids[:L])} for every L in `lengths` with 0 < L <= len(token_ids),
+    in one pass over the tokens (the hash state is copied at each length)."""
+    wanted = sorted({n for n in lengths if 0 < n <= len(token_ids)})
+    hasher = blake2b(digest_size=DIGEST_BYTES)
+    digests: dict[int, bytes] = {}
+    done = 0
+    for n in wanted:
+        hasher.update(_token_bytes(token_ids[done:n]))
+        done = n
+        digests[n] = hasher.copy().digest()
+    return digests
+
+
+@dataclass(frozen=True)
+class StoredCopy:
+    """Where an exported copy of a bundle lies in the object-store tier (issue 20, point 2).
+
+    `locator` is whatever the import side needs to fetch it (e.g. per-rank object refs); the
+    index stores and returns it, never looks inside. `num_bytes`: the copy's size."""
+
+    locator: object
+    num_bytes: int
+
+
+@dataclass(frozen=True)
+class CheckpointRecord:
+    """One published bundle of one replica, as the index knows it.
+
+    on_replica: False once the replica dropped the bundle (or went away) while a stored copy
+    of it remains; such a record serves lookups that accept stored copies only."""
+
+    namespace: Namespace
+    digest: bytes  # token_digest of the covered token ids
+    length: int  # number of covered tokens
+    kind: str  # "prompt" | "response" | "instruction"
+    num_bytes: int
+    replica_id: str
+    bundle_id: int
+    stored_copy: StoredCopy | None = None
+    on_replica: bool = True
+
+    @property
+    def key(self) -> RecordKey:
+        return (self.replica_id, self.bundle_id)
+
+
+@dataclass(frozen=True)
+class ReplicaReport:
+    """What one replica tells the index, in one call.
+
+    full: `published` is everything the replica holds now (its records not in it go);
+    otherwise `published` and `dropped` (bundle ids) are the changes since its last accepted
+    report, against index incarnation `incarnation`."""
+
+    replica_id: str
+    incarnation: str | None
+    published: tuple[CheckpointRecord, ...] = ()
+    dropped: tuple[int, ...] = ()
+    full: bool = False
+
+
+@dataclass(frozen=True)
+class ReportAck:
+    """The index's answer: accepted False means "send a full report" (the index restarted, or
+    forgot the replica); `incarnation` is the index's current one."""
+
+    incarnation: str
+    accepted: bool
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    """The longest checkpoint prefix of a prompt: `length` tokens (0: none), the replicas that
+    hold it and its stored copies."""
+
+    length: int = 0
+    replica_ids: frozenset[str] = frozenset()
+    stored_copies: tuple[StoredCopy, ...] = ()
+
+
+@dataclass(frozen=True)
+class Change:
+    """One versioned change: `record` put (added or replaced), or the record `key` removed."""
+
+    version: int
+    op: Literal["put", "remove"]
+    record: CheckpointRecord | None = None
+    key: RecordKey | None = None
+
+
+@dataclass(frozen=True)
+class IndexDelta:
+    """The changes after `from_version` up to `to_version`, oldest first."""
+
+    incarnation: str
+    from_version: int
+    to_version: int
+    changes: tuple[Change, ...]
+
+
+@dataclass(frozen=True)
+class IndexSnapshot:
+    """Every record at `version`."""
+
+    incarnation: str
+    version: int
+    records: tuple[CheckpointRecord, ...]
+
+
+@dataclass(frozen=True)
+class IndexStats:
+    records: int
+    num_bytes: int  # bytes of the bundles the records describe (on replicas or stored)
+    replicas: int
+    namespaces: int
+    version: int
+
+
+@dataclass
+class _Namespace:
+    # length -> digest -> keys of the records with that length and digest
+    by_length: dict[int, dict[bytes, set[RecordKey]]] = field(default_factory=dict)
+
+
+class SharedIndex:
+    def __init__(self, incarnation: str, max_records: int = DEFAULT_MAX_RECORDS,
+                 max_changes: int = DEFAULT_MAX_CHANGES) -> None:
+        if max_records < 1 or max_changes < 1:
+            raise ValueError("max_records and max_changes must be >= 1")
+        self.incarnation = incarnation
+        self.max_records = max_records
+        self.version = 0
+        self._records: dict[RecordKey, CheckpointRecord] = {}  # insertion order = age
+        self._namespaces: dict[Namespace, _Namespace] = {}
+        self._by_replica: dict[str, set[RecordKey]] = {}  # live records (on_replica) only
+        self._replicas: set[str] = set()  # replicas whose last full report was accepted
+        self._changes: deque[Change] = deque(maxlen=max_changes)
+        self._num_bytes = 0
+
+    # ---- lookups (change nothing) -------------------------------------------------------------
+
+    def lookup(self, namespace: Namespace, token_ids: Sequence[int], *,
+               among: Collection[str] | None = None, stored: bool = True) -> LookupResult:
+        """The longest prefix of `token_ids` that a qualifying record covers: one held by a
+        replica (in `among`, when given) or, with `stored`, one with a stored copy. Digests
+        the prompt only at the lengths this namespace's records have. Changes nothing."""
+        space = self._namespaces.get(tuple(namespace))
+        if space is None or not token_ids:
+            return LookupResult()
+        digests = prefix_digests(token_ids, space.by_length)
+        for length in sorted(digests, reverse=True):
+            keys = space.by_length[length].get(digests[length], ())
+            records = [self._records[key] for key in keys]
+            replicas = frozenset(r.replica_id for r in records if r.on_replica
+                                 and (among is None or r.replica_id in among))
+            copies = tuple(r.stored_copy for r in records if stored and r.stored_copy is not None)
+            if replicas or copies:
+                return LookupResult(length, replicas, copies)
+        return LookupResult()
+
+    def records(self) -> list[CheckpointRecord]:
+        return list(self._records.values())
+
+    def replica_records(self, replica_id: str) -> list[CheckpointRecord]:
+        return [self._records[key] for key in self._by_replica.get(replica_id, ())]
+
+    def stats(self) -> IndexStats:
+        return IndexStats(records=len(self._records), num_bytes=self._num_bytes,
+                          replicas=len(self._replicas), namespaces=len(self._namespaces),
+                          version=self.version)
+
+    # ---- mirrors ------------------------------------------------------------------------------
+
+    def snapshot(self) -> IndexSnapshot:
+        return IndexSnapshot(self.incarnation, self.version, tuple(self._records.values()))
+
+    def delta(self, incarnation: str | None, since: int) -> IndexDelta | None:
+        """The changes after version `since`, or None when they cannot be given (another
+        incarnation, `since` older than the oldest change kept, or ahead of this index): the
+        caller then takes `snapshot()`."""
+        if incarnation != self.incarnation or since > self.version:
+            return None
+        oldest = self._changes[0].version if self._changes else self.version + 1
+        if since < oldest - 1:
+            return None
+        changes = tuple(c for c in self._changes if c.version > since)
+        return IndexDelta(self.incarnation, since, self.version, changes)
+
+    @classmethod
+    def from_snapshot(cls, snapshot: IndexSnapshot) -> SharedIndex:
+        """A mirror holding the snapshot's records at its version (it never evicts on its own:
+        it follows the source's deltas, evictions included)."""
+        index = cls(snapshot.incarnation, max_records=sys.maxsize)  # the source evicts, not a mirror
+        for record in snapshot.records:
+            index._put(record, log=False)
+        index.version = snapshot.version
+        return index
+
+    def apply_delta(self, delta: IndexDelta) -> bool:
+        """Apply another index's delta to this mirror. False (and nothing changed) when it does
+        not follow on from this mirror's incarnation and version: take a snapshot."""
+        if delta.incarnation != self.incarnation or delta.from_version != self.version:
+            return False
+        for change in delta.changes:
+            if change.op == "put":
+                self._put(change.record, log=False)
+            else:
+                self._remove(change.key, log=False)
+        self.version = delta.to_version
+        return True
+
+    # ---- replicas' reports --------------------------------------------------------------------
+
+    def apply_report(self, report: ReplicaReport) -> ReportAck:
+        """Apply one replica's report (see ReplicaReport); a delta from a replica this index
+        does not know, or against another incarnation, changes nothing and is refused."""
+        replica = report.replica_id
+        strangers = [r for r in report.published if r.replica_id != replica]
+        if strangers:
+            raise ValueError(f"{replica} reported a record of {strangers[0].replica_id}")
+        if not report.full and (report.incarnation != self.incarnation
+                                or replica not in self._replicas):
+            return ReportAck(self.incarnation, accepted=False)
+        if report.full:
+            kept = {r.bundle_id for r in report.published}
+            gone = [b for (_, b) in self._by_replica.get(replica, ()) if b not in kept]
+            self._drop_from_replica(replica, gone)
+            self._replicas.add(replica)
+        self._drop_from_replica(replica, report.dropped)
+        for record in report.published:
+            old = self._records.get(record.key)
+            if old is None or old != record:
+                if old is not None and old.stored_copy is not None and record.stored_copy is None:
+                    record = replace(record, stored_copy=old.stored_copy)
+                self._put(record)
+        return ReportAck(self.incarnation, accepted=True)
+
+    def remove_replica(self, replica_id: str) -> None:
+        """Forget everything `replica_id` holds (records with a stored copy stay, as stored
+        copies). Its next report must be a full one."""
+        self._drop_from_replica(replica_id, [b for (_, b) in self._by_replica.get(replica_id, ())])
+        self._replicas.discard(replica_id)
+        self._by_replica.pop(replica_id, None)
+
+    # ---- stored copies (the object-store tier) -------------------------------------------------
+
+    def set_stored_copy(self, key: RecordKey, copy: StoredCopy | None) -> bool:
+        """Attach (or, with None, detach) a stored copy to the record `key`; a record left with
+        neither a replica nor a copy goes. False when the index has no such record."""
+        record = self._records.get(key)
+        if record is None:
+            return False
+        if copy is None and not record.on_replica:
+            self._remove(key)
+        else:
+            self._put(replace(record, stored_copy=copy))
+        return True
+
+    # ---- internals ----------------------------------------------------------------------------
+
+    def _drop_from_replica(self, replica_id: str, bundle_ids: Iterable[int]) -> None:
+        for bundle_id in list(bundle_ids):
+            key = (replica_id, bundle_id)
+            record = self._records.get(key)
+            if record is None or not record.on_replica:
+                continue
+            if record.stored_copy is not None:
+                self._put(replace(record, on_replica=False))
+            else:
+                self._remove(key)
+
+    def _log(self, change_op: Literal["put", "remove"], record: CheckpointRecord | None,
+             key: RecordKey | None) -> None:
+        self.version += 1
+        self._changes.append(Change(self.version, change_op, record, key))
+
+    def _put(self, record: CheckpointRecord, log: bool = True) -> None:
+        """Add or replace `record` (it becomes the newest), then evict the oldest records while
+        over max_records."""
+        key = record.key
+        if key in self._records:
+            self._remove(key, log=False)
+        self._records[key] = record
+        self._num_bytes += record.num_bytes
+        space = self._namespaces.setdefault(record.namespace, _Namespace())
+        space.by_length.setdefault(record.length, {}).setdefault(record.digest, set()).add(key)
+        if record.on_replica:
+            self._by_replica.setdefault(record.replica_id, set()).add(key)
+        if log:
+            self._log("put", record, None)
+        while len(self._records) > self.max_records:
+            self._remove(next(iter(self._records)), log=log)
+
+    def _remove(self, key: RecordKey, log: bool = True) -> None:
+        record = self._records.pop(key, None)
+        if record is None:
+            return
+        self._num_bytes -= record.num_bytes
+        space = self._namespaces[record.namespace]
+        by_digest = space.by_length[record.length]
+        by_digest[record.digest].discard(key)
+        if not by_digest[record.digest]:
+            del by_digest[record.digest]
+            if not by_digest:
+                del space.by_length[record.length]
+                if not space.by_length:
+                    del self._namespaces[record.namespace]
+        held = self._by_replica.get(record.replica_id)
+        if held is not None:
+            held.discard(key)
+            if not held:
+                del self._by_replica[record.replica_id]
+        if log:
+            self._log("remove", None, key)
