@@ -22,11 +22,16 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 import triton
 import triton.language as tl
 
 from engine.kernels.gpu.pdl import launch_options, release_next, wait_for_previous
 from engine.kernels.gpu.prefill_launch import prefill_launch
+
+# The SDPA backends causal_attention_from_start allows (torch picks the first that takes the
+# inputs): none of them builds anything per shape, unlike cuDNN's.
+FROM_START_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @triton.jit
@@ -446,7 +451,19 @@ def causal_attention_from_start(
     scale: float,
 ) -> torch.Tensor:
     """Causal attention of a chunk that starts its sequence, over its own K/V (no cache read):
-    torch SDPA's flash kernels. Returns (n, H, D)."""
-    q, k, v = (t.transpose(0, 1)[None] for t in (query, key, value))  # (1, heads, n, D)
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    torch SDPA's flash kernels (memory-efficient ones for fp32). Returns (n, H, D).
+
+    cuDNN is left out of the backends SDPA may pick (FROM_START_SDPA_BACKENDS): torch prefers it
+    on Hopper, and it builds an execution plan for every new sequence length, about 10 ms of
+    host time a call (measured on the H200 by benchmarks/ttft_anatomy.py: a prompt of a length
+    not seen before took 40-70 ms more to its first token than the same length again). The
+    grouped K/V heads are repeated to one per query head first, since the memory-efficient
+    kernels take no grouped heads (and the math kernel, which does, materializes the scores);
+    the copy is about 1% of the attention's time at 8,192 tokens."""
+    group = query.shape[1] // key.shape[1]
+    if group > 1:
+        key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
+    q, k, v = (t.transpose(0, 1)[None] for t in (query, key, value))  # (1, H, n, D)
+    with sdpa_kernel(FROM_START_SDPA_BACKENDS):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     return out[0].transpose(0, 1)

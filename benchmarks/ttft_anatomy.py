@@ -1,0 +1,280 @@
+"""Where the time to first token goes, on the engine alone (no Ray, no HTTP, no chat template).
+
+    python benchmarks/ttft_anatomy.py --out $OUT          # on the H200 (1.5B random model)
+    python benchmarks/ttft_anatomy.py --out /tmp/a --quick  # the same path on CPU, tiny model
+
+One LLMEngine with all three checkpoint slots and bench_gpu.py's engine flags. Prompts are
+random token ids (instructions of L tokens, then a user part of U tokens); each request asks for
+two tokens and its TTFT is the time from add_request to the step() that returns its first token.
+
+  shapes       cold prompts of T tokens, each T twice and T+1 after: does a new prompt length
+               cost more than a repeated one (compilation, autotuning keyed on the length)?
+  restores     per instruction length L, one cold request that captures the instruction
+               checkpoint, then requests with new user parts of U tokens that restore it;
+               per request its steps (wall time, which forward route served them)
+  async        the same restores through AsyncLLMEngine (the in-process bench target's path)
+  profiles     cProfile of a cold prompt of a new length and of a repeated one (the host's top
+               functions), and torch.profiler of one restore (top kernels and host ops)
+
+Writes OUT/ttft_anatomy.json and OUT/ttft_anatomy.txt (the tables and profiles).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import io
+import json
+import pstats
+import random
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+from bench_gpu import model_dir_of  # noqa: E402
+
+LOW_ID, HIGH_ID = 10, 2000  # token ids the tiny tokenizer knows
+
+
+def engine_config(model_dir: Path, quick: bool):
+    from engine.config import EngineConfig
+
+    mib = 1024 * 1024
+    if quick:
+        return EngineConfig(model_dir=str(model_dir), max_model_len=4096, max_num_seqs=8,
+                            max_num_batched_tokens=512)
+    return EngineConfig(model_dir=str(model_dir), device="cuda", dtype="bfloat16",
+                        max_model_len=16384, max_num_seqs=64, max_num_batched_tokens=8192,
+                        kv_cache_bytes=6144 * mib, state_cache_bytes=3072 * mib,
+                        checkpoint_cache_bytes=8192 * mib)
+
+
+def ids(rng: random.Random, n: int) -> tuple[int, ...]:
+    return tuple(rng.randrange(LOW_ID, HIGH_ID) for _ in range(n))
+
+
+def request(prompt: tuple[int, ...], boundary: int | None, salt: str | None = None):
+    from engine.generation_request import GenerationRequest
+    from engine.sampling_params import SamplingParams
+
+    return GenerationRequest(uuid.uuid4().hex, prompt, SamplingParams(max_tokens=2, temperature=0.0,
+                                                                      ignore_eos=True),
+                             instruction_boundary=boundary, cache_salt=salt)
+
+
+def route_counts(engine) -> dict[str, int]:
+    worker = engine.executor
+    return {"prefill_graph": getattr(worker.prefill_graphs, "replays", 0) if worker.prefill_graphs else 0,
+            "decode_graph": getattr(worker.decode_graphs, "replays", 0) if worker.decode_graphs else 0}
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def ttft(engine, req) -> dict:
+    """Run `req` to its end; its TTFT and the steps up to its first token."""
+    sync(engine.config.device)
+    before = route_counts(engine)
+    start = time.perf_counter()
+    engine.add_request(req)
+    steps, first = [], None
+    while engine.has_unfinished_requests():
+        t0 = time.perf_counter()
+        outputs = engine.step()
+        wall = time.perf_counter() - t0
+        trace = engine.last_step
+        chunks = [len(c.token_ids) for c in trace.scheduler_output.chunks] if trace else []
+        if first is None:
+            steps.append({"wall_ms": round(wall * 1e3, 3), "chunks": chunks,
+                          "restores": len(trace.scheduler_output.restores) if trace else 0})
+        for out in outputs:
+            if first is None and out.new_token_ids:
+                first = time.perf_counter() - start
+    after = route_counts(engine)
+    return {"ttft_ms": round(first * 1e3, 3), "steps": steps,
+            "routes": {k: after[k] - before[k] for k in after}}
+
+
+def shapes_pass(engine, rng, quick: bool) -> list[dict]:
+    lengths = [300, 301, 700] if quick else [1000, 2000, 4000]
+    rows = []
+    for base in lengths:
+        for t in (base, base, base + 1, base + 1, base + 37):
+            r = ttft(engine, request(ids(rng, t), None, salt=uuid.uuid4().hex))
+            rows.append({"tokens": t, "ttft_ms": r["ttft_ms"], "steps": len(r["steps"]),
+                         "routes": r["routes"]})
+    return rows
+
+
+def restores_pass(engine, rng, quick: bool) -> list[dict]:
+    lengths = [200, 1000] if quick else [500, 2000, 8000]
+    users = [50, 120, 250, 400, 500, 64, 128, 256] if not quick else [20, 40, 64]
+    rows = []
+    for length in lengths:
+        instructions = ids(rng, length)
+        salt = uuid.uuid4().hex
+        cold = ttft(engine, request(instructions + ids(rng, 200), length, salt))
+        rows.append({"instruction_tokens": length, "user_tokens": 200, "kind": "cold", **cold})
+        for u in users:
+            warm = ttft(engine, request(instructions + ids(rng, u), length, salt))
+            rows.append({"instruction_tokens": length, "user_tokens": u, "kind": "restore", **warm})
+    return rows
+
+
+def async_pass(engine, rng, quick: bool, switch_interval_s: float | None = None) -> list[dict]:
+    """Restores through AsyncLLMEngine; each request's TTFT split into: the hand-off in (until
+    the step thread ran add_request), the engine (until the step thread handed the first token
+    to the event loop) and the hand-off out (until the caller saw it). switch_interval_s: the
+    interpreter's thread switch interval during the pass (sys.setswitchinterval; None: as is)."""
+    from engine.async_engine import AsyncLLMEngine
+
+    aengine = AsyncLLMEngine(engine)
+    added: dict[str, float] = {}
+    delivered: dict[str, float] = {}
+    add_request, deliver = engine.add_request, aengine._deliver
+
+    def timed_add(req) -> None:
+        added[req.request_id] = time.perf_counter()
+        add_request(req)
+
+    def timed_deliver(outputs) -> None:
+        now = time.perf_counter()
+        for out in outputs:
+            if out.new_token_ids:
+                delivered.setdefault(out.request_id, now)
+        deliver(outputs)
+
+    engine.add_request, aengine._deliver = timed_add, timed_deliver
+    lengths = [200, 1000] if quick else [500, 8000]
+    rows = []
+
+    async def one(req) -> dict:
+        start = time.perf_counter()
+        async for out in aengine.generate(req):
+            if out.new_token_ids:
+                seen = time.perf_counter()
+                break
+        rid = req.request_id
+        return {"ttft_ms": round((seen - start) * 1e3, 3), "in_ms": round((added[rid] - start) * 1e3, 3),
+                "engine_ms": round((delivered[rid] - added[rid]) * 1e3, 3),
+                "out_ms": round((seen - delivered[rid]) * 1e3, 3)}
+
+    async def main() -> None:
+        for length in lengths:
+            instructions, salt = ids(rng, length), uuid.uuid4().hex
+            await one(request(instructions + ids(rng, 200), length, salt))
+            for u in (50, 250, 500, 50, 250, 500):
+                row = await one(request(instructions + ids(rng, u), length, salt))
+                rows.append({"instruction_tokens": length, "user_tokens": u, **row})
+                await asyncio.sleep(0.01)
+
+    previous = sys.getswitchinterval()
+    if switch_interval_s is not None:
+        sys.setswitchinterval(switch_interval_s)
+    try:
+        asyncio.run(main())
+    finally:
+        sys.setswitchinterval(previous)
+        engine.add_request = add_request
+        aengine._stopped = True  # stop the step thread, keep the engine (shutdown() would close it)
+        aengine._wakeup.set()
+        aengine._thread.join(timeout=10)
+    return rows
+
+
+def host_profile(engine, req) -> str:
+    profiler = cProfile.Profile()
+    profiler.enable()
+    ttft(engine, req)
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+    return text.getvalue()
+
+
+def device_profile(engine, req) -> str:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        ttft(engine, req)
+    sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+    return (prof.key_averages().table(sort_by=sort, row_limit=25) + "\n"
+            + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    from engine.llm_engine import LLMEngine
+
+    t0 = time.perf_counter()
+    result: dict = {"command": " ".join(sys.argv)}
+    text: list[str] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        engine = LLMEngine(engine_config(model_dir_of(args, Path(tmp)), args.quick))
+        print(f"engine started ({time.perf_counter() - t0:.0f}s)", flush=True)
+        rng = random.Random(0)
+        for i in range(3):  # first compiles, autotunes
+            ttft(engine, request(ids(rng, 600 + i), None, salt=uuid.uuid4().hex))
+        result["shapes"] = shapes_pass(engine, rng, args.quick)
+        text.append("shapes: tokens ttft_ms steps routes")
+        text += [f"  {r['tokens']:6d} {r['ttft_ms']:9.2f} {r['steps']} {r['routes']}" for r in result["shapes"]]
+        print("\n".join(text), flush=True)
+        result["restores"] = restores_pass(engine, rng, args.quick)
+        text.append("restores: L U kind ttft_ms routes steps")
+        for r in result["restores"]:
+            text.append(f"  {r['instruction_tokens']:6d} {r['user_tokens']:4d} {r['kind']:8s} "
+                        f"{r['ttft_ms']:9.2f} {r['routes']} {r['steps']}")
+        by_length: dict[int, list[float]] = {}
+        for r in result["restores"]:
+            if r["kind"] == "restore":
+                by_length.setdefault(r["instruction_tokens"], []).append(r["ttft_ms"])
+        result["restore_p50_ms"] = {k: statistics.median(v) for k, v in by_length.items()}
+        text.append(f"restore TTFT p50 by L: {result['restore_p50_ms']}")
+        print("\n".join(text[-len(result['restores']) - 2:]), flush=True)
+        new_length = 3001 if not args.quick else 333
+        text.append(f"cProfile, cold prompt of a new length ({new_length}):")
+        text.append(host_profile(engine, request(ids(rng, new_length), None, uuid.uuid4().hex)))
+        text.append(f"cProfile, cold prompt of the same length again ({new_length}):")
+        text.append(host_profile(engine, request(ids(rng, new_length), None, uuid.uuid4().hex)))
+        length = 8000 if not args.quick else 1000
+        instructions, salt = ids(rng, length), uuid.uuid4().hex
+        ttft(engine, request(instructions + ids(rng, 100), length, salt))
+        text.append(f"cProfile, restore of {length} + 300 user tokens:")
+        text.append(host_profile(engine, request(instructions + ids(rng, 300), length, salt)))
+        text.append(f"torch.profiler, restore of {length} + 300 user tokens:")
+        text.append(device_profile(engine, request(instructions + ids(rng, 300), length, salt)))
+        text.append(f"torch.profiler, cold prompt of a new length ({new_length + 2}):")
+        text.append(device_profile(engine, request(ids(rng, new_length + 2), None, uuid.uuid4().hex)))
+        (args.out / "ttft_anatomy.txt").write_text("\n".join(text))
+        for name, interval in (("async", None), ("async_switch_200us", 0.0002)):
+            result[name] = async_pass(engine, rng, args.quick, interval)
+            text.append(f"{name}: L U ttft_ms in_ms engine_ms out_ms")
+            text += [f"  {r['instruction_tokens']:6d} {r['user_tokens']:4d} {r['ttft_ms']:8.3f} {r['in_ms']:7.3f} "
+                     f"{r['engine_ms']:8.3f} {r['out_ms']:7.3f}" for r in result[name]]
+            print("\n".join(text[-len(result[name]) - 1:]), flush=True)
+        (args.out / "ttft_anatomy.txt").write_text("\n".join(text))
+        result["wall_seconds"] = round(time.perf_counter() - t0, 1)
+        (args.out / "ttft_anatomy.json").write_text(json.dumps(result, indent=1))
+        engine.shutdown()
+    print(f"done ({time.perf_counter() - t0:.0f}s)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
