@@ -38,9 +38,14 @@ from engine.request import PENDING_TOKEN
 from engine.step_io import CaptureOp, ScheduledChunk
 
 
+# Steps at 1.5x spacing: a chunk pads by less than half its length (a user message after a
+# restored instruction checkpoint is usually 50-500 tokens; a short chat prompt under 1,024).
+PREFILL_GRAPH_SIZES = (64, 128, 192, 256, 384, 512, 768, 1024)
+
+
 def prefill_graph_sizes(max_tokens: int) -> tuple[int, ...]:
-    """64, 128, 256, 512, those not above max_tokens (none if it is below 64)."""
-    return tuple(s for s in (64, 128, 256, 512) if s <= max_tokens)
+    """PREFILL_GRAPH_SIZES not above max_tokens (none if it is below 64)."""
+    return tuple(s for s in PREFILL_GRAPH_SIZES if s <= max_tokens)
 
 
 class PrefillGraphRunner:

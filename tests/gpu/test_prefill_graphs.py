@@ -44,8 +44,9 @@ def _chunk(request: int, tokens: list[int], start: int, reset: bool) -> Schedule
 
 
 def test_prefill_sizes():
-    assert prefill_graph_sizes(512) == (64, 128, 256, 512)
-    assert prefill_graph_sizes(300) == (64, 128, 256)
+    assert prefill_graph_sizes(8192) == (64, 128, 192, 256, 384, 512, 768, 1024)
+    assert prefill_graph_sizes(512) == (64, 128, 192, 256, 384, 512)
+    assert prefill_graph_sizes(300) == (64, 128, 192, 256)
     assert prefill_graph_sizes(63) == ()
 
 
