@@ -24,6 +24,8 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from engine.checkpoint_shards import ExportShardOp, ImportShardOp
+from engine.checkpoint_transfer import CheckpointShard
 from engine.config import EngineConfig
 from engine.executor import ExecutorDiedError
 from engine.rank_worker import RankWorker, Rendezvous
@@ -175,6 +177,25 @@ class RayWorkerExecutor:
             raise ExecutorDiedError(str(getattr(exc, "cause", exc))) from None
         finally:
             self._in_flight.popleft()
+
+    def export_shards(self, op: ExportShardOp) -> list[CheckpointShard | None]:
+        """Every rank's shard of a published bundle (RankWorker.export_shards on rank 0, which
+        gathers them from its followers); the engine calls it with no step in flight."""
+        return self._call_rank0(self._ranks[0].export_shards.remote(op))
+
+    def import_shards(self, op: ImportShardOp, shards: list[CheckpointShard]) -> frozenset[int]:
+        """The ranks that imported their shard (RankWorker.import_shards on rank 0, which
+        scatters them); the engine calls it with no step in flight."""
+        return self._call_rank0(self._ranks[0].import_shards.remote(op, list(shards)))
+
+    @staticmethod
+    def _call_rank0(answer: ray.ObjectRef):
+        try:
+            return ray.get(answer)
+        except RayActorError as exc:
+            raise ExecutorDiedError(f"tensor-parallel rank 0 died: {exc}") from None
+        except ExecutorDiedError as exc:  # raised by rank 0, wrapped by Ray
+            raise ExecutorDiedError(str(getattr(exc, "cause", exc))) from None
 
     async def check_health(self, timeout_s: float) -> None:
         """Raise RayActorError if any rank is dead, TimeoutError if one does not answer."""

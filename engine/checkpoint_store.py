@@ -76,6 +76,17 @@ class CheckpointStore:
         self._bundles[bundle_id] = bundle
         return bundle.nbytes
 
+    def get(self, bundle_id: int) -> BundleTensors | None:
+        """The tensors of bundle `bundle_id` (read them, do not change them), or None."""
+        return self._bundles.get(bundle_id)
+
+    def insert(self, bundle_id: int, bundle: BundleTensors) -> None:
+        """Keep `bundle` (tensors on the caches' device) as bundle `bundle_id`, a new id: a
+        checkpoint imported from another engine (engine/checkpoint_shards.py)."""
+        if bundle_id in self._bundles:
+            raise ValueError(f"bundle {bundle_id} is already held")
+        self._bundles[bundle_id] = bundle
+
     def restore(self, bundle_id: int, state_slot: int, tail_block: int | None) -> torch.Tensor:
         """Copy a bundle's state into `state_slot` and its tail into offsets [0, tail) of the
         fresh block `tail_block`. Returns the bundle's hidden row. Mutates the caches only."""

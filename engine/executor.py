@@ -9,6 +9,9 @@ the ranks and returns without waiting for it; `collect` returns the oldest submi
 output. Between the two the engine may submit the next step (EngineConfig.async_scheduling),
 so the ranks start it as soon as they finish the one before, while the engine is still
 updating its requests from that one's tokens.
+
+Moving a checkpoint between engines (docs/design.md section 5.1) costs one call each way,
+`export_shards` and `import_shards`, made only with no step in flight.
 """
 
 from __future__ import annotations
@@ -16,8 +19,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from engine.step_io import RunnerOutput, SchedulerOutput
     from engine.cache_capacity import CacheCapacity
+    from engine.checkpoint_shards import ExportShardOp, ImportShardOp
+    from engine.checkpoint_transfer import CheckpointShard
+    from engine.step_io import RunnerOutput, SchedulerOutput
 
 
 class ModelExecutor(Protocol):
@@ -34,6 +39,17 @@ class ModelExecutor(Protocol):
     def collect(self) -> RunnerOutput:
         """The oldest submitted step's output: rank 0's, with all ranks' capture confirmations.
         Raises ExecutorDiedError when a rank is gone or the ranks can no longer agree."""
+        ...
+
+    def export_shards(self, op: ExportShardOp) -> list[CheckpointShard | None]:
+        """Every rank's shard of a published bundle, in rank order (None where a rank does not
+        hold it). No step may be in flight. Raises ExecutorDiedError when a rank is gone."""
+        ...
+
+    def import_shards(self, op: ImportShardOp, shards: list[CheckpointShard]) -> frozenset[int]:
+        """Hand rank r shards[r] to write into op's blocks and keep as op's bundle; returns the
+        ranks that did (the bundle is published only if all did). No step may be in flight.
+        Raises ExecutorDiedError when a rank is gone."""
         ...
 
     def shutdown(self) -> None:

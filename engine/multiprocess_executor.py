@@ -5,7 +5,8 @@ GPU machine (one process per GPU). The ranks are the same RankWorker the Ray act
 
     engine process ──pipe──▶ rank 0 process ──torch.distributed──▶ rank 1 .. N-1 processes
 
-A step is one pipe round trip to rank 0, which broadcasts it to the others. On CUDA rank r uses
+A step is one pipe round trip to rank 0, which broadcasts it to the others; so is each
+checkpoint transfer (export_shards, import_shards). On CUDA rank r uses
 cuda:r; on CPU each rank runs OMP_NUM_THREADS torch threads when that is set, else an equal
 share of this host's cores.
 """
@@ -20,6 +21,8 @@ import traceback
 from dataclasses import replace
 from multiprocessing.connection import Connection
 
+from engine.checkpoint_shards import ExportShardOp, ImportShardOp
+from engine.checkpoint_transfer import CheckpointShard
 from engine.config import EngineConfig
 from engine.executor import ExecutorDiedError
 from engine.step_io import RunnerOutput, SchedulerOutput
@@ -71,17 +74,31 @@ class MultiprocessExecutor:
     def submit(self, scheduler_output: SchedulerOutput) -> None:
         """Send the step to rank 0, which runs the steps it is sent in order (a step sent
         while the one before runs waits in the pipe)."""
-        if self._dead is not None:
-            raise ExecutorDiedError(str(self._dead))
-        try:
-            self._conn.send(("execute", scheduler_output))
-        except OSError as exc:
-            self._dead = ExecutorDiedError(f"rank 0 is gone: {exc!r}")
-            raise self._dead from exc
+        self._send("execute", scheduler_output)
 
     def collect(self) -> RunnerOutput:
         """Rank 0's answer to the oldest step sent."""
         return self._receive(timeout_s=None)
+
+    def export_shards(self, op: ExportShardOp) -> list[CheckpointShard | None]:
+        """Every rank's shard of op's bundle (no step may be in flight: the answer is the next
+        one on the pipe)."""
+        self._send("export", op)
+        return self._receive(timeout_s=None)
+
+    def import_shards(self, op: ImportShardOp, shards: list[CheckpointShard]) -> frozenset[int]:
+        """The ranks that imported their shard (no step may be in flight)."""
+        self._send("import", (op, list(shards)))
+        return self._receive(timeout_s=None)
+
+    def _send(self, command: str, payload) -> None:
+        if self._dead is not None:
+            raise ExecutorDiedError(str(self._dead))
+        try:
+            self._conn.send((command, payload))
+        except OSError as exc:
+            self._dead = ExecutorDiedError(f"rank 0 is gone: {exc!r}")
+            raise self._dead from exc
 
     def shutdown(self) -> None:
         """Stop the rank processes (idempotent). Rank 0 stops on "stop" or on the pipe closing;
@@ -159,8 +176,8 @@ def run_rank(config: EngineConfig, rank: int, rendezvous, conn: Connection | Non
 
 
 def lead(rank_worker, conn: Connection) -> None:
-    """Rank 0's loop: execute each step the engine sends, in order, until "stop" or the pipe
-    closes. A thread takes the engine's messages off the pipe as they come: with async
+    """Rank 0's loop: run each command the engine sends ("execute" a step, "export" or
+    "import" a checkpoint), in order, until "stop" or the pipe closes. A thread takes the engine's messages off the pipe as they come: with async
     scheduling the engine sends step k+1 while step k runs, and if both that message and step
     k's answer outgrew the pipe's buffer, each end would block in send() on the other."""
     commands: queue.Queue = queue.Queue()
@@ -177,13 +194,25 @@ def lead(rank_worker, conn: Connection) -> None:
 
     threading.Thread(target=receive, name="rank0-steps", daemon=True).start()
     while True:
-        command, scheduler_output = commands.get()
+        command, payload = commands.get()
         if command == "stop":
             rank_worker.stop()
             return
         try:
-            conn.send(("ok", rank_worker.execute(scheduler_output)))
+            conn.send(("ok", run_command(rank_worker, command, payload)))
         except ExecutorDiedError as exc:
             conn.send(("died", str(exc)))
         except Exception:
             conn.send(("error", traceback.format_exc()))
+
+
+def run_command(rank_worker, command: str, payload):
+    """Rank 0's answer to one command of the engine's pipe."""
+    if command == "execute":
+        return rank_worker.execute(payload)
+    if command == "export":
+        return rank_worker.export_shards(payload)
+    if command == "import":
+        op, shards = payload
+        return rank_worker.import_shards(op, shards)
+    raise ValueError(f"unknown command {command!r}")

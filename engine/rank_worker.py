@@ -11,6 +11,10 @@ one round trip whatever the number of ranks.
                   Worker.execute ◀─coll.──▶ Worker.execute      (model collectives)
                   gather confirmations ◀─── send confirmations  (only when the step captures)
 
+A checkpoint transfer between steps (docs/design.md section 5.1) travels the same way: rank 0
+broadcasts an ExportShardOp and gathers every rank's shard, or broadcasts an ImportShardOp,
+scatters each rank its own shard and gathers who imported it.
+
 Failure is fail-fast, because ranks that stop agreeing on the step sequence would wait for each
 other in a collective forever: a rank >0 whose step fails exits its process at once (its peers'
 collectives then fail on the closed connection), and rank 0 raises ExecutorDiedError for the
@@ -34,6 +38,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from engine.checkpoint_shards import ExportShardOp, ImportShardOp
+from engine.checkpoint_transfer import CheckpointShard
 from engine.config import EngineConfig
 from engine.executor import ExecutorDiedError
 from engine.step_io import RunnerOutput, SchedulerOutput
@@ -131,8 +137,36 @@ class RankWorker:
             raise ExecutorDiedError(f"a tensor-parallel step failed: {exc!r}") from exc
         return output
 
+    def export_shards(self, op: ExportShardOp) -> list[CheckpointShard | None]:
+        """Rank 0, between steps: every rank's shard of op's bundle, in rank order (None where a
+        rank does not hold it). Raises ExecutorDiedError (world_size > 1) as execute() does."""
+        if self.world_size == 1:
+            return self.worker.export_shards(op)
+
+        def transfer() -> list[CheckpointShard | None]:
+            dist.broadcast_object_list([op], src=0, group=self._steps)
+            return self._gather(self.worker.export_shard(op))
+
+        return self._lead(transfer)
+
+    def import_shards(self, op: ImportShardOp, shards: list[CheckpointShard]) -> frozenset[int]:
+        """Rank 0, between steps: each rank imports its own shard (scattered, not broadcast);
+        returns the ranks that did. Raises ExecutorDiedError (world_size > 1) as execute() does."""
+        if self.world_size == 1:
+            return self.worker.import_shards(op, shards)
+
+        def transfer() -> frozenset[int]:
+            dist.broadcast_object_list([op], src=0, group=self._steps)
+            mine: list[CheckpointShard | None] = [None]
+            dist.scatter_object_list(mine, list(shards), src=0, group=self._steps)
+            imported = self._gather(self.worker.import_shard(op, mine[0]))
+            return frozenset(rank for rank, done in enumerate(imported) if done)
+
+        return self._lead(transfer)
+
     def follow(self) -> None:
-        """Ranks 1..: run each step rank 0 broadcasts until it broadcasts the stop message.
+        """Ranks 1..: run each step (or checkpoint transfer) rank 0 broadcasts until it
+        broadcasts the stop message.
 
         Any failure (the step, or rank 0 gone) ends this process: a rank that cannot take part
         in the next collective must not leave its peers waiting for it.
@@ -141,14 +175,21 @@ class RankWorker:
             raise RuntimeError("rank 0 leads; it does not follow")
         try:
             while True:
-                box: list[SchedulerOutput | None] = [None]
+                box: list[SchedulerOutput | ExportShardOp | ImportShardOp | None] = [None]
                 dist.broadcast_object_list(box, src=0, group=self._steps)
-                scheduler_output = box[0]
-                if scheduler_output is None:
+                message = box[0]
+                if message is None:
                     break
-                output = self.worker.execute(scheduler_output)
-                if scheduler_output.captures:
-                    self._gather_confirmations(output.confirmed_captures)
+                if isinstance(message, ExportShardOp):
+                    self._gather(self.worker.export_shard(message))
+                elif isinstance(message, ImportShardOp):
+                    mine: list[CheckpointShard | None] = [None]
+                    dist.scatter_object_list(mine, None, src=0, group=self._steps)
+                    self._gather(self.worker.import_shard(message, mine[0]))
+                else:
+                    output = self.worker.execute(message)
+                    if message.captures:
+                        self._gather_confirmations(output.confirmed_captures)
         except BaseException:
             logger.exception("tensor-parallel rank %d failed; exiting", self.rank)
             os._exit(1)
@@ -161,6 +202,24 @@ class RankWorker:
         if self.rank == 0 and self.world_size > 1 and self._failure is None:
             dist.broadcast_object_list([None], src=0, group=self._steps)
         dist.destroy_process_group()
+
+    def _lead(self, transfer):
+        """Rank 0: run `transfer` (collectives with every rank); a failure ends the group."""
+        if self.rank != 0:
+            raise RuntimeError(f"transfers are led by rank 0; this is rank {self.rank}")
+        if self._failure is not None:
+            raise ExecutorDiedError(f"the worker group failed earlier: {self._failure!r}")
+        try:
+            return transfer()
+        except Exception as exc:
+            self._failure = exc
+            raise ExecutorDiedError(f"a tensor-parallel checkpoint transfer failed: {exc!r}") from exc
+
+    def _gather(self, mine):
+        """Every rank sends `mine`; rank 0 gets the list in rank order, the others None."""
+        gathered = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(mine, gathered, dst=0, group=self._steps)
+        return gathered
 
     def _gather_confirmations(self, mine: dict[int, frozenset[int]]) -> dict[int, frozenset[int]]:
         """Every rank sends the bundle ids it captured; rank 0 returns bundle -> ranks."""

@@ -15,6 +15,7 @@ tokens and the steps in flight.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -22,7 +23,9 @@ from dataclasses import dataclass
 import torch
 
 from engine.cache_capacity import CacheCapacity, size_caches
+from engine.checkpoint_shards import ExportShardOp, ImportShardOp, gather_shard, scatter_shard, shard_misfit
 from engine.checkpoint_store import CheckpointStore
+from engine.checkpoint_transfer import CheckpointShard
 from engine.config import EngineConfig
 from engine.forward_routes import (
     CapturingPass, EagerPass, ForwardRoute, GraphScratch, SampledTokens, capture_graph_routes,
@@ -34,6 +37,7 @@ from engine.token_readback import PendingTokens, TokenReadback
 from engine.step_io import CaptureOp, RunnerOutput, ScheduledChunk, SchedulerOutput
 from engine.tensor_parallel import TensorParallel
 
+logger = logging.getLogger(__name__)
 
 # A step's tokens are read back while the next one runs: at most two steps in flight.
 _MAX_IN_FLIGHT = 2
@@ -237,6 +241,43 @@ class Worker:
             output, [chunk.request_id for chunk in sampled], self._token_readback.start(tokens)
         ))
         output.worker_seconds = time.perf_counter() - started
+
+    # ---- checkpoint transfer (engine/checkpoint_shards.py); between steps only
+
+    def export_shard(self, op: ExportShardOp) -> CheckpointShard | None:
+        """This rank's shard of bundle op.bundle_id (CPU copies), or None if it holds no such
+        bundle. Reads the caches and the store only."""
+        self._check_idle("export_shard")
+        bundle = self.checkpoints.get(op.bundle_id)
+        if bundle is None:
+            return None
+        return gather_shard(self.caches, bundle, op.block_ids, op.num_tokens, self.rank, op.digest)
+
+    @torch.inference_mode()
+    def import_shard(self, op: ImportShardOp, shard: CheckpointShard) -> bool:
+        """Write `shard` into the fresh blocks op.block_ids and keep it as bundle op.bundle_id;
+        True when done. False, with nothing written, when it does not fit these caches (the
+        engine checked it already; this is the rank's own look)."""
+        self._check_idle("import_shard")
+        misfit = shard_misfit(self.caches, shard, op, self.model_config.hidden_size)
+        if misfit is not None or shard.rank != self.rank:
+            logger.warning("rank %d refuses the shard of bundle %d: %s", self.rank, op.bundle_id,
+                           misfit or f"it is rank {shard.rank}'s")
+            return False
+        self.checkpoints.insert(op.bundle_id, scatter_shard(self.caches, shard, op.block_ids))
+        return True
+
+    def export_shards(self, op: ExportShardOp) -> list[CheckpointShard | None]:
+        """ModelExecutor: the shards of every rank, in rank order (here: this one)."""
+        return [self.export_shard(op)]
+
+    def import_shards(self, op: ImportShardOp, shards: list[CheckpointShard]) -> frozenset[int]:
+        """ModelExecutor: the ranks that imported their shard (here: this one, or none)."""
+        return frozenset({self.rank}) if self.import_shard(op, shards[self.rank]) else frozenset()
+
+    def _check_idle(self, what: str) -> None:
+        if self._in_flight:
+            raise RuntimeError(f"{what}() with a step in flight: collect() it first")
 
     def _routes(self) -> list[ForwardRoute]:
         """The forward routes in the order submit() tries them; the eager pass takes any step."""
