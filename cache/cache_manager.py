@@ -142,6 +142,31 @@ class CacheManager:
         full_blocks = block_ids[: len(token_ids) // self.block_size]
         return self.ledger.reserve(namespace, token_ids, kind, num_bytes, full_blocks, owner)
 
+    def reserve_import(
+        self, namespace: Namespace, token_ids: Sequence[int], kind: CheckpointKind, owner: str = "",
+    ) -> tuple[int, tuple[int, ...]] | None:
+        """A pending bundle, owned by `owner`, for a checkpoint another engine captured, over
+        fresh KV blocks for its full blocks: (bundle id, block ids), to be filled by the
+        workers and then published (or dropped) like a capture. The bundle holds the only
+        reference to those blocks.
+
+        Evicts least recently used checkpoints for the blocks (allocate_blocks) and the bytes
+        (CheckpointLedger.evict_until) as a capture would. None when they still do not fit:
+        then no block is held (checkpoints may have been evicted). The caller checks that the
+        endpoint is not published yet."""
+        full_tokens = len(token_ids) - len(token_ids) % self.block_size
+        blocks = self.allocate_blocks(0, full_tokens, owner)
+        if blocks is None:
+            return None
+        num_bytes = self.sizing.bundle_bytes(len(token_ids) % self.block_size)
+        evicted = self.ledger.evict_until(num_bytes, owner)
+        bundle_id = None
+        if evicted is not None:
+            self._dropped_bundles.extend(evicted)
+            bundle_id = self.ledger.reserve(namespace, token_ids, kind, num_bytes, blocks, owner)
+        self.blocks.release(blocks)  # the bundle's references stay, if it was reserved
+        return None if bundle_id is None else (bundle_id, tuple(blocks))
+
     def publish(self, bundle_id: int, confirmed_ranks: set[int], world_size: int) -> bool:
         """Make a captured bundle visible if every rank confirmed; False means it was dropped
         (and its worker copies must be freed)."""

@@ -152,6 +152,12 @@ class CheckpointLedger:
             if self.blocks.ref_count(block) == len(holders)
         )
 
+    def published_at(self, namespace: Namespace, token_ids: Sequence[int]) -> Bundle | None:
+        """The published bundle at exactly `token_ids` in `namespace`, or None. Changes nothing
+        (no pin, no recency, no hit counted)."""
+        bundle_id = self.index.get(namespace, token_ids)
+        return None if bundle_id is None else self._bundles[bundle_id]
+
     def has_checkpoint(self, namespace: Namespace, token_ids: Sequence[int]) -> bool:
         """Whether a published bundle sits at exactly `token_ids` (capturing it again is wasted)."""
         return self.index.get(namespace, token_ids) is not None

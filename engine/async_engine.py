@@ -25,6 +25,8 @@ from typing import TypeVar
 
 from cache.cache_manager import PoolUsage
 from engine.checkpoint_events import CheckpointEvent
+from engine.checkpoint_exchange import ImportResult
+from engine.checkpoint_transfer import ExportedCheckpoint
 from engine.executor import ExecutorDiedError
 from engine.generation_request import GenerationRequest
 from engine.llm_engine import FAILED_REQUEST_MESSAGE, LLMEngine
@@ -101,6 +103,22 @@ class AsyncLLMEngine:
     async def drain_checkpoint_events(self) -> list[CheckpointEvent]:
         """LLMEngine.drain_checkpoint_events, run on the step thread between steps."""
         return await self._on_step_thread(self.engine.drain_checkpoint_events)
+
+    async def export_checkpoint(
+        self, namespace: tuple[str, str], token_ids: tuple[int, ...],
+    ) -> ExportedCheckpoint | None:
+        """LLMEngine.export_checkpoint, run on the step thread between steps."""
+        return await self._on_step_thread(lambda: self.engine.export_checkpoint(namespace, token_ids))
+
+    async def import_checkpoint(self, exported: ExportedCheckpoint) -> ImportResult:
+        """LLMEngine.import_checkpoint, run on the step thread between steps. Raises
+        ExecutorDiedError once the executor has died."""
+        def run() -> ImportResult:
+            if self._dead is not None:
+                raise ExecutorDiedError(str(self._dead))
+            return self.engine.import_checkpoint(exported)
+
+        return await self._on_step_thread(run)
 
     def pool_usage(self) -> PoolUsage:
         return self.engine.pool_usage()

@@ -17,14 +17,17 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from transformers import AutoTokenizer
 
 from cache.cache_manager import CacheManager, PoolUsage
 from cache.checkpoint_ledger import CheckpointKind, KindCounters
 from engine.checkpoint_events import CheckpointEvent, CheckpointEventFeed
+from engine.checkpoint_exchange import CheckpointExchange, ImportResult, TransferCounters
+from engine.checkpoint_import_checks import ImportExpectations, expected_shard_layout
 from engine.checkpoint_policy import CheckpointPolicy
+from engine.checkpoint_transfer import ExportedCheckpoint, model_identity
 from engine.config import EngineConfig
 from engine.executor import ExecutorDiedError, ModelExecutor
 from engine.generation_request import GenerationRequest
@@ -34,6 +37,7 @@ from engine.request import FinishReason, Request
 from engine.sampling_params import InvalidRequestError
 from engine.scheduler import Scheduler, SchedulerStats
 from engine.step_io import RunnerOutput, SchedulerOutput
+from engine.tensor_parallel import TensorParallel
 from engine.worker import Worker
 
 __all__ = ["LLMEngine", "ModelExecutor", "RequestOutput", "PoolUsage"]
@@ -54,6 +58,7 @@ class EngineStats:
     checkpoint_bytes: int
     num_checkpoints: int
     checkpoint_events_lost: int = 0  # events the bounded feed forgot, nobody having drained them
+    transfers: TransferCounters = field(default_factory=TransferCounters)  # exports and imports
 
 
 @dataclass(frozen=True)
@@ -107,6 +112,10 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_model_len=capacity.max_model_len,
             checkpoints=checkpoints,
+        )
+        self.transfers = CheckpointExchange(
+            cache, self.executor, _import_expectations(config, model_config, capacity),
+            world_size=capacity.world_size, enabled=bool(config.checkpoint_slots),
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.last_step: StepTrace | None = None
@@ -188,12 +197,29 @@ class LLMEngine:
             checkpoint_bytes=ledger.bytes_held,
             num_checkpoints=len(ledger),
             checkpoint_events_lost=self.checkpoint_events.num_lost,
+            transfers=self.transfers.counters.copy(),
         )
 
     def drain_checkpoint_events(self) -> list[CheckpointEvent]:
         """Bundles published and published bundles dropped since the last drain, oldest first
         (engine/checkpoint_events.py). Step thread only."""
         return self.checkpoint_events.drain()
+
+    def export_checkpoint(self, namespace: tuple[str, str], token_ids: Sequence[int]) -> ExportedCheckpoint | None:
+        """The published checkpoint covering exactly `token_ids` in `namespace` ((model_dir,
+        cache_salt or "")), with every rank's shard as CPU tensors, or None when none is held
+        (docs/design.md section 5.1). Collects the steps in flight first (their outputs come
+        with the next step()). Step thread only."""
+        self._collect_in_flight()
+        return self.transfers.export((namespace[0], namespace[1] or ""), tuple(token_ids))
+
+    def import_checkpoint(self, exported: ExportedCheckpoint) -> ImportResult:
+        """Check `exported` in full and publish it here, so the next request with its prefix
+        restores it; a rejection (ImportResult.rejection) is counted by reason in
+        stats().transfers and leaves the engine unchanged. Importing an endpoint already
+        published is a no-op success. Collects the steps in flight first. Step thread only."""
+        self._collect_in_flight()
+        return self.transfers.import_checkpoint(exported)
 
     def step(self) -> list[RequestOutput]:
         """Schedule and submit one step of every running request; collect, update and emit the
@@ -227,16 +253,36 @@ class LLMEngine:
             self._pending_outputs = outputs + self._pending_outputs  # for whoever steps next
             raise
         except RunnerFailedError:
-            failed = self._abandon_in_flight(unsubmitted)
-            logger.exception("the runner failed a step; requests %s requeued or failed",
-                             sorted({c.request_id for step in failed for c in step.chunks}))
-            for request_id in self.scheduler.requeue_failed(failed):  # after their last tokens
-                self._finish(request_id, FinishReason.ERROR, FAILED_REQUEST_MESSAGE)
+            self._recover(self._abandon_in_flight(unsubmitted))
         except BaseException:  # the engine's own: outputs so far stay ahead of what follows
             self._pending_outputs = outputs + self._pending_outputs
             raise
         failures, self._pending_outputs = self._pending_outputs, []
         return outputs + failures
+
+    def _collect_in_flight(self) -> None:
+        """Collect every step in flight, so the ranks are idle; their outputs wait in
+        _pending_outputs for the next step(). A failed collect is handled as in step()."""
+        earlier, self._pending_outputs = self._pending_outputs, []
+        outputs: list[RequestOutput] = []
+        try:
+            while self._in_flight:
+                outputs += self._collect_oldest()
+        except ExecutorDiedError:
+            self._abandon_in_flight(None)
+            raise
+        except RunnerFailedError:
+            self._recover(self._abandon_in_flight(None))
+        finally:
+            self._pending_outputs = earlier + outputs + self._pending_outputs
+
+    def _recover(self, failed: list[SchedulerOutput]) -> None:
+        """Requeue the requests of abandoned steps, or fail those that reached the limit
+        (Scheduler.requeue_failed); their outputs go to _pending_outputs."""
+        logger.exception("the runner failed a step; requests %s requeued or failed",
+                         sorted({c.request_id for step in failed for c in step.chunks}))
+        for request_id in self.scheduler.requeue_failed(failed):  # after their last tokens
+            self._finish(request_id, FinishReason.ERROR, FAILED_REQUEST_MESSAGE)
 
     def _collect_oldest(self) -> list[RequestOutput]:
         """Collect the oldest step in flight (it leaves _in_flight once collected), update the
@@ -297,6 +343,21 @@ def _local_executor(config: EngineConfig) -> ModelExecutor:
     from engine.multiprocess_executor import MultiprocessExecutor
 
     return MultiprocessExecutor(config)
+
+
+def _import_expectations(config: EngineConfig, model_config, capacity) -> ImportExpectations:
+    """What this engine accepts of a checkpoint exported elsewhere: its own model, split, block
+    size and every rank's shard layout."""
+    world = capacity.world_size
+    return ImportExpectations(
+        model=model_identity(config.model_dir, config.dtype),
+        tensor_parallel_size=world,
+        block_size=capacity.block_size,
+        layouts=tuple(expected_shard_layout(model_config, TensorParallel(rank, world), config.dtype)
+                      for rank in range(world)),
+        vocab_size=model_config.vocab_size,
+        max_model_len=capacity.max_model_len,
+    )
 
 
 def _eos_token_ids(config_eos: Sequence[int], tokenizer_eos: int | None) -> tuple[int, ...]:

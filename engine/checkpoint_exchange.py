@@ -1,0 +1,147 @@
+"""Moving published checkpoints between engines (docs/design.md section 5.1): export one as an
+ExportedCheckpoint, import one after checking every part of it, and count both.
+
+Export reads a published bundle: its record in the ledger and every rank's shard (state, K/V of
+all covered tokens, hidden row). Import checks the whole checkpoint first
+(engine/checkpoint_import_checks.py) and changes nothing when a check fails; then it takes KV
+blocks and checkpoint bytes as a capture would (CacheManager.reserve_import, evicting least
+recently used checkpoints), has every rank write its shard, and publishes the bundle through
+the ledger, so the next request with that prefix restores it exactly as a local one.
+
+The engine calls these between steps, with no step in flight (LLMEngine collects its steps
+first), on its step thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from cache.cache_manager import CacheManager
+from cache.checkpoint_ledger import CheckpointKind
+from engine.checkpoint_import_checks import ImportExpectations, ImportRejection, Rejected, check_exported
+from engine.checkpoint_shards import ExportShardOp, ImportShardOp
+from engine.checkpoint_transfer import CheckpointHeader, ExportedCheckpoint, checkpoint_digest
+from engine.executor import ExecutorDiedError, ModelExecutor
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TransferCounters:
+    """Checkpoints moved in and out of this engine, cumulative."""
+
+    exported: int = 0
+    exported_bytes: int = 0  # shard tensor bytes, all ranks
+    imported: int = 0  # published here
+    imported_bytes: int = 0
+    deduplicated: int = 0  # imports of an endpoint already published here (no-op successes)
+    rejected: dict[str, int] = field(default_factory=dict)  # ImportRejection value -> count
+
+    def copy(self) -> TransferCounters:
+        return TransferCounters(self.exported, self.exported_bytes, self.imported,
+                                self.imported_bytes, self.deduplicated, dict(self.rejected))
+
+
+@dataclass(frozen=True)
+class ImportResult:
+    """What import_checkpoint did. accepted: the checkpoint is published here (now, or it was
+    already: deduplicated). Otherwise `rejection` says why and the engine is unchanged (but for
+    checkpoints a no_space import may have evicted)."""
+
+    accepted: bool
+    rejection: ImportRejection | None = None
+    detail: str = ""
+    deduplicated: bool = False
+    num_tokens: int = 0
+    num_bytes: int = 0  # shard tensor bytes imported (0 unless newly published)
+
+
+class CheckpointExchange:
+    """Export and import of published bundles for one engine.
+
+    enabled: the engine's checkpoints are on (an import into an engine that never looks up
+    checkpoints is rejected as disabled).
+    """
+
+    def __init__(
+        self, cache: CacheManager, executor: ModelExecutor, expected: ImportExpectations,
+        world_size: int, enabled: bool,
+    ) -> None:
+        self.cache = cache
+        self.executor = executor
+        self.expected = expected
+        self.world_size = world_size
+        self.enabled = enabled
+        self.counters = TransferCounters()
+
+    def export(self, namespace: tuple[str, str], token_ids: tuple[int, ...]) -> ExportedCheckpoint | None:
+        """The published bundle covering exactly `token_ids` in `namespace`, every rank's shard
+        as CPU tensors, or None when none is published there (or a rank no longer holds it).
+        Changes nothing but the counters."""
+        tokens = tuple(token_ids)
+        bundle = self.cache.ledger.published_at(namespace, tokens)
+        if bundle is None:
+            return None
+        digest = checkpoint_digest(namespace, tokens)
+        shards = self.executor.export_shards(
+            ExportShardOp(bundle.bundle_id, bundle.block_ids, len(tokens), digest))
+        if any(shard is None for shard in shards):
+            logger.warning("bundle %d is published but a rank holds no shard of it", bundle.bundle_id)
+            return None
+        header = CheckpointHeader(
+            namespace=namespace, token_ids=tokens, digest=digest, kind=bundle.kind.value,
+            owner=bundle.owner, model=self.expected.model,
+            tensor_parallel_size=self.expected.tensor_parallel_size,
+            block_size=self.expected.block_size, layouts=self.expected.layouts,
+        )
+        exported = ExportedCheckpoint(header, tuple(shards))
+        self.counters.exported += 1
+        self.counters.exported_bytes += exported.nbytes
+        return exported
+
+    def import_checkpoint(self, exported: object) -> ImportResult:
+        """Check `exported` in full, then publish it here (see the module doc). A rejection is
+        counted by reason and leaves the caches unchanged; raises ExecutorDiedError only when a
+        rank is gone."""
+        rejected = check_exported(exported, self.expected)
+        if rejected is None and not self.enabled:
+            rejected = Rejected(ImportRejection.DISABLED, "this engine's checkpoints are off")
+        if rejected is not None:
+            return self._reject(rejected, exported)
+        assert isinstance(exported, ExportedCheckpoint)
+        header = exported.header
+        if self.cache.ledger.has_checkpoint(header.namespace, header.token_ids):
+            self.counters.deduplicated += 1
+            return ImportResult(True, deduplicated=True, num_tokens=header.num_tokens)
+        reserved = self.cache.reserve_import(
+            header.namespace, header.token_ids, CheckpointKind(header.kind), header.owner)
+        if reserved is None:
+            return self._reject(Rejected(ImportRejection.NO_SPACE, f"{header.num_tokens} tokens do not "
+                                         "fit the KV blocks or checkpoint bytes"), exported)
+        bundle_id, block_ids = reserved
+        op = ImportShardOp(bundle_id, block_ids, header.num_tokens)
+        try:
+            confirmed = self.executor.import_shards(op, list(exported.shards))
+        except ExecutorDiedError:
+            self.cache.publish(bundle_id, set(), self.world_size)  # dropped: nothing to free it on
+            raise
+        except Exception as exc:
+            logger.exception("importing bundle %d failed", bundle_id)
+            confirmed, failure = frozenset(), f"{type(exc).__name__}: {exc}"
+        else:
+            failure = f"ranks {sorted(set(range(self.world_size)) - confirmed)} refused their shard"
+        if not self.cache.publish(bundle_id, set(confirmed), self.world_size):
+            # dropped: the ledger released its blocks, the ranks free what they kept next step
+            return self._reject(Rejected(ImportRejection.WORKER, failure), exported)
+        self.counters.imported += 1
+        self.counters.imported_bytes += exported.nbytes
+        return ImportResult(True, num_tokens=header.num_tokens, num_bytes=exported.nbytes)
+
+    def _reject(self, rejected: Rejected, exported: object) -> ImportResult:
+        reason = rejected.reason
+        self.counters.rejected[reason.value] = self.counters.rejected.get(reason.value, 0) + 1
+        header = getattr(exported, "header", None)
+        logger.warning("checkpoint import rejected (%s): %s", reason.value, rejected.detail)
+        num_tokens = len(getattr(header, "token_ids", ()) or ())
+        return ImportResult(False, rejection=reason, detail=rejected.detail, num_tokens=num_tokens)
