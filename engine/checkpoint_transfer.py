@@ -35,22 +35,26 @@ FORMAT_VERSION = 1
 
 @dataclass(frozen=True)
 class ModelIdentity:
-    """Which weights a checkpoint's tensors belong to. Two engines agree only if all four do.
+    """Which weights, run how, a checkpoint's tensors come from. Two engines agree only if all
+    five do.
 
     weights_digest covers each safetensors file's name, size and header (tensor names, dtypes,
     shapes, offsets), not the weight values: hashing the values would cost a pass over every
-    weight. A model directory must therefore name one fixed set of weights.
+    weight. A model directory must therefore name one fixed set of weights. device_type keeps
+    states computed by the CPU path and the GPU kernels apart (they agree only within
+    floating-point tolerance, and a restore must match what this engine computes itself).
     """
 
     model_dir: str
     config_sha256: str  # of config.json's bytes
     weights_digest: str
     dtype: str  # EngineConfig.dtype the model runs in
+    device_type: str  # "cpu" or "cuda"
 
 
-def model_identity(model_dir: str, dtype: str) -> ModelIdentity:
-    """The identity of the model in `model_dir` run in `dtype` (reads config.json and the
-    safetensors headers only)."""
+def model_identity(model_dir: str, dtype: str, device_type: str) -> ModelIdentity:
+    """The identity of the model in `model_dir` run in `dtype` on `device_type` (reads
+    config.json and the safetensors headers only)."""
     directory = Path(model_dir)
     config_sha = hashlib.sha256((directory / "config.json").read_bytes()).hexdigest()
     weights = hashlib.sha256()
@@ -60,7 +64,7 @@ def model_identity(model_dir: str, dtype: str) -> ModelIdentity:
             header = file.read(header_len)
         weights.update(f"{path.name}:{path.stat().st_size}:".encode())
         weights.update(header)
-    return ModelIdentity(str(model_dir), config_sha, weights.hexdigest(), dtype)
+    return ModelIdentity(str(model_dir), config_sha, weights.hexdigest(), dtype, device_type)
 
 
 def checkpoint_digest(namespace: tuple[str, str], token_ids: tuple[int, ...]) -> str:

@@ -19,6 +19,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+import torch
 from transformers import AutoTokenizer
 
 from cache.cache_manager import CacheManager, PoolUsage
@@ -350,7 +351,7 @@ def _import_expectations(config: EngineConfig, model_config, capacity) -> Import
     size and every rank's shard layout."""
     world = capacity.world_size
     return ImportExpectations(
-        model=model_identity(config.model_dir, config.dtype),
+        model=model_identity(config.model_dir, config.dtype, torch.device(config.device).type),
         tensor_parallel_size=world,
         block_size=capacity.block_size,
         layouts=tuple(expected_shard_layout(model_config, TensorParallel(rank, world), config.dtype)

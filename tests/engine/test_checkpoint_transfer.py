@@ -177,6 +177,11 @@ def other_dtype(exported: ExportedCheckpoint) -> ExportedCheckpoint:
     return dataclasses.replace(exported, header=dataclasses.replace(exported.header, model=model))
 
 
+def other_device(exported: ExportedCheckpoint) -> ExportedCheckpoint:
+    model = dataclasses.replace(exported.header.model, device_type="cuda")
+    return dataclasses.replace(exported, header=dataclasses.replace(exported.header, model=model))
+
+
 def other_block_size(exported: ExportedCheckpoint) -> ExportedCheckpoint:
     return dataclasses.replace(exported, header=dataclasses.replace(exported.header, block_size=8))
 
@@ -207,6 +212,7 @@ REJECTIONS = {
     "truncated": (truncated, ImportRejection.LENGTH),
     "other_model": (other_model, ImportRejection.MODEL),
     "other_dtype": (other_dtype, ImportRejection.MODEL),
+    "other_device": (other_device, ImportRejection.MODEL),
     "other_block_size": (other_block_size, ImportRejection.BLOCK_SIZE),
     "other_token_ids": (other_token_ids, ImportRejection.DIGEST),
     "other_namespace": (other_namespace, ImportRejection.NAMESPACE),
