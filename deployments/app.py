@@ -3,7 +3,9 @@
     OpenAIIngress (HTTP + handle API)
       -> Renderer   (chat template, tokenizer)
       -> LLMServer  (the engine's step loop; the model itself with one rank, one worker actor
-                     per rank with tensor_parallel_size > 1)
+                     per rank with tensor_parallel_size > 1); with checkpoint_routing, routed
+                     by CheckpointAwareRouter, and its replicas report their checkpoints to
+                     the application's CheckpointIndex actor (deployments/checkpoint_index.py)
 
 `build_app(args)` validates the args (unknown keys rejected, see deployments.config) and
 returns the bound Application; `serve.run(build_app({...}))` runs it from Python.
@@ -12,8 +14,10 @@ returns the bound Application; `serve.run(build_app({...}))` runs it from Python
 from __future__ import annotations
 
 from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
 
 from deployments.api_keys import ApiKeys
+from deployments.checkpoint_router import CheckpointAwareRouter
 from deployments.config import AppConfig, parse_app_config
 from deployments.http_limits import RequestLimits
 from deployments.ingress import OpenAIIngress
@@ -52,6 +56,18 @@ def llm_server_resources(config: AppConfig) -> dict:
             "num_gpus": 1 if engine.device.startswith("cuda") else 0}
 
 
+def llm_server_routing(config: AppConfig) -> dict:
+    """The LLM server's Serve options for checkpoint-aware routing (none when it is off):
+    the router and its kwargs (deployments/checkpoint_router.py)."""
+    if not config.checkpoint_routing:
+        return {}
+    threshold = config.routing_queue_threshold or config.engine.max_num_seqs
+    return {"request_router_config": RequestRouterConfig(
+        request_router_class=CheckpointAwareRouter,
+        request_router_kwargs={"model_dir": config.engine.model_dir,
+                               "queue_threshold": threshold})}
+
+
 def build_app(args: dict) -> Application:
     """Build the application from serve_config.yaml `args` (a dict) or an AppConfig.
 
@@ -71,7 +87,8 @@ def build_app(args: dict) -> Application:
     ).bind(config.engine.model_dir)
     llm_server = LLMServer.options(
         ray_actor_options=llm_server_resources(config),
-        health_check_period_s=config.health_check_period_s, **serve_options
+        health_check_period_s=config.health_check_period_s, **serve_options,
+        **llm_server_routing(config)
     ).bind(config)
     limits = RequestLimits(
         max_body_bytes=config.max_body_bytes, max_requests_in_flight=config.max_requests_in_flight,

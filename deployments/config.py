@@ -76,6 +76,20 @@ class AppConfig(BaseModel):
                     "replica that is at max_ongoing_requests; beyond it a request gets HTTP "
                     "503 with Retry-After (Serve's max_queued_requests).")
 
+    checkpoint_routing: bool = Field(
+        False,
+        description="Send each generation to the LLM server replica that holds its prompt's "
+                    "longest checkpoint (deployments/checkpoint_router.py), through a cluster "
+                    "index actor the replicas report to (README.md, Checkpoints across "
+                    "replicas). Off by default: with one replica it gains nothing; turn it on "
+                    "with several.")
+    routing_queue_threshold: int | None = Field(
+        None, ge=1,
+        description="With checkpoint_routing, a holder with this many requests in flight or "
+                    "more is overloaded and the request goes to Serve's power-of-two choice "
+                    "instead. Unset: engine.max_num_seqs (beyond a full batch a request waits "
+                    "in the holder's queue).")
+
     # Ray resources (logical CPUs) and Serve request limits.
     ingress_num_cpus: float = Field(0.1, ge=0, description="Ray CPUs of each ingress replica.")
     renderer_num_cpus: float = Field(0.1, ge=0, description="Ray CPUs of each renderer replica.")

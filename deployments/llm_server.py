@@ -11,6 +11,11 @@
 With rank actors the engine reaches them through RayWorkerExecutor: one actor call to rank 0
 per step, which broadcasts the step to the other ranks (engine/rank_worker.py). Why the step
 loop, and with one rank the model, live in the replica: docs/design.md section 6.
+
+With checkpoint_routing a background task reports the engine's published and dropped
+checkpoints to the application's cluster index (deployments/checkpoint_reporter.py), in one
+batched actor call every REPORT_PERIOD_S; without it the same task drains the events and
+discards them (the engine's feed is bounded, but nobody else empties it).
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ import torch
 from ray import serve
 from ray.actor import ActorHandle
 
+from deployments.checkpoint_index import get_or_create_index
+from deployments.checkpoint_reporter import ActorIndexClient, CheckpointReporter
 from deployments.config import AppConfig
 from deployments.errors import as_api_error
 from deployments.metrics import EngineMetricsExporter
@@ -36,6 +43,7 @@ from engine.llm_engine import EngineStats, LLMEngine, PoolUsage, RequestOutput
 # timeout catches, e.g. outside the model's collectives).
 STEP_STALL_S = 600.0
 RANK_PING_TIMEOUT_S = 10.0
+DISCARD_EVENTS_PERIOD_S = 1.0
 
 
 def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
@@ -114,6 +122,29 @@ async def replica_health(engine: AsyncLLMEngine, executor: RayWorkerExecutor | N
         await executor.check_health(RANK_PING_TIMEOUT_S)
 
 
+def checkpoint_reporter(engine: AsyncLLMEngine) -> CheckpointReporter:
+    """This replica's reporter to its application's index (created by the first replica that
+    needs it). Call inside a Serve replica."""
+    context = serve.get_replica_context()
+    app_name = context.app_name
+
+    async def connect() -> ActorIndexClient:
+        return ActorIndexClient(await asyncio.to_thread(get_or_create_index, app_name))
+
+    return CheckpointReporter(context.replica_id.unique_id, engine.drain_checkpoint_events,
+                              connect)
+
+
+async def discard_events(engine: AsyncLLMEngine) -> None:
+    """Drain and drop the engine's checkpoint events (no index to report them to)."""
+    while True:
+        try:
+            await engine.drain_checkpoint_events()
+        except Exception:  # a dead step loop: the health check reports it
+            pass
+        await asyncio.sleep(DISCARD_EVENTS_PERIOD_S)
+
+
 @serve.deployment
 class LLMServer:
     """One model replica: runs the engine (and with one rank the model), streams generations.
@@ -146,6 +177,12 @@ class LLMServer:
         self._num_aborted = 0
         # the engine's counters, pools and queues to Ray's metrics each second, off the step thread
         self._metrics_export = asyncio.create_task(EngineMetricsExporter(engine).run())
+        self._reporter: CheckpointReporter | None = None
+        if config.checkpoint_routing:
+            self._reporter = checkpoint_reporter(self._engine)
+            self._checkpoint_events = asyncio.create_task(self._reporter.run())
+        else:
+            self._checkpoint_events = asyncio.create_task(discard_events(self._engine))
 
     def model_info(self) -> ModelInfo:
         return self._info
@@ -198,6 +235,9 @@ class LLMServer:
 
     def __del__(self) -> None:
         try:
+            self._checkpoint_events.cancel()
+            if self._reporter is not None:
+                self._reporter.close()  # the index forgets this replica's checkpoints
             self._engine.shutdown()
             if self._workers is not None:
                 self._workers.shutdown()

@@ -13,6 +13,10 @@ Each replica's series are its own, so `sum(...)` in PromQL adds up replicas and 
                          loop, the engine's cumulative counters (EngineStats) become Counter
                          increments (the delta since the last export) and its pools and queues
                          gauges; nothing on a request's path, nothing on the step thread
+    checkpoint router    RoutingMetrics (in each process that routes to the LLM server, the
+                         ingress): requests sent to a checkpoint's holder, fallbacks by reason
+    checkpoint index     IndexMetrics (the application's index actor, not a Serve replica: it
+                         sets the `application` tag itself): records and bytes it describes
 
 METRICS lists every metric; `exported_names()` the names Prometheus sees (dashboards/ uses
 them). Ray's histograms export `_sum` from bucket midpoints, so only the buckets and `_count`
@@ -136,10 +140,32 @@ CHECKPOINT_BYTES = MetricSpec(
     "hybrid_serve_checkpoint_bytes", "gauge",
     "Bytes held by checkpoints outside the shared KV blocks.")
 
+# ----- checkpoint-aware routing (deployments/checkpoint_router.py) and the cluster index
+ROUTED_TO_HOLDER = MetricSpec(
+    "hybrid_serve_routed_to_checkpoint_holder", "counter",
+    "Generation requests the checkpoint-aware router sent to a replica holding the prompt's "
+    "longest checkpoint.")
+ROUTING_FALLBACKS = MetricSpec(
+    "hybrid_serve_routing_fallbacks", "counter",
+    "Generation requests the checkpoint-aware router left to power-of-two choices, by reason: "
+    "no_holder (no replica holds a prefix), overloaded (every holder at routing_queue_threshold "
+    "or more), no_tokens (no prompt token ids), index_unavailable (no current index mirror).",
+    ("reason",))
+INDEX_RECORDS = MetricSpec(
+    "hybrid_serve_checkpoint_index_records", "gauge",
+    "Checkpoints the application's cluster index lists (one per replica holding it).",
+    ("application",))
+INDEX_BYTES = MetricSpec(
+    "hybrid_serve_checkpoint_index_bytes", "gauge",
+    "Bytes of the checkpoints the cluster index lists (the bundles' own bytes, outside shared "
+    "KV blocks).", ("application",))
+
 METRICS = (REQUESTS, OUTPUT_TOKENS, TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY, REQUEST_LATENCY,
            BOUNDARY_REJECTIONS, CHECKPOINT_EVENTS_TOTAL, PROMPT_TOKENS_RESTORED,
            PROMPT_TOKENS_COMPUTED, PREEMPTIONS, FAILED_STEPS, REQUESTS_FAILED, ENGINE_REQUESTS,
-           KV_BLOCKS, STATE_SLOTS, CHECKPOINTS, CHECKPOINT_BYTES)
+           KV_BLOCKS, STATE_SLOTS, CHECKPOINTS, CHECKPOINT_BYTES, ROUTED_TO_HOLDER,
+           ROUTING_FALLBACKS, INDEX_RECORDS, INDEX_BYTES)
+ROUTING_FALLBACK_REASONS = ("no_holder", "overloaded", "no_tokens", "index_unavailable")
 
 
 def exported_names() -> frozenset[str]:
@@ -259,3 +285,32 @@ class EngineMetricsExporter:
     def _set(self, spec: MetricSpec, by_state: dict[str, int]) -> None:
         for state, value in by_state.items():
             self._gauges[spec.name].set(value, tags={"state": state})
+
+
+class RoutingMetrics:
+    """The checkpoint-aware router's decisions. Create in the routing process (the ingress
+    replica, which adds Serve's tags)."""
+
+    def __init__(self) -> None:
+        self._to_holder = ROUTED_TO_HOLDER.create()
+        self._fallbacks = ROUTING_FALLBACKS.create()
+
+    def record(self, reason: str) -> None:
+        """Count one request: "holder", or one of ROUTING_FALLBACK_REASONS."""
+        if reason == "holder":
+            self._to_holder.inc()
+        else:
+            self._fallbacks.inc(tags={"reason": reason})
+
+
+class IndexMetrics:
+    """The cluster index's size, set by the index actor after each change."""
+
+    def __init__(self, app_name: str) -> None:
+        self._tags = {"application": app_name}
+        self._records = INDEX_RECORDS.create()
+        self._bytes = INDEX_BYTES.create()
+
+    def set(self, records: int, num_bytes: int) -> None:
+        self._records.set(records, tags=self._tags)
+        self._bytes.set(num_bytes, tags=self._tags)
