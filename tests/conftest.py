@@ -2,12 +2,16 @@
 
 `ray_session` starts Ray once per pytest session (only for tests that ask for it, so unit and
 numerics tests never pay for it) and shuts it down at the end. It is sized for a 2-core CI box:
-4 logical CPUs so fractional actors fit, a 256 MiB object store, no dashboard.
+4 logical CPUs so fractional actors fit, a 256 MiB object store, no dashboard. The Serve
+fixtures on top of it are in tests/e2e/serve_fixtures.py.
 """
 
 from __future__ import annotations
 
 import pytest
+
+# The Serve session (one Serve instance and app per pytest session) for every Serve test directory.
+pytest_plugins = ("tests.e2e.serve_fixtures",)
 
 RAY_NUM_CPUS = 4
 RAY_OBJECT_STORE_BYTES = 256 * 1024 * 1024
