@@ -141,7 +141,7 @@ class CheckpointExchange:
     def _reject(self, rejected: Rejected, exported: object) -> ImportResult:
         reason = rejected.reason
         self.counters.rejected[reason.value] = self.counters.rejected.get(reason.value, 0) + 1
-        header = getattr(exported, "header", None)
         logger.warning("checkpoint import rejected (%s): %s", reason.value, rejected.detail)
-        num_tokens = len(getattr(header, "token_ids", ()) or ())
+        tokens = getattr(getattr(exported, "header", None), "token_ids", None)
+        num_tokens = len(tokens) if isinstance(tokens, tuple) else 0
         return ImportResult(False, rejection=reason, detail=rejected.detail, num_tokens=num_tokens)

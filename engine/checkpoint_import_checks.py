@@ -30,8 +30,8 @@ import torch
 from cache.checkpoint_ledger import CheckpointKind
 from engine.cache_capacity import mamba_state_shape
 from engine.checkpoint_transfer import (
-    FORMAT_VERSION, CheckpointShard, ExportedCheckpoint, ModelIdentity, ShardLayout,
-    checkpoint_digest, shard_checksum,
+    FORMAT_VERSION, CheckpointHeader, CheckpointShard, ExportedCheckpoint, ModelIdentity,
+    ShardLayout, checkpoint_digest, shard_checksum,
 )
 from engine.model_config import HybridModelConfig
 from engine.shard_layout import rank_shard_layout, width
@@ -110,13 +110,15 @@ def _check_header(exported: ExportedCheckpoint, expected: ImportExpectations) ->
     """The header is well formed and there is one shard per rank, in order."""
     header = exported.header
     bad = lambda detail: Rejected(ImportRejection.MALFORMED, detail)  # noqa: E731
+    if not isinstance(header, CheckpointHeader) or not isinstance(exported.shards, (tuple, list)):
+        return bad("the header or the shards are not what export_checkpoint makes")
     if header.format_version != FORMAT_VERSION:
         return bad(f"format version {header.format_version}, this engine reads {FORMAT_VERSION}")
     if header.kind not in {kind.value for kind in CheckpointKind}:
         return bad(f"unknown kind {header.kind!r}")
     tokens = header.token_ids
-    if not tokens or len(tokens) > expected.max_model_len:
-        return bad(f"{len(tokens)} tokens, not in [1, {expected.max_model_len}]")
+    if not isinstance(tokens, tuple) or not tokens or len(tokens) > expected.max_model_len:
+        return bad(f"token ids must be a tuple of 1 to {expected.max_model_len}")
     if any(not isinstance(t, int) or not 0 <= t < expected.vocab_size for t in tokens):
         return bad(f"token ids outside [0, {expected.vocab_size})")
     if len(header.layouts) != header.tensor_parallel_size or len(exported.shards) != header.tensor_parallel_size:

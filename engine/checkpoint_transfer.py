@@ -134,7 +134,7 @@ class ExportedCheckpoint:
     """A published bundle, ready to cross to another engine: header and one shard per rank."""
 
     header: CheckpointHeader
-    shards: tuple[CheckpointShard, ...]  # shards[r] is rank r's
+    shards: tuple[CheckpointShard, ...]  # shards[r] is rank r's (a list is accepted too)
 
     @property
     def nbytes(self) -> int:
