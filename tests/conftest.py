@@ -10,8 +10,15 @@ from __future__ import annotations
 
 import pytest
 
-# The Serve session (one Serve instance and app per pytest session) for every Serve test directory.
-pytest_plugins = ("tests.e2e.serve_fixtures",)
+# The Serve session (one Serve instance and app per pytest session) for every Serve test
+# directory; only where Ray Serve is installed (the GPU machine runs tests/gpu without it).
+try:
+    import pydantic  # noqa: F401
+    import ray.serve  # noqa: F401
+except ImportError:
+    pytest_plugins: tuple[str, ...] = ()
+else:
+    pytest_plugins = ("tests.e2e.serve_fixtures",)
 
 RAY_NUM_CPUS = 4
 RAY_OBJECT_STORE_BYTES = 256 * 1024 * 1024
