@@ -70,19 +70,22 @@ class CheckpointIndex:
     async def report(self, report: ReplicaReport) -> ReportAck:
         """SharedIndex.apply_report."""
         self._start_watching()
+        version = self._index.version
         ack = self._index.apply_report(report)
-        self._after_change()
+        self._after_change(version)
         return ack
 
     async def remove_replica(self, replica_id: str) -> None:
         """SharedIndex.remove_replica (idempotent)."""
+        version = self._index.version
         self._index.remove_replica(replica_id)
-        self._after_change()
+        self._after_change(version)
 
     async def set_stored_copy(self, key: RecordKey, copy: StoredCopy | None) -> bool:
         """SharedIndex.set_stored_copy (for the object-store tier)."""
+        version = self._index.version
         found = self._index.set_stored_copy(key, copy)
-        self._after_change()
+        self._after_change(version)
         return found
 
     async def changes_since(self, incarnation: str | None, version: int,
@@ -116,8 +119,11 @@ class CheckpointIndex:
             self._changed = asyncio.Event()
         return self._changed
 
-    def _after_change(self) -> None:
-        """Wake the long polls, update the size gauges."""
+    def _after_change(self, version_before: int) -> None:
+        """If the index changed since `version_before` (a heartbeat changes nothing): wake the
+        long polls, update the size gauges."""
+        if self._index.version == version_before:
+            return
         event, self._changed = self._change_event(), asyncio.Event()
         event.set()
         stats = self._index.stats()

@@ -234,10 +234,13 @@ class LLMServer:
         return list(self._workers.ranks) if self._workers is not None else []
 
     def __del__(self) -> None:
+        reporter = getattr(self, "_reporter", None)
+        if reporter is not None:
+            reporter.close()  # the index forgets this replica's checkpoints (fire and forget)
+        events = getattr(self, "_checkpoint_events", None)
+        if events is not None:
+            events.cancel()
         try:
-            self._checkpoint_events.cancel()
-            if self._reporter is not None:
-                self._reporter.close()  # the index forgets this replica's checkpoints
             self._engine.shutdown()
             if self._workers is not None:
                 self._workers.shutdown()
