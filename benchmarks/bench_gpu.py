@@ -9,7 +9,9 @@ starts (loads, captures its CUDA graphs, compiles its kernels) once.
 Writes one bench.json per pass, in this order (each as soon as it is done, so a run stopped at
 its time limit keeps what it finished), as OUT/gpu-<pass>.json:
   instruction-sweep                     shared-instructions at 500..12,000 instruction tokens,
-                                        [prompt, response] vs all three slots, concurrency 1;
+                                        [prompt, response] vs all three slots, concurrency 1,
+                                        48 requests a length (the first of each of the 4
+                                        system prompts is a cold prefill in both settings);
   shared-instructions-c{C}              shared-instructions, all four settings, concurrency C;
   workloads-c{C}                        the other four workloads, all four settings.
 Redraw the report and plots with `hybrid-serve-bench report <bench.json>` (benchmarks/results/
@@ -72,7 +74,7 @@ def passes(quick: bool, concurrency: list[int]) -> list[tuple[str, list[tuple[st
         common = ["--max-tokens", "16", "--rounds", "4"]
     out = [("instruction-sweep", list(SWEEP_POLICIES),
             ["--workload", "shared-instructions", "--instruction-tokens", *lengths,
-             "--requests", "16" if not quick else "4", "--concurrency", "1", *common])]
+             "--requests", "48" if not quick else "4", "--concurrency", "1", *common])]
     for c in concurrency:
         sizes = {"r": str(max(48, 2 * c)), "c4": str(max(8, c // 2))}
         out.append((f"shared-instructions-c{c}", list(POLICIES),
@@ -159,10 +161,13 @@ def run_pass(name: str, argv: list[str], chosen: list[tuple[Target, dict]], out_
     run = parse_args(argv)
     counter, workloads = prepare(run)
     targets, configs = [t for t, _ in chosen], [c for _, c in chosen]
-    # each workload's first `concurrency` first turns, at once, per engine: the kernels
-    # compile and autotune for this pass's shapes unmeasured
-    asyncio.run(warm_up(targets, [c.turns[0].new_messages for w in workloads
-                                  for c in w.conversations[:run.concurrency]]))
+    # each workload's first `concurrency` first turns, at once, per engine, then the next
+    # `concurrency` (which restore what the first left): the kernels compile and autotune for
+    # this pass's shapes unmeasured (the Triton kernels specialize on the step's composition:
+    # on the H200 a burst of 64 spent seconds a step compiling, benchmarks/ttft_anatomy.py)
+    c = run.concurrency
+    asyncio.run(warm_up(targets, [x.turns[0].new_messages for w in workloads for x in w.conversations[:c]],
+                        then=[x.turns[0].new_messages for w in workloads for x in w.conversations[c:2 * c]]))
     target_dicts, rows, records = measure_engines(run, targets, configs, workloads, counter)
     run.out_dir = out_dir
     paths = write_result(run, argv, target_dicts, rows, records, workloads, counter)

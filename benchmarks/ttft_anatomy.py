@@ -193,6 +193,45 @@ def async_pass(engine, rng, quick: bool, switch_interval_s: float | None = None)
     return rows
 
 
+def burst_pass(engine, rng, quick: bool, restore: bool, num: int) -> dict:
+    """`num` requests added at once, each 16 tokens: 2,000-token instructions (their checkpoint
+    captured first when `restore`, else a fresh namespace each) and 50-500 user tokens. Every
+    step until the last first token: wall time, chunks, tokens, restores, captures; the TTFTs."""
+    length = 300 if quick else 2000
+    instructions, salt = ids(rng, length), uuid.uuid4().hex
+    if restore:
+        ttft(engine, request(instructions + ids(rng, 100), length, salt))
+    from engine.generation_request import GenerationRequest
+    from engine.sampling_params import SamplingParams
+
+    reqs = [GenerationRequest(uuid.uuid4().hex, instructions + ids(rng, rng.randint(50, 500)),
+                              SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
+                              instruction_boundary=length, cache_salt=salt if restore else uuid.uuid4().hex)
+            for _ in range(num)]
+    sync(engine.config.device)
+    start = time.perf_counter()
+    for req in reqs:
+        engine.add_request(req)
+    first: dict[str, float] = {}
+    steps = []
+    while engine.has_unfinished_requests():
+        t0 = time.perf_counter()
+        outputs = engine.step()
+        wall = time.perf_counter() - t0
+        trace = engine.last_step
+        for out in outputs:
+            if out.new_token_ids and out.request_id not in first:
+                first[out.request_id] = time.perf_counter() - start
+        if len(first) < num and trace is not None:
+            so = trace.scheduler_output
+            steps.append({"wall_ms": round(wall * 1e3, 2), "chunks": len(so.chunks),
+                          "tokens": sum(len(c.token_ids) for c in so.chunks),
+                          "restores": len(so.restores), "captures": len(so.captures)})
+    ttfts = sorted(first.values())
+    return {"restore": restore, "requests": num, "ttft_p50_ms": round(statistics.median(ttfts) * 1e3, 1),
+            "ttft_max_ms": round(ttfts[-1] * 1e3, 1), "steps": steps}
+
+
 def host_profile(engine, req) -> str:
     profiler = cProfile.Profile()
     profiler.enable()
@@ -248,6 +287,12 @@ def main() -> None:
         result["restore_p50_ms"] = {k: statistics.median(v) for k, v in by_length.items()}
         text.append(f"restore TTFT p50 by L: {result['restore_p50_ms']}")
         print("\n".join(text[-len(result['restores']) - 2:]), flush=True)
+        for restore in (False, True):
+            burst = burst_pass(engine, rng, args.quick, restore, 8 if args.quick else 64)
+            result[f"burst_restore_{restore}"] = burst
+            text.append(f"burst, restore={restore}: TTFT p50 {burst['ttft_p50_ms']} ms, max {burst['ttft_max_ms']} ms")
+            text += [f"  {st}" for st in burst["steps"]]
+            print("\n".join(text[-len(burst['steps']) - 1:]), flush=True)
         new_length = 3001 if not args.quick else 333
         text.append(f"cProfile, cold prompt of a new length ({new_length}):")
         text.append(host_profile(engine, request(ids(rng, new_length), None, uuid.uuid4().hex)))

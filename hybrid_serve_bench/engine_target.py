@@ -131,19 +131,23 @@ def engine_targets(policies: list[tuple[str, ...]], base_config, served_model_na
             engine.shutdown()
 
 
-async def warm_up(targets: list[Target], conversations: list[list[dict]], max_tokens: int = 4) -> None:
-    """Send all of `conversations` to each target at once (one target after the other), under
-    a salt of its own (so nothing they leave is restored later): a new engine's first steps of
-    a shape compile and autotune kernels, which must stay out of the measured requests.
+async def warm_up(targets: list[Target], conversations: list[list[dict]], max_tokens: int = 4,
+                  then: list[list[dict]] = ()) -> None:
+    """Send all of `conversations` to each target at once (one target after the other), then
+    all of `then` the same way, under a salt of their own (so nothing they leave is restored
+    later, while `then` restores what `conversations` left): a new engine's first steps of a
+    shape compile and autotune kernels, which must stay out of the measured requests, and the
+    steps of a burst that restores differ from those of one that computes.
     Raises if one fails."""
     salt = f"warm-up-{uuid.uuid4().hex[:8]}"
-    for target in targets:
-        results = await asyncio.gather(*(target.chat(ChatRequest(
-            target.model, messages, max_tokens, extra_body={"cache_salt": salt, "ignore_eos": True}))
-            for messages in conversations))
-        failed = [r.error for r in results if r.error]
-        if failed:
-            raise RuntimeError(f"warm-up request to {target.label} failed: {failed[0]}")
+    for batch in (conversations, then):
+        for target in targets:
+            results = await asyncio.gather(*(target.chat(ChatRequest(
+                target.model, messages, max_tokens, extra_body={"cache_salt": salt, "ignore_eos": True}))
+                for messages in batch))
+            failed = [r.error for r in results if r.error]
+            if failed:
+                raise RuntimeError(f"warm-up request to {target.label} failed: {failed[0]}")
 
 
 def device_name(device: str) -> str:

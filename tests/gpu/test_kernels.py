@@ -251,18 +251,20 @@ def test_paged_attention_prefill_gqa(device, dtype, num_splits, heads_per_progra
                          heads_per_program=heads_per_program)
 
 
-def test_causal_attention_from_start(device):
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("Hkv", [4, 16])  # grouped KV heads (repeated before SDPA) and not
+def test_causal_attention_from_start(device, dtype, tol, Hkv):
     from engine.kernels.gpu.paged_attention import causal_attention_from_start
 
     torch.manual_seed(6)
-    n, H, Hkv, Dh = 100, 16, 4, 128
-    key_cache, value_cache, tables = _paged_setup(device, [n], Hkv=Hkv, Dh=Dh)
+    n, H, Dh = 100, 16, 128
+    key_cache, value_cache, tables = _paged_setup(device, [n], Hkv=Hkv, Dh=Dh, dtype=dtype)
     table = torch.tensor(tables[0], device=device)
     flat = lambda cache: cache[table].reshape(-1, Hkv, Dh)[:n]  # noqa: E731
-    query = torch.randn(n, H, Dh, device=device, dtype=torch.bfloat16)
+    query = torch.randn(n, H, Dh, device=device, dtype=dtype)
     out = causal_attention_from_start(query, flat(key_cache), flat(value_cache), Dh**-0.5)
     ref = paged_attention(query.float(), key_cache.float(), value_cache.float(), table, 0, Dh**-0.5)
-    assert relative_error(out, ref) < 1e-2
+    assert out.dtype == dtype and relative_error(out, ref) < tol
 
 
 @needs_log1p
