@@ -69,12 +69,15 @@ class Bundle:
 
 
 class BundleListener(Protocol):
-    """Told, on the thread that changes the ledger, when a bundle becomes visible to lookups
-    and when a visible one is dropped (evicted). Must not call back into the ledger."""
+    """Told, on the thread that changes the ledger, when a bundle becomes visible to lookups,
+    when a visible one is dropped (evicted) and when lookup returns one (a hit). Must not call
+    back into the ledger."""
 
     def published(self, bundle: Bundle) -> None: ...
 
     def dropped(self, bundle: Bundle) -> None: ...
+
+    def hit(self, bundle: Bundle) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -239,7 +242,7 @@ class CheckpointLedger:
 
         A bundle covering the whole prompt is returned too. On a hit the bundle (and therefore
         its blocks) cannot be evicted until unpin(bundle_id); it becomes most recently used and
-        is counted as a hit. None changes nothing.
+        is counted as a hit (and the listener told). None changes nothing.
         """
         match = self.index.longest_prefix(namespace, prompt_ids)
         if match is None:
@@ -248,6 +251,8 @@ class CheckpointLedger:
         bundle.pin_count += 1
         self._touch(bundle)
         self.counters[bundle.kind].hit += 1
+        if self.listener is not None:
+            self.listener.hit(bundle)
         return Hit(bundle.bundle_id, match.num_tokens, bundle.kind, bundle.block_ids)
 
     def unpin(self, bundle_id: BundleId) -> None:

@@ -104,6 +104,14 @@ class AsyncLLMEngine:
         """LLMEngine.drain_checkpoint_events, run on the step thread between steps."""
         return await self._on_step_thread(self.engine.drain_checkpoint_events)
 
+    async def drain_checkpoint_hits(self) -> dict[int, int]:
+        """LLMEngine.drain_checkpoint_hits, run on the step thread between steps."""
+        return await self._on_step_thread(self.engine.drain_checkpoint_hits)
+
+    async def longest_checkpoint(self, namespace: tuple[str, str], token_ids: tuple[int, ...]) -> int:
+        """LLMEngine.longest_checkpoint, run on the step thread between steps."""
+        return await self._on_step_thread(lambda: self.engine.longest_checkpoint(namespace, token_ids))
+
     async def export_checkpoint(
         self, namespace: tuple[str, str], token_ids: tuple[int, ...],
     ) -> ExportedCheckpoint | None:

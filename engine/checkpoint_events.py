@@ -10,6 +10,10 @@ events in batches, off the request path.
     "dropped"    a published bundle left (evicted); a pending bundle that never publishes
                  (unconfirmed, duplicate, abandoned) produces no event at all
 
+Hits (a lookup returned a published bundle) are not events: the feed counts them per bundle
+(`drain_hits`), so a replica can tell which bundles are worth exporting and how hot each is,
+at the cost of one integer per bundle hit since the last drain.
+
 Events come out oldest first. The feed is bounded: an engine nobody drains keeps the newest
 `capacity` events, forgets older ones and counts them in `num_lost` (a reader that sees it grow
 should resynchronise rather than trust its picture of the replica). Not thread-safe: the ledger
@@ -50,6 +54,7 @@ class CheckpointEventFeed:
         self.capacity = capacity
         self.num_lost = 0  # events forgotten because nobody drained them in time
         self._events: deque[CheckpointEvent] = deque()
+        self._hits: dict[int, int] = {}  # bundle id -> hits since the last drain_hits
 
     def __len__(self) -> int:
         return len(self._events)
@@ -61,6 +66,16 @@ class CheckpointEventFeed:
     def dropped(self, bundle: Bundle) -> None:
         """The ledger dropped the published `bundle` (BundleListener)."""
         self._append(_event("dropped", bundle))
+
+    def hit(self, bundle: Bundle) -> None:
+        """A lookup returned the published `bundle` (BundleListener): counted, no event."""
+        self._hits[bundle.bundle_id] = self._hits.get(bundle.bundle_id, 0) + 1
+
+    def drain_hits(self) -> dict[int, int]:
+        """{bundle id: hits} since the last drain_hits; empty afterwards. A bundle dropped since
+        may still appear (its id is never reused)."""
+        hits, self._hits = self._hits, {}
+        return hits
 
     def drain(self) -> list[CheckpointEvent]:
         """Every event since the last drain, oldest first; the feed is empty afterwards."""

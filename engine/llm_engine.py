@@ -206,6 +206,18 @@ class LLMEngine:
         (engine/checkpoint_events.py). Step thread only."""
         return self.checkpoint_events.drain()
 
+    def drain_checkpoint_hits(self) -> dict[int, int]:
+        """{bundle id: times a lookup returned it} since the last drain (the cluster index's
+        hotness and the replica's "worth exporting" signal). Step thread only."""
+        return self.checkpoint_events.drain_hits()
+
+    def longest_checkpoint(self, namespace: tuple[str, str], token_ids: Sequence[int]) -> int:
+        """Tokens covered by the longest published checkpoint that is a prefix of `token_ids`
+        in `namespace` (0: none). Pins, touches and counts nothing. Step thread only."""
+        match = self.scheduler.cache.ledger.index.longest_prefix(
+            (namespace[0], namespace[1] or ""), tuple(token_ids))
+        return 0 if match is None else match.num_tokens
+
     def export_checkpoint(self, namespace: tuple[str, str], token_ids: Sequence[int]) -> ExportedCheckpoint | None:
         """The published checkpoint covering exactly `token_ids` in `namespace` ((model_dir,
         cache_salt or "")), with every rank's shard as CPU tensors, or None when none is held
