@@ -1,0 +1,451 @@
+"""Cluster routing: the shared-instructions workload on 3 LLM server replicas with Serve's
+default router, with checkpoint-aware routing, and with routing plus checkpoint transfer.
+
+    .venv/bin/python benchmarks/cluster_routing.py                # the documented run
+    .venv/bin/python benchmarks/cluster_routing.py --requests 12 --rounds 1 --out /tmp/cr.json
+
+Starts Ray (256 MiB object store) and one Serve instance (HTTP on --port), then for each
+round and each mode, in an order rotated every round (so a slow drift of the shared machine
+hits every mode alike), one after the other:
+  1. deploys deployments.app:build_app on the embedded tiny model with --replicas LLM server
+     replicas (small fractional CPUs, one torch thread each) and the mode's keys:
+       default           checkpoint_routing false (Serve's power-of-two router)
+       routing           checkpoint_routing true
+       routing+transfer  checkpoint_routing true, checkpoint_transfer true
+     (a mode whose AppConfig key does not exist in this checkout is skipped, with the reason
+     printed and written to the JSON);
+  2. warms every replica up (short requests under a salt of their own, until each replica's
+     engine has computed a prompt);
+  3. reads every replica's engine counters, drives the shared-instructions workload of
+     hybrid_serve_bench (S system prompts of L tokens, one distinct user message a request,
+     a closed loop of --concurrency clients, streamed over HTTP) under a cache_salt of its own
+     (fresh per mode and round: no pass restores another's checkpoints), reads the counters
+     again;
+  4. deletes the app (its checkpoint index actor ends with it).
+
+Per-replica counters: `LLMServer.engine_stats()` is called on each replica actor of the app
+(named `SERVE_REPLICA::<app>#LLMServer#<id>` in Serve's namespace) through the replica's
+`handle_request` entry point, the call a Serve handle makes once its router picked that
+replica; a handle call would reach one replica its router picks. That entry point is internal
+to Serve (Ray 2.60): should it change, the bytes columns read "-" and the JSON says why.
+Bytes moved between replicas = the sum over replicas of `EngineStats.transfers.imported_bytes`
+(checkpoint shards published on a replica from another's export) between the two reads;
+exported bytes (put into the object store) are recorded beside it. Both are 0 without transfer.
+
+Token hit rate = cached tokens (usage.prompt_tokens_details.cached_tokens) / shareable tokens
+(hybrid_serve_bench/accounting.py: on this workload the system prompt of every request but the
+first of its system prompt in the pass), summed over a mode's rounds. TTFT percentiles are
+nearest-rank over every successful request of the mode.
+
+Writes --out (default results/cluster_routing.json: the command, each mode's app config, the
+summary rows, per-round rows, per-replica counters and every request's record) and prints a
+Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import pickle
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from harness import add_out_argument, markdown_table, write_result
+
+BENCHMARK = "cluster_routing"
+MODEL_NAME = "hybrid-serve-tiny"
+ROUTE_PREFIX = "/cluster-routing"
+LLM_SERVER = "LLMServer"
+# each replica: 0.05 + 0.25 Ray CPUs and one torch thread (as tests/cluster_checkpoints)
+SMALL_CPUS = dict(worker_num_cpus=0.25, llm_server_num_cpus=0.05, ingress_num_cpus=0.05,
+                  renderer_num_cpus=0.05)
+WARM_UP_ROUNDS = 5
+
+
+@dataclass(frozen=True)
+class Mode:
+    """A router setting: its name (the table's row) and the AppConfig keys it sets."""
+
+    name: str
+    keys: dict
+
+
+MODES = (
+    Mode("default", {"checkpoint_routing": False}),
+    Mode("routing", {"checkpoint_routing": True}),
+    Mode("routing+transfer", {"checkpoint_routing": True, "checkpoint_transfer": True}),
+)
+MODE_NAMES = tuple(m.name for m in MODES)
+
+ROW_FIELDS = ("mode", "rounds", "requests", "errors", "cached_tokens", "shareable_tokens",
+              "token_hit_rate", "hit_rate_by_round", "ttft_p50_ms", "ttft_p95_ms",
+              "prompt_tokens", "prompt_tokens_computed", "imports", "imported_bytes", "exports",
+              "exported_bytes", "import_rejections", "wall_s")
+
+
+# ----- pure parts (tests/bench/test_cluster_routing.py)
+
+def select_modes(names: Sequence[str], app_fields: Sequence[str]) -> tuple[list[Mode], dict[str, str]]:
+    """The modes named (in MODES order) whose keys AppConfig has (`app_fields`), and for each
+    named mode left out the reason."""
+    unknown = sorted(set(names) - set(MODE_NAMES))
+    if unknown:
+        raise ValueError(f"unknown mode(s) {unknown}; choose from {list(MODE_NAMES)}")
+    chosen, skipped = [], {}
+    for mode in MODES:
+        if mode.name not in names:
+            continue
+        missing = sorted(set(mode.keys) - set(app_fields))
+        if missing:
+            skipped[mode.name] = (f"AppConfig has no {', '.join(missing)} key in this checkout "
+                                  f"(deployments/config.py)")
+        else:
+            chosen.append(mode)
+    return chosen, skipped
+
+
+def schedule(modes: Sequence[Mode], rounds: int) -> list[tuple[int, Mode]]:
+    """(round, mode) passes: every mode once a round, the order rotated by one each round."""
+    passes = []
+    for r in range(rounds):
+        k = r % len(modes) if modes else 0
+        passes += [(r, mode) for mode in [*modes[k:], *modes[:k]]]
+    return passes
+
+
+def counters_delta(before: dict[str, dict], after: dict[str, dict]) -> dict[str, dict]:
+    """Per replica, after - before of its numeric counters (nested dicts subtracted key by
+    key; a key or replica missing from `before` counts from 0)."""
+
+    def sub(a, b):
+        if isinstance(a, dict):
+            return {k: sub(v, (b or {}).get(k)) for k, v in a.items()}
+        if isinstance(a, (int, float)) and not isinstance(a, bool):
+            return a - (b or 0)
+        return a
+
+    return {replica: sub(counters, before.get(replica, {})) for replica, counters in after.items()}
+
+
+def transfer_totals(deltas: Sequence[dict[str, dict]]) -> dict[str, int] | None:
+    """Exports, imports, their bytes and rejected imports, summed over replicas and passes
+    (counters_delta results of engine counters); None when any pass has no counters."""
+    if not deltas or any(not d for d in deltas):
+        return None
+    totals = {"imports": 0, "imported_bytes": 0, "exports": 0, "exported_bytes": 0,
+              "import_rejections": 0}
+    for delta in deltas:
+        for counters in delta.values():
+            t = counters.get("transfers") or {}
+            totals["imports"] += t.get("imported", 0)
+            totals["imported_bytes"] += t.get("imported_bytes", 0)
+            totals["exports"] += t.get("exported", 0)
+            totals["exported_bytes"] += t.get("exported_bytes", 0)
+            totals["import_rejections"] += sum((t.get("rejected") or {}).values())
+    return totals
+
+
+def summarize_mode(mode: str, records: Sequence[dict], walls: Sequence[float],
+                   deltas: Sequence[dict[str, dict]]) -> dict:
+    """One row (ROW_FIELDS) from a mode's request records over all its rounds (each with a
+    "round" key), the passes' wall times and per-replica counter deltas."""
+    from hybrid_serve_bench.stats import percentile
+
+    ok = [r for r in records if r["error"] is None]
+    cached = sum(r["cached_tokens"] or 0 for r in ok)
+    reported = any(r["cached_tokens"] is not None for r in ok)
+    shareable = sum(r["shareable_tokens"] or 0 for r in ok)
+    prompt = sum(r["prompt_tokens"] or 0 for r in ok)
+    by_round = {}
+    for r in ok:
+        tally = by_round.setdefault(r["round"], [0, 0])
+        tally[0] += r["cached_tokens"] or 0
+        tally[1] += r["shareable_tokens"] or 0
+    ttfts = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
+    p50, p95 = percentile(ttfts, 50), percentile(ttfts, 95)
+    transfers = transfer_totals(deltas) or dict.fromkeys(
+        ("imports", "imported_bytes", "exports", "exported_bytes", "import_rejections"))
+    row = {
+        "mode": mode, "rounds": len(walls), "requests": len(records),
+        "errors": len(records) - len(ok),
+        "cached_tokens": cached if reported else None, "shareable_tokens": shareable,
+        "token_hit_rate": cached / shareable if reported and shareable else None,
+        "hit_rate_by_round": [c / s if s else None for _, (c, s) in sorted(by_round.items())],
+        "ttft_p50_ms": None if p50 is None else 1000 * p50,
+        "ttft_p95_ms": None if p95 is None else 1000 * p95,
+        "prompt_tokens": prompt, "prompt_tokens_computed": prompt - cached if reported else None,
+        **transfers, "wall_s": sum(walls),
+    }
+    assert tuple(row) == ROW_FIELDS
+    return row
+
+
+def _num(value, fmt: str = "{:,.1f}") -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def _bytes(value: int | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value / 2**20:,.1f} MiB" if value >= 2**20 else f"{value:,} B"
+
+
+def format_table(rows: Sequence[dict]) -> str:
+    """The Markdown table: one line per mode."""
+    header = ["mode", "requests (errors)", "token hit rate", "by round", "cached / shareable tokens",
+              "TTFT p50 ms", "TTFT p95 ms", "prompt tokens computed", "imports (rejected)",
+              "bytes moved between replicas", "exported to object store"]
+    lines = []
+    for r in rows:
+        lines.append([
+            r["mode"], f"{r['requests']} ({r['errors']})",
+            _num(r["token_hit_rate"], "{:.3f}"),
+            " / ".join(_num(h, "{:.3f}") for h in r["hit_rate_by_round"]) or "-",
+            f"{_num(r['cached_tokens'], '{:,}')} / {r['shareable_tokens']:,}",
+            _num(r["ttft_p50_ms"]), _num(r["ttft_p95_ms"]),
+            _num(r["prompt_tokens_computed"], "{:,}"),
+            "-" if r["imports"] is None else f"{r['imports']} ({r['import_rejections']})",
+            _bytes(r["imported_bytes"]), _bytes(r["exported_bytes"])])
+    return markdown_table(header, lines)
+
+
+# ----- the deployment
+
+def stats_dict(stats) -> dict:
+    """An EngineStats as plain data (dataclasses and dicts of them)."""
+    return dataclasses.asdict(stats)
+
+
+def replica_actors(app_name: str) -> dict[str, object]:
+    """The app's LLM server replica actors by replica id (their Serve actor names)."""
+    import ray
+    from ray.serve._private.constants import SERVE_NAMESPACE
+
+    prefix = f"SERVE_REPLICA::{app_name}#{LLM_SERVER}#"
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["namespace"] == SERVE_NAMESPACE and a["name"].startswith(prefix)]
+    return {name.removeprefix(prefix): ray.get_actor(name, namespace=SERVE_NAMESPACE)
+            for name in sorted(names)}
+
+
+def replica_engine_stats(app_name: str) -> dict[str, dict]:
+    """Every LLM server replica's engine_stats() of the app, by replica id, called on each
+    replica actor through Serve's handle_request entry point (module doc)."""
+    import ray
+    from ray.serve._private.common import RequestMetadata
+
+    refs = {}
+    for replica, actor in replica_actors(app_name).items():
+        metadata = RequestMetadata(request_id=f"cluster-routing-stats-{uuid.uuid4().hex[:8]}",
+                                   internal_request_id=uuid.uuid4().hex,
+                                   call_method="engine_stats", app_name=app_name)
+        refs[replica] = actor.handle_request.remote(pickle.dumps(metadata))
+    return {replica: stats_dict(ray.get(ref, timeout=60)) for replica, ref in refs.items()}
+
+
+def app_config(mode: Mode, args: argparse.Namespace):
+    from deployments.config import AppConfig
+    from engine.config import EngineConfig
+
+    mib = 1024 * 1024
+    engine = EngineConfig(max_model_len=args.max_model_len, max_num_seqs=16,
+                          max_num_batched_tokens=512, kv_cache_bytes=32 * mib,
+                          state_cache_bytes=32 * mib, checkpoint_cache_bytes=32 * mib,
+                          checkpoint_slots=("prompt", "response", "instruction"))
+    keys = dict(mode.keys)
+    if mode.keys.get("checkpoint_routing"):
+        keys["routing_queue_threshold"] = args.routing_queue_threshold
+    return AppConfig(served_model_name=MODEL_NAME, engine=engine, **SMALL_CPUS, **keys)
+
+
+def deploy(mode: Mode, config, app_name: str, replicas: int) -> None:
+    """serve.run the app with `replicas` LLM server replicas (build_app keeps num_replicas of
+    the LLMServer deployment it binds, as tests/cluster_checkpoints does)."""
+    from ray import serve
+
+    import deployments.app
+
+    original = deployments.app.LLMServer
+    deployments.app.LLMServer = original.options(num_replicas=replicas)
+    try:
+        serve.run(deployments.app.build_app(config.model_dump()), name=app_name,
+                  route_prefix=ROUTE_PREFIX)
+    finally:
+        deployments.app.LLMServer = original
+
+
+async def _warm_request(client, url: str, salt: str, n: int) -> None:
+    from hybrid_serve_bench.client import ChatRequest, stream_chat
+
+    request = ChatRequest(MODEL_NAME, [{"role": "system", "content": f"Warm-up {n}."},
+                                       {"role": "user", "content": f"hello {n}"}], 2,
+                          extra_body={"cache_salt": salt, "ignore_eos": True})
+    result = await stream_chat(client, url, request)
+    if result.error:
+        raise RuntimeError(f"warm-up request failed: {result.error}")
+
+
+def warm_up(base_url: str, app_name: str, replicas: int) -> dict[str, int]:
+    """Short concurrent requests, in bursts, until every replica's engine computed a prompt
+    (the first request of a process pays torch's lazy start); returns prompt tokens computed
+    per replica."""
+    import httpx
+
+    url = f"{base_url}/v1/chat/completions"
+    salt = f"warm-up-{uuid.uuid4().hex[:8]}"
+
+    async def burst(start: int) -> None:
+        async with httpx.AsyncClient(timeout=120) as client:
+            await asyncio.gather(*(_warm_request(client, url, salt, start + i)
+                                   for i in range(2 * replicas)))
+
+    computed = {}
+    for b in range(WARM_UP_ROUNDS):
+        asyncio.run(burst(b * 2 * replicas))
+        computed = {r: s["scheduler"]["prompt_tokens_computed"]
+                    for r, s in replica_engine_stats(app_name).items()}
+        if len(computed) == replicas and all(computed.values()):
+            break
+    return computed
+
+
+def run_pass(mode: Mode, round_index: int, workload, counter, args, base_url: str, salt: str):
+    """The workload once against the deployed app: (records with "round", wall seconds)."""
+    from hybrid_serve_bench.runner import RunSettings, Target, run_workloads
+
+    settings = RunSettings(concurrency=args.concurrency, max_tokens=args.max_tokens, rounds=1,
+                           timeout_s=args.timeout_s, seed=args.seed, ignore_eos=True,
+                           cache_salt=salt)
+    records, passes = asyncio.run(run_workloads(
+        [Target(mode.name, base_url, MODEL_NAME)], [workload], [None], settings, counter))
+    return [{"round": round_index, **r} for r in records], passes[0].wall_s
+
+
+def measure(modes: list[Mode], args: argparse.Namespace, workload, counter) -> dict:
+    import ray
+    from ray import serve
+
+    base_url = f"http://127.0.0.1:{args.port}{ROUTE_PREFIX}"
+    run_id = uuid.uuid4().hex[:8]
+    results = {m.name: {"records": [], "walls": [], "deltas": [], "passes": []} for m in modes}
+    configs = {m.name: app_config(m, args).model_dump(mode="json") for m in modes}
+    ray.init(num_cpus=args.ray_cpus, object_store_memory=256 * 1024 * 1024,
+             include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+        for round_index, mode in schedule(modes, args.rounds):
+            app_name = f"cluster-routing-{mode.name.replace('+', '-')}-r{round_index}"
+            started = time.monotonic()
+            deploy(mode, app_config(mode, args), app_name, args.replicas)
+            deployed_s = time.monotonic() - started
+            warm = warm_up(base_url, app_name, args.replicas)
+            stats_error = None
+            try:
+                before = replica_engine_stats(app_name)
+            except Exception as exc:  # Serve's internal entry point changed (module doc)
+                before, stats_error = {}, f"{type(exc).__name__}: {exc}"
+            salt = f"cluster-routing-{run_id}-{mode.name}-r{round_index}"
+            records, wall_s = run_pass(mode, round_index, workload, counter, args, base_url, salt)
+            time.sleep(args.settle_s)  # transfers and reports finishing after the last answer
+            after, delta = {}, {}
+            if stats_error is None:
+                after = replica_engine_stats(app_name)
+                delta = counters_delta(before, after)
+            serve.delete(app_name)
+            state = results[mode.name]
+            state["records"] += records
+            state["walls"].append(wall_s)
+            state["deltas"].append(delta)
+            state["passes"].append({"round": round_index, "app": app_name, "cache_salt": salt,
+                                    "deploy_s": deployed_s, "wall_s": wall_s,
+                                    "warm_up_prompt_tokens": warm, "stats_error": stats_error,
+                                    "replica_counters_delta": delta,
+                                    "replica_counters_after": after})
+            ok = [r for r in records if r["error"] is None]
+            cached = sum(r["cached_tokens"] or 0 for r in ok)
+            shareable = sum(r["shareable_tokens"] or 0 for r in ok)
+            print(f"round {round_index} {mode.name}: {len(records)} requests "
+                  f"({len(records) - len(ok)} errors) in {wall_s:.1f} s, hit rate "
+                  f"{cached / shareable if shareable else float('nan'):.3f}; deploy "
+                  f"{deployed_s:.1f} s", flush=True)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return {"configs": configs, "results": results}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--modes", nargs="+", default=list(MODE_NAMES), choices=MODE_NAMES)
+    p.add_argument("--replicas", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=2, help="passes per mode, order rotated")
+    p.add_argument("--systems", type=int, default=4, help="S: shared system prompts")
+    p.add_argument("--instruction-tokens", type=int, default=500, help="L: tokens of each")
+    p.add_argument("--requests", type=int, default=48, help="requests per pass")
+    p.add_argument("--user-tokens", type=int, nargs=2, default=(50, 200), metavar=("MIN", "MAX"))
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--routing-queue-threshold", type=int, default=None,
+                   help="the routing modes' routing_queue_threshold (default: the app's, "
+                        "engine.max_num_seqs)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout-s", type=float, default=300.0)
+    p.add_argument("--settle-s", type=float, default=1.0,
+                   help="wait after a pass before reading the replicas' counters")
+    p.add_argument("--ray-cpus", type=int, default=4)
+    p.add_argument("--port", type=int, default=8251)
+    add_out_argument(p, BENCHMARK)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    from deployments.config import AppConfig
+    from engine.config import DEFAULT_MODEL_DIR
+    from hybrid_serve_bench.tokens import TokenizerCounter
+    from hybrid_serve_bench.workloads import Sizes, shared_instructions
+
+    modes, skipped = select_modes(args.modes, list(AppConfig.model_fields))
+    for name, reason in skipped.items():
+        print(f"skipping mode {name}: {reason}")
+    if not modes:
+        raise SystemExit("no mode to run")
+    started = time.monotonic()
+    counter = TokenizerCounter(str(DEFAULT_MODEL_DIR))
+    workload = shared_instructions(Sizes(seed=args.seed, systems=args.systems,
+                                         instruction_tokens=args.instruction_tokens,
+                                         requests=args.requests,
+                                         user_tokens=tuple(args.user_tokens)), counter)
+    measured = measure(modes, args, workload, counter)
+    rows = [summarize_mode(m.name, measured["results"][m.name]["records"],
+                           measured["results"][m.name]["walls"],
+                           measured["results"][m.name]["deltas"]) for m in modes]
+    wall_s = time.monotonic() - started
+    table = format_table(rows)
+    print(f"\n{args.replicas} replicas, {args.systems} instructions x {args.requests} requests a "
+          f"pass ({args.instruction_tokens} instruction tokens, user {args.user_tokens[0]}-"
+          f"{args.user_tokens[1]}), concurrency {args.concurrency}, {args.rounds} rounds; "
+          f"{wall_s:.0f} s in all\n")
+    print(table)
+    out = write_result(args.out, BENCHMARK, {
+        "args": vars(args),
+        "modes": {m.name: m.keys for m in modes},
+        "skipped_modes": skipped,
+        "app_configs": measured["configs"],
+        "workload": {"name": workload.name, "kind": workload.kind, "params": workload.params,
+                     "token_counter": counter.name},
+        "wall_s": wall_s,
+        "rows": rows,
+        "table": table,
+        "passes": {name: r["passes"] for name, r in measured["results"].items()},
+        "records": [r for m in modes for r in measured["results"][m.name]["records"]],
+    })
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()

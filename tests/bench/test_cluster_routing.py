@@ -1,0 +1,116 @@
+"""benchmarks/cluster_routing.py's pure parts: the modes (and skipping one this checkout cannot
+run), the rotated schedule, per-replica counter deltas, the summary row and the table. No Ray,
+no deployment."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import cluster_routing as cr  # noqa: E402  (benchmarks/ is a folder of scripts)
+
+APP_FIELDS = ["engine", "checkpoint_routing", "routing_queue_threshold", "checkpoint_transfer"]
+
+
+def record(round_index: int, cached: int | None, shareable: int, ttft_s: float | None = 0.1,
+           error: str | None = None, prompt: int = 700) -> dict:
+    return {"round": round_index, "workload": "shared-instructions", "target": "m",
+            "conversation": "c", "turn": 0, "rate": None, "start_s": 0.0, "first_chunk_s": ttft_s,
+            "ttft_s": ttft_s, "itl_s": None, "e2e_s": 0.2, "prompt_tokens": prompt,
+            "completion_tokens": 8, "cached_tokens": cached, "shareable_tokens": shareable,
+            "finish_reason": "length", "error": error}
+
+
+def counters(imported=0, imported_bytes=0, exported=0, exported_bytes=0, rejected=None,
+             computed=0) -> dict:
+    return {"scheduler": {"prompt_tokens_computed": computed, "preemptions": 0},
+            "num_checkpoints": 3,
+            "transfers": {"exported": exported, "exported_bytes": exported_bytes,
+                          "imported": imported, "imported_bytes": imported_bytes,
+                          "deduplicated": 0, "rejected": rejected or {}}}
+
+
+def test_the_three_modes_and_their_keys():
+    assert cr.MODE_NAMES == ("default", "routing", "routing+transfer")
+    keys = {m.name: m.keys for m in cr.MODES}
+    assert keys["default"] == {"checkpoint_routing": False}
+    assert keys["routing"] == {"checkpoint_routing": True}
+    assert keys["routing+transfer"] == {"checkpoint_routing": True, "checkpoint_transfer": True}
+
+
+def test_a_mode_whose_key_this_checkout_lacks_is_skipped_with_a_reason():
+    modes, skipped = cr.select_modes(list(cr.MODE_NAMES), APP_FIELDS)
+    assert [m.name for m in modes] == list(cr.MODE_NAMES) and skipped == {}
+    without = [f for f in APP_FIELDS if f != "checkpoint_transfer"]
+    modes, skipped = cr.select_modes(["routing+transfer", "default"], without)
+    assert [m.name for m in modes] == ["default"]  # MODES order, not the order asked
+    assert "checkpoint_transfer" in skipped["routing+transfer"]
+    with pytest.raises(ValueError, match="unknown mode"):
+        cr.select_modes(["round-robin"], APP_FIELDS)
+
+
+def test_the_schedule_runs_every_mode_once_a_round_in_rotated_order():
+    a, b, c = cr.MODES
+    passes = cr.schedule(cr.MODES, 2)
+    assert passes == [(0, a), (0, b), (0, c), (1, b), (1, c), (1, a)]
+    assert cr.schedule([a, b], 3) == [(0, a), (0, b), (1, b), (1, a), (2, a), (2, b)]
+    assert cr.schedule([], 2) == []
+
+
+def test_counter_deltas_are_per_replica_and_transfers_sum_over_replicas_and_passes():
+    before = {"r1": counters(imported=1, imported_bytes=100, computed=50), "r2": counters()}
+    after = {"r1": counters(imported=3, imported_bytes=700, exported=1, exported_bytes=40,
+                            computed=90, rejected={"mismatch": 1}),
+             "r2": counters(exported=2, exported_bytes=600), "r3": counters(computed=7)}
+    delta = cr.counters_delta(before, after)
+    assert delta["r1"]["transfers"]["imported_bytes"] == 600
+    assert delta["r1"]["scheduler"]["prompt_tokens_computed"] == 40
+    assert delta["r1"]["transfers"]["rejected"] == {"mismatch": 1}
+    assert delta["r3"]["scheduler"]["prompt_tokens_computed"] == 7  # a replica new since
+    second = {"r9": counters(imported=1, imported_bytes=5)}
+    assert cr.transfer_totals([delta, second]) == {
+        "imports": 3, "imported_bytes": 605, "exports": 3, "exported_bytes": 640,
+        "import_rejections": 1}
+    assert cr.transfer_totals([delta, {}]) is None  # a pass without counters: not measured
+    assert cr.transfer_totals([]) is None
+
+
+def test_a_mode_row_sums_its_rounds():
+    records = [record(0, 0, 0, 0.50), record(0, 400, 500, 0.10), record(1, 0, 0, 0.40),
+               record(1, 500, 500, 0.05), record(1, None, 500, None, error="HTTP 503")]
+    deltas = [{"r1": counters(imported=1, imported_bytes=2 * 2**20)}, {"r1": counters()}]
+    row = cr.summarize_mode("routing+transfer", records, [3.0, 4.0], deltas)
+    assert tuple(row) == cr.ROW_FIELDS
+    assert (row["requests"], row["errors"], row["rounds"]) == (5, 1, 2)
+    assert row["cached_tokens"] == 900 and row["shareable_tokens"] == 1000
+    assert row["token_hit_rate"] == pytest.approx(0.9)
+    assert row["hit_rate_by_round"] == [pytest.approx(0.8), pytest.approx(1.0)]
+    assert row["ttft_p50_ms"] == pytest.approx(100.0)  # nearest rank of 4: the second
+    assert row["ttft_p95_ms"] == pytest.approx(500.0)
+    assert row["prompt_tokens_computed"] == 4 * 700 - 900
+    assert (row["imports"], row["imported_bytes"]) == (1, 2 * 2**20)
+    assert row["wall_s"] == 7.0
+
+
+def test_a_row_without_counters_or_usage_reports_none_not_zero():
+    row = cr.summarize_mode("default", [record(0, None, 0), record(0, None, 500)], [1.0], [{}])
+    assert row["cached_tokens"] is None and row["token_hit_rate"] is None
+    assert row["imported_bytes"] is None and row["imports"] is None
+
+
+def test_the_table_has_one_line_a_mode():
+    rows = [cr.summarize_mode("default", [record(0, 0, 0), record(0, 250, 500)], [1.0],
+                              [{"r1": counters()}]),
+            cr.summarize_mode("routing+transfer", [record(0, 0, 0), record(0, 500, 500)], [1.0],
+                              [{"r1": counters(imported=2, imported_bytes=3 * 2**20,
+                                               exported=1, exported_bytes=512)}]),
+            cr.summarize_mode("routing", [record(0, None, 500)], [1.0], [{}])]
+    lines = cr.format_table(rows).splitlines()
+    assert len(lines) == 2 + 3
+    assert lines[0].startswith("| mode | requests (errors) | token hit rate")
+    assert "| default | 2 (0) | 0.500 | 0.500 | 250 / 500 |" in lines[2]
+    assert "| 2 (0) | 3.0 MiB | 512 B |" in lines[3]
+    assert lines[4].count("| - ") >= 3  # nothing reported: dashes
