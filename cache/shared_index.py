@@ -22,6 +22,15 @@ refused (`ReportAck.accepted` False) and the replica answers with a full report,
 call `remove_replica` (a replica shutting down, a router that saw it go) without losing a live
 replica's records for long.
 
+Stored copies (the object-store tier, deployments/checkpoint_store.py): a record may carry a
+StoredCopy, an exported copy of its bundle that outlives the replica. Their bytes are kept
+within `store_budget_bytes`: attaching one beyond it detaches the least recently used copies
+first (recency: attached, or hit on any replica), and a record left with neither a replica
+nor a copy goes. One copy per checkpoint (namespace, length, digest): a second is refused.
+Hits: replicas report how often each of their bundles was restored (ReplicaReport.hits); the
+index sums them per checkpoint (`hottest_stored` ranks stored copies by them for warm starts).
+Hits are not versioned changes: mirrors do not see them.
+
 Sizes: at most `max_records` records; beyond, the oldest put goes first (a lost record costs a
 miss). Not thread-safe: one owner (an actor's event loop, a router's event loop).
 """
@@ -30,7 +39,7 @@ from __future__ import annotations
 
 import sys
 from array import array
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from hashlib import blake2b
@@ -117,6 +126,7 @@ class ReplicaReport:
     published: tuple[CheckpointRecord, ...] = ()
     dropped: tuple[int, ...] = ()
     full: bool = False
+    hits: tuple[tuple[int, int], ...] = ()  # (bundle id, restores since the last report)
 
 
 @dataclass(frozen=True)
@@ -174,6 +184,19 @@ class IndexStats:
     replicas: int
     namespaces: int
     version: int
+    stored_copies: int = 0
+    stored_bytes: int = 0  # the object-store tier's size (StoredCopy.num_bytes summed)
+
+
+@dataclass(frozen=True)
+class HotCopy:
+    """A stored copy ranked for a warm start: the checkpoint it holds and its hits."""
+
+    namespace: Namespace
+    length: int
+    kind: str
+    hits: int
+    copy: StoredCopy
 
 
 @dataclass
@@ -184,9 +207,15 @@ class _Namespace:
 
 class SharedIndex:
     def __init__(self, incarnation: str, max_records: int = DEFAULT_MAX_RECORDS,
-                 max_changes: int = DEFAULT_MAX_CHANGES) -> None:
+                 max_changes: int = DEFAULT_MAX_CHANGES,
+                 store_budget_bytes: int | None = None) -> None:
+        """store_budget_bytes: the stored copies' byte budget (None: unbounded, as a mirror,
+        which follows its source's detaches)."""
         if max_records < 1 or max_changes < 1:
             raise ValueError("max_records and max_changes must be >= 1")
+        if store_budget_bytes is not None and store_budget_bytes < 0:
+            raise ValueError("store_budget_bytes must be >= 0")
+        self.store_budget_bytes = store_budget_bytes
         self.incarnation = incarnation
         self.max_records = max_records
         self.version = 0
@@ -196,6 +225,9 @@ class SharedIndex:
         self._replicas: set[str] = set()  # replicas whose last full report was accepted
         self._changes: deque[Change] = deque(maxlen=max_changes)
         self._num_bytes = 0
+        self._stored: OrderedDict[RecordKey, int] = OrderedDict()  # copies, least recent first
+        self._stored_bytes = 0
+        self._hits: dict[tuple[Namespace, bytes], int] = {}  # (namespace, digest) -> hits
 
     # ---- lookups (change nothing) -------------------------------------------------------------
 
@@ -227,7 +259,42 @@ class SharedIndex:
     def stats(self) -> IndexStats:
         return IndexStats(records=len(self._records), num_bytes=self._num_bytes,
                           replicas=len(self._replicas), namespaces=len(self._namespaces),
-                          version=self.version)
+                          version=self.version, stored_copies=len(self._stored),
+                          stored_bytes=self._stored_bytes)
+
+    def records_covering(self, namespace: Namespace, token_ids: Sequence[int]) -> list[CheckpointRecord]:
+        """The records of checkpoints covering exactly `token_ids` (operators and tests)."""
+        space = self._namespaces.get(tuple(namespace))
+        if space is None or len(token_ids) not in space.by_length:
+            return []
+        keys = space.by_length[len(token_ids)].get(token_digest(token_ids), ())
+        return [self._records[key] for key in keys]
+
+    def hits(self, namespace: Namespace, digest: bytes) -> int:
+        return self._hits.get((tuple(namespace), digest), 0)
+
+    def hottest_stored(self, model_dir: str, kinds: Collection[str], max_count: int,
+                       max_bytes: int) -> list[HotCopy]:
+        """Stored copies of `model_dir`'s checkpoints of `kinds`, most hits first (then most
+        recently used), as many as fit `max_count` and `max_bytes` together (a copy that
+        does not fit is skipped, a smaller later one may still). Changes nothing."""
+        ranked = sorted(
+            (key for key in reversed(self._stored)
+             if self._records[key].namespace[0] == model_dir and self._records[key].kind in kinds),
+            key=lambda key: -self.hits(self._records[key].namespace, self._records[key].digest))
+        chosen: list[HotCopy] = []
+        total = 0
+        for key in ranked:
+            record = self._records[key]
+            size = record.stored_copy.num_bytes
+            if len(chosen) >= max_count:
+                break
+            if total + size > max_bytes:
+                continue
+            total += size
+            chosen.append(HotCopy(record.namespace, record.length, record.kind,
+                                  self.hits(record.namespace, record.digest), record.stored_copy))
+        return chosen
 
     # ---- mirrors ------------------------------------------------------------------------------
 
@@ -287,6 +354,8 @@ class SharedIndex:
             self._drop_from_replica(replica, gone)
             self._replicas.add(replica)
         self._drop_from_replica(replica, report.dropped)
+        for bundle_id, count in report.hits:
+            self._note_hits(self._records.get((replica, bundle_id)), count)
         for record in report.published:
             old = self._records.get(record.key)
             if old is None or old != record:
@@ -304,17 +373,54 @@ class SharedIndex:
 
     # ---- stored copies (the object-store tier) -------------------------------------------------
 
-    def set_stored_copy(self, key: RecordKey, copy: StoredCopy | None) -> bool:
-        """Attach (or, with None, detach) a stored copy to the record `key`; a record left with
-        neither a replica nor a copy goes. False when the index has no such record."""
+    def can_store(self, key: RecordKey, num_bytes: int) -> bool:
+        """Whether set_stored_copy would take a copy of `num_bytes` for `key` now."""
         record = self._records.get(key)
         if record is None:
             return False
-        if copy is None and not record.on_replica:
-            self._remove(key)
-        else:
-            self._put(replace(record, stored_copy=copy))
+        if self.store_budget_bytes is not None and num_bytes > self.store_budget_bytes:
+            return False
+        twins = self._namespaces[record.namespace].by_length[record.length][record.digest] - {key}
+        return not any(self._records[twin].stored_copy is not None for twin in twins)
+
+    def set_stored_copy(self, key: RecordKey, copy: StoredCopy | None) -> bool:
+        """Attach (or, with None, detach) a stored copy to the record `key`; a record left with
+        neither a replica nor a copy goes. Attaching makes room within store_budget_bytes by
+        detaching the least recently used copies. False, and nothing changed, when the index
+        has no such record, the copy alone exceeds the budget, or another record of the same
+        checkpoint already has a copy (the caller then drops its copy)."""
+        record = self._records.get(key)
+        if record is None:
+            return False
+        if copy is None:
+            self._detach(key)
+            return True
+        if not self.can_store(key, copy.num_bytes):
+            return False
+        budget = self.store_budget_bytes
+        self._put(replace(record, stored_copy=copy))
+        self._stored.move_to_end(key)
+        while budget is not None and self._stored_bytes > budget:
+            self._detach(next(iter(self._stored)))
         return True
+
+    def _detach(self, key: RecordKey) -> None:
+        """Forget the record's stored copy (the record goes with it if no replica holds it)."""
+        record = self._records[key]
+        if not record.on_replica:
+            self._remove(key)
+        elif record.stored_copy is not None:
+            self._put(replace(record, stored_copy=None))
+
+    def _note_hits(self, record: CheckpointRecord | None, count: int) -> None:
+        """Add `count` hits to the record's checkpoint; its stored copies become most recent."""
+        if record is None or count <= 0:
+            return
+        checkpoint = (record.namespace, record.digest)
+        self._hits[checkpoint] = self._hits.get(checkpoint, 0) + count
+        for key in self._namespaces[record.namespace].by_length[record.length][record.digest]:
+            if key in self._stored:
+                self._stored.move_to_end(key)
 
     # ---- internals ----------------------------------------------------------------------------
 
@@ -339,8 +445,16 @@ class SharedIndex:
         over max_records."""
         key = record.key
         if key in self._records:
-            self._remove(key, log=False)
+            self._remove(key, log=False, replacing=True)
         self._records[key] = record
+        if record.stored_copy is not None and key not in self._stored:
+            self._stored[key] = record.stored_copy.num_bytes
+            self._stored_bytes += record.stored_copy.num_bytes
+        elif record.stored_copy is None and key in self._stored:
+            self._stored_bytes -= self._stored.pop(key)
+        elif record.stored_copy is not None:  # replaced: keep its recency, update its size
+            self._stored_bytes += record.stored_copy.num_bytes - self._stored[key]
+            self._stored[key] = record.stored_copy.num_bytes
         self._num_bytes += record.num_bytes
         space = self._namespaces.setdefault(record.namespace, _Namespace())
         space.by_length.setdefault(record.length, {}).setdefault(record.digest, set()).add(key)
@@ -351,16 +465,22 @@ class SharedIndex:
         while len(self._records) > self.max_records:
             self._remove(next(iter(self._records)), log=log)
 
-    def _remove(self, key: RecordKey, log: bool = True) -> None:
+    def _remove(self, key: RecordKey, log: bool = True, replacing: bool = False) -> None:
+        """Remove the record `key`; `replacing`: _put puts it back at once (its stored copy's
+        place in the LRU is kept, and so are its checkpoint's hits)."""
         record = self._records.pop(key, None)
         if record is None:
             return
+        if not replacing and key in self._stored:
+            self._stored_bytes -= self._stored.pop(key)
         self._num_bytes -= record.num_bytes
         space = self._namespaces[record.namespace]
         by_digest = space.by_length[record.length]
         by_digest[record.digest].discard(key)
         if not by_digest[record.digest]:
             del by_digest[record.digest]
+            if not replacing:
+                self._hits.pop((record.namespace, record.digest), None)
             if not by_digest:
                 del space.by_length[record.length]
                 if not space.by_length:

@@ -11,6 +11,11 @@ come and go under it) and Ray restarts it when it dies (max_restarts=-1): it the
 empty under a new incarnation id, the replicas' next reports are refused, they send their
 full holdings, and routers' mirrors take a snapshot. Until then lookups miss, never mislead.
 
+With checkpoint_transfer it also owns the object-store tier (deployments/checkpoint_store.py):
+`store_copy` puts a replica's exported checkpoint as objects this actor owns, within the
+tier's byte budget (SharedIndex's store_budget_bytes: least recently used copies go first),
+and `hottest_stored` ranks them for a starting replica's warm start.
+
 The actor ends itself once its application has been gone from Serve for APP_GONE_CHECKS
 checks in a row (serve.delete, serve.shutdown), so a deleted application leaves nothing
 behind. It asks for INDEX_NUM_CPUS logical CPUs, and answers on one asyncio event loop (no
@@ -28,6 +33,8 @@ from ray.actor import ActorHandle
 
 from cache.shared_index import (
     DEFAULT_MAX_RECORDS,
+    CheckpointRecord,
+    HotCopy,
     IndexDelta,
     IndexSnapshot,
     IndexStats,
@@ -39,6 +46,7 @@ from cache.shared_index import (
     SharedIndex,
     StoredCopy,
 )
+from deployments.checkpoint_store import put_stored
 from deployments.metrics import IndexMetrics
 
 logger = logging.getLogger("ray.serve")
@@ -58,9 +66,11 @@ class CheckpointIndex:
     """The actor (use `get_or_create_index`). Its methods are the SharedIndex's, plus a long
     poll for mirrors."""
 
-    def __init__(self, app_name: str, max_records: int = DEFAULT_MAX_RECORDS) -> None:
+    def __init__(self, app_name: str, max_records: int = DEFAULT_MAX_RECORDS,
+                 store_budget_bytes: int = 0) -> None:
         self._app_name = app_name
-        self._index = SharedIndex(uuid.uuid4().hex, max_records=max_records)
+        self._index = SharedIndex(uuid.uuid4().hex, max_records=max_records,
+                                  store_budget_bytes=store_budget_bytes)
         self._changed: asyncio.Event | None = None  # made on the actor's loop, on first use
         self._metrics = IndexMetrics(app_name)
         self._watcher: asyncio.Task | None = None
@@ -87,6 +97,25 @@ class CheckpointIndex:
         found = self._index.set_stored_copy(key, copy)
         self._after_change(version)
         return found
+
+    async def store_copy(self, key: RecordKey, num_bytes: int, header, *shards) -> bool:
+        """Keep a replica's exported checkpoint (header and rank-ordered shards, resolved from
+        the object store by Ray) as the stored copy of record `key`: put as objects this actor
+        owns, then attached (SharedIndex.set_stored_copy). False, nothing kept, when the record
+        is unknown, its checkpoint already has a copy, or it exceeds the budget."""
+        if not self._index.can_store(key, num_bytes):
+            return False
+        locator = await asyncio.to_thread(put_stored, header, shards)
+        return await self.set_stored_copy(key, StoredCopy(locator, num_bytes))
+
+    async def hottest_stored(self, model_dir: str, kinds: list[str], max_count: int,
+                             max_bytes: int) -> list[HotCopy]:
+        """SharedIndex.hottest_stored (a starting replica's warm start)."""
+        return self._index.hottest_stored(model_dir, kinds, max_count, max_bytes)
+
+    async def records_covering(self, namespace: Namespace, token_ids: list[int]) -> list[CheckpointRecord]:
+        """SharedIndex.records_covering (operators and tests)."""
+        return self._index.records_covering(tuple(namespace), token_ids)
 
     async def changes_since(self, incarnation: str | None, version: int,
                             wait_s: float = 5.0) -> IndexDelta | IndexSnapshot:
@@ -127,7 +156,7 @@ class CheckpointIndex:
         event, self._changed = self._change_event(), asyncio.Event()
         event.set()
         stats = self._index.stats()
-        self._metrics.set(stats.records, stats.num_bytes)
+        self._metrics.set(stats.records, stats.num_bytes, stats.stored_copies, stats.stored_bytes)
 
     def _start_watching(self) -> None:
         if self._watcher is None:
@@ -163,14 +192,16 @@ def _application_exists(app_name: str) -> bool:
         return False
 
 
-def get_or_create_index(app_name: str, max_records: int = DEFAULT_MAX_RECORDS) -> ActorHandle:
+def get_or_create_index(app_name: str, max_records: int = DEFAULT_MAX_RECORDS,
+                        store_budget_bytes: int = 0) -> ActorHandle:
     """The application's index actor, created if it does not exist yet (blocking: a GCS call;
-    from an event loop run it in a thread). Whoever creates it sets `max_records`."""
+    from an event loop run it in a thread). Whoever creates it sets `max_records` and the
+    object-store tier's budget (0: no stored copies)."""
     actor = ray.remote(CheckpointIndex).options(
         name=index_actor_name(app_name), namespace=SERVE_NAMESPACE, get_if_exists=True,
         lifetime="detached", max_restarts=-1, num_cpus=INDEX_NUM_CPUS,
         max_concurrency=1000)
-    return actor.remote(app_name, max_records)
+    return actor.remote(app_name, max_records, store_budget_bytes)
 
 
 def get_index(app_name: str) -> ActorHandle:

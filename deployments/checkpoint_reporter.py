@@ -12,6 +12,12 @@ report, and any report after a failed call (the index actor down or restarting):
 index may or may not have applied is never followed by a delta. With nothing to report, a
 report is still sent every HEARTBEAT_S, so a restarted index learns of quiet replicas too.
 
+Hits (how often each held bundle was restored, AsyncLLMEngine.drain_checkpoint_hits) ride
+along in the next report (ReplicaReport.hits) and are kept until one is accepted. With the
+object-store tier on, a ReportListener (deployments/checkpoint_tier.py) sees every drained
+batch and runs its exports after each accepted report, in this same task: the index knows
+the records the exports attach to by then, and still nothing runs on a request's path.
+
 Failures are logged once per run of failures and retried at the next period; they never stop
 the task or touch the replica's requests.
 """
@@ -43,6 +49,14 @@ class IndexClient(Protocol):
         """Fire and forget."""
 
 
+class ReportListener(Protocol):
+    """Told what the reporter drained, and called after each accepted report."""
+
+    def fold(self, events: list[CheckpointEvent], hits: dict[int, int]) -> None: ...
+
+    async def after_report(self) -> None: ...
+
+
 class ActorIndexClient:
     """IndexClient over the index actor's handle (deployments/checkpoint_index.py)."""
 
@@ -61,11 +75,14 @@ class CheckpointReporter:
                  drain_events: Callable[[], Awaitable[list[CheckpointEvent]]],
                  connect: Callable[[], Awaitable[IndexClient]],
                  period_s: float = REPORT_PERIOD_S, heartbeat_s: float = HEARTBEAT_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 drain_hits: Callable[[], Awaitable[dict[int, int]]] | None = None,
+                 listener: ReportListener | None = None) -> None:
         """replica_id: serve.get_replica_context().replica_id.unique_id (what routers see as
         RunningReplica.replica_id.unique_id). drain_events: the engine's drain. connect: makes
         the index client; awaited at each report until it succeeds (the index may not exist
-        yet, or be restarting)."""
+        yet, or be restarting). drain_hits: the engine's hit drain (none: no hits reported).
+        listener: see the module doc."""
         self.replica_id = replica_id
         self._drain = drain_events
         self._connect = connect
@@ -80,6 +97,9 @@ class CheckpointReporter:
         self._need_full = True
         self._last_sent = float("-inf")
         self._failing = False
+        self._drain_hits = drain_hits
+        self._listener = listener
+        self._hits: dict[int, int] = {}  # bundle id -> hits not yet in an accepted report
 
     async def run(self) -> None:
         """Report every period until cancelled."""
@@ -93,13 +113,20 @@ class CheckpointReporter:
         index holds this replica's current picture afterwards."""
         try:
             events = await asyncio.wait_for(self._drain(), CALL_TIMEOUT_S)
+            hits = {} if self._drain_hits is None else await asyncio.wait_for(
+                self._drain_hits(), CALL_TIMEOUT_S)
         except Exception:
             self._log_failure("draining the engine's checkpoint events failed")
             return False
         self._fold(events)
+        for bundle_id, count in hits.items():
+            self._hits[bundle_id] = self._hits.get(bundle_id, 0) + count
+        if self._listener is not None:
+            self._listener.fold(events, hits)
         for _ in range(2):  # a refused delta is followed by a full report
             if not self._need_full and not self._published and not self._dropped \
-                    and self._clock() - self._last_sent < self._heartbeat_s:
+                    and not self._hits and self._clock() - self._last_sent < self._heartbeat_s:
+                await self._after_report()
                 return True
             report = self._next_report()
             try:
@@ -116,9 +143,19 @@ class CheckpointReporter:
                 self._need_full = False
                 self._published.clear()
                 self._dropped.clear()
+                self._hits.clear()
+                await self._after_report()
                 return True
             self._need_full = True
         return False
+
+    async def _after_report(self) -> None:
+        if self._listener is None:
+            return
+        try:
+            await self._listener.after_report()
+        except Exception:
+            logger.warning("the checkpoint report listener failed", exc_info=True)
 
     def close(self) -> None:
         """The replica is stopping: ask the index to forget it (fire and forget)."""
@@ -147,11 +184,12 @@ class CheckpointReporter:
                     self._dropped.add(event.bundle_id)
 
     def _next_report(self) -> ReplicaReport:
+        hits = tuple(sorted((b, n) for b, n in self._hits.items() if b in self.holdings))
         if self._need_full:
             return ReplicaReport(self.replica_id, self._incarnation,
-                                 tuple(self.holdings.values()), full=True)
+                                 tuple(self.holdings.values()), full=True, hits=hits)
         return ReplicaReport(self.replica_id, self._incarnation, tuple(self._published.values()),
-                             tuple(sorted(self._dropped)))
+                             tuple(sorted(self._dropped)), hits=hits)
 
     async def _client(self) -> IndexClient:
         if self._index is None:

@@ -90,6 +90,54 @@ class AppConfig(BaseModel):
                     "instead. Unset: engine.max_num_seqs (beyond a full batch a request waits "
                     "in the holder's queue).")
 
+    checkpoint_transfer: bool = Field(
+        False,
+        description="The object-store tier (README.md, Checkpoints across replicas): LLM server "
+                    "replicas export instruction checkpoints and hit checkpoints into the Ray "
+                    "object store, owned by the application's cluster index actor, fetch a "
+                    "stored copy before a request when it saves enough prefill, import the "
+                    "hottest ones when they start and export what is worth keeping when they "
+                    "stop. Off by default: each export costs a copy of the checkpoint's bytes.")
+    checkpoint_store_bytes: int = Field(
+        1024 * 1024 * 1024, ge=0,
+        description="With checkpoint_transfer, the object-store tier's byte budget (the copies' "
+                    "shard bytes, all replicas together); beyond it the least recently used "
+                    "copies are dropped. Count it against the Ray object store's memory.")
+    fetch_min_tokens_per_mib: float = Field(
+        4.0, ge=0,
+        description="With checkpoint_transfer, fetch a stored copy only when it saves at least "
+                    "this many prefill tokens per MiB fetched: the break-even is the prefill "
+                    "rate (tokens/s) over the object store's fetch bandwidth (MiB/s). The "
+                    "default suits a model whose checkpoint is a few MiB and a CPU or GPU "
+                    "prefill of some thousand tokens a second against a local object store; "
+                    "measure both for your deployment. 0: fetch whenever fetch_min_tokens "
+                    "are saved.")
+    fetch_min_tokens: int = Field(
+        32, ge=1,
+        description="With checkpoint_transfer, fewer prefill tokens saved than this are "
+                    "recomputed (a fetch's round trips cost more).")
+    fetch_timeout_s: float = Field(
+        5.0, gt=0,
+        description="With checkpoint_transfer, the longest a replica waits for a stored copy's "
+                    "objects; beyond it the request computes from scratch.")
+    warm_start_max_checkpoints: int = Field(
+        8, ge=0,
+        description="With checkpoint_transfer, a starting LLM server replica imports up to this "
+                    "many of the application's stored instruction checkpoints, most hit first, "
+                    "before it reports ready (0: none).")
+    warm_start_max_bytes: int = Field(
+        256 * 1024 * 1024, ge=0,
+        description="With checkpoint_transfer, the warm start's byte bound.")
+    warm_start_timeout_s: float = Field(
+        30.0, gt=0,
+        description="With checkpoint_transfer, the longest a warm start may delay a replica's "
+                    "start (it is cut short, never failed).")
+    drain_export_timeout_s: float = Field(
+        10.0, ge=0,
+        description="With checkpoint_transfer, the longest a stopping LLM server replica spends "
+                    "exporting what is worth keeping; keep it below Serve's "
+                    "graceful_shutdown_timeout_s (20 s by default), which ends the replica.")
+
     # Ray resources (logical CPUs) and Serve request limits.
     ingress_num_cpus: float = Field(0.1, ge=0, description="Ray CPUs of each ingress replica.")
     renderer_num_cpus: float = Field(0.1, ge=0, description="Ray CPUs of each renderer replica.")

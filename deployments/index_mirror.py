@@ -81,6 +81,13 @@ class IndexMirror:
             return None
         return self._index.lookup(namespace, token_ids, among=among, stored=False)
 
+    def lookup_stored(self, namespace: Namespace, token_ids: Sequence[int]) -> LookupResult | None:
+        """The longest prefix of `token_ids` with a stored copy in the object-store tier (an
+        LLM server replica deciding whether to fetch), or None when the mirror is not current."""
+        if self._index is None or self._clock() - self._synced_at > self._stale_after_s:
+            return None
+        return self._index.lookup(namespace, token_ids, among=(), stored=True)
+
     def forget_replicas(self, replica_ids: Iterable[str]) -> None:
         """Tell the index these replicas are gone (fire and forget). Safe even if one is
         alive after all: the index then asks it for a full report."""

@@ -16,6 +16,14 @@ With checkpoint_routing a background task reports the engine's published and dro
 checkpoints to the application's cluster index (deployments/checkpoint_reporter.py), in one
 batched actor call every REPORT_PERIOD_S; without it the same task drains the events and
 discards them (the engine's feed is bounded, but nobody else empties it).
+
+With checkpoint_transfer the replica also runs its side of the object-store tier
+(deployments/checkpoint_tier.py): the reporter's task exports instruction and hit checkpoints
+after each report, a local IndexMirror tells `generate` when a stored copy covers more of a
+prompt than the engine holds (fetched and imported first when FetchPolicy says it pays), the
+constructor imports the application's hottest stored instruction checkpoints (warm start), and
+`__del__`, which Serve awaits on a graceful stop after draining requests, exports what is worth
+keeping within drain_export_timeout_s before the engine stops.
 """
 
 from __future__ import annotations
@@ -31,9 +39,12 @@ from ray.actor import ActorHandle
 
 from deployments.checkpoint_index import get_or_create_index
 from deployments.checkpoint_reporter import ActorIndexClient, CheckpointReporter
+from deployments.checkpoint_tier import CheckpointTier, TierCounters, TierSettings
 from deployments.config import AppConfig
 from deployments.errors import as_api_error
-from deployments.metrics import EngineMetricsExporter
+from deployments.fetch_policy import FetchPolicy
+from deployments.index_mirror import ActorIndexSource, IndexMirror
+from deployments.metrics import EngineMetricsExporter, TierMetrics
 from deployments.worker_group import RayWorkerExecutor, WorkerGroup
 from engine.async_engine import AsyncLLMEngine
 from engine.generation_request import GenerationRequest
@@ -122,17 +133,59 @@ async def replica_health(engine: AsyncLLMEngine, executor: RayWorkerExecutor | N
         await executor.check_health(RANK_PING_TIMEOUT_S)
 
 
-def checkpoint_reporter(engine: AsyncLLMEngine) -> CheckpointReporter:
-    """This replica's reporter to its application's index (created by the first replica that
-    needs it). Call inside a Serve replica."""
-    context = serve.get_replica_context()
-    app_name = context.app_name
+@dataclass(frozen=True)
+class ReplicaStats:
+    """One replica's identity and counters (operators and tests: which replica served what)."""
 
-    async def connect() -> ActorIndexClient:
-        return ActorIndexClient(await asyncio.to_thread(get_or_create_index, app_name))
+    replica_id: str
+    engine: EngineStats
+    tier: TierCounters | None  # None without checkpoint_transfer
 
-    return CheckpointReporter(context.replica_id.unique_id, engine.drain_checkpoint_events,
-                              connect)
+
+def index_connector(config: AppConfig):
+    """An async function returning the application's index actor handle (created by the first
+    replica that needs it, with the tier's budget). Call inside a Serve replica."""
+    app_name = serve.get_replica_context().app_name
+    budget = config.checkpoint_store_bytes if config.checkpoint_transfer else 0
+
+    async def connect():
+        return await asyncio.to_thread(get_or_create_index, app_name, store_budget_bytes=budget)
+
+    return connect
+
+
+def checkpoint_tier(engine: AsyncLLMEngine, config: AppConfig) -> CheckpointTier:
+    """This replica's side of the object-store tier, its IndexMirror started. Call inside a
+    Serve replica, on its event loop."""
+    connect = index_connector(config)
+
+    async def source() -> ActorIndexSource:
+        return ActorIndexSource(await connect())
+
+    mirror = IndexMirror(source)
+    mirror.start()
+    settings = TierSettings(
+        policy=FetchPolicy(config.fetch_min_tokens_per_mib, config.fetch_min_tokens),
+        fetch_timeout_s=config.fetch_timeout_s,
+        warm_start_max_checkpoints=config.warm_start_max_checkpoints,
+        warm_start_max_bytes=config.warm_start_max_bytes)
+    return CheckpointTier(engine, serve.get_replica_context().replica_id.unique_id,
+                          config.engine.model_dir, settings, mirror, connect, TierMetrics())
+
+
+def checkpoint_reporter(engine: AsyncLLMEngine, config: AppConfig,
+                        tier: CheckpointTier | None = None) -> CheckpointReporter:
+    """This replica's reporter to its application's index; with the tier, it reports hits
+    and runs the tier's exports. Call inside a Serve replica."""
+    connect = index_connector(config)
+
+    async def client() -> ActorIndexClient:
+        return ActorIndexClient(await connect())
+
+    return CheckpointReporter(
+        serve.get_replica_context().replica_id.unique_id, engine.drain_checkpoint_events,
+        client, drain_hits=engine.drain_checkpoint_hits if tier is not None else None,
+        listener=tier)
 
 
 async def discard_events(engine: AsyncLLMEngine) -> None:
@@ -178,8 +231,13 @@ class LLMServer:
         # the engine's counters, pools and queues to Ray's metrics each second, off the step thread
         self._metrics_export = asyncio.create_task(EngineMetricsExporter(engine).run())
         self._reporter: CheckpointReporter | None = None
-        if config.checkpoint_routing:
-            self._reporter = checkpoint_reporter(self._engine)
+        self._tier: CheckpointTier | None = None
+        self._drain_export_timeout_s = config.drain_export_timeout_s
+        if config.checkpoint_transfer:
+            self._tier = checkpoint_tier(self._engine, config)
+            await self._tier.warm_start(config.warm_start_timeout_s)
+        if config.checkpoint_routing or config.checkpoint_transfer:
+            self._reporter = checkpoint_reporter(self._engine, config, self._tier)
             self._checkpoint_events = asyncio.create_task(self._reporter.run())
         else:
             self._checkpoint_events = asyncio.create_task(discard_events(self._engine))
@@ -197,6 +255,8 @@ class LLMServer:
         is aborted in the engine, which frees its KV blocks and state slot.
         """
         finished = False
+        if self._tier is not None:
+            await self._tier.prepare(request)  # never raises: a failed fetch only costs the hit
         outputs = coalesce(self._engine.generate(request), self._stream_interval)
         try:
             async with aclosing(outputs):  # closed now, not when collected: that aborts the request
@@ -220,6 +280,12 @@ class LLMServer:
         is consistent, the snapshot as a whole may be a step apart, which metrics tolerate."""
         return self._engine.engine.stats()
 
+    def replica_stats(self) -> ReplicaStats:
+        """This replica's id, engine counters and tier counters."""
+        return ReplicaStats(serve.get_replica_context().replica_id.unique_id,
+                            self._engine.engine.stats(),
+                            replace(self._tier.counters) if self._tier is not None else None)
+
     def num_aborted_requests(self) -> int:
         """Streams that ended before their final output (client gone, cancelled, error)."""
         return self._num_aborted
@@ -233,7 +299,27 @@ class LLMServer:
         with one rank, whose model runs in this replica."""
         return list(self._workers.ranks) if self._workers is not None else []
 
-    def __del__(self) -> None:
+    async def __del__(self) -> None:
+        """Serve awaits this once on a graceful stop, after the replica's requests drained
+        (ray/serve/_private/replica.py, call_destructor; an async __del__ is accepted there).
+        With the tier: one last report, whose exports keep what is worth keeping, bounded by
+        drain_export_timeout_s. Then the index forgets this replica (its stored copies stay),
+        and the engine and rank actors stop."""
+        events = getattr(self, "_checkpoint_events", None)
+        if events is not None:
+            events.cancel()
+        tier, reporter = getattr(self, "_tier", None), getattr(self, "_reporter", None)
+        if tier is not None and reporter is not None:
+            try:
+                await asyncio.wait_for(reporter.report_once(), self._drain_export_timeout_s)
+            except Exception:  # timeout, index gone: what was not exported is lost, no more
+                pass
+        self._close()
+
+    def _close(self) -> None:
+        tier = getattr(self, "_tier", None)
+        if tier is not None:
+            tier.close()
         reporter = getattr(self, "_reporter", None)
         if reporter is not None:
             reporter.close()  # the index forgets this replica's checkpoints (fire and forget)

@@ -16,7 +16,12 @@ Each replica's series are its own, so `sum(...)` in PromQL adds up replicas and 
     checkpoint router    RoutingMetrics (in each process that routes to the LLM server, the
                          ingress): requests sent to a checkpoint's holder, fallbacks by reason
     checkpoint index     IndexMetrics (the application's index actor, not a Serve replica: it
-                         sets the `application` tag itself): records and bytes it describes
+                         sets the `application` tag itself): records and bytes it describes,
+                         the object-store tier's copies and bytes
+    object-store tier    TierMetrics (each LLM server replica with checkpoint_transfer): the
+                         time of exports, fetches and imports, fetch-vs-recompute decisions,
+                         failed fetches; exports, imports, their bytes and import rejections
+                         come from the engine's counters through EngineMetricsExporter
 
 METRICS lists every metric; `exported_names()` the names Prometheus sees (dashboards/ uses
 them). Ray's histograms export `_sum` from bucket midpoints, so only the buckets and `_count`
@@ -160,11 +165,49 @@ INDEX_BYTES = MetricSpec(
     "Bytes of the checkpoints the cluster index lists (the bundles' own bytes, outside shared "
     "KV blocks).", ("application",))
 
+INDEX_STORED_COPIES = MetricSpec(
+    "hybrid_serve_checkpoint_store_copies", "gauge",
+    "Checkpoint copies in the application's object-store tier (checkpoint_transfer).",
+    ("application",))
+INDEX_STORED_BYTES = MetricSpec(
+    "hybrid_serve_checkpoint_store_bytes", "gauge",
+    "Bytes of the checkpoint copies in the object-store tier (within checkpoint_store_bytes).",
+    ("application",))
+
+# ----- the object-store tier, per LLM server replica (deployments/checkpoint_tier.py)
+TRANSFERS = MetricSpec(
+    "hybrid_serve_checkpoint_transfers", "counter",
+    "Checkpoints exported from or imported into this replica's engine, by direction (export, "
+    "import).", ("direction",))
+TRANSFER_BYTES = MetricSpec(
+    "hybrid_serve_checkpoint_transfer_bytes", "counter",
+    "Shard bytes of the checkpoints exported or imported, by direction.", ("direction",))
+IMPORT_REJECTIONS = MetricSpec(
+    "hybrid_serve_checkpoint_import_rejections", "counter",
+    "Checkpoint imports the engine refused, by reason (engine/checkpoint_import_checks.py).",
+    ("reason",))
+TRANSFER_SECONDS = MetricSpec(
+    "hybrid_serve_checkpoint_transfer_seconds", "histogram",
+    "Time of one tier operation: export (engine export and the index's puts), fetch (getting a "
+    "stored copy's objects), import (the engine's checks and restore).", ("operation",),
+    boundaries=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0))
+FETCH_DECISIONS = MetricSpec(
+    "hybrid_serve_checkpoint_fetch_decisions", "counter",
+    "Requests for which a stored copy covered more than this replica held, by decision: "
+    "fetched (imported, the request restores it), recomputed (not worth its bytes, or the "
+    "fetch or import failed: see hybrid_serve_checkpoint_fetch_failures).", ("decision",))
+FETCH_FAILURES = MetricSpec(
+    "hybrid_serve_checkpoint_fetch_failures", "counter",
+    "Fetches of stored copies that did not end in an import, by reason: timeout, lost, "
+    "malformed, rejected (the engine refused it), error.", ("reason",))
+
 METRICS = (REQUESTS, OUTPUT_TOKENS, TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY, REQUEST_LATENCY,
            BOUNDARY_REJECTIONS, CHECKPOINT_EVENTS_TOTAL, PROMPT_TOKENS_RESTORED,
            PROMPT_TOKENS_COMPUTED, PREEMPTIONS, FAILED_STEPS, REQUESTS_FAILED, ENGINE_REQUESTS,
            KV_BLOCKS, STATE_SLOTS, CHECKPOINTS, CHECKPOINT_BYTES, ROUTED_TO_HOLDER,
-           ROUTING_FALLBACKS, INDEX_RECORDS, INDEX_BYTES)
+           ROUTING_FALLBACKS, INDEX_RECORDS, INDEX_BYTES, INDEX_STORED_COPIES, INDEX_STORED_BYTES,
+           TRANSFERS, TRANSFER_BYTES, IMPORT_REJECTIONS, TRANSFER_SECONDS, FETCH_DECISIONS,
+           FETCH_FAILURES)
 ROUTING_FALLBACK_REASONS = ("no_holder", "overloaded", "no_tokens", "index_unavailable")
 
 
@@ -227,7 +270,7 @@ class EngineMetricsExporter:
         self._exported: dict[tuple, int] = {}  # (metric name, tag values) -> value exported
         self._counters = {spec.name: spec.create() for spec in (
             CHECKPOINT_EVENTS_TOTAL, PROMPT_TOKENS_RESTORED, PROMPT_TOKENS_COMPUTED, PREEMPTIONS,
-            FAILED_STEPS, REQUESTS_FAILED)}
+            FAILED_STEPS, REQUESTS_FAILED, TRANSFERS, TRANSFER_BYTES, IMPORT_REJECTIONS)}
         self._gauges = {spec.name: spec.create() for spec in (
             ENGINE_REQUESTS, KV_BLOCKS, STATE_SLOTS, CHECKPOINTS, CHECKPOINT_BYTES)}
 
@@ -271,6 +314,13 @@ class EngineMetricsExporter:
                               "checkpoints": usage.checkpoint_only_blocks})
         self._set(STATE_SLOTS, {"free": usage.free_state_slots,
                                 "used": usage.total_state_slots - usage.free_state_slots})
+        transfers = stats.transfers
+        self._count(TRANSFERS, transfers.exported, {"direction": "export"})
+        self._count(TRANSFERS, transfers.imported, {"direction": "import"})
+        self._count(TRANSFER_BYTES, transfers.exported_bytes, {"direction": "export"})
+        self._count(TRANSFER_BYTES, transfers.imported_bytes, {"direction": "import"})
+        for reason, count in transfers.rejected.items():
+            self._count(IMPORT_REJECTIONS, count, {"reason": reason})
         self._gauges[CHECKPOINTS.name].set(stats.num_checkpoints)
         self._gauges[CHECKPOINT_BYTES.name].set(stats.checkpoint_bytes)
 
@@ -310,7 +360,32 @@ class IndexMetrics:
         self._tags = {"application": app_name}
         self._records = INDEX_RECORDS.create()
         self._bytes = INDEX_BYTES.create()
+        self._stored_copies = INDEX_STORED_COPIES.create()
+        self._stored_bytes = INDEX_STORED_BYTES.create()
 
-    def set(self, records: int, num_bytes: int) -> None:
+    def set(self, records: int, num_bytes: int, stored_copies: int = 0,
+            stored_bytes: int = 0) -> None:
         self._records.set(records, tags=self._tags)
         self._bytes.set(num_bytes, tags=self._tags)
+        self._stored_copies.set(stored_copies, tags=self._tags)
+        self._stored_bytes.set(stored_bytes, tags=self._tags)
+
+
+class TierMetrics:
+    """An LLM server replica's object-store tier: operation times and fetch decisions (the
+    counts and bytes of exports, imports and rejections come from the engine's counters,
+    EngineMetricsExporter). Create inside the replica."""
+
+    def __init__(self) -> None:
+        self._seconds = TRANSFER_SECONDS.create()
+        self._decisions = FETCH_DECISIONS.create()
+        self._failures = FETCH_FAILURES.create()
+
+    def observe(self, operation: str, seconds: float) -> None:
+        self._seconds.observe(seconds, tags={"operation": operation})
+
+    def decided(self, decision: str) -> None:
+        self._decisions.inc(tags={"decision": decision})
+
+    def failed(self, reason: str) -> None:
+        self._failures.inc(tags={"reason": reason})
