@@ -26,7 +26,8 @@ Stored copies (the object-store tier, deployments/checkpoint_store.py): a record
 StoredCopy, an exported copy of its bundle that outlives the replica. Their bytes are kept
 within `store_budget_bytes`: attaching one beyond it detaches the least recently used copies
 first (recency: attached, or hit on any replica), and a record left with neither a replica
-nor a copy goes. One copy per checkpoint (namespace, length, digest): a second is refused.
+nor a copy goes. The index actor keeps one copy per checkpoint (namespace, length, digest):
+`can_store` refuses a second before anything is put.
 Hits: replicas report how often each of their bundles was restored (ReplicaReport.hits); the
 index sums them per checkpoint (`hottest_stored` ranks stored copies by them for warm starts).
 Hits are not versioned changes: mirrors do not see them.
@@ -374,11 +375,11 @@ class SharedIndex:
     # ---- stored copies (the object-store tier) -------------------------------------------------
 
     def can_store(self, key: RecordKey, num_bytes: int) -> bool:
-        """Whether set_stored_copy would take a copy of `num_bytes` for `key` now."""
+        """Whether a new copy of `num_bytes` for `key` is worth storing: the record exists, the
+        copy fits the budget, and no record of the same checkpoint has a copy yet (the index
+        actor asks before it puts anything)."""
         record = self._records.get(key)
-        if record is None:
-            return False
-        if self.store_budget_bytes is not None and num_bytes > self.store_budget_bytes:
+        if record is None or not self._fits(num_bytes):
             return False
         twins = self._namespaces[record.namespace].by_length[record.length][record.digest] - {key}
         return not any(self._records[twin].stored_copy is not None for twin in twins)
@@ -387,15 +388,15 @@ class SharedIndex:
         """Attach (or, with None, detach) a stored copy to the record `key`; a record left with
         neither a replica nor a copy goes. Attaching makes room within store_budget_bytes by
         detaching the least recently used copies. False, and nothing changed, when the index
-        has no such record, the copy alone exceeds the budget, or another record of the same
-        checkpoint already has a copy (the caller then drops its copy)."""
+        has no such record or the copy alone exceeds the budget (see can_store for the
+        one-copy-per-checkpoint rule the actor applies first)."""
         record = self._records.get(key)
         if record is None:
             return False
         if copy is None:
             self._detach(key)
             return True
-        if not self.can_store(key, copy.num_bytes):
+        if not self._fits(copy.num_bytes):
             return False
         budget = self.store_budget_bytes
         self._put(replace(record, stored_copy=copy))
@@ -403,6 +404,9 @@ class SharedIndex:
         while budget is not None and self._stored_bytes > budget:
             self._detach(next(iter(self._stored)))
         return True
+
+    def _fits(self, num_bytes: int) -> bool:
+        return self.store_budget_bytes is None or num_bytes <= self.store_budget_bytes
 
     def _detach(self, key: RecordKey) -> None:
         """Forget the record's stored copy (the record goes with it if no replica holds it)."""
