@@ -15,22 +15,30 @@ hits every mode alike), one after the other:
      (a mode whose AppConfig key does not exist in this checkout is skipped, with the reason
      printed and written to the JSON);
   2. warms every replica up (short requests under a salt of their own, until each replica's
-     engine has computed a prompt);
-  3. reads every replica's engine counters, drives the shared-instructions workload of
+     engine has computed a prompt) and, with routing, the router: one warm-up prompt again
+     and again until the router has sent it to its holder (its mirror of the index is
+     current), so no pass measures the mirror's first connection;
+  3. reads every replica's counters and the router's, drives the shared-instructions workload of
      hybrid_serve_bench (S system prompts of L tokens, one distinct user message a request,
      a closed loop of --concurrency clients, streamed over HTTP) under a cache_salt of its own
      (fresh per mode and round: no pass restores another's checkpoints), reads the counters
      again;
   4. deletes the app (its checkpoint index actor ends with it).
 
-Per-replica counters: `LLMServer.engine_stats()` is called on each replica actor of the app
-(named `SERVE_REPLICA::<app>#LLMServer#<id>` in Serve's namespace) through the replica's
-`handle_request` entry point, the call a Serve handle makes once its router picked that
-replica; a handle call would reach one replica its router picks. That entry point is internal
-to Serve (Ray 2.60): should it change, the bytes columns read "-" and the JSON says why.
-Bytes moved between replicas = the sum over replicas of `EngineStats.transfers.imported_bytes`
-(checkpoint shards published on a replica from another's export) between the two reads;
-exported bytes (put into the object store) are recorded beside it. Both are 0 without transfer.
+Per-replica counters: Serve cannot pin a call to a replica, so `LLMServer.replica_stats()`
+(its replica id, EngineStats and, with transfer, the tier's counters) is asked through a
+handle until every replica has answered (as tests/cluster_checkpoints does). A checkout whose
+LLMServer lacks replica_stats falls back to calling `engine_stats` on each replica actor
+(`SERVE_REPLICA::<app>#LLMServer#<id>`) through Serve's internal `handle_request` entry
+point. Bytes moved between replicas = the sum over replicas of
+`EngineStats.transfers.imported_bytes` (checkpoint shards published on a replica from a copy
+another replica exported) between the two reads; exported bytes (put into the object store)
+are recorded beside it. Both are 0 without transfer.
+
+Router decisions: the ingress's router counts requests sent to a holder and fallbacks by
+reason (hybrid_serve_routed_to_checkpoint_holder, hybrid_serve_routing_fallbacks); the script
+reads them from Ray's metrics agent (--metrics-port; Ray reports every second here) before and
+after each pass. They include no warm-up request, and can lag a pass by a report.
 
 Token hit rate = cached tokens (usage.prompt_tokens_details.cached_tokens) / shareable tokens
 (hybrid_serve_bench/accounting.py: on this workload the system prompt of every request but the
@@ -82,8 +90,11 @@ MODE_NAMES = tuple(m.name for m in MODES)
 
 ROW_FIELDS = ("mode", "rounds", "requests", "errors", "cached_tokens", "shareable_tokens",
               "token_hit_rate", "hit_rate_by_round", "ttft_p50_ms", "ttft_p95_ms",
-              "prompt_tokens", "prompt_tokens_computed", "imports", "imported_bytes", "exports",
-              "exported_bytes", "import_rejections", "wall_s")
+              "prompt_tokens", "prompt_tokens_computed", "routed_to_holder", "routing_fallbacks",
+              "imports", "imported_bytes", "exports", "exported_bytes", "import_rejections",
+              "wall_s")
+ROUTED = "ray_hybrid_serve_routed_to_checkpoint_holder_total"
+FALLBACKS = "ray_hybrid_serve_routing_fallbacks_total"
 
 
 # ----- pure parts (tests/bench/test_cluster_routing.py)
@@ -148,10 +159,50 @@ def transfer_totals(deltas: Sequence[dict[str, dict]]) -> dict[str, int] | None:
     return totals
 
 
+def routing_counts(metrics_text: str, app_name: str) -> dict:
+    """The router's decisions for `app_name` in a Prometheus text page of Ray's metrics agent:
+    {"holder": n, "fallbacks": {reason: n}}, summed over ingress replicas."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    counts = {"holder": 0, "fallbacks": {}}
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            if sample.labels.get("application") != app_name:
+                continue
+            if sample.name == ROUTED:
+                counts["holder"] += int(sample.value)
+            elif sample.name == FALLBACKS:
+                reason = sample.labels.get("reason", "?")
+                counts["fallbacks"][reason] = counts["fallbacks"].get(reason, 0) + int(sample.value)
+    return counts
+
+
+def routing_delta(before: dict, after: dict) -> dict:
+    """after - before of two routing_counts."""
+    reasons = sorted(set(before["fallbacks"]) | set(after["fallbacks"]))
+    fallbacks = {r: after["fallbacks"].get(r, 0) - before["fallbacks"].get(r, 0) for r in reasons}
+    return {"holder": after["holder"] - before["holder"],
+            "fallbacks": {r: n for r, n in fallbacks.items() if n}}
+
+
+def sum_routing(passes: Sequence[dict | None]) -> tuple[int | None, dict | None]:
+    """(routed to holder, fallbacks by reason) summed over passes' routing deltas; (None, None)
+    when a pass has none (no router: Serve's default)."""
+    if not passes or any(p is None for p in passes):
+        return None, None
+    fallbacks: dict[str, int] = {}
+    for p in passes:
+        for reason, n in p["fallbacks"].items():
+            fallbacks[reason] = fallbacks.get(reason, 0) + n
+    return sum(p["holder"] for p in passes), dict(sorted(fallbacks.items()))
+
+
 def summarize_mode(mode: str, records: Sequence[dict], walls: Sequence[float],
-                   deltas: Sequence[dict[str, dict]]) -> dict:
+                   deltas: Sequence[dict[str, dict]],
+                   routing: Sequence[dict | None] | None = None) -> dict:
     """One row (ROW_FIELDS) from a mode's request records over all its rounds (each with a
-    "round" key), the passes' wall times and per-replica counter deltas."""
+    "round" key), the passes' wall times, per-replica counter deltas and router decisions
+    (routing_delta per pass; None for a pass without the router)."""
     from hybrid_serve_bench.stats import percentile
 
     ok = [r for r in records if r["error"] is None]
@@ -166,6 +217,7 @@ def summarize_mode(mode: str, records: Sequence[dict], walls: Sequence[float],
         tally[1] += r["shareable_tokens"] or 0
     ttfts = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
     p50, p95 = percentile(ttfts, 50), percentile(ttfts, 95)
+    holder, fallbacks = sum_routing(routing or [None])
     transfers = transfer_totals(deltas) or dict.fromkeys(
         ("imports", "imported_bytes", "exports", "exported_bytes", "import_rejections"))
     row = {
@@ -177,7 +229,7 @@ def summarize_mode(mode: str, records: Sequence[dict], walls: Sequence[float],
         "ttft_p50_ms": None if p50 is None else 1000 * p50,
         "ttft_p95_ms": None if p95 is None else 1000 * p95,
         "prompt_tokens": prompt, "prompt_tokens_computed": prompt - cached if reported else None,
-        **transfers, "wall_s": sum(walls),
+        "routed_to_holder": holder, "routing_fallbacks": fallbacks, **transfers, "wall_s": sum(walls),
     }
     assert tuple(row) == ROW_FIELDS
     return row
@@ -193,11 +245,20 @@ def _bytes(value: int | None) -> str:
     return f"{value / 2**20:,.1f} MiB" if value >= 2**20 else f"{value:,} B"
 
 
+def _routing_cell(row: dict) -> str:
+    if row["routed_to_holder"] is None:
+        return "-"
+    fallbacks = row["routing_fallbacks"] or {}
+    detail = ", ".join(f"{reason} {n}" for reason, n in fallbacks.items())
+    return f"{row['routed_to_holder']} / {sum(fallbacks.values())}" + (f" ({detail})" if detail else "")
+
+
 def format_table(rows: Sequence[dict]) -> str:
     """The Markdown table: one line per mode."""
     header = ["mode", "requests (errors)", "token hit rate", "by round", "cached / shareable tokens",
-              "TTFT p50 ms", "TTFT p95 ms", "prompt tokens computed", "imports (rejected)",
-              "bytes moved between replicas", "exported to object store"]
+              "TTFT p50 ms", "TTFT p95 ms", "prompt tokens computed",
+              "routed to holder / fallbacks", "imports (rejected)", "bytes moved between replicas",
+              "exported to object store"]
     lines = []
     for r in rows:
         lines.append([
@@ -207,6 +268,7 @@ def format_table(rows: Sequence[dict]) -> str:
             f"{_num(r['cached_tokens'], '{:,}')} / {r['shareable_tokens']:,}",
             _num(r["ttft_p50_ms"]), _num(r["ttft_p95_ms"]),
             _num(r["prompt_tokens_computed"], "{:,}"),
+            _routing_cell(r),
             "-" if r["imports"] is None else f"{r['imports']} ({r['import_rejections']})",
             _bytes(r["imported_bytes"]), _bytes(r["exported_bytes"])])
     return markdown_table(header, lines)
@@ -214,9 +276,36 @@ def format_table(rows: Sequence[dict]) -> str:
 
 # ----- the deployment
 
-def stats_dict(stats) -> dict:
-    """An EngineStats as plain data (dataclasses and dicts of them)."""
-    return dataclasses.asdict(stats)
+def replica_counters(stats) -> dict:
+    """A ReplicaStats (or an EngineStats) as plain data: the engine's counters, and the
+    tier's under "tier" (None without transfer)."""
+    if hasattr(stats, "engine"):
+        tier = stats.tier
+        return {**dataclasses.asdict(stats.engine),
+                "tier": None if tier is None else dataclasses.asdict(tier)}
+    return {**dataclasses.asdict(stats), "tier": None}
+
+
+def replica_stats(app_name: str, replicas: int, timeout_s: float = 60.0) -> dict[str, dict]:
+    """Every LLM server replica's counters (replica_counters), by replica id: replica_stats
+    asked through a handle until `replicas` replicas answered, or, where LLMServer has no
+    replica_stats, engine_stats on each replica actor (module doc)."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle(LLM_SERVER, app_name)
+    seen: dict[str, dict] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(seen) < replicas:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"only {len(seen)} of {replicas} replicas answered")
+            responses = [handle.replica_stats.remote() for _ in range(2 * replicas)]
+            for response in responses:
+                stats = response.result(timeout_s=timeout_s)
+                seen[stats.replica_id] = replica_counters(stats)
+    except AttributeError:  # an LLMServer without replica_stats
+        return replica_engine_stats(app_name)
+    return seen
 
 
 def replica_actors(app_name: str) -> dict[str, object]:
@@ -233,7 +322,7 @@ def replica_actors(app_name: str) -> dict[str, object]:
 
 def replica_engine_stats(app_name: str) -> dict[str, dict]:
     """Every LLM server replica's engine_stats() of the app, by replica id, called on each
-    replica actor through Serve's handle_request entry point (module doc)."""
+    replica actor through Serve's internal handle_request entry point (the fallback)."""
     import ray
     from ray.serve._private.common import RequestMetadata
 
@@ -243,7 +332,15 @@ def replica_engine_stats(app_name: str) -> dict[str, dict]:
                                    internal_request_id=uuid.uuid4().hex,
                                    call_method="engine_stats", app_name=app_name)
         refs[replica] = actor.handle_request.remote(pickle.dumps(metadata))
-    return {replica: stats_dict(ray.get(ref, timeout=60)) for replica, ref in refs.items()}
+    return {replica: replica_counters(ray.get(ref, timeout=60)) for replica, ref in refs.items()}
+
+
+def read_routing(metrics_port: int, app_name: str) -> dict:
+    """routing_counts from the metrics agent of this node."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as page:
+        return routing_counts(page.read().decode(), app_name)
 
 
 def app_config(mode: Mode, args: argparse.Namespace):
@@ -258,6 +355,8 @@ def app_config(mode: Mode, args: argparse.Namespace):
     keys = dict(mode.keys)
     if mode.keys.get("checkpoint_routing"):
         keys["routing_queue_threshold"] = args.routing_queue_threshold
+    if mode.keys.get("checkpoint_transfer"):  # within the 256 MiB object store
+        keys["checkpoint_store_bytes"] = args.store_mib * mib
     return AppConfig(served_model_name=MODEL_NAME, engine=engine, **SMALL_CPUS, **keys)
 
 
@@ -277,39 +376,50 @@ def deploy(mode: Mode, config, app_name: str, replicas: int) -> None:
         deployments.app.LLMServer = original
 
 
-async def _warm_request(client, url: str, salt: str, n: int) -> None:
+async def _warm_request(client, url: str, salt: str, n: int | str) -> None:
     from hybrid_serve_bench.client import ChatRequest, stream_chat
 
-    request = ChatRequest(MODEL_NAME, [{"role": "system", "content": f"Warm-up {n}."},
-                                       {"role": "user", "content": f"hello {n}"}], 2,
-                          extra_body={"cache_salt": salt, "ignore_eos": True})
+    system = f"Warm-up {n}: " + "answer briefly and politely, in one sentence. " * 12
+    request = ChatRequest(MODEL_NAME, [{"role": "system", "content": system},
+                                       {"role": "user", "content": f"hello {uuid.uuid4().hex}"}],
+                          2, extra_body={"cache_salt": salt, "ignore_eos": True})
     result = await stream_chat(client, url, request)
     if result.error:
         raise RuntimeError(f"warm-up request failed: {result.error}")
 
 
-def warm_up(base_url: str, app_name: str, replicas: int) -> dict[str, int]:
+def warm_up(base_url: str, app_name: str, replicas: int, routing: bool,
+            metrics_port: int) -> dict:
     """Short concurrent requests, in bursts, until every replica's engine computed a prompt
-    (the first request of a process pays torch's lazy start); returns prompt tokens computed
-    per replica."""
+    (the first request of a process pays torch's lazy start); with routing, then one prompt
+    again and again until the router sent it to its holder. Returns what it took."""
     import httpx
 
     url = f"{base_url}/v1/chat/completions"
     salt = f"warm-up-{uuid.uuid4().hex[:8]}"
 
-    async def burst(start: int) -> None:
+    async def burst(start: int, size: int, same: bool = False) -> None:
         async with httpx.AsyncClient(timeout=120) as client:
-            await asyncio.gather(*(_warm_request(client, url, salt, start + i)
-                                   for i in range(2 * replicas)))
+            await asyncio.gather(*(_warm_request(client, url, salt, "router" if same else start + i)
+                                   for i in range(size)))
 
-    computed = {}
+    computed: dict[str, int] = {}
     for b in range(WARM_UP_ROUNDS):
-        asyncio.run(burst(b * 2 * replicas))
-        computed = {r: s["scheduler"]["prompt_tokens_computed"]
-                    for r, s in replica_engine_stats(app_name).items()}
-        if len(computed) == replicas and all(computed.values()):
+        asyncio.run(burst(b * 2 * replicas, 2 * replicas))
+        computed = {r: c["scheduler"]["prompt_tokens_computed"]
+                    for r, c in replica_stats(app_name, replicas).items()}
+        if all(computed.values()):
             break
-    return computed
+    tries = 0
+    if routing:
+        deadline = time.monotonic() + 60
+        while read_routing(metrics_port, app_name)["holder"] == 0:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the router never sent a warm-up request to its holder")
+            asyncio.run(burst(0, 1, same=True))
+            tries += 1
+            time.sleep(1.0)
+    return {"prompt_tokens_computed": computed, "router_warm_up_requests": tries}
 
 
 def run_pass(mode: Mode, round_index: int, workload, counter, args, base_url: str, salt: str):
@@ -330,47 +440,49 @@ def measure(modes: list[Mode], args: argparse.Namespace, workload, counter) -> d
 
     base_url = f"http://127.0.0.1:{args.port}{ROUTE_PREFIX}"
     run_id = uuid.uuid4().hex[:8]
-    results = {m.name: {"records": [], "walls": [], "deltas": [], "passes": []} for m in modes}
+    results = {m.name: {"records": [], "walls": [], "deltas": [], "routing": [], "passes": []}
+               for m in modes}
     configs = {m.name: app_config(m, args).model_dump(mode="json") for m in modes}
     ray.init(num_cpus=args.ray_cpus, object_store_memory=256 * 1024 * 1024,
-             include_dashboard=False, log_to_driver=False)
+             include_dashboard=False, log_to_driver=False,
+             _metrics_export_port=args.metrics_port,
+             _system_config={"metrics_report_interval_ms": 1000})
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": args.port})
         for round_index, mode in schedule(modes, args.rounds):
             app_name = f"cluster-routing-{mode.name.replace('+', '-')}-r{round_index}"
+            routing = bool(mode.keys.get("checkpoint_routing"))
             started = time.monotonic()
             deploy(mode, app_config(mode, args), app_name, args.replicas)
             deployed_s = time.monotonic() - started
-            warm = warm_up(base_url, app_name, args.replicas)
-            stats_error = None
-            try:
-                before = replica_engine_stats(app_name)
-            except Exception as exc:  # Serve's internal entry point changed (module doc)
-                before, stats_error = {}, f"{type(exc).__name__}: {exc}"
+            warm = warm_up(base_url, app_name, args.replicas, routing, args.metrics_port)
+            time.sleep(args.settle_s)  # the warm-up's reports and metrics
+            before = replica_stats(app_name, args.replicas)
+            routing_before = read_routing(args.metrics_port, app_name) if routing else None
             salt = f"cluster-routing-{run_id}-{mode.name}-r{round_index}"
             records, wall_s = run_pass(mode, round_index, workload, counter, args, base_url, salt)
-            time.sleep(args.settle_s)  # transfers and reports finishing after the last answer
-            after, delta = {}, {}
-            if stats_error is None:
-                after = replica_engine_stats(app_name)
-                delta = counters_delta(before, after)
+            time.sleep(args.settle_s)  # transfers, reports and metrics after the last answer
+            after = replica_stats(app_name, args.replicas)
+            delta = counters_delta(before, after)
+            decisions = (routing_delta(routing_before, read_routing(args.metrics_port, app_name))
+                         if routing else None)
             serve.delete(app_name)
             state = results[mode.name]
             state["records"] += records
             state["walls"].append(wall_s)
             state["deltas"].append(delta)
+            state["routing"].append(decisions)
             state["passes"].append({"round": round_index, "app": app_name, "cache_salt": salt,
-                                    "deploy_s": deployed_s, "wall_s": wall_s,
-                                    "warm_up_prompt_tokens": warm, "stats_error": stats_error,
-                                    "replica_counters_delta": delta,
+                                    "deploy_s": deployed_s, "wall_s": wall_s, "warm_up": warm,
+                                    "routing": decisions, "replica_counters_delta": delta,
                                     "replica_counters_after": after})
             ok = [r for r in records if r["error"] is None]
             cached = sum(r["cached_tokens"] or 0 for r in ok)
             shareable = sum(r["shareable_tokens"] or 0 for r in ok)
             print(f"round {round_index} {mode.name}: {len(records)} requests "
                   f"({len(records) - len(ok)} errors) in {wall_s:.1f} s, hit rate "
-                  f"{cached / shareable if shareable else float('nan'):.3f}; deploy "
-                  f"{deployed_s:.1f} s", flush=True)
+                  f"{cached / shareable if shareable else float('nan'):.3f}, router {decisions}; "
+                  f"deploy {deployed_s:.1f} s", flush=True)
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -394,10 +506,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "engine.max_num_seqs)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout-s", type=float, default=300.0)
-    p.add_argument("--settle-s", type=float, default=1.0,
+    p.add_argument("--settle-s", type=float, default=2.5,
                    help="wait after a pass before reading the replicas' counters")
     p.add_argument("--ray-cpus", type=int, default=4)
+    p.add_argument("--store-mib", type=int, default=128,
+                   help="routing+transfer's checkpoint_store_bytes, in MiB (object store: 256)")
     p.add_argument("--port", type=int, default=8251)
+    p.add_argument("--metrics-port", type=int, default=8261,
+                   help="Ray's metrics agent (the router's decisions are read there)")
     add_out_argument(p, BENCHMARK)
     return p.parse_args(argv)
 
@@ -423,7 +539,8 @@ def main(argv: list[str] | None = None) -> None:
     measured = measure(modes, args, workload, counter)
     rows = [summarize_mode(m.name, measured["results"][m.name]["records"],
                            measured["results"][m.name]["walls"],
-                           measured["results"][m.name]["deltas"]) for m in modes]
+                           measured["results"][m.name]["deltas"],
+                           measured["results"][m.name]["routing"]) for m in modes]
     wall_s = time.monotonic() - started
     table = format_table(rows)
     print(f"\n{args.replicas} replicas, {args.systems} instructions x {args.requests} requests a "

@@ -78,11 +78,67 @@ def test_counter_deltas_are_per_replica_and_transfers_sum_over_replicas_and_pass
     assert cr.transfer_totals([]) is None
 
 
+METRICS_PAGE = """\
+# HELP ray_hybrid_serve_routed_to_checkpoint_holder_total Generation requests ...
+# TYPE ray_hybrid_serve_routed_to_checkpoint_holder_total counter
+ray_hybrid_serve_routed_to_checkpoint_holder_total{application="app-a",deployment="OpenAIIngress",replica="i1"} 7.0
+ray_hybrid_serve_routed_to_checkpoint_holder_total{application="app-a",deployment="OpenAIIngress",replica="i2"} 3.0
+ray_hybrid_serve_routed_to_checkpoint_holder_total{application="app-b",deployment="OpenAIIngress",replica="i3"} 50.0
+# HELP ray_hybrid_serve_routing_fallbacks_total Generation requests the router left ...
+# TYPE ray_hybrid_serve_routing_fallbacks_total counter
+ray_hybrid_serve_routing_fallbacks_total{application="app-a",reason="no_holder",replica="i1"} 4.0
+ray_hybrid_serve_routing_fallbacks_total{application="app-a",reason="overloaded",replica="i2"} 2.0
+ray_hybrid_serve_routing_fallbacks_total{application="app-a",reason="no_holder",replica="i2"} 1.0
+# HELP ray_hybrid_serve_requests_total Requests
+# TYPE ray_hybrid_serve_requests_total counter
+ray_hybrid_serve_requests_total{application="app-a",status="ok"} 99.0
+"""
+
+
+def test_router_decisions_are_read_per_application_and_subtracted():
+    counts = cr.routing_counts(METRICS_PAGE, "app-a")
+    assert counts == {"holder": 10, "fallbacks": {"no_holder": 5, "overloaded": 2}}
+    assert cr.routing_counts(METRICS_PAGE, "app-c") == {"holder": 0, "fallbacks": {}}
+    before = {"holder": 4, "fallbacks": {"no_holder": 5}}
+    assert cr.routing_delta(before, counts) == {"holder": 6, "fallbacks": {"overloaded": 2}}
+    first = {"holder": 6, "fallbacks": {"overloaded": 2}}
+    second = {"holder": 40, "fallbacks": {"no_holder": 3, "overloaded": 1}}
+    assert cr.sum_routing([first, second]) == (46, {"no_holder": 3, "overloaded": 3})
+    assert cr.sum_routing([first, None]) == (None, None)  # a pass without the router
+    assert cr.sum_routing([]) == (None, None)
+
+
+def test_replica_stats_become_plain_counters_with_the_tier_beside_them():
+    from dataclasses import dataclass
+
+    @dataclass
+    class Engine:
+        transfers: dict
+
+    @dataclass
+    class Tier:
+        fetched: int
+
+    @dataclass
+    class ReplicaStats:
+        replica_id: str
+        engine: Engine
+        tier: Tier | None
+
+    assert cr.replica_counters(ReplicaStats("r", Engine({"imported": 1}), Tier(2))) == {
+        "transfers": {"imported": 1}, "tier": {"fetched": 2}}
+    assert cr.replica_counters(ReplicaStats("r", Engine({}), None))["tier"] is None
+    assert cr.replica_counters(Engine({"imported": 3})) == {"transfers": {"imported": 3},
+                                                           "tier": None}
+
+
 def test_a_mode_row_sums_its_rounds():
     records = [record(0, 0, 0, 0.50), record(0, 400, 500, 0.10), record(1, 0, 0, 0.40),
                record(1, 500, 500, 0.05), record(1, None, 500, None, error="HTTP 503")]
     deltas = [{"r1": counters(imported=1, imported_bytes=2 * 2**20)}, {"r1": counters()}]
-    row = cr.summarize_mode("routing+transfer", records, [3.0, 4.0], deltas)
+    routing = [{"holder": 3, "fallbacks": {"no_holder": 2}},
+               {"holder": 4, "fallbacks": {"no_holder": 1, "overloaded": 1}}]
+    row = cr.summarize_mode("routing+transfer", records, [3.0, 4.0], deltas, routing)
     assert tuple(row) == cr.ROW_FIELDS
     assert (row["requests"], row["errors"], row["rounds"]) == (5, 1, 2)
     assert row["cached_tokens"] == 900 and row["shareable_tokens"] == 1000
@@ -93,12 +149,15 @@ def test_a_mode_row_sums_its_rounds():
     assert row["prompt_tokens_computed"] == 4 * 700 - 900
     assert (row["imports"], row["imported_bytes"]) == (1, 2 * 2**20)
     assert row["wall_s"] == 7.0
+    assert row["routed_to_holder"] == 7
+    assert row["routing_fallbacks"] == {"no_holder": 3, "overloaded": 1}
 
 
 def test_a_row_without_counters_or_usage_reports_none_not_zero():
     row = cr.summarize_mode("default", [record(0, None, 0), record(0, None, 500)], [1.0], [{}])
     assert row["cached_tokens"] is None and row["token_hit_rate"] is None
     assert row["imported_bytes"] is None and row["imports"] is None
+    assert row["routed_to_holder"] is None and row["routing_fallbacks"] is None  # no router
 
 
 def test_the_table_has_one_line_a_mode():
@@ -106,11 +165,12 @@ def test_the_table_has_one_line_a_mode():
                               [{"r1": counters()}]),
             cr.summarize_mode("routing+transfer", [record(0, 0, 0), record(0, 500, 500)], [1.0],
                               [{"r1": counters(imported=2, imported_bytes=3 * 2**20,
-                                               exported=1, exported_bytes=512)}]),
+                                               exported=1, exported_bytes=512)}],
+                              [{"holder": 1, "fallbacks": {"no_holder": 1}}]),
             cr.summarize_mode("routing", [record(0, None, 500)], [1.0], [{}])]
     lines = cr.format_table(rows).splitlines()
     assert len(lines) == 2 + 3
     assert lines[0].startswith("| mode | requests (errors) | token hit rate")
     assert "| default | 2 (0) | 0.500 | 0.500 | 250 / 500 |" in lines[2]
-    assert "| 2 (0) | 3.0 MiB | 512 B |" in lines[3]
+    assert "| 1 / 1 (no_holder 1) | 2 (0) | 3.0 MiB | 512 B |" in lines[3]
     assert lines[4].count("| - ") >= 3  # nothing reported: dashes
