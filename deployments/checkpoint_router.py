@@ -9,8 +9,7 @@ ingress replica, for `LLMServer.generate`). For each request this router:
    index_mirror.py; no actor call per request), the replicas that hold the longest checkpoint
    whose tokens are a prefix of the prompt,
 3. sends the request to the least loaded of those holders whose queue length (requests in
-   flight there, Serve's own count: from the router's cache, else probed) is below
-   `queue_threshold`,
+   flight there, probed for each request) is below `queue_threshold`,
 4. and otherwise leaves it to Serve's power-of-two choices: no holder, every holder at the
    threshold or above ("overloaded"), no token ids, a call that is not a generation (model
    info, pool usage), or no current mirror (index actor down).
@@ -160,21 +159,14 @@ class CheckpointAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         return choose_holders(match, queue_lens, self._queue_threshold)
 
     async def _queue_lens(self, replicas: list[RunningReplica]) -> dict[str, int | None]:
-        """Each replica's requests in flight: the router's cache, else a probe (None when it
-        does not answer in time)."""
-        lens: dict[str, int | None] = {}
-        to_probe = []
-        for replica in replicas:
-            cached = (self._replica_queue_len_cache.get(replica.replica_id)
-                      if self._use_replica_queue_len_cache else None)
-            if cached is None:
-                to_probe.append(replica)
-            else:
-                lens[replica.replica_id.unique_id] = cached
-        if to_probe:
-            for replica, queue_len in await self._probe_queue_lens(to_probe, 0):
-                lens[replica.replica_id.unique_id] = queue_len
-        return lens
+        """Each holder's requests in flight, probed now (None when it does not answer in
+        time). Not Serve's cached counts: a replica's answer to an earlier send can land after
+        the router counted that send, and then the cache is one short, which sent requests to
+        a holder already at the threshold (tests/cluster_checkpoints). One probe of the
+        holders per routed request: a round trip of about a millisecond, against the prefill
+        a hit saves."""
+        probed = await self._probe_queue_lens(replicas, 0)
+        return {replica.replica_id.unique_id: queue_len for replica, queue_len in probed}
 
     def _count(self, pending_request: PendingRequest, reason: Reason) -> None:
         """Record the decision once per request (a request Serve routes again after every

@@ -13,9 +13,9 @@ per step, which broadcasts the step to the other ranks (engine/rank_worker.py). 
 loop, and with one rank the model, live in the replica: docs/design.md section 6.
 
 With checkpoint_routing a background task reports the engine's published and dropped
-checkpoints to the application's cluster index (deployments/checkpoint_reporter.py), in one
-batched actor call every REPORT_PERIOD_S; without it the same task drains the events and
-discards them (the engine's feed is bounded, but nobody else empties it).
+checkpoints, and their hits, to the application's cluster index (deployments/
+checkpoint_reporter.py), in one batched actor call every REPORT_PERIOD_S; without it the
+engine records none (LLMEngine.record_checkpoint_events is never called).
 
 With checkpoint_transfer the replica also runs its side of the object-store tier
 (deployments/checkpoint_tier.py): the reporter's task exports instruction and hit checkpoints
@@ -54,7 +54,6 @@ from engine.llm_engine import EngineStats, LLMEngine, PoolUsage, RequestOutput
 # timeout catches, e.g. outside the model's collectives).
 STEP_STALL_S = 600.0
 RANK_PING_TIMEOUT_S = 10.0
-DISCARD_EVENTS_PERIOD_S = 1.0
 
 
 def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
@@ -184,18 +183,7 @@ def checkpoint_reporter(engine: AsyncLLMEngine, config: AppConfig,
 
     return CheckpointReporter(
         serve.get_replica_context().replica_id.unique_id, engine.drain_checkpoint_events,
-        client, drain_hits=engine.drain_checkpoint_hits if tier is not None else None,
-        listener=tier)
-
-
-async def discard_events(engine: AsyncLLMEngine) -> None:
-    """Drain and drop the engine's checkpoint events (no index to report them to)."""
-    while True:
-        try:
-            await engine.drain_checkpoint_events()
-        except Exception:  # a dead step loop: the health check reports it
-            pass
-        await asyncio.sleep(DISCARD_EVENTS_PERIOD_S)
+        client, drain_hits=engine.drain_checkpoint_hits, listener=tier)
 
 
 @serve.deployment
@@ -236,11 +224,11 @@ class LLMServer:
         if config.checkpoint_transfer:
             self._tier = checkpoint_tier(self._engine, config)
             await self._tier.warm_start(config.warm_start_timeout_s)
+        self._checkpoint_events: asyncio.Task | None = None
         if config.checkpoint_routing or config.checkpoint_transfer:
+            engine.record_checkpoint_events()  # the reporter drains them (else none are kept)
             self._reporter = checkpoint_reporter(self._engine, config, self._tier)
             self._checkpoint_events = asyncio.create_task(self._reporter.run())
-        else:
-            self._checkpoint_events = asyncio.create_task(discard_events(self._engine))
 
     def model_info(self) -> ModelInfo:
         return self._info

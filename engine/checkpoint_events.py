@@ -14,7 +14,9 @@ Hits (a lookup returned a published bundle) are not events: the feed counts them
 (`drain_hits`), so a replica can tell which bundles are worth exporting and how hot each is,
 at the cost of one integer per bundle hit since the last drain.
 
-Events come out oldest first. The feed is bounded: an engine nobody drains keeps the newest
+A feed records only once `recording` is on: LLMEngine starts with it off, and the serving
+layer turns it on (LLMEngine.record_checkpoint_events) only where something drains it, so an
+engine nobody reports for keeps nothing. Events come out oldest first. The feed is bounded: an engine nobody drains keeps the newest
 `capacity` events, forgets older ones and counts them in `num_lost` (a reader that sees it grow
 should resynchronise rather than trust its picture of the replica). Not thread-safe: the ledger
 and the drain both run on the engine's step thread.
@@ -48,10 +50,11 @@ class CheckpointEvent:
 class CheckpointEventFeed:
     """A bounded, oldest-first buffer of CheckpointEvents; the ledger's BundleListener."""
 
-    def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
+    def __init__(self, capacity: int = DEFAULT_CAPACITY, recording: bool = True) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.capacity = capacity
+        self.recording = recording  # off: published, dropped and hit change nothing
         self.num_lost = 0  # events forgotten because nobody drained them in time
         self._events: deque[CheckpointEvent] = deque()
         self._hits: dict[int, int] = {}  # bundle id -> hits since the last drain_hits
@@ -61,15 +64,21 @@ class CheckpointEventFeed:
 
     def published(self, bundle: Bundle) -> None:
         """The ledger published `bundle` (BundleListener)."""
-        self._append(_event("published", bundle))
+        if self.recording:
+            self._append(_event("published", bundle))
 
     def dropped(self, bundle: Bundle) -> None:
         """The ledger dropped the published `bundle` (BundleListener)."""
-        self._append(_event("dropped", bundle))
+        if self.recording:
+            self._append(_event("dropped", bundle))
 
     def hit(self, bundle: Bundle) -> None:
-        """A lookup returned the published `bundle` (BundleListener): counted, no event."""
-        self._hits[bundle.bundle_id] = self._hits.get(bundle.bundle_id, 0) + 1
+        """A lookup returned the published `bundle` (BundleListener): counted, no event. At
+        most `capacity` bundles are counted between two drains (hits on others are lost)."""
+        if not self.recording:
+            return
+        if bundle.bundle_id in self._hits or len(self._hits) < self.capacity:
+            self._hits[bundle.bundle_id] = self._hits.get(bundle.bundle_id, 0) + 1
 
     def drain_hits(self) -> dict[int, int]:
         """{bundle id: hits} since the last drain_hits; empty afterwards. A bundle dropped since

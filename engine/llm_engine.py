@@ -91,7 +91,7 @@ class LLMEngine:
         model_config = load_model_config(config.model_dir)
         self.vocab_size = model_config.vocab_size
         self.eos_token_ids = _eos_token_ids(model_config.eos_token_ids, self.tokenizer.eos_token_id)
-        self.checkpoint_events = CheckpointEventFeed()
+        self.checkpoint_events = CheckpointEventFeed(recording=False)  # record_checkpoint_events
         cache = CacheManager(
             capacity.num_blocks,
             capacity.num_state_slots,
@@ -200,6 +200,11 @@ class LLMEngine:
             checkpoint_events_lost=self.checkpoint_events.num_lost,
             transfers=self.transfers.counters.copy(),
         )
+
+    def record_checkpoint_events(self) -> None:
+        """From now on, record the checkpoint events and hits that drain_checkpoint_events and
+        drain_checkpoint_hits return (off until called: an engine nobody drains keeps none)."""
+        self.checkpoint_events.recording = True
 
     def drain_checkpoint_events(self) -> list[CheckpointEvent]:
         """Bundles published and published bundles dropped since the last drain, oldest first

@@ -16,6 +16,7 @@ from tests.engine.reuse_cases import GREEDY, SYSTEM, chat, run
 
 def test_a_request_reports_its_published_checkpoints():
     engine = LLMEngine(EngineConfig(max_num_batched_tokens=40))
+    engine.record_checkpoint_events()
     done = run(engine, "e1", chat(SYSTEM, "Tell me about the river."), salt="events")
     events = engine.drain_checkpoint_events()
     assert [e.action for e in events] == ["published"] * 3
@@ -35,10 +36,22 @@ def test_a_request_reports_its_published_checkpoints():
     assert engine.drain_checkpoint_events() == []
 
 
+def test_an_engine_nobody_reports_for_records_nothing():
+    engine = LLMEngine(EngineConfig())
+    run(engine, "n1", chat(SYSTEM, "First question."), salt="quiet")
+    run(engine, "n2", chat(SYSTEM, "Second question."), salt="quiet")  # restores: a hit
+    assert engine.stats().num_checkpoints > 0
+    assert engine.drain_checkpoint_events() == [] and engine.drain_checkpoint_hits() == {}
+    engine.record_checkpoint_events()
+    run(engine, "n3", chat(SYSTEM, "Third question."), salt="quiet")
+    assert engine.drain_checkpoint_hits() and engine.drain_checkpoint_events()
+
+
 def test_eviction_reports_the_dropped_bundles():
     probe = LLMEngine(EngineConfig())
     per_bundle = probe.executor.model.state_bytes_per_slot() + 16 * 1024
     engine = LLMEngine(EngineConfig(checkpoint_cache_bytes=3 * per_bundle))
+    engine.record_checkpoint_events()
     for i in range(4):
         run(engine, f"v{i}", chat(SYSTEM + str(i), f"question {i}"), "evict")
     events = engine.drain_checkpoint_events()
@@ -58,6 +71,7 @@ def test_eviction_reports_the_dropped_bundles():
 def test_the_async_engine_drains_between_steps():
     async def scenario() -> tuple[list, list]:
         engine = AsyncLLMEngine(LLMEngine(EngineConfig()))
+        engine.engine.record_checkpoint_events()
         try:
             prompt = render(engine.engine.tokenizer, chat(SYSTEM, "Async?"))
             request = GenerationRequest("a1", prompt, GREEDY, cache_salt="async")

@@ -11,6 +11,7 @@ from tests.engine.reuse_cases import SYSTEM, chat, run
 
 def test_hits_are_counted_per_bundle_and_drained_apart_from_the_events():
     engine = LLMEngine(EngineConfig())
+    engine.record_checkpoint_events()
     first = run(engine, "h1", chat(SYSTEM, "First question."), salt="hits")
     events = engine.drain_checkpoint_events()
     assert engine.drain_checkpoint_hits() == {}  # nothing restored yet

@@ -87,6 +87,7 @@ def test_an_imported_instruction_checkpoint_serves_like_a_local_one(source, targ
     assert source.stats().transfers.exported == 1
     assert source.stats().transfers.exported_bytes == exported.nbytes
 
+    target.record_checkpoint_events()
     result = target.import_checkpoint(exported)
     assert result.accepted and not result.deduplicated and result.rejection is None
     assert (result.num_tokens, result.num_bytes) == (boundary, exported.nbytes)
@@ -265,6 +266,7 @@ def test_imported_checkpoints_are_evicted_like_local_ones(source):
     per_bundle = source.scheduler.cache.ledger.published_at(
         exports[0].header.namespace, exports[0].header.token_ids).num_bytes
     engine = LLMEngine(EngineConfig(**CONFIG, checkpoint_cache_bytes=per_bundle))
+    engine.record_checkpoint_events()
     assert all(engine.import_checkpoint(e).accepted for e in exports)
     events = [(e.action, e.namespace[1]) for e in engine.drain_checkpoint_events()]
     # the second import's reservation evicts the first before it publishes

@@ -74,3 +74,26 @@ def test_the_feed_keeps_the_newest_events_and_counts_the_lost():
 def test_capacity_must_be_positive():
     with pytest.raises(ValueError):
         CheckpointEventFeed(capacity=0)
+
+
+def test_a_feed_that_is_not_recording_keeps_nothing():
+    feed = CheckpointEventFeed(recording=False)
+    pool, ledger = make_ledger(feed)
+    bundle_id = reserve(pool, ledger, [1, 2, 3])
+    ledger.publish(bundle_id, {0}, world_size=1)
+    assert ledger.lookup(NS, [1, 2, 3, 4]) is not None  # a hit
+    assert len(feed) == 0 and feed.drain() == [] and feed.drain_hits() == {}
+    feed.recording = True
+    assert ledger.lookup(NS, [1, 2, 3, 5]) is not None
+    assert feed.drain_hits() == {bundle_id: 1}
+
+
+def test_hits_are_counted_for_at_most_capacity_bundles_between_drains():
+    feed = CheckpointEventFeed(capacity=2)
+    pool, ledger = make_ledger(feed, budget=1000)
+    ids = [reserve(pool, ledger, [i, i + 1, i + 2]) for i in range(0, 30, 10)]
+    for bundle_id in ids:
+        ledger.publish(bundle_id, {0}, world_size=1)
+    for i in (0, 10, 20, 0):
+        assert ledger.lookup(NS, [i, i + 1, i + 2, 99]) is not None
+    assert feed.drain_hits() == {ids[0]: 2, ids[1]: 1}  # the third bundle's hit is not counted
