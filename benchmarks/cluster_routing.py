@@ -92,7 +92,7 @@ ROW_FIELDS = ("mode", "rounds", "requests", "errors", "cached_tokens", "shareabl
               "token_hit_rate", "hit_rate_by_round", "ttft_p50_ms", "ttft_p95_ms",
               "prompt_tokens", "prompt_tokens_computed", "routed_to_holder", "routing_fallbacks",
               "imports", "imported_bytes", "exports", "exported_bytes", "import_rejections",
-              "wall_s")
+              "fetches", "fetch_import_s", "wall_s")
 ROUTED = "ray_hybrid_serve_routed_to_checkpoint_holder_total"
 FALLBACKS = "ray_hybrid_serve_routing_fallbacks_total"
 
@@ -142,12 +142,14 @@ def counters_delta(before: dict[str, dict], after: dict[str, dict]) -> dict[str,
 
 
 def transfer_totals(deltas: Sequence[dict[str, dict]]) -> dict[str, int] | None:
-    """Exports, imports, their bytes and rejected imports, summed over replicas and passes
-    (counters_delta results of engine counters); None when any pass has no counters."""
+    """Exports, imports, their bytes and rejected imports (the engines' counters), and the
+    tier's fetches and their seconds (getting the objects plus importing; 0 without the
+    tier), summed over replicas and passes (counters_delta results); None when any pass has
+    no counters."""
     if not deltas or any(not d for d in deltas):
         return None
     totals = {"imports": 0, "imported_bytes": 0, "exports": 0, "exported_bytes": 0,
-              "import_rejections": 0}
+              "import_rejections": 0, "fetches": 0, "fetch_import_s": 0.0}
     for delta in deltas:
         for counters in delta.values():
             t = counters.get("transfers") or {}
@@ -156,6 +158,9 @@ def transfer_totals(deltas: Sequence[dict[str, dict]]) -> dict[str, int] | None:
             totals["exports"] += t.get("exported", 0)
             totals["exported_bytes"] += t.get("exported_bytes", 0)
             totals["import_rejections"] += sum((t.get("rejected") or {}).values())
+            tier = counters.get("tier") or {}
+            totals["fetches"] += tier.get("fetched", 0)
+            totals["fetch_import_s"] += tier.get("fetch_seconds", 0.0) + tier.get("import_seconds", 0.0)
     return totals
 
 
@@ -219,7 +224,8 @@ def summarize_mode(mode: str, records: Sequence[dict], walls: Sequence[float],
     p50, p95 = percentile(ttfts, 50), percentile(ttfts, 95)
     holder, fallbacks = sum_routing(routing or [None])
     transfers = transfer_totals(deltas) or dict.fromkeys(
-        ("imports", "imported_bytes", "exports", "exported_bytes", "import_rejections"))
+        ("imports", "imported_bytes", "exports", "exported_bytes", "import_rejections",
+         "fetches", "fetch_import_s"))
     row = {
         "mode": mode, "rounds": len(walls), "requests": len(records),
         "errors": len(records) - len(ok),
@@ -489,6 +495,21 @@ def measure(modes: list[Mode], args: argparse.Namespace, workload, counter) -> d
     return {"configs": configs, "results": results}
 
 
+def git_state() -> dict:
+    """The commit measured and the paths that differed from it (others' work in progress)."""
+    import subprocess
+
+    def git(*command: str) -> str:
+        try:
+            return subprocess.run(["git", *command], capture_output=True, text=True, timeout=30,
+                                  check=True).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    return {"commit": git("rev-parse", "HEAD") or None,
+            "changed_paths": [line[3:] for line in git("status", "--porcelain").splitlines()]}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--modes", nargs="+", default=list(MODE_NAMES), choices=MODE_NAMES)
@@ -550,6 +571,7 @@ def main(argv: list[str] | None = None) -> None:
     print(table)
     out = write_result(args.out, BENCHMARK, {
         "args": vars(args),
+        "git": git_state(),
         "modes": {m.name: m.keys for m in modes},
         "skipped_modes": skipped,
         "app_configs": measured["configs"],

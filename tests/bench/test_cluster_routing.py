@@ -73,7 +73,12 @@ def test_counter_deltas_are_per_replica_and_transfers_sum_over_replicas_and_pass
     second = {"r9": counters(imported=1, imported_bytes=5)}
     assert cr.transfer_totals([delta, second]) == {
         "imports": 3, "imported_bytes": 605, "exports": 3, "exported_bytes": 640,
-        "import_rejections": 1}
+        "import_rejections": 1, "fetches": 0, "fetch_import_s": 0.0}
+    tier = {"r1": {**counters(imported=1), "tier": {"fetched": 2, "fetch_seconds": 0.25,
+                                                    "import_seconds": 0.5}},
+            "r2": {**counters(), "tier": None}}
+    totals = cr.transfer_totals([tier])
+    assert totals["fetches"] == 2 and totals["fetch_import_s"] == pytest.approx(0.75)
     assert cr.transfer_totals([delta, {}]) is None  # a pass without counters: not measured
     assert cr.transfer_totals([]) is None
 
