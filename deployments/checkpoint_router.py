@@ -10,8 +10,8 @@ ingress replica, for `LLMServer.generate`). For each request this router:
    whose tokens are a prefix of the prompt,
 3. sends the request to the least loaded of those holders whose queue length (requests in
    flight there, probed for each request) is below `queue_threshold`,
-4. and otherwise leaves it to Serve's power-of-two choices: no holder, every holder at the
-   threshold or above ("overloaded"), no token ids, a call that is not a generation (model
+4. and otherwise leaves it to Serve's power-of-two choices (over the other replicas when every
+   holder is at the threshold or above, "overloaded"): no holder, no token ids, a call that is not a generation (model
    info, pool usage), or no current mirror (index actor down).
 
 Power-of-two choices is also the rank after the holders: a holder that turns out full
@@ -66,6 +66,7 @@ class HolderChoice:
     replica_ids: tuple[str, ...]
     reason: Reason
     matched_tokens: int = 0
+    overloaded: frozenset[str] = frozenset()  # the holders at the threshold or unanswered
 
 
 def choose_holders(match: LookupResult | None, queue_lens: dict[str, int | None],
@@ -80,7 +81,7 @@ def choose_holders(match: LookupResult | None, queue_lens: dict[str, int | None]
     ready = sorted((queue_lens[r], r) for r in match.replica_ids
                    if queue_lens.get(r) is not None and queue_lens[r] < queue_threshold)
     if not ready:
-        return HolderChoice((), "overloaded", match.length)
+        return HolderChoice((), "overloaded", match.length, frozenset(match.replica_ids))
     return HolderChoice(tuple(r for _, r in ready), "holder", match.length)
 
 
@@ -115,19 +116,24 @@ class CheckpointAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None
                               ) -> list[list[RunningReplica]]:
-        """[holders below the threshold, then power-of-two's pair], or power-of-two's pair."""
-        fallback = await PowerOfTwoChoicesRequestRouter.choose_replicas(
-            self, candidate_replicas=candidate_replicas, pending_request=pending_request)
+        """[holders below the threshold, then power-of-two's pair], or power-of-two's pair
+        (over the replicas other than the holders when every holder is overloaded)."""
         request = generation_request(pending_request)
-        if request is None or not fallback:
-            return fallback
-        try:
-            choice = await self._choose_holders(request, candidate_replicas)
-        except Exception:  # never let routing fail a request: fall back
-            logger.warning("checkpoint-aware routing failed; using power-of-two choices",
-                           exc_info=True)
-            choice = HolderChoice((), "index_unavailable")
-        self._count(pending_request, choice.reason)
+        choice = HolderChoice((), "no_tokens")
+        if request is not None and candidate_replicas:
+            try:
+                choice = await self._choose_holders(request, candidate_replicas)
+            except Exception:  # never let routing fail a request: fall back
+                logger.warning("checkpoint-aware routing failed; using power-of-two choices",
+                               exc_info=True)
+                choice = HolderChoice((), "index_unavailable")
+            self._count(pending_request, choice.reason)
+        others = candidate_replicas
+        if choice.reason == "overloaded":  # Serve's cached counts may not show the holders full
+            others = [r for r in candidate_replicas
+                      if r.replica_id.unique_id not in choice.overloaded] or candidate_replicas
+        fallback = await PowerOfTwoChoicesRequestRouter.choose_replicas(
+            self, candidate_replicas=others, pending_request=pending_request)
         if not choice.replica_ids:
             return fallback
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}

@@ -169,7 +169,8 @@ def test_mirror_follows_the_index_and_goes_stale_when_it_is_down():
     (None, {}, HolderChoice((), "index_unavailable")),
     (LookupResult(), {}, HolderChoice((), "no_holder")),
     (LookupResult(40, frozenset({"a", "b"})), {"a": 3, "b": 1}, HolderChoice(("b", "a"), "holder", 40)),
-    (LookupResult(40, frozenset({"a", "b"})), {"a": 4, "b": None}, HolderChoice((), "overloaded", 40)),
+    (LookupResult(40, frozenset({"a", "b"})), {"a": 4, "b": None},
+     HolderChoice((), "overloaded", 40, frozenset({"a", "b"}))),
     (LookupResult(40, frozenset({"a", "b"})), {"a": 9, "b": 2}, HolderChoice(("b",), "holder", 40)),
 ])
 def test_choose_holders(match, lens, expected):
