@@ -496,7 +496,8 @@ def measure(modes: list[Mode], args: argparse.Namespace, workload, counter) -> d
 
 
 def git_state() -> dict:
-    """The commit measured and the paths that differed from it (others' work in progress)."""
+    """The commit measured and the paths that differed from it (others' work in progress;
+    this run's own result files among them)."""
     import subprocess
 
     def git(*command: str) -> str:
@@ -552,6 +553,7 @@ def main(argv: list[str] | None = None) -> None:
     if not modes:
         raise SystemExit("no mode to run")
     started = time.monotonic()
+    git = git_state()  # replicas import the tree as it is when each app deploys
     counter = TokenizerCounter(str(DEFAULT_MODEL_DIR))
     workload = shared_instructions(Sizes(seed=args.seed, systems=args.systems,
                                          instruction_tokens=args.instruction_tokens,
@@ -564,6 +566,11 @@ def main(argv: list[str] | None = None) -> None:
                            measured["results"][m.name]["routing"]) for m in modes]
     wall_s = time.monotonic() - started
     table = format_table(rows)
+    git_at_end = git_state()
+    if git_at_end != git:
+        git["at_end"] = git_at_end
+        print(f"warning: the tree changed during the run (commit {git['commit']} at the start, "
+              f"{git_at_end['commit']} at the end): later passes ran other code")
     print(f"\n{args.replicas} replicas, {args.systems} instructions x {args.requests} requests a "
           f"pass ({args.instruction_tokens} instruction tokens, user {args.user_tokens[0]}-"
           f"{args.user_tokens[1]}), concurrency {args.concurrency}, {args.rounds} rounds; "
@@ -571,7 +578,7 @@ def main(argv: list[str] | None = None) -> None:
     print(table)
     out = write_result(args.out, BENCHMARK, {
         "args": vars(args),
-        "git": git_state(),
+        "git": git,
         "modes": {m.name: m.keys for m in modes},
         "skipped_modes": skipped,
         "app_configs": measured["configs"],
