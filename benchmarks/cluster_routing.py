@@ -567,7 +567,7 @@ def main(argv: list[str] | None = None) -> None:
     wall_s = time.monotonic() - started
     table = format_table(rows)
     git_at_end = git_state()
-    if git_at_end != git:
+    if git_at_end["commit"] != git["commit"]:
         git["at_end"] = git_at_end
         print(f"warning: the tree changed during the run (commit {git['commit']} at the start, "
               f"{git_at_end['commit']} at the end): later passes ran other code")
