@@ -2,6 +2,8 @@
 default router, with checkpoint-aware routing, and with routing plus checkpoint transfer.
 
     .venv/bin/python benchmarks/cluster_routing.py                # the documented run
+    .venv/bin/python benchmarks/cluster_routing.py --routing-queue-threshold 1 \
+        --out benchmarks/results/cluster_routing_threshold1.json  # holders overflow
     .venv/bin/python benchmarks/cluster_routing.py --requests 12 --rounds 1 --out /tmp/cr.json
 
 Starts Ray (256 MiB object store) and one Serve instance (HTTP on --port), then for each
