@@ -15,7 +15,7 @@ import torch
 
 from cache.cache_manager import BundleSizing
 from engine.config import EngineConfig
-from engine.model_config import HybridModelConfig, load_model_config
+from engine.model_config import HybridModelConfig
 from engine.shard_layout import RankShardLayout, rank_shard_layout, width
 from engine.tensor_parallel import TensorParallel
 
@@ -110,9 +110,8 @@ def size_caches(config: EngineConfig, model_config: HybridModelConfig, tp: Tenso
     )
 
 
-def check_cache_budgets(config: EngineConfig) -> None:
-    """size_caches for every rank of config, from the model's config.json: raises what the
-    workers would raise when they start."""
-    model_config = load_model_config(config.model_dir)
+def check_cache_budgets(config: EngineConfig, model_config: HybridModelConfig) -> None:
+    """size_caches for every rank of config, for the model config.model_dir holds (its parsed
+    config.json): raises what the workers would raise when they start."""
     for rank in range(config.tensor_parallel_size):
         size_caches(config, model_config, TensorParallel(rank, config.tensor_parallel_size))

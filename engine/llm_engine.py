@@ -32,7 +32,7 @@ from engine.checkpoint_transfer import ExportedCheckpoint, model_identity
 from engine.config import EngineConfig
 from engine.executor import ExecutorDiedError, ModelExecutor
 from engine.generation_request import GenerationRequest
-from engine.model_config import load_model_config
+from engine.models.registry import load_model_config
 from engine.output_processor import OutputProcessor, RequestOutput
 from engine.request import FinishReason, Request
 from engine.sampling_params import InvalidRequestError

@@ -1,4 +1,4 @@
-"""Load a Hugging Face GraniteMoeHybrid checkpoint directory into GraniteMoeHybridModel.
+"""Load a Hugging Face checkpoint directory into the model of its family (engine/models/registry.py).
 
 Every tensor of every *.safetensors file must map to exactly one model parameter and every
 parameter must be filled, with the exact shape; anything else is a ValueError naming the tensor.
@@ -19,8 +19,8 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
-from engine.model_config import HybridModelConfig, load_model_config
-from engine.models.granite_moe_hybrid import GraniteMoeHybridModel
+from engine.model_config import HybridModelConfig
+from engine.models.registry import HybridModel, load_model_config, model_family
 from engine.tensor_parallel import SliceSource, TensorParallel, TensorShard
 
 _TIED_LM_HEAD = "lm_head.weight"
@@ -33,22 +33,23 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     tp: TensorParallel | None = None,
-) -> tuple[GraniteMoeHybridModel, HybridModelConfig]:
+) -> tuple[HybridModel, HybridModelConfig]:
     """Build the model (for rank tp, default unsharded) from config.json and fill it from the
     safetensors files, reading only this rank's shard of each sharded tensor.
 
     Parameters are cast to `dtype` except those the model keeps in fp32 (Mamba A_log, D,
     dt_bias). The returned model is in eval mode with requires_grad off, its attention
-    projections stacked (GraniteMoeHybridModel.stack_projections; a later .to() stacks them
+    projections stacked (HybridModel.stack_projections; a later .to() stacks them
     again, see PagedAttention.stack_projections).
     """
     model_dir = Path(model_dir)
     config = load_model_config(model_dir)
+    family = model_family(config.model_type)
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
     with torch.device("meta"):
-        model = GraniteMoeHybridModel(config, dtype=dtype, tp=tp)
+        model = family.build_model(config, dtype, tp)
     expected = dict(model.named_parameters())
     shards = model.parameter_shards()
     loaded: set[str] = set()
@@ -61,7 +62,7 @@ def load_model(
                 progress.update(_checkpoint_bytes(f.get_slice(checkpoint_name)))
                 if config.tie_word_embeddings and checkpoint_name == _TIED_LM_HEAD:
                     continue  # tied to embed_tokens.weight, as transformers does
-                name = parameter_name(checkpoint_name)
+                name = family.parameter_name(checkpoint_name)
                 if name not in expected:
                     raise ValueError(f"{file.name}: unexpected tensor {checkpoint_name!r}")
                 if name in loaded:
@@ -92,11 +93,6 @@ _DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16
 def _checkpoint_bytes(source: SliceSource) -> int:
     """Bytes of a checkpoint tensor in its file (1 per element for 8-bit and unknown dtypes)."""
     return math.prod(source.get_shape()) * _DTYPE_BYTES.get(source.get_dtype(), 1)
-
-
-def parameter_name(checkpoint_name: str) -> str:
-    """Checkpoint tensor name -> model parameter name ("model.layers.0..." -> "layers.0...")."""
-    return checkpoint_name.removeprefix("model.")
 
 
 def load_parameter(

@@ -1,17 +1,17 @@
-"""The model's architecture, read from a Hugging Face config.json into one frozen object.
+"""The model's architecture as one frozen object, and the readers family parsers share.
 
-Checkpoints and transformers versions spell the same GraniteMoeHybrid fields differently
-(docs/design.md section 7); `parse_model_config` accepts every spelling seen and normalises it, and
-rejects what this engine cannot run (MoE layers, unknown layer kinds) with a ValueError that
-names the offending field.
+Each model family (engine/models/registry.py) parses its config.json into a HybridModelConfig:
+checkpoints and transformers versions spell the same fields differently (docs/design.md
+section 7), so a family's `parse_config` accepts every spelling seen and normalises it, and
+rejects what this engine cannot run with a ValueError that names the offending field. The
+readers below (`required`, `parse_layer_types`, ...) are the spellings more than one family
+uses.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 MAMBA = "mamba"
@@ -28,8 +28,9 @@ _DTYPES = ("float32", "bfloat16", "float16")
 
 @dataclass(frozen=True)
 class HybridModelConfig:
-    """A dense GraniteMoeHybrid model (Mamba2 + attention layers, each followed by a gated MLP).
+    """A hybrid model: Mamba2 and attention layers, each followed by a gated MLP.
 
+    model_type: the config.json model_type of the family that parsed it (engine/models/registry.py).
     layer_types[i] is "mamba" or "attention".
     rope_theta: None means no positional embedding in attention (NoPE).
     attention_multiplier is the attention softmax scale (it replaces 1/sqrt(head_dim)).
@@ -38,6 +39,7 @@ class HybridModelConfig:
     dtype: the checkpoint's stored dtype name ("float32", "bfloat16", "float16").
     """
 
+    model_type: str
     vocab_size: int
     hidden_size: int
     num_hidden_layers: int
@@ -91,101 +93,21 @@ class HybridModelConfig:
         return self.mamba_intermediate_size + 2 * self.mamba_n_groups * self.mamba_d_state
 
 
-def load_model_config(model_dir: str | Path) -> HybridModelConfig:
-    """Read `model_dir/config.json`; raises FileNotFoundError or ValueError."""
-    path = Path(model_dir) / "config.json"
-    with open(path, encoding="utf-8") as f:
-        raw = json.load(f)
-    return parse_model_config(raw)
-
-
-def parse_model_config(raw: dict[str, Any]) -> HybridModelConfig:
-    """Normalise a config.json dict; raises ValueError naming the field it cannot accept."""
-    model_type = raw.get("model_type", "granitemoehybrid")
-    if model_type != "granitemoehybrid":
-        raise ValueError(f"model_type must be 'granitemoehybrid', got {model_type!r}")
-    # transformers defaults num_local_experts to 8 (MoE) when the field is absent.
-    num_experts = raw.get("num_local_experts", 8)
-    if num_experts is None or int(num_experts) > 0:
-        raise ValueError(
-            f"num_local_experts={num_experts!r}: only dense GraniteMoeHybrid models "
-            "(num_local_experts=0) are supported"
-        )
-    hidden_act = raw.get("hidden_act", "silu")
-    if hidden_act != "silu":
-        raise ValueError(f"hidden_act must be 'silu', got {hidden_act!r}")
-
-    hidden_size = _required(raw, "hidden_size")
-    num_layers = _required(raw, "num_hidden_layers")
-    num_heads = _required(raw, "num_attention_heads")
-    num_kv_heads = raw.get("num_key_value_heads") or num_heads
-    head_dim = raw.get("head_dim") or hidden_size // num_heads
-    if num_heads % num_kv_heads != 0:
-        raise ValueError(
-            f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}"
-        )
-
-    mamba_expand = raw.get("mamba_expand", 2)
-    mamba_n_heads = raw.get("mamba_n_heads", 128)
-    mamba_n_groups = raw.get("mamba_n_groups", 1)
-    mamba_d_head = raw.get("mamba_d_head", "auto")
-    if mamba_d_head == "auto":
-        mamba_d_head = mamba_expand * hidden_size // mamba_n_heads
-    if mamba_d_head * mamba_n_heads != mamba_expand * hidden_size:
-        raise ValueError(
-            f"mamba_d_head={mamba_d_head} * mamba_n_heads={mamba_n_heads} must equal "
-            f"mamba_expand * hidden_size = {mamba_expand * hidden_size}"
-        )
-    if mamba_n_heads % mamba_n_groups != 0:
-        raise ValueError(f"mamba_n_groups={mamba_n_groups} must divide mamba_n_heads={mamba_n_heads}")
-
-    eos = raw.get("eos_token_id")
-    eos_ids = () if eos is None else tuple(int(e) for e in eos) if isinstance(eos, list) else (int(eos),)
-
-    return HybridModelConfig(
-        vocab_size=_required(raw, "vocab_size"),
-        hidden_size=hidden_size,
-        num_hidden_layers=num_layers,
-        layer_types=_parse_layer_types(raw.get("layer_types"), num_layers),
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        head_dim=head_dim,
-        attention_bias=bool(raw.get("attention_bias", False)),
-        intermediate_size=raw.get("intermediate_size", 0),
-        shared_intermediate_size=_required(raw, "shared_intermediate_size"),
-        hidden_act=hidden_act,
-        mamba_n_heads=mamba_n_heads,
-        mamba_d_head=mamba_d_head,
-        mamba_d_state=raw.get("mamba_d_state", 256),
-        mamba_n_groups=mamba_n_groups,
-        mamba_d_conv=raw.get("mamba_d_conv", 4),
-        mamba_expand=mamba_expand,
-        mamba_chunk_size=raw.get("mamba_chunk_size", 256),
-        mamba_conv_bias=bool(raw.get("mamba_conv_bias", True)),
-        mamba_proj_bias=bool(raw.get("mamba_proj_bias", False)),
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        rope_theta=_parse_rope_theta(raw),
-        max_position_embeddings=raw.get("max_position_embeddings", 2048),
-        embedding_multiplier=float(raw.get("embedding_multiplier", 1.0)),
-        attention_multiplier=float(raw.get("attention_multiplier", 1.0)),
-        residual_multiplier=float(raw.get("residual_multiplier", 1.0)),
-        logits_scaling=float(raw.get("logits_scaling", 1.0)),
-        time_step_limit=_parse_time_step_limit(raw.get("time_step_limit")),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        bos_token_id=raw.get("bos_token_id"),
-        eos_token_ids=eos_ids,
-        pad_token_id=raw.get("pad_token_id"),
-        dtype=_parse_dtype(raw),
-    )
-
-
-def _required(raw: dict[str, Any], field: str) -> Any:
+def required(raw: dict[str, Any], field: str) -> Any:
     if raw.get(field) is None:
         raise ValueError(f"config.json lacks the required field {field!r}")
     return raw[field]
 
 
-def _parse_layer_types(layer_types: list[str] | None, num_layers: int) -> tuple[str, ...]:
+def parse_eos_token_ids(raw: dict[str, Any]) -> tuple[int, ...]:
+    """eos_token_id as one id, a list of ids, or absent (no ids)."""
+    eos = raw.get("eos_token_id")
+    if eos is None:
+        return ()
+    return tuple(int(e) for e in eos) if isinstance(eos, list) else (int(eos),)
+
+
+def parse_layer_types(layer_types: list[str] | None, num_layers: int) -> tuple[str, ...]:
     """mamba/attention (published checkpoints) or linear_attention/full_attention (transformers 5)."""
     if layer_types is None:  # transformers' default: every layer is Mamba
         return (MAMBA,) * num_layers
@@ -200,7 +122,7 @@ def _parse_layer_types(layer_types: list[str] | None, num_layers: int) -> tuple[
     return tuple(_LAYER_TYPE_SPELLINGS[t] for t in layer_types)
 
 
-def _parse_rope_theta(raw: dict[str, Any]) -> float | None:
+def parse_rope_theta(raw: dict[str, Any]) -> float | None:
     """None for NoPE (position_embedding_type "nope" or null), else the RoPE base."""
     kind = raw.get("position_embedding_type")
     if kind is None or kind == "nope":
@@ -215,16 +137,16 @@ def _parse_rope_theta(raw: dict[str, Any]) -> float | None:
     return float(theta)
 
 
-def _parse_time_step_limit(value: Any) -> tuple[float, float]:
+def parse_time_step_limit(value: Any) -> tuple[float, float]:
     """[low, high] with numbers, "Infinity" strings or {"__float__": "Infinity"} objects."""
     if value is None:
         return (0.0, math.inf)
     if len(value) != 2:
         raise ValueError(f"time_step_limit must hold two numbers, got {value!r}")
-    return (_as_float(value[0], "time_step_limit"), _as_float(value[1], "time_step_limit"))
+    return (as_float(value[0], "time_step_limit"), as_float(value[1], "time_step_limit"))
 
 
-def _as_float(value: Any, field: str) -> float:
+def as_float(value: Any, field: str) -> float:
     if isinstance(value, dict) and "__float__" in value:
         value = value["__float__"]
     try:
@@ -233,7 +155,7 @@ def _as_float(value: Any, field: str) -> float:
         raise ValueError(f"{field}: cannot read {value!r} as a number") from error
 
 
-def _parse_dtype(raw: dict[str, Any]) -> str:
+def parse_dtype(raw: dict[str, Any]) -> str:
     dtype = raw.get("dtype") or raw.get("torch_dtype") or "float32"
     dtype = str(dtype).removeprefix("torch.")
     if dtype not in _DTYPES:

@@ -38,14 +38,14 @@ def write_random_checkpoint(model_dir: Path) -> None:
     drawn on the GPU from seed 0."""
     from safetensors.torch import save_file
 
-    from engine.model_config import HybridModelConfig, load_model_config
-    from engine.models.granite_moe_hybrid import GraniteMoeHybridModel
+    from engine.model_config import HybridModelConfig
+    from engine.models.registry import build_model, load_model_config
 
     model_dir.mkdir(parents=True, exist_ok=True)
     (model_dir / "config.json").write_text(json.dumps(CONFIG_1P5B))
     config: HybridModelConfig = load_model_config(model_dir)
     with torch.device("meta"):
-        shapes = GraniteMoeHybridModel(config, dtype=torch.bfloat16)
+        shapes = build_model(config, dtype=torch.bfloat16)
     g = torch.Generator(device="cuda").manual_seed(0)
     tensors = {}
     for name, p in shapes.named_parameters():
@@ -75,11 +75,10 @@ def parameter_counts(model: torch.nn.Module) -> dict[str, int]:
 def sized_config(config: EngineConfig, num_requests: int, blocks_per_seq: int) -> EngineConfig:
     """The engine config with KV and state budgets for num_requests sequences of
     blocks_per_seq blocks each, and 8,192 tokens a step."""
-    from engine.model_config import load_model_config
-    from engine.models.granite_moe_hybrid import GraniteMoeHybridModel
+    from engine.models.registry import build_model, load_model_config
 
     with torch.device("meta"):
-        model = GraniteMoeHybridModel(load_model_config(config.model_dir), dtype=torch.bfloat16)
+        model = build_model(load_model_config(config.model_dir), dtype=torch.bfloat16)
     return replace(
         config,
         max_num_seqs=num_requests,

@@ -266,7 +266,7 @@ class Mamba2Mixer(ShardedModule):
         range (bf16, fp32: the row is rounded before the norm's scale, which fp16 could
         overflow), and an out_proj whose single-row GEMM takes a (1, I) row and folds the norm
         in (supports_row_rms: world size 1, CUDA, its weight's layout). Fixed once the weights
-        are loaded: the forward routes ask once (GraniteMoeHybridModel.folds_gated_norm) and
+        are loaded: the forward routes ask once (HybridModel.folds_gated_norm, engine/models/registry.py) and
         the step's plan carries the choice (GpuBatchPlan.folded_gated_norm)."""
         weight = self.out_proj.weight
         if self.norm.group_size != self.intermediate_size or weight.dtype == torch.float16:

@@ -15,6 +15,8 @@ With TensorParallel.single() it is the unsharded model and calls no collective.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -31,9 +33,97 @@ from engine.layers.vocab_parallel import (
     VocabParallelLMHead,
     vocab_parallel_logits,
 )
-from engine.model_config import ATTENTION, HybridModelConfig
+from engine.model_config import (
+    ATTENTION,
+    HybridModelConfig,
+    parse_dtype,
+    parse_eos_token_ids,
+    parse_layer_types,
+    parse_rope_theta,
+    parse_time_step_limit,
+    required,
+)
 from engine.shard_layout import RankShardLayout, rank_shard_layout, width
 from engine.tensor_parallel import TensorParallel, TensorShard, parameter_shards
+
+
+MODEL_TYPE = "granitemoehybrid"
+
+
+def parse_config(raw: dict[str, Any]) -> HybridModelConfig:
+    """Normalise a granitemoehybrid config.json dict; raises ValueError naming the field it
+    cannot accept."""
+    # transformers defaults num_local_experts to 8 (MoE) when the field is absent.
+    num_experts = raw.get("num_local_experts", 8)
+    if num_experts is None or int(num_experts) > 0:
+        raise ValueError(
+            f"num_local_experts={num_experts!r}: only dense GraniteMoeHybrid models "
+            "(num_local_experts=0) are supported"
+        )
+    hidden_act = raw.get("hidden_act", "silu")
+    if hidden_act != "silu":
+        raise ValueError(f"hidden_act must be 'silu', got {hidden_act!r}")
+
+    hidden_size = required(raw, "hidden_size")
+    num_layers = required(raw, "num_hidden_layers")
+    num_heads = required(raw, "num_attention_heads")
+    num_kv_heads = raw.get("num_key_value_heads") or num_heads
+    head_dim = raw.get("head_dim") or hidden_size // num_heads
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}"
+        )
+
+    mamba_expand = raw.get("mamba_expand", 2)
+    mamba_n_heads = raw.get("mamba_n_heads", 128)
+    mamba_n_groups = raw.get("mamba_n_groups", 1)
+    mamba_d_head = raw.get("mamba_d_head", "auto")
+    if mamba_d_head == "auto":
+        mamba_d_head = mamba_expand * hidden_size // mamba_n_heads
+    if mamba_d_head * mamba_n_heads != mamba_expand * hidden_size:
+        raise ValueError(
+            f"mamba_d_head={mamba_d_head} * mamba_n_heads={mamba_n_heads} must equal "
+            f"mamba_expand * hidden_size = {mamba_expand * hidden_size}"
+        )
+    if mamba_n_heads % mamba_n_groups != 0:
+        raise ValueError(f"mamba_n_groups={mamba_n_groups} must divide mamba_n_heads={mamba_n_heads}")
+
+    return HybridModelConfig(
+        model_type=MODEL_TYPE,
+        vocab_size=required(raw, "vocab_size"),
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        layer_types=parse_layer_types(raw.get("layer_types"), num_layers),
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        attention_bias=bool(raw.get("attention_bias", False)),
+        intermediate_size=raw.get("intermediate_size", 0),
+        shared_intermediate_size=required(raw, "shared_intermediate_size"),
+        hidden_act=hidden_act,
+        mamba_n_heads=mamba_n_heads,
+        mamba_d_head=mamba_d_head,
+        mamba_d_state=raw.get("mamba_d_state", 256),
+        mamba_n_groups=mamba_n_groups,
+        mamba_d_conv=raw.get("mamba_d_conv", 4),
+        mamba_expand=mamba_expand,
+        mamba_chunk_size=raw.get("mamba_chunk_size", 256),
+        mamba_conv_bias=bool(raw.get("mamba_conv_bias", True)),
+        mamba_proj_bias=bool(raw.get("mamba_proj_bias", False)),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=parse_rope_theta(raw),
+        max_position_embeddings=raw.get("max_position_embeddings", 2048),
+        embedding_multiplier=float(raw.get("embedding_multiplier", 1.0)),
+        attention_multiplier=float(raw.get("attention_multiplier", 1.0)),
+        residual_multiplier=float(raw.get("residual_multiplier", 1.0)),
+        logits_scaling=float(raw.get("logits_scaling", 1.0)),
+        time_step_limit=parse_time_step_limit(raw.get("time_step_limit")),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=parse_eos_token_ids(raw),
+        pad_token_id=raw.get("pad_token_id"),
+        dtype=parse_dtype(raw),
+    )
 
 
 class DecoderLayer(nn.Module):

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.loader import load_model
-from engine.model_config import load_model_config
+from engine.models.registry import load_model_config
 from numerics_support import TINY_CONFIGS, PagedRunner, Request, build_random_case, rel_err
 
 # What transformers 5.x writes (linear_attention/full_attention, rope_parameters, dtype, __float__).
@@ -116,6 +116,7 @@ def test_spelling_variants(tmp_path, overrides, field, expected):
         ({"position_embedding_type": "alibi"}, "position_embedding_type"),
         ({"mamba_d_head": 24}, "mamba_d_head"),
         ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"model_type": "llama"}, "model_type 'llama' is not supported; supported: .*granitemoehybrid"),
     ],
 )
 def test_rejects_what_it_cannot_run(tmp_path, overrides, field):

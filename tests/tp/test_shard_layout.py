@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.model_config import parse_model_config
+from engine.models.registry import parse_model_config
 from engine.shard_layout import rank_shard_layout
 from engine.tensor_parallel import TensorParallel, TensorShard
 from tp_support import RANDOM_CONFIG

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.loader import load_model
-from engine.model_config import load_model_config
+from engine.models.registry import load_model_config
 from engine.tensor_parallel import TensorParallel
 from tp_support import (
     EMBEDDED_MODEL_DIR,

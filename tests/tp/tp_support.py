@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from engine.model_config import HybridModelConfig, parse_model_config
+from engine.model_config import HybridModelConfig
+from engine.models.registry import parse_model_config
 from paged_runner import PagedRunner, Request
 
 EMBEDDED_MODEL_DIR = Path(__file__).resolve().parents[2] / "models" / "tiny-granite-hybrid"
@@ -60,10 +61,10 @@ def write_random_checkpoint(directory: Path, raw: dict, seed: int = 0) -> Path:
     """config.json and model.safetensors of a seeded random model with `raw`'s architecture."""
     from safetensors.torch import save_file
 
-    from engine.models.granite_moe_hybrid import GraniteMoeHybridModel
+    from engine.models.registry import build_model
 
     directory.mkdir(parents=True, exist_ok=True)
-    model = GraniteMoeHybridModel(parse_model_config(raw))
+    model = build_model(parse_model_config(raw))
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
     for name, param in model.named_parameters():

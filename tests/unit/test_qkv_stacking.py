@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from engine.config import DEFAULT_MODEL_DIR
 from engine.layers.attention import PagedAttention
 from engine.loader import load_model
-from engine.model_config import load_model_config
+from engine.models.registry import load_model_config
 from engine.models.granite_moe_hybrid import GraniteMoeHybridModel
 from engine.tensor_parallel import TensorParallel
 from engine.shard_layout import rank_shard_layout

@@ -36,7 +36,7 @@ def kernel_choices(
     """GpuBatchPlan's kernel choices for a step of `num_rows` token rows (padding included),
     `num_decode` one-token and `num_prefill` longer chunks, with or without in-pass captures;
     fold_gated_norm: whether the model's Mamba mixers can fold their gated norm at one row
-    (GraniteMoeHybridModel.folds_gated_norm).
+    (HybridModel.folds_gated_norm, engine/models/registry.py).
     - stacked_qkv: one row (where the single-row GEMM takes the stacked weight: the layer
       checks the operands, as linear() does);
     - fused_mamba_decode: no prefill chunk, no in-pass capture, at most FUSED_DECODE_MAX_ROWS

@@ -1,0 +1,102 @@
+"""Model families, keyed by config.json's `model_type`: how to read a checkpoint directory's
+config and build the model the engine runs.
+
+A family is one module under engine/models/ that provides MODEL_TYPE, `parse_config(raw) ->
+HybridModelConfig` and the model class; its shared layers come from engine/layers/. The engine
+sees only the `HybridModel` protocol below, so adding a family touches this table and nothing
+in the step loop.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from engine.forward_batch import ForwardBatch, ModelCaches
+from engine.model_config import HybridModelConfig
+from engine.models import granite_moe_hybrid
+from engine.tensor_parallel import TensorParallel, TensorShard
+
+
+class HybridModel(Protocol):
+    """What the engine calls on a model (engine/worker.py, forward_routes.py, cuda_graphs.py,
+    loader.py). GraniteMoeHybridModel documents each method's contract."""
+
+    config: HybridModelConfig
+    tp: TensorParallel
+
+    def __call__(self, batch: ForwardBatch, caches: ModelCaches, gpu_plan: Any = None) -> torch.Tensor: ...
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+    def folds_gated_norm(self) -> bool: ...
+    def stack_projections(self) -> None: ...
+    def parameter_shards(self) -> dict[str, TensorShard]: ...
+    def allocate_caches(self, num_blocks: int, block_size: int, num_state_slots: int,
+                        device: Any = None) -> ModelCaches: ...
+
+
+def strip_model_prefix(checkpoint_name: str) -> str:
+    """The usual checkpoint naming: "model.layers.0..." -> "layers.0..."; lm_head.weight as is."""
+    return checkpoint_name.removeprefix("model.")
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """One supported architecture.
+
+    parse_config: config.json dict -> HybridModelConfig; ValueError naming the key it refuses.
+    build_model: (config, dtype, tp or None for unsharded) -> the model, on the current device
+        (the loader builds it on the meta device and fills it).
+    parameter_name: checkpoint tensor name -> model parameter name.
+    """
+
+    model_type: str
+    parse_config: Callable[[dict[str, Any]], HybridModelConfig]
+    build_model: Callable[[HybridModelConfig, torch.dtype, TensorParallel | None], HybridModel]
+    parameter_name: Callable[[str], str] = strip_model_prefix
+
+
+FAMILIES: dict[str, ModelFamily] = {
+    family.model_type: family
+    for family in (
+        ModelFamily(
+            model_type=granite_moe_hybrid.MODEL_TYPE,
+            parse_config=granite_moe_hybrid.parse_config,
+            build_model=granite_moe_hybrid.GraniteMoeHybridModel,
+        ),
+    )
+}
+
+# config.json files without a model_type predate the field; they are GraniteMoeHybrid.
+DEFAULT_MODEL_TYPE = granite_moe_hybrid.MODEL_TYPE
+
+
+def model_family(model_type: str) -> ModelFamily:
+    """The family for a config.json model_type; ValueError listing the supported ones."""
+    family = FAMILIES.get(model_type)
+    if family is None:
+        raise ValueError(
+            f"model_type {model_type!r} is not supported; supported: {sorted(FAMILIES)}"
+        )
+    return family
+
+
+def parse_model_config(raw: dict[str, Any]) -> HybridModelConfig:
+    """Normalise a config.json dict through its family's parser; ValueError naming the key."""
+    return model_family(raw.get("model_type", DEFAULT_MODEL_TYPE)).parse_config(raw)
+
+
+def load_model_config(model_dir: str | Path) -> HybridModelConfig:
+    """Read `model_dir/config.json`; raises FileNotFoundError or ValueError."""
+    with open(Path(model_dir) / "config.json", encoding="utf-8") as f:
+        return parse_model_config(json.load(f))
+
+
+def build_model(config: HybridModelConfig, dtype: torch.dtype = torch.float32,
+                tp: TensorParallel | None = None) -> HybridModel:
+    """The model of config's family for rank tp (None: unsharded)."""
+    return model_family(config.model_type).build_model(config, dtype, tp)
