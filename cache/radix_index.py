@@ -207,9 +207,19 @@ class RadixIndex:
 
 
 def _common_prefix_len(edge: tuple[int, ...], tokens: tuple[int, ...], start: int) -> int:
-    """How many leading tokens of `edge` equal tokens[start:]."""
-    n = 0
+    """How many leading tokens of `edge` equal tokens[start:].
+
+    Compares tuple slices (C loops) and bisects to the first mismatch: a lookup walks prompts
+    of thousands of tokens on the request's path to its first token, where a token-by-token
+    Python loop cost about a millisecond (benchmarks/ttft_anatomy.py, its restore profile)."""
     limit = min(len(edge), len(tokens) - start)
-    while n < limit and edge[n] == tokens[start + n]:
-        n += 1
-    return n
+    matched, end = 0, limit  # edge[:matched] matches; the first mismatch, if any, is before end
+    while end - matched > 16:
+        middle = (matched + end) // 2
+        if edge[matched:middle] == tokens[start + matched:start + middle]:
+            matched = middle
+        else:
+            end = middle
+    while matched < limit and edge[matched] == tokens[start + matched]:
+        matched += 1
+    return matched

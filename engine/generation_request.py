@@ -51,5 +51,5 @@ class GenerationRequest:
 
     def __post_init__(self) -> None:
         # tuples of plain ints, so the object pickles small and compares by value
-        object.__setattr__(self, "prompt_token_ids", tuple(int(t) for t in self.prompt_token_ids))
+        object.__setattr__(self, "prompt_token_ids", tuple(map(int, self.prompt_token_ids)))
         object.__setattr__(self, "pause_positions", tuple(int(p) for p in self.pause_positions))

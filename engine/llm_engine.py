@@ -133,7 +133,7 @@ class LLMEngine:
         prompt = request.prompt_token_ids
         if not prompt:
             raise InvalidRequestError("the prompt is empty")
-        if any(t < 0 or t >= self.vocab_size for t in prompt):
+        if min(prompt) < 0 or max(prompt) >= self.vocab_size:  # C loops: prompts are long
             raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})")
         if any(t < 0 or t >= self.vocab_size for t in request.sampling.stop_token_ids):
             # the sampler masks them in the logits (min_tokens): an id outside would fail the step

@@ -128,3 +128,21 @@ def test_index_agrees_with_a_dict_of_checkpoints(ops):
             assert index.num_nodes(each_ns) <= max(0, 2 * len(each) - 1)  # compact: pruned, merged
             for stored, bundle_id in each.items():
                 assert index.get(each_ns, stored) == bundle_id
+
+
+def test_long_edges_split_at_the_first_differing_token():
+    """Edges of hundreds of tokens, prompts that leave them at every position: the index
+    splits and matches exactly at the first token that differs (the prefix comparison bisects
+    long edges by slices)."""
+    edge = list(range(100, 400))
+    for diverge_at in [0, 1, 15, 16, 17, 31, 150, 298, 299]:
+        index = RadixIndex()
+        index.insert(NS, edge, 1)
+        query = edge[:diverge_at] + [7] + edge[diverge_at + 1:]
+        index.insert(NS, query[: diverge_at + 1], 2)
+        assert index.longest_prefix(NS, edge) == Match(1, len(edge))
+        assert index.longest_prefix(NS, query) == Match(2, diverge_at + 1)
+        if diverge_at:
+            index.insert(NS, edge[:diverge_at], 3)
+            assert index.longest_prefix(NS, query) == Match(2, diverge_at + 1)
+            assert index.longest_prefix(NS, edge[:diverge_at] + [5]) == Match(3, diverge_at)
