@@ -13,6 +13,8 @@ two tokens and its TTFT is the time from add_request to the step() that returns 
                checkpoint, then requests with new user parts of U tokens that restore it;
                per request its steps (wall time, which forward route served them)
   async        the same restores through AsyncLLMEngine (the in-process bench target's path)
+  compiles     every Triton kernel variant built (its kernel's name), per burst step and per
+               pass: a variant built mid-serving is a step of seconds
   profiles     cProfile of a cold prompt of a new length and of a repeated one (the host's top
                functions), and torch.profiler of one restore (top kernels and host ops)
 
@@ -193,10 +195,36 @@ def async_pass(engine, rng, quick: bool, switch_interval_s: float | None = None)
     return rows
 
 
-def burst_pass(engine, rng, quick: bool, restore: bool, num: int) -> dict:
+class CompileLog:
+    """The names of the Triton kernels built since the last `take()` (Triton's
+    jit_post_compile_hook, called once per new variant; absent on CPU or an older Triton)."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.active = False
+        try:
+            from triton import knobs
+
+            knobs.runtime.jit_post_compile_hook = self._hook
+            self.active = True
+        except (ImportError, AttributeError):
+            pass
+
+    def _hook(self, *args, **kwargs) -> bool:
+        fn = kwargs.get("fn")
+        self.names.append(getattr(fn, "name", None) or repr(fn))
+        return False
+
+    def take(self) -> list[str]:
+        names, self.names = self.names, []
+        return names
+
+
+def burst_pass(engine, rng, quick: bool, restore: bool, num: int, compiles: CompileLog) -> dict:
     """`num` requests added at once, each 16 tokens: 2,000-token instructions (their checkpoint
     captured first when `restore`, else a fresh namespace each) and 50-500 user tokens. Every
-    step until the last first token: wall time, chunks, tokens, restores, captures; the TTFTs."""
+    step until the last first token: wall time, chunks, tokens, restores, captures, Triton
+    kernels built; the TTFTs."""
     length = 300 if quick else 2000
     instructions, salt = ids(rng, length), uuid.uuid4().hex
     if restore:
@@ -209,6 +237,7 @@ def burst_pass(engine, rng, quick: bool, restore: bool, num: int) -> dict:
                               instruction_boundary=length, cache_salt=salt if restore else uuid.uuid4().hex)
             for _ in range(num)]
     sync(engine.config.device)
+    compiles.take()
     start = time.perf_counter()
     for req in reqs:
         engine.add_request(req)
@@ -226,7 +255,8 @@ def burst_pass(engine, rng, quick: bool, restore: bool, num: int) -> dict:
             so = trace.scheduler_output
             steps.append({"wall_ms": round(wall * 1e3, 2), "chunks": len(so.chunks),
                           "tokens": sum(len(c.token_ids) for c in so.chunks),
-                          "restores": len(so.restores), "captures": len(so.captures)})
+                          "restores": len(so.restores), "captures": len(so.captures),
+                          "compiled": compiles.take()})
     ttfts = sorted(first.values())
     return {"restore": restore, "requests": num, "ttft_p50_ms": round(statistics.median(ttfts) * 1e3, 1),
             "ttft_max_ms": round(ttfts[-1] * 1e3, 1), "steps": steps}
@@ -267,11 +297,14 @@ def main() -> None:
     text: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
         engine = LLMEngine(engine_config(model_dir_of(args, Path(tmp)), args.quick))
+        compiles = CompileLog()
         print(f"engine started ({time.perf_counter() - t0:.0f}s)", flush=True)
         rng = random.Random(0)
         for i in range(3):  # first compiles, autotunes
             ttft(engine, request(ids(rng, 600 + i), None, salt=uuid.uuid4().hex))
+        result["compiled_at_start"] = len(compiles.take())
         result["shapes"] = shapes_pass(engine, rng, args.quick)
+        result["compiled_in_shapes"] = compiles.take()
         text.append("shapes: tokens ttft_ms steps routes")
         text += [f"  {r['tokens']:6d} {r['ttft_ms']:9.2f} {r['steps']} {r['routes']}" for r in result["shapes"]]
         print("\n".join(text), flush=True)
@@ -285,12 +318,15 @@ def main() -> None:
             if r["kind"] == "restore":
                 by_length.setdefault(r["instruction_tokens"], []).append(r["ttft_ms"])
         result["restore_p50_ms"] = {k: statistics.median(v) for k, v in by_length.items()}
+        result["compiled_in_restores"] = compiles.take()
         text.append(f"restore TTFT p50 by L: {result['restore_p50_ms']}")
         print("\n".join(text[-len(result['restores']) - 2:]), flush=True)
         for restore in (False, True):
-            burst = burst_pass(engine, rng, args.quick, restore, 8 if args.quick else 64)
+            burst = burst_pass(engine, rng, args.quick, restore, 8 if args.quick else 64, compiles)
             result[f"burst_restore_{restore}"] = burst
-            text.append(f"burst, restore={restore}: TTFT p50 {burst['ttft_p50_ms']} ms, max {burst['ttft_max_ms']} ms")
+            built = sum(len(st["compiled"]) for st in burst["steps"])
+            text.append(f"burst, restore={restore}: TTFT p50 {burst['ttft_p50_ms']} ms, max {burst['ttft_max_ms']} ms, "
+                        f"{built} kernel variants built")
             text += [f"  {st}" for st in burst["steps"]]
             print("\n".join(text[-len(burst['steps']) - 1:]), flush=True)
         new_length = 3001 if not args.quick else 333

@@ -21,7 +21,7 @@ import triton.language as tl
 from engine.kernels.gpu.pdl import launch_options, release_next, wait_for_previous
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _conv_kernel(
     x_ptr, stride_xt,  # (T, C), unit channel stride
     w_ptr, b_ptr,  # (C, K) contiguous, (C,)

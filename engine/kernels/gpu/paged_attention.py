@@ -15,6 +15,11 @@ BLOCK_N at a time: each K/V tile is loaded once for all G heads (G = 1: one head
 G, BLOCK_M and the rest default as prefill_launch.py says).
 `write_kv` stores a step's K/V into the cache in one launch.
 
+Integer arguments that change with the batch (lengths, split counts, the partials' and block
+tables' strides) are marked do_not_specialize: Triton otherwise compiles a variant for each
+new combination of their divisibility by 16 and equality to 1, which in a burst of mixed
+chunks kept compiling for seconds mid-serving (benchmarks/ttft_anatomy.py, its compile count).
+
 Shapes: T tokens, H heads, Hkv KV heads, D head dim, Bd decode sequences.
 """
 
@@ -76,7 +81,7 @@ def write_kv(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_split", "stride_ml_split", "stride_ml_t", "stride_table", "num_splits"])
 def _paged_decode_kernel(
     q_ptr, stride_qt, stride_qh,  # (T, H, D), unit D stride
     k_ptr, v_ptr, stride_kb, stride_ko, stride_kh,  # (blocks, block_size, Hkv, D), K and V alike
@@ -133,7 +138,7 @@ def _paged_decode_kernel(
                  (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['stride_split', 'stride_ml_split', 'stride_ml_t', 'num_splits'])
 def _decode_combine_kernel(
     part_ptr, stride_split, stride_pt,  # (splits, Bd, H, D) fp32, unit D stride, H stride D
     ml_ptr, stride_ml_split, stride_ml_t,  # (splits, Bd, H, 2) fp32
@@ -257,7 +262,7 @@ def _attend_key_tile(
     return m_new, l, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['stride_split', 'stride_ml_split', 'stride_ml_t', 'stride_table', 'num_splits', 'max_len'])
 def _prefill_kernel(
     q_ptr, stride_qt, stride_qh,  # (T, H, D), unit D stride
     k_ptr, v_ptr, stride_kb, stride_ko, stride_kh,  # (blocks, block_size, Hkv, D), K and V alike
@@ -331,7 +336,7 @@ def _prefill_kernel(
                      (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=i_mask[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['stride_split', 'stride_ml_split', 'stride_ml_t', 'num_splits', 'max_len'])
 def _combine_kernel(
     part_ptr, stride_split, stride_pt,  # (splits, Sp * max_len, H, D) fp32, unit D stride, H stride D
     ml_ptr, stride_ml_split, stride_ml_t,  # (splits, Sp * max_len, H, 2) fp32
