@@ -66,7 +66,18 @@ def to_device(arrays: Sequence[np.ndarray], device: torch.device) -> list[torch.
     stream after it, as a blocking .to(device) from pageable memory does (the host would wait
     for every kernel already queued; the driver itself may still wait while it stages the
     bytes). The driver has read the pageable bytes when the call returns, so the arrays may be
-    dropped at once."""
+    dropped at once.
+
+    Every view starts on a 16-byte boundary (each array padded to an even length in the
+    packed tensor): Triton specialises pointer arguments on 16-byte alignment, so views at
+    offsets that move with the batch's composition built a new variant of every kernel reading
+    them, seconds each, mid-serving (benchmarks/ttft_anatomy.py, its burst's compile log)."""
     assert all(a.dtype == np.int64 for a in arrays), "to_device takes int64 arrays"
-    packed = torch.from_numpy(np.concatenate(arrays)).to(device, non_blocking=True)
-    return list(torch.split(packed, [len(a) for a in arrays]))
+    lengths = [len(a) for a in arrays]
+    starts = np.zeros(len(arrays) + 1, dtype=np.int64)
+    np.cumsum([n + n % 2 for n in lengths], out=starts[1:])
+    host = np.zeros(int(starts[-1]), dtype=np.int64)
+    for array, start in zip(arrays, starts[:-1].tolist()):
+        host[start:start + len(array)] = array
+    packed = torch.from_numpy(host).to(device, non_blocking=True)
+    return [packed[start:start + n] for start, n in zip(starts[:-1].tolist(), lengths)]

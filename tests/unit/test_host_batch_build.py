@@ -224,6 +224,10 @@ def test_gpu_plan_matches_the_oracle_and_is_one_packed_buffer(seed):
         packed += [plan.prefill_scan_chunks.indices, plan.prefill_scan_chunks.offsets]
     storages = {t.untyped_storage().data_ptr() for t in packed if t is not None}
     assert len(storages) == 1  # one host buffer, so one host-to-device copy on CUDA
+    (base,) = storages
+    misaligned = [name for name in PACKED_FIELDS
+                  if getattr(plan, name) is not None and (getattr(plan, name).data_ptr() - base) % 16]
+    assert not misaligned  # Triton specialises pointers on 16-byte alignment: no new variants
 
 
 # --- build_in_pass_plan ----------------------------------------------------------------------
