@@ -2,11 +2,17 @@
 ExportedCheckpoint, import one after checking every part of it, and count both.
 
 Export reads a published bundle: its record in the ledger and every rank's shard (state, K/V of
-all covered tokens, hidden row). Import checks the whole checkpoint first
+all covered tokens, hidden row), as values or, from Ray rank actors, as references to the
+objects each rank put (RemoteShard). Import checks the whole checkpoint first
 (engine/checkpoint_import_checks.py) and changes nothing when a check fails; then it takes KV
 blocks and checkpoint bytes as a capture would (CacheManager.reserve_import, evicting least
 recently used checkpoints), has every rank write its shard, and publishes the bundle through
 the ledger, so the next request with that prefix restores it exactly as a local one.
+
+Shards by reference never enter this process: the header is checked here, each rank resolves
+and checks its own shard and holds it (ShardsByReference.stage_shards), and only when every
+rank accepted are blocks reserved and the held shards written (import_staged); any rejection
+drops what the ranks hold (discard_staged), with nothing else changed.
 
 The engine calls these between steps, with no step in flight (LLMEngine collects its steps
 first), on its step thread.
@@ -14,15 +20,17 @@ first), on its step thread.
 
 from __future__ import annotations
 
+import itertools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cache.cache_manager import CacheManager
 from cache.checkpoint_ledger import CheckpointKind
 from engine.checkpoint_import_checks import ImportExpectations, ImportRejection, Rejected, check_exported
-from engine.checkpoint_shards import ExportShardOp, ImportShardOp
+from engine.checkpoint_shards import ExportShardOp, ImportShardOp, StageShardOp
 from engine.checkpoint_transfer import CheckpointHeader, ExportedCheckpoint, checkpoint_digest
-from engine.executor import ExecutorDiedError, ModelExecutor
+from engine.executor import ExecutorDiedError, ModelExecutor, ShardsByReference
 
 logger = logging.getLogger(__name__)
 
@@ -74,11 +82,13 @@ class CheckpointExchange:
         self.world_size = world_size
         self.enabled = enabled
         self.counters = TransferCounters()
+        self._transfer_ids = itertools.count()  # of imports by reference (ShardStage keys)
 
     def export(self, namespace: tuple[str, str], token_ids: tuple[int, ...]) -> ExportedCheckpoint | None:
         """The published bundle covering exactly `token_ids` in `namespace`, every rank's shard
-        as CPU tensors, or None when none is published there (or a rank no longer holds it).
-        Changes nothing but the counters."""
+        as CPU tensors (or, from a ShardsByReference executor, as references to the objects
+        each rank put: valid while those ranks live), or None when none is published there
+        (or a rank no longer holds it). Changes nothing but the counters."""
         tokens = tuple(token_ids)
         bundle = self.cache.ledger.published_at(namespace, tokens)
         if bundle is None:
@@ -110,6 +120,37 @@ class CheckpointExchange:
         if rejected is not None:
             return self._reject(rejected, exported)
         assert isinstance(exported, ExportedCheckpoint)
+        if exported.by_reference:
+            return self._import_by_reference(exported)
+        shards = list(exported.shards)
+        return self._publish(exported, exported.nbytes, lambda op: self.executor.import_shards(op, shards))
+
+    def _import_by_reference(self, exported: ExportedCheckpoint) -> ImportResult:
+        """Phase one: every rank resolves and checks its shard and holds it (the first
+        rejection, by rank, rejects the import); phase two: _publish has the ranks write it."""
+        executor = self.executor
+        if not isinstance(executor, ShardsByReference):
+            return self._reject(Rejected(ImportRejection.MALFORMED, "shards by reference, and this "
+                                         "engine's ranks take shards by value"), exported)
+        header = exported.header
+        transfer_id = next(self._transfer_ids)
+        verdicts = executor.stage_shards(
+            StageShardOp(transfer_id, header.digest, header.num_tokens, header.layouts), list(exported.shards))
+        rejected = next((v.rejected for v in verdicts if v.rejected is not None), None)
+        if rejected is not None:
+            executor.discard_staged(transfer_id)
+            return self._reject(rejected, exported)
+        result = self._publish(exported, sum(v.nbytes for v in verdicts),
+                               lambda op: executor.import_staged(op, transfer_id))
+        if result.deduplicated or not result.accepted:
+            executor.discard_staged(transfer_id)  # not written, or not by every rank
+        return result
+
+    def _publish(self, exported: ExportedCheckpoint, num_bytes: int,
+                 write: Callable[[ImportShardOp], frozenset[int]]) -> ImportResult:
+        """Publish a checked checkpoint: a no-op success when its endpoint is published here,
+        else reserve blocks and bytes (or reject no_space), have the ranks `write` their shards
+        into them, and publish if every rank did (else reject worker; the bundle is dropped)."""
         header = exported.header
         if self.cache.ledger.has_checkpoint(header.namespace, header.token_ids):
             self.counters.deduplicated += 1
@@ -120,9 +161,8 @@ class CheckpointExchange:
             return self._reject(Rejected(ImportRejection.NO_SPACE, f"{header.num_tokens} tokens do not "
                                          "fit the KV blocks or checkpoint bytes"), exported)
         bundle_id, block_ids = reserved
-        op = ImportShardOp(bundle_id, block_ids, header.num_tokens)
         try:
-            confirmed = self.executor.import_shards(op, list(exported.shards))
+            confirmed = write(ImportShardOp(bundle_id, block_ids, header.num_tokens))
         except ExecutorDiedError:
             self.cache.publish(bundle_id, set(), self.world_size)  # dropped: nothing to free it on
             raise
@@ -135,8 +175,8 @@ class CheckpointExchange:
             # dropped: the ledger released its blocks, the ranks free what they kept next step
             return self._reject(Rejected(ImportRejection.WORKER, failure), exported)
         self.counters.imported += 1
-        self.counters.imported_bytes += exported.nbytes
-        return ImportResult(True, num_tokens=header.num_tokens, num_bytes=exported.nbytes)
+        self.counters.imported_bytes += num_bytes
+        return ImportResult(True, num_tokens=header.num_tokens, num_bytes=num_bytes)
 
     def _reject(self, rejected: Rejected, exported: object) -> ImportResult:
         reason = rejected.reason

@@ -18,6 +18,10 @@ The checks run in a fixed order and the first failure names the rejection:
 
 The engine adds `disabled` (its checkpoints are off), `no_space` (the KV blocks or checkpoint
 bytes do not fit after evictions) and `worker` (a rank refused or failed the copy).
+
+Shards by value are checked here in full (`check_exported`). Shards by reference (RemoteShard)
+are never in the engine's process: the engine checks the header (`check_header`) and each rank
+checks the shard it resolved with `check_shard` (shape, length, checksum), the same checks.
 """
 
 from __future__ import annotations
@@ -87,15 +91,13 @@ def expected_shard_layout(config: HybridModelConfig, tp: TensorParallel, dtype: 
 
 
 def check_exported(exported: object, expected: ImportExpectations) -> Rejected | None:
-    """The first check `exported` fails, in the order of the module doc, or None if it passes
-    them all. Reads only; checksums cost one pass over the shards' bytes."""
-    if not isinstance(exported, ExportedCheckpoint):
-        return Rejected(ImportRejection.MALFORMED, f"not an ExportedCheckpoint: {type(exported).__name__}")
+    """The first check `exported` (shards by value) fails, in the order of the module doc, or
+    None if it passes them all. Reads only; checksums cost one pass over the shards' bytes.
+    Shards by reference pass only the header's checks here (see check_header)."""
+    rejected = check_header(exported, expected)
+    if rejected is not None or exported.by_reference:
+        return rejected
     header = exported.header
-    for check in (_check_header, _check_identity):
-        rejected = check(exported, expected)
-        if rejected is not None:
-            return rejected
     for rank, shard in enumerate(exported.shards):
         rejected = _check_shard_layout(shard, expected.layouts[rank], header.num_tokens)
         if rejected is not None:
@@ -103,6 +105,37 @@ def check_exported(exported: object, expected: ImportExpectations) -> Rejected |
     for rank, shard in enumerate(exported.shards):
         if shard_checksum(rank, header.digest, shard.tensors()) != shard.checksum:
             return Rejected(ImportRejection.CHECKSUM, f"rank {rank}'s shard does not match its checksum")
+    return None
+
+
+def check_header(exported: object, expected: ImportExpectations) -> Rejected | None:
+    """The checks of the module doc up to `shape` for the layouts (malformed, model,
+    tensor_parallel, block_size, namespace, digest, the header's layouts), none of a shard's
+    tensors: what the engine checks of a checkpoint whose shards are references. Reads only."""
+    if not isinstance(exported, ExportedCheckpoint):
+        return Rejected(ImportRejection.MALFORMED, f"not an ExportedCheckpoint: {type(exported).__name__}")
+    for check in (_check_header, _check_identity):
+        rejected = check(exported, expected)
+        if rejected is not None:
+            return rejected
+    return None
+
+
+def check_shard(shard: object, rank: int, layout: ShardLayout, num_tokens: int, digest: str) -> Rejected | None:
+    """What the rank `rank` checks of the shard it resolved from a reference, against the
+    checkpoint's (already checked) header: a CheckpointShard of this rank holding CPU tensors
+    (malformed), the layout's dtypes and shapes (shape), one K/V row per token (length), its
+    checksum over `digest` (checksum). Reads only; one pass over the shard's bytes."""
+    if not isinstance(shard, CheckpointShard) or shard.rank != rank:
+        return Rejected(ImportRejection.MALFORMED, f"rank {rank} got {type(shard).__name__} "
+                        f"{getattr(shard, 'rank', '?')}, not its own CheckpointShard")
+    if any(not isinstance(t, torch.Tensor) or t.device.type != "cpu" for t in shard.tensors().values()):
+        return Rejected(ImportRejection.MALFORMED, f"rank {rank}'s shard holds something that is not a CPU tensor")
+    rejected = _check_shard_layout(shard, layout, num_tokens)
+    if rejected is not None:
+        return rejected
+    if shard_checksum(rank, digest, shard.tensors()) != shard.checksum:
+        return Rejected(ImportRejection.CHECKSUM, f"rank {rank}'s shard does not match its checksum")
     return None
 
 
@@ -124,6 +157,10 @@ def _check_header(exported: ExportedCheckpoint, expected: ImportExpectations) ->
     if len(header.layouts) != header.tensor_parallel_size or len(exported.shards) != header.tensor_parallel_size:
         return bad(f"{len(exported.shards)} shards and {len(header.layouts)} layouts for "
                    f"tensor_parallel_size {header.tensor_parallel_size}")
+    if exported.by_reference:  # each rank checks its own object (check_shard)
+        if any(shard.rank != rank for rank, shard in enumerate(exported.shards)):
+            return bad("the shard references are not in rank order")
+        return None
     for rank, shard in enumerate(exported.shards):
         if not isinstance(shard, CheckpointShard) or shard.rank != rank:
             return bad(f"shard {rank} is not rank {rank}'s")

@@ -5,6 +5,11 @@ The engine sends the same op to every rank (ExportShardOp, ImportShardOp; a tens
 group passes them like steps, engine/rank_worker.py); each rank answers with its own shard or
 confirmation. Shard layouts are in engine/checkpoint_transfer.py. The ops run between steps,
 with no step in flight: the engine collects its steps first.
+
+Shards by reference (Ray rank actors) are imported in two phases so that a bad copy changes
+nothing: every rank resolves its own shard and checks it (StageShardOp, ShardStage.stage,
+answering a ShardVerdict); only when every rank accepted does the engine reserve blocks and
+have them write what they hold (ImportShardOp with the transfer id, ShardStage.take).
 """
 
 from __future__ import annotations
@@ -13,8 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.checkpoint_import_checks import ImportRejection, Rejected, check_shard
 from engine.checkpoint_store import BundleTensors
-from engine.checkpoint_transfer import CheckpointShard, make_shard
+from engine.checkpoint_transfer import CheckpointShard, ShardLayout, make_shard
 from engine.forward_batch import ModelCaches
 
 
@@ -36,6 +42,65 @@ class ImportShardOp:
     bundle_id: int
     block_ids: tuple[int, ...]
     num_tokens: int
+
+
+@dataclass(frozen=True)
+class StageShardOp:
+    """Check the shard each rank resolved against checkpoint `digest` (num_tokens tokens, rank
+    r's layout layouts[r], from the engine-checked header) and hold it as transfer
+    `transfer_id` until the engine has it written or discarded."""
+
+    transfer_id: int
+    digest: str
+    num_tokens: int
+    layouts: tuple[ShardLayout, ...]
+
+
+@dataclass(frozen=True)
+class ShardVerdict:
+    """A rank's answer to a StageShardOp: rejected None means it holds the shard (nbytes of
+    tensors) for the transfer; otherwise why not, and it holds nothing."""
+
+    rank: int
+    rejected: Rejected | None
+    nbytes: int = 0
+
+
+class ShardStage:
+    """The shard one rank resolved from a reference and checked, held until written or dropped.
+
+    It holds at most one: staging another (the engine imports one checkpoint at a time) drops
+    whatever an abandoned transfer left. Touches no cache: writing is Worker.import_shard's.
+    """
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self._held: tuple[int, CheckpointShard] | None = None
+
+    def stage(self, op: StageShardOp, shard: object) -> ShardVerdict:
+        """Check `shard` (check_shard against this rank's layout in op) and hold it for
+        op.transfer_id if it passes; a rejected one is not held. Drops anything held before."""
+        self._held = None
+        if self.rank >= len(op.layouts):
+            return ShardVerdict(self.rank, Rejected(ImportRejection.MALFORMED, f"no layout for rank {self.rank}"))
+        rejected = check_shard(shard, self.rank, op.layouts[self.rank], op.num_tokens, op.digest)
+        if rejected is not None:
+            return ShardVerdict(self.rank, rejected)
+        assert isinstance(shard, CheckpointShard)
+        self._held = (op.transfer_id, shard)
+        return ShardVerdict(self.rank, None, shard.nbytes)
+
+    def take(self, transfer_id: int) -> CheckpointShard | None:
+        """The shard held for `transfer_id`, no longer held; None when none is."""
+        if self._held is None or self._held[0] != transfer_id:
+            return None
+        shard, self._held = self._held[1], None
+        return shard
+
+    def discard(self, transfer_id: int) -> None:
+        """Drop the shard held for `transfer_id` (no-op for another or none)."""
+        if self._held is not None and self._held[0] == transfer_id:
+            self._held = None
 
 
 def gather_shard(

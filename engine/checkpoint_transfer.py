@@ -19,6 +19,11 @@ tensor's dtype, shape and bytes, so a shard is verified on its own and cannot be
 another checkpoint. The header and each shard are separate objects so that each rank can put
 its own shard into an object store and the importer fetch them rank by rank; the importing
 engine checks everything (engine/checkpoint_import_checks.py) before it touches its caches.
+
+A shard travels either as a value (CheckpointShard: in process, spawned ranks) or as a
+RemoteShard, a reference to the object its rank put into Ray's object store (Ray rank actors,
+deployments/worker_group.py): the engine's process then sees the header and the references
+only, and each rank of the importing engine resolves and checks its own shard.
 """
 
 from __future__ import annotations
@@ -130,16 +135,38 @@ class CheckpointShard:
 
 
 @dataclass(frozen=True)
+class RemoteShard:
+    """Rank `rank`'s CheckpointShard as an object in Ray's object store, not in this process.
+
+    `ref` (a ray.ObjectRef; the engine does not import Ray) resolves to the CheckpointShard.
+    rank and nbytes are what the rank that put it said: nothing here is verified, the rank that
+    takes the shard checks the object itself (engine/checkpoint_shards.ShardStage). The object
+    lives as long as its owner (the rank actor that put it, or the index actor that keeps a
+    stored copy) and some reference to it.
+    """
+
+    rank: int
+    nbytes: int  # tensor bytes of the shard, as its rank reported them
+    ref: object
+
+
+@dataclass(frozen=True)
 class ExportedCheckpoint:
-    """A published bundle, ready to cross to another engine: header and one shard per rank."""
+    """A published bundle, ready to cross to another engine: header and one shard per rank,
+    all values (CheckpointShard) or all references (RemoteShard)."""
 
     header: CheckpointHeader
-    shards: tuple[CheckpointShard, ...]  # shards[r] is rank r's (a list is accepted too)
+    shards: tuple[CheckpointShard | RemoteShard, ...]  # shards[r] is rank r's (a list is accepted too)
 
     @property
     def nbytes(self) -> int:
-        """Tensor bytes of every shard."""
+        """Tensor bytes of every shard (for references: as their ranks reported them)."""
         return sum(shard.nbytes for shard in self.shards)
+
+    @property
+    def by_reference(self) -> bool:
+        """Its shards are references (RemoteShard), not values."""
+        return bool(self.shards) and all(isinstance(shard, RemoteShard) for shard in self.shards)
 
 
 def shard_checksum(rank: int, digest: str, tensors: dict[str, torch.Tensor]) -> str:

@@ -5,6 +5,9 @@ imported into engine B, where a new request sharing the instructions restores it
 what B computes from scratch. A corrupted, truncated or mismatched checkpoint is rejected,
 counted by reason, leaves B unchanged, and B then computes the request from scratch with the
 right answer. The same at tensor_parallel_size 2 (one spawned process per rank, gloo on CPU).
+Shards by reference (what Ray rank actors export and import) go through the same checks in
+two phases, each rank checking its own before any rank writes: here with a dict standing in
+for the object store; through Ray at tp=2 in tests/cluster_checkpoints/test_transfer.py.
 """
 
 from __future__ import annotations
@@ -18,10 +21,13 @@ import torch
 
 from engine.async_engine import AsyncLLMEngine
 from engine.checkpoint_import_checks import ImportRejection
-from engine.checkpoint_transfer import ExportedCheckpoint
+from engine.checkpoint_shards import ShardStage
+from engine.checkpoint_transfer import ExportedCheckpoint, RemoteShard
 from engine.config import EngineConfig
+from engine.executor import ShardsByReference
 from engine.generation_request import GenerationRequest
 from engine.llm_engine import LLMEngine
+from engine.worker import Worker
 from tests.engine.exactness import Outcome, Tally, check_near_ties, compare
 from tests.engine.reuse_cases import GREEDY, SYSTEM, Alone, chat, run
 
@@ -296,6 +302,85 @@ def test_the_async_engine_exports_and_imports_between_steps():
     exported, result, engine_b = asyncio.run(scenario())
     assert exported.header.token_ids == tokens and result.accepted
     assert run(engine_b, "async-served", SECOND, "async-moved").cached == len(tokens)
+
+
+# ---------------------------------------------------------------- shards by reference
+
+
+class DictStoreWorker(ShardsByReference, Worker):
+    """The in-process Worker with its shards by reference: `store` (a dict) stands in for the
+    object store, and this rank resolves, checks and holds its own shard (ShardStage), as a Ray
+    rank actor does (deployments/rank_shards.py)."""
+
+    def __init__(self, config: EngineConfig, store: dict) -> None:
+        super().__init__(config)
+        self.store = store
+        self.stage = ShardStage(self.rank)
+        self.discarded: list[int] = []
+
+    def export_shards(self, op):
+        shard = self.export_shard(op)
+        if shard is None:
+            return [None]
+        self.store[key := f"shard-{len(self.store)}"] = shard
+        return [RemoteShard(self.rank, shard.nbytes, key)]
+
+    def stage_shards(self, op, shards):
+        return [self.stage.stage(op, self.store[shards[0].ref])]
+
+    def import_staged(self, op, transfer_id):
+        shard = self.stage.take(transfer_id)
+        return frozenset({self.rank}) if shard is not None and self.import_shard(op, shard) else frozenset()
+
+    def discard_staged(self, transfer_id):
+        self.discarded.append(transfer_id)
+        self.stage.discard(transfer_id)
+
+
+def by_reference(exported: ExportedCheckpoint, store: dict, label: str) -> ExportedCheckpoint:
+    """`exported` with its shards put into `store` under `label`, as references."""
+    shards = []
+    for shard in exported.shards:
+        store[f"{label}-{shard.rank}"] = shard
+        shards.append(RemoteShard(shard.rank, shard.nbytes, f"{label}-{shard.rank}"))
+    return dataclasses.replace(exported, shards=tuple(shards))
+
+
+def test_shards_by_reference_are_checked_by_their_rank_before_anything_changes(source, target):
+    store: dict = {}
+    config = EngineConfig(**CONFIG)
+    engine = LLMEngine(config, executor=DictStoreWorker(config, store))
+    ranks: DictStoreWorker = engine.executor
+    _, moved = export_instructions(source, "by-ref")
+    _, other = export_instructions(source, "by-ref-other")
+
+    for label, damage, reason in [("corrupted", corrupted, ImportRejection.CHECKSUM),
+                                  ("truncated", truncated, ImportRejection.LENGTH),
+                                  ("ssm_in_bfloat16", ssm_in_bfloat16, ImportRejection.SHAPE)]:
+        before = snapshot(engine)
+        result = engine.import_checkpoint(by_reference(damage(moved), store, label))
+        assert result.rejection is reason, result.detail
+        assert snapshot(engine) == before and ranks.stage.take(len(ranks.discarded) - 1) is None
+    # another checkpoint's shard under this header: its checksum binds the other digest
+    swapped = dataclasses.replace(by_reference(other, store, "other"), header=moved.header)
+    assert engine.import_checkpoint(swapped).rejection is ImportRejection.CHECKSUM
+    assert len(ranks.discarded) == 4
+    # references into an engine whose ranks take values: nothing to resolve them with
+    assert target.import_checkpoint(by_reference(moved, store, "to-values")).rejection is ImportRejection.MALFORMED
+
+    result = engine.import_checkpoint(by_reference(moved, store, "good"))
+    assert result.accepted and result.num_bytes == moved.nbytes
+    assert len(ranks.discarded) == 4  # written, not discarded
+    served, scratch = served_and_scratch(engine, "by-ref")
+    assert served.cached == moved.header.num_tokens
+    assert_exact(served, scratch, "checkpoint imported by reference")
+    again = engine.import_checkpoint(by_reference(moved, store, "again"))
+    assert again.deduplicated and ranks.discarded[-1] == 5 and ranks.stage.take(5) is None
+    assert engine.stats().transfers.rejected == {"checksum": 2, "length": 1, "shape": 1}
+
+    exported = engine.export_checkpoint(moved.header.namespace, moved.header.token_ids)
+    assert exported.by_reference and store[exported.shards[0].ref].checksum == moved.shards[0].checksum
+    assert engine.pool_usage().idle
 
 
 # ---------------------------------------------------------------- tensor_parallel_size 2
