@@ -100,7 +100,9 @@ class CheckpointIndex:
 
     async def store_copy(self, key: RecordKey, num_bytes: int, header, *shards) -> bool:
         """Keep a replica's exported checkpoint (header and rank-ordered shards, resolved from
-        the object store by Ray) as the stored copy of record `key`: put as objects this actor
+        the object store by Ray: with tensor parallelism the caller passes the refs of the
+        objects its ranks put, so the shards come here straight from the ranks' objects, never
+        through the replica) as the stored copy of record `key`: put as objects this actor
         owns, then attached (SharedIndex.set_stored_copy). False, nothing kept, when the record
         is unknown, its checkpoint already has a copy, or it exceeds the budget."""
         if not self._index.can_store(key, num_bytes):

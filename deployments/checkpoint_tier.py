@@ -61,8 +61,8 @@ class TierCounters:
     recomputed: int = 0  # a longer stored copy existed; not worth it, or failed
     fetch_failures: dict[str, int] = field(default_factory=dict)  # reason -> count
     fetched_bytes: int = 0
-    fetch_seconds: float = 0.0  # getting the objects, all fetches
-    import_seconds: float = 0.0
+    fetch_seconds: float = 0.0  # getting the objects, all fetches (by reference: the headers)
+    import_seconds: float = 0.0  # by reference: the ranks getting their shards too
     warm_imported: int = 0
 
 
@@ -78,10 +78,14 @@ class _Held:
 class CheckpointTier:
     def __init__(self, engine: AsyncLLMEngine, replica_id: str, model_dir: str,
                  settings: TierSettings, mirror: IndexMirror,
-                 connect: Callable[[], Awaitable[object]], metrics=None) -> None:
+                 connect: Callable[[], Awaitable[object]], metrics=None,
+                 shards_by_reference: bool = False) -> None:
         """connect: the index actor's handle (awaited when first needed). metrics: a
-        deployments.metrics.TierMetrics, or None (tests)."""
+        deployments.metrics.TierMetrics, or None (tests). shards_by_reference: the engine's
+        ranks are Ray actors that get their own shards (tensor_parallel_size > 1): a fetch
+        gets the header only and the import moves the shards, object store to rank."""
         self._engine = engine
+        self._by_reference = shards_by_reference
         self.replica_id = replica_id
         self._model_dir = model_dir
         self.settings = settings
@@ -174,7 +178,7 @@ class CheckpointTier:
         """True when the copy is published here afterwards."""
         started = time.monotonic()
         try:
-            exported = await fetch_stored(copy.locator, self.settings.fetch_timeout_s)
+            exported = await fetch_stored(copy.locator, self.settings.fetch_timeout_s, self._by_reference)
         except FetchFailed as failure:
             self._failed(failure.reason)
             return False
@@ -193,7 +197,7 @@ class CheckpointTier:
             self._failed("rejected")
             self._refused.add(_locator_id(copy.locator))
             return False
-        self.counters.fetched_bytes += exported.nbytes
+        self.counters.fetched_bytes += result.num_bytes
         return True
 
     # ---- warm start ---------------------------------------------------------------------------

@@ -169,7 +169,8 @@ def checkpoint_tier(engine: AsyncLLMEngine, config: AppConfig) -> CheckpointTier
         warm_start_max_checkpoints=config.warm_start_max_checkpoints,
         warm_start_max_bytes=config.warm_start_max_bytes)
     return CheckpointTier(engine, serve.get_replica_context().replica_id.unique_id,
-                          config.engine.model_dir, settings, mirror, connect, TierMetrics())
+                          config.engine.model_dir, settings, mirror, connect, TierMetrics(),
+                          shards_by_reference=config.engine.tensor_parallel_size > 1)
 
 
 def checkpoint_reporter(engine: AsyncLLMEngine, config: AppConfig,
@@ -201,7 +202,7 @@ class LLMServer:
         self._executor: RayWorkerExecutor | None = None
         if config.engine.tensor_parallel_size > 1:
             self._workers = await WorkerGroup.start(config.engine, config.worker_num_cpus)
-            self._executor = RayWorkerExecutor(self._workers.ranks)
+            self._executor = RayWorkerExecutor(self._workers.ranks, config.fetch_timeout_s)
         elif not config.engine.device.startswith("cuda"):
             torch.set_num_threads(max(1, int(config.worker_num_cpus)))
         try:

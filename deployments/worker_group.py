@@ -6,7 +6,9 @@
     RankActor                        the RankWorker a Ray actor runs; rank 0 runs steps in the
                                      order they were submitted (StepsInOrder)
     RayWorkerExecutor(ranks)         the engine's ModelExecutor inside the LLM server replica: one
-                                     actor call to rank 0 per step; health pings every rank
+                                     actor call to rank 0 per step; health pings every rank;
+                                     checkpoint shards by reference, one call per rank (each rank
+                                     puts and takes its own shard: deployments/rank_shards.py)
 
 The replica (LLMServer) owns the group, so the actors and the placement group go with it.
 """
@@ -14,23 +16,30 @@ The replica (LLMServer) owns the group, so the actors and the placement group go
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
+import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import ray
 from ray.actor import ActorHandle
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError, RayError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from engine.checkpoint_shards import ExportShardOp, ImportShardOp
-from engine.checkpoint_transfer import CheckpointShard
+from deployments.rank_shards import TRANSFER_GROUP, TRANSFER_THREADS, ObjectStoreShards
+from engine.checkpoint_import_checks import ImportRejection, Rejected
+from engine.checkpoint_shards import ExportShardOp, ImportShardOp, ShardVerdict, StageShardOp
+from engine.checkpoint_transfer import CheckpointShard, RemoteShard
 from engine.config import EngineConfig
-from engine.executor import ExecutorDiedError
+from engine.executor import ExecutorDiedError, ShardsByReference
 from engine.rank_worker import RankWorker, Rendezvous
 from engine.step_io import RunnerOutput, SchedulerOutput
 from engine.cache_capacity import CacheCapacity
+
+logger = logging.getLogger(__name__)
 
 # Reserving the bundles may wait for the autoscaler to add a node.
 PLACEMENT_TIMEOUT_S = 600.0
@@ -47,6 +56,9 @@ RANK_ACTOR_CONCURRENCY = 2
 # the engine keeps at most two in flight (ModelExecutor), tools and tests may queue more.
 STEP_GROUP = "steps"
 STEP_THREADS = 8
+# How long the ranks may take to get their shards from the object store on an import by
+# reference before the import is rejected (`worker`) and the request computes from scratch.
+SHARD_FETCH_TIMEOUT_S = 30.0
 
 
 class WorkerGroupStartError(RuntimeError):
@@ -85,8 +97,8 @@ class StepsInOrder:
                 self._turn.notify_all()
 
 
-class RankActor(StepsInOrder, RankWorker):
-    """The RankWorker each Ray rank actor runs."""
+class RankActor(StepsInOrder, ObjectStoreShards, RankWorker):
+    """The RankWorker each Ray rank actor runs, putting and taking its own checkpoint shards."""
 
 
 @dataclass
@@ -118,7 +130,8 @@ class WorkerGroup:
 
         rendezvous = await _rendezvous_on_this_node.options(
             scheduling_strategy=in_bundle(0)).remote(world_size)
-        rank_actor = ray.remote(concurrency_groups={STEP_GROUP: STEP_THREADS})(RankActor)
+        rank_actor = ray.remote(concurrency_groups={STEP_GROUP: STEP_THREADS,
+                                                    TRANSFER_GROUP: TRANSFER_THREADS})(RankActor)
         ranks = [
             rank_actor.options(
                 num_cpus=num_cpus_per_rank, num_gpus=1 if on_gpu else 0,
@@ -143,15 +156,22 @@ class WorkerGroup:
         remove_placement_group(self.placement)
 
 
-class RayWorkerExecutor:
+class RayWorkerExecutor(ShardsByReference):
     """The engine's ModelExecutor over a WorkerGroup's actors: one call to rank 0 per step.
 
+    Checkpoint shards move by reference: export_shards gives the RemoteShards each rank put,
+    and an import hands each rank its shard's ObjectRef (stage_shards, import_staged), so no
+    shard's bytes pass through the engine's process. import_shards (shards by value) is
+    rank 0's scatter over the group.
+
     Called from the engine's step thread (never from an event loop), so the blocking ray.get
-    is intended: the step cannot proceed without rank 0's output.
+    is intended: the step cannot proceed without rank 0's output. shard_timeout_s bounds the
+    ranks' fetch of their shards on an import by reference.
     """
 
-    def __init__(self, ranks: list[ActorHandle]) -> None:
+    def __init__(self, ranks: list[ActorHandle], shard_timeout_s: float = SHARD_FETCH_TIMEOUT_S) -> None:
         self._ranks = ranks
+        self._shard_timeout_s = shard_timeout_s
         self._submitted = 0
         self._in_flight: deque[ray.ObjectRef] = deque()  # rank 0's answers, not yet collected
 
@@ -178,22 +198,56 @@ class RayWorkerExecutor:
         finally:
             self._in_flight.popleft()
 
-    def export_shards(self, op: ExportShardOp) -> list[CheckpointShard | None]:
-        """Every rank's shard of a published bundle (RankWorker.export_shards on rank 0, which
-        gathers them from its followers); the engine calls it with no step in flight."""
-        return self._call_rank0(self._ranks[0].export_shards.remote(op))
+    def export_shards(self, op: ExportShardOp) -> list[RemoteShard | None]:
+        """Every rank's shard of a published bundle as a reference to the object that rank put
+        (ObjectStoreShards.put_shard, owned by the rank actor: valid while the group lives);
+        the engine calls it with no step in flight."""
+        return self._call_all([actor.put_shard.options(concurrency_group=TRANSFER_GROUP).remote(op)
+                               for actor in self._ranks])
 
     def import_shards(self, op: ImportShardOp, shards: list[CheckpointShard]) -> frozenset[int]:
-        """The ranks that imported their shard (RankWorker.import_shards on rank 0, which
-        scatters them); the engine calls it with no step in flight."""
-        return self._call_rank0(self._ranks[0].import_shards.remote(op, list(shards)))
+        """Shards by value: the ranks that imported theirs (RankWorker.import_shards on rank 0,
+        which scatters them); the engine calls it with no step in flight."""
+        return self._call_all([self._ranks[0].import_shards.remote(op, list(shards))])[0]
+
+    def stage_shards(self, op: StageShardOp, shards: Sequence[RemoteShard]) -> list[ShardVerdict]:
+        """ShardsByReference: rank r gets shards[r].ref as a top-level argument, so Ray resolves
+        the object inside the rank actor; each checks and holds its own. A rank whose object
+        is lost, or not there within shard_timeout_s, answers `worker`."""
+        calls = [actor.stage_shard.options(concurrency_group=TRANSFER_GROUP).remote(op, shard.ref)
+                 for actor, shard in zip(self._ranks, shards, strict=True)]
+        deadline = time.monotonic() + self._shard_timeout_s
+        verdicts = []
+        for rank, call in enumerate(calls):
+            try:
+                verdicts.append(ray.get(call, timeout=max(0.0, deadline - time.monotonic())))
+            except RayActorError as exc:
+                raise ExecutorDiedError(f"tensor-parallel rank {rank} died: {exc}") from None
+            except (GetTimeoutError, RayError) as exc:  # ObjectLostError, OwnerDiedError, ...
+                logger.warning("rank %d could not stage its shard", rank, exc_info=True)
+                verdicts.append(ShardVerdict(rank, Rejected(
+                    ImportRejection.WORKER, f"rank {rank} could not get its shard: {type(exc).__name__}")))
+        return verdicts
+
+    def import_staged(self, op: ImportShardOp, transfer_id: int) -> frozenset[int]:
+        """ShardsByReference: the ranks that wrote the shard they hold for `transfer_id`."""
+        written = self._call_all([
+            actor.import_staged.options(concurrency_group=TRANSFER_GROUP).remote(op, transfer_id)
+            for actor in self._ranks])
+        return frozenset(rank for rank, done in enumerate(written) if done)
+
+    def discard_staged(self, transfer_id: int) -> None:
+        """ShardsByReference: every rank drops what it holds for `transfer_id` (not awaited)."""
+        for actor in self._ranks:
+            actor.discard_staged.options(concurrency_group=TRANSFER_GROUP).remote(transfer_id)
 
     @staticmethod
-    def _call_rank0(answer: ray.ObjectRef):
+    def _call_all(answers: list[ray.ObjectRef]) -> list:
+        """The ranks' answers, in order; a dead rank raises ExecutorDiedError."""
         try:
-            return ray.get(answer)
+            return ray.get(answers)
         except RayActorError as exc:
-            raise ExecutorDiedError(f"tensor-parallel rank 0 died: {exc}") from None
+            raise ExecutorDiedError(f"a tensor-parallel rank died: {exc}") from None
         except ExecutorDiedError as exc:  # raised by rank 0, wrapped by Ray
             raise ExecutorDiedError(str(getattr(exc, "cause", exc))) from None
 

@@ -222,3 +222,137 @@ def test_a_stored_copy_outlives_the_replica_that_captured_it(scaled, new_salt, t
     reference, _ = chat(client, system, "after the kill", new_salt())
     assert cached == len(ids) and text == reference
     assert captured.replica_id not in replica_stats(2)
+
+
+# ---------------------------------------------------------------- tensor_parallel_size 2, rank by rank
+
+TP2_CONFIG = dict(max_num_batched_tokens=40, max_num_seqs=4, kv_cache_bytes=8 * 1024 * 1024,
+                  state_cache_bytes=8 * 1024 * 1024, tensor_parallel_size=2)
+
+
+@pytest.fixture
+def shards_seen_here(monkeypatch):
+    """How many CheckpointShards this process (the replica's side: engine, executor, store
+    and fetch code) has unpickled: a shard whose bytes came through it."""
+    from engine.checkpoint_transfer import CheckpointShard
+
+    seen = []
+
+    def counting_setstate(self, state):
+        seen.append(state.get("rank"))
+        self.__dict__.update(state)
+
+    monkeypatch.setattr(CheckpointShard, "__setstate__", counting_setstate, raising=False)
+    return seen
+
+
+@pytest.mark.timeout(600)
+def test_tp2_shards_go_from_rank_to_object_store_to_rank_never_through_the_replica(
+        ray_session, shards_seen_here):
+    """Replica A's two ranks each put their shard; the index actor stores its own copies
+    (resolved from the ranks' objects); A goes; replica B's ranks each resolve and check their
+    own stored shard and B serves as from scratch. A stored copy with a corrupted rank-1 shard
+    is rejected by rank 1 with nothing published, and the request recomputes correctly. This
+    process (the replica's code: engine, RayWorkerExecutor, store and fetch) handles
+    references only. Shards by value still import into a Ray rank group (rank 0 scatters).
+    Engines with private rank groups, no Serve: two groups start in ~20-40 s on 2 cores."""
+    import asyncio
+
+    import ray
+
+    from cache.shared_index import CheckpointRecord, ReplicaReport, token_digest
+    from deployments.checkpoint_index import get_or_create_index
+    from deployments.checkpoint_store import fetch_stored, store_exported
+    from deployments.worker_group import RayWorkerExecutor, WorkerGroup
+    from engine.checkpoint_import_checks import ImportRejection
+    from engine.checkpoint_transfer import RemoteShard
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from tests.engine.reuse_cases import SYSTEM, chat, run
+    from tests.engine.test_checkpoint_transfer import snapshot
+
+    config = EngineConfig(**TP2_CONFIG)
+    first_turn, second_turn = chat(SYSTEM, "Tell me about the river."), chat(SYSTEM, "And the mountain?")
+    index = get_or_create_index("hybrid-serve-tp2-transfer-test", store_budget_bytes=64 * 1024 * 1024)
+
+    async def start_both():
+        return await asyncio.gather(*(WorkerGroup.start(config, num_cpus_per_rank=0.2) for _ in "ab"))
+
+    started = time.monotonic()
+    group_a, group_b = asyncio.run(start_both())
+    print(f"two tp=2 rank groups started in {time.monotonic() - started:.1f} s")
+    covered: dict[str, tuple[int, ...]] = {}
+    try:
+        try:
+            a = LLMEngine(config, executor=RayWorkerExecutor(group_a.ranks))
+            records, exports = [], []
+            for salt in ("tp2-moved", "tp2-corrupt", "tp2-by-value"):
+                first = run(a, f"{salt}-first", first_turn, salt)
+                covered[salt] = tokens = tuple(first.prompt[: first.boundary])
+                started = time.monotonic()
+                exported = a.export_checkpoint((config.model_dir, salt), tokens)
+                exports.append((exported, time.monotonic() - started))
+                assert exported.by_reference and [s.rank for s in exported.shards] == [0, 1]
+                assert all(isinstance(s.ref, ray.ObjectRef) for s in exported.shards)
+                bundle = a.scheduler.cache.ledger.published_at((config.model_dir, salt), tokens)
+                records.append(CheckpointRecord((config.model_dir, salt), token_digest(tokens), len(tokens),
+                                                "instruction", exported.nbytes, "replica-a", bundle.bundle_id))
+            incarnation = ray.get(index.incarnation.remote(), timeout=30)
+            report = ReplicaReport("replica-a", incarnation, tuple(records), full=True)
+            assert ray.get(index.report.remote(report), timeout=30).accepted
+            for record, (exported, export_s) in zip(records, exports):
+                started = time.monotonic()
+                assert asyncio.run(store_exported(index, record.key, exported))
+                print(f"{record.namespace[1]}: {record.length} tokens, rank shards "
+                      f"{[s.nbytes for s in exported.shards]} bytes; export {export_s * 1000:.1f} ms, "
+                      f"store {(time.monotonic() - started) * 1000:.1f} ms")
+            del exported, exports
+        finally:
+            group_a.shutdown()  # the stored copies are the index's: they outlive replica A
+
+        b = LLMEngine(config, executor=RayWorkerExecutor(group_b.ranks))
+        stored = {}
+        for salt, tokens in covered.items():
+            found = ray.get(index.records_covering.remote((config.model_dir, salt), list(tokens)), timeout=30)
+            (stored[salt],) = [r.stored_copy.locator for r in found if r.stored_copy is not None]
+
+        # rank 1's stored shard corrupted (in a task: this process never holds it)
+        locator = stored["tp2-corrupt"]
+        fetched = asyncio.run(fetch_stored(locator, 30, by_reference=True))
+        assert all(isinstance(s, RemoteShard) for s in fetched.shards)
+        def corrupt_ssm(shard):  # nested: pickled by value, the worker cannot import this module
+            ssm = shard.ssm_state.clone()
+            ssm[0, 0, 0, 0] += 1e-3
+            return dataclasses.replace(shard, ssm_state=ssm)  # its checksum kept
+
+        bad_rank1 = ray.remote(num_cpus=0)(corrupt_ssm).remote(locator.shards[1])
+        bad = dataclasses.replace(fetched, shards=(fetched.shards[0], RemoteShard(1, 0, bad_rank1)))
+        before = snapshot(b)
+        rejected = b.import_checkpoint(bad)
+        assert rejected.rejection is ImportRejection.CHECKSUM and "rank 1" in rejected.detail
+        assert snapshot(b) == before
+        served_bad = run(b, "bad-served", second_turn, "tp2-corrupt")
+        scratch = run(b, "scratch", second_turn, "tp2-scratch")
+        assert served_bad.cached == 0 == scratch.cached and served_bad.tokens == scratch.tokens
+
+        moved = asyncio.run(fetch_stored(stored["tp2-moved"], 30, by_reference=True))
+        started = time.monotonic()
+        result = b.import_checkpoint(moved)
+        import_s = time.monotonic() - started
+        assert result.accepted and result.num_bytes == moved.nbytes > 0
+        served = run(b, "served", second_turn, "tp2-moved")
+        assert served.cached == len(covered["tp2-moved"]) and served.tokens == scratch.tokens
+        assert b.stats().transfers.rejected == {"checksum": 1} and b.pool_usage().idle
+        print(f"imported rank by rank in {import_s * 1000:.1f} ms ({result.num_bytes} bytes)")
+        assert shards_seen_here == [], "shard bytes came through the replica's process"
+        ray.get(locator.shards[1], timeout=30)  # and the counter does see one that does
+        assert shards_seen_here == [1]
+
+        # shards by value (what a tp=1 replica fetches) still import: rank 0 scatters them
+        by_value = asyncio.run(fetch_stored(stored["tp2-by-value"], 30))
+        assert not by_value.by_reference and [s.rank for s in by_value.shards] == [0, 1]
+        assert b.import_checkpoint(by_value).accepted
+        assert run(b, "by-value", second_turn, "tp2-by-value").tokens == scratch.tokens
+    finally:
+        group_b.shutdown()
+        ray.kill(index, no_restart=True)
