@@ -16,6 +16,8 @@ from typing import Any
 
 MAMBA = "mamba"
 ATTENTION = "attention"
+# A block whose mixer is an MLP (Nemotron-H's "-"): no KV, no recurrent state.
+MLP = "mlp"
 
 _LAYER_TYPE_SPELLINGS = {
     "mamba": MAMBA,

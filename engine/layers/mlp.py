@@ -1,4 +1,5 @@
-"""The dense gated MLP after every GraniteMoeHybrid block ("shared_mlp" in checkpoints)."""
+"""The dense gated MLP after every GraniteMoeHybrid block ("shared_mlp" in checkpoints); and
+Nemotron-H's non-gated squared-ReLU MLP block (SquaredReluMLP)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import torch
 from torch import nn
 
 from engine.kernels.norm_reference import silu_and_mul
+from engine.kernels.relu_squared_reference import relu_squared
 from engine.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from engine.tensor_parallel import IndexRange, TensorParallel
 
@@ -45,3 +47,46 @@ class GatedMLP(nn.Module):
         from engine.kernels.gpu.activation import silu_and_mul as silu_and_mul_gpu
 
         return self.output_linear(silu_and_mul_gpu(gate_up))
+
+
+class SquaredReluMLP(nn.Module):
+    """down_proj(relu(up_proj(x))^2): Nemotron-H's non-gated MLP ("relu2"), checkpoint names
+    up_proj and down_proj.
+
+    Tensor parallel: each rank holds intermediate channels `channels` (rows of the
+    column-parallel up_proj, columns of the row-parallel down_proj, one all-reduce). bias:
+    both projections carry one (down_proj's held whole on every rank).
+    """
+
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, channels: IndexRange,
+        tp: TensorParallel, dtype: torch.dtype, bias: bool = False,
+    ) -> None:
+        super().__init__()
+        self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, (channels,), bias, dtype)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, (channels,), bias, dtype, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, D) -> (T, D)
+        return self.down_proj(relu_squared(self.up_proj(x)))  # (T, I_local) in between
+
+    def forward_gpu(self, x: torch.Tensor) -> torch.Tensor:  # (T, D) -> (T, D)
+        """forward on CUDA tensors: the squared ReLU is one Triton launch
+        (engine/kernels/gpu/relu_squared.py) between the two GEMMs."""
+        from engine.kernels.gpu.relu_squared import relu_squared as relu_squared_gpu
+
+        return self.down_proj(relu_squared_gpu(self.up_proj(x)))
+
+
+def dense_mlp(
+    config: HybridModelConfig, channels: IndexRange, tp: TensorParallel, dtype: torch.dtype,
+) -> GatedMLP | SplitGatedMLP:
+    """The dense MLP of config.mlp_layout over shared_intermediate_size channels (this rank's
+    `channels` of them); ValueError for an unknown layout."""
+    size = (config.hidden_size, config.shared_intermediate_size, channels, tp, dtype)
+    if config.mlp_layout == MLP_FUSED:
+        if config.mlp_bias or config.mlp_gate_multiplier != 1.0:
+            raise ValueError("mlp_bias / mlp_gate_multiplier need the split MLP layout")
+        return GatedMLP(*size)
+    if config.mlp_layout == MLP_SPLIT:
+        return SplitGatedMLP(*size, bias=config.mlp_bias, gate_multiplier=config.mlp_gate_multiplier)
+    raise ValueError(f"mlp_layout {config.mlp_layout!r} is not {MLP_FUSED!r} or {MLP_SPLIT!r}")

@@ -20,6 +20,7 @@ import torch
 from engine.forward_batch import ForwardBatch, ModelCaches
 from engine.model_config import HybridModelConfig
 from engine.models import granite_moe_hybrid
+from engine.models import nemotron_h
 from engine.tensor_parallel import TensorParallel, TensorShard
 
 
@@ -67,6 +68,12 @@ FAMILIES: dict[str, ModelFamily] = {
             model_type=granite_moe_hybrid.MODEL_TYPE,
             parse_config=granite_moe_hybrid.parse_config,
             build_model=granite_moe_hybrid.GraniteMoeHybridModel,
+        ),
+        ModelFamily(
+            model_type=nemotron_h.MODEL_TYPE,
+            parse_config=nemotron_h.parse_config,
+            build_model=nemotron_h.NemotronHModel,
+            parameter_name=nemotron_h.parameter_name,
         ),
     )
 }
