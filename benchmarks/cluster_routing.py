@@ -1,5 +1,6 @@
 """Cluster routing: the shared-instructions workload on 3 LLM server replicas with Serve's
-default router, with checkpoint-aware routing, and with routing plus checkpoint transfer.
+default router, with Ray Serve LLM's text-matching PrefixCacheAffinityRouter, with
+checkpoint-aware routing, and with routing plus checkpoint transfer.
 
     .venv/bin/python benchmarks/cluster_routing.py                # the documented run
     .venv/bin/python benchmarks/cluster_routing.py --routing-queue-threshold 1 \
@@ -12,10 +13,13 @@ hits every mode alike), one after the other:
   1. deploys deployments.app:build_app on the embedded tiny model with --replicas LLM server
      replicas (small fractional CPUs, one torch thread each) and the mode's keys:
        default           checkpoint_routing false (Serve's power-of-two router)
+       prefix_affinity   checkpoint_routing false, and the LLM server routed by Ray Serve
+                         LLM's PrefixCacheAffinityRouter, given the text of the prompt's token
+                         ids (benchmarks/prefix_affinity_router.py: what it takes, and why)
        routing           checkpoint_routing true
        routing+transfer  checkpoint_routing true, checkpoint_transfer true
-     (a mode whose AppConfig key does not exist in this checkout is skipped, with the reason
-     printed and written to the JSON);
+     (a mode whose AppConfig key does not exist in this checkout, or prefix_affinity when
+     the router does not import, is skipped, with the reason printed and written to the JSON);
   2. warms every replica up (short requests under a salt of their own, until each replica's
      engine has computed a prompt) and, with routing, the router: one warm-up prompt again
      and again until the router has sent it to its holder (its mirror of the index is
@@ -40,7 +44,8 @@ are recorded beside it. Both are 0 without transfer.
 Router decisions: the ingress's router counts requests sent to a holder and fallbacks by
 reason (hybrid_serve_routed_to_checkpoint_holder, hybrid_serve_routing_fallbacks); the script
 reads them from Ray's metrics agent (--metrics-port; Ray reports every second here) before and
-after each pass. They include no warm-up request, and can lag a pass by a report.
+after each pass. They include no warm-up request, and can lag a pass by a report. Ray's
+PrefixCacheAffinityRouter counts nothing of the kind: its row shows a dash, as the default's.
 
 Token hit rate = cached tokens (usage.prompt_tokens_details.cached_tokens) / shareable tokens
 (hybrid_serve_bench/accounting.py: on this workload the system prompt of every request but the
@@ -77,14 +82,17 @@ WARM_UP_ROUNDS = 5
 
 @dataclass(frozen=True)
 class Mode:
-    """A router setting: its name (the table's row) and the AppConfig keys it sets."""
+    """A router setting: its name (the table's row), the AppConfig keys it sets, and whether
+    the LLM server gets Ray Serve LLM's PrefixCacheAffinityRouter (prefix_affinity_router)."""
 
     name: str
     keys: dict
+    affinity_router: bool = False
 
 
 MODES = (
     Mode("default", {"checkpoint_routing": False}),
+    Mode("prefix_affinity", {"checkpoint_routing": False}, affinity_router=True),
     Mode("routing", {"checkpoint_routing": True}),
     Mode("routing+transfer", {"checkpoint_routing": True, "checkpoint_transfer": True}),
 )
@@ -101,9 +109,11 @@ FALLBACKS = "ray_hybrid_serve_routing_fallbacks_total"
 
 # ----- pure parts (tests/bench/test_cluster_routing.py)
 
-def select_modes(names: Sequence[str], app_fields: Sequence[str]) -> tuple[list[Mode], dict[str, str]]:
-    """The modes named (in MODES order) whose keys AppConfig has (`app_fields`), and for each
-    named mode left out the reason."""
+def select_modes(names: Sequence[str], app_fields: Sequence[str],
+                 affinity_error: str | None = None) -> tuple[list[Mode], dict[str, str]]:
+    """The modes named (in MODES order) whose keys AppConfig has (`app_fields`) and, for a mode
+    with the affinity router, that it imports (`affinity_error`: why not; None: it does), and
+    for each named mode left out the reason."""
     unknown = sorted(set(names) - set(MODE_NAMES))
     if unknown:
         raise ValueError(f"unknown mode(s) {unknown}; choose from {list(MODE_NAMES)}")
@@ -115,6 +125,8 @@ def select_modes(names: Sequence[str], app_fields: Sequence[str]) -> tuple[list[
         if missing:
             skipped[mode.name] = (f"AppConfig has no {', '.join(missing)} key in this checkout "
                                   f"(deployments/config.py)")
+        elif mode.affinity_router and affinity_error is not None:
+            skipped[mode.name] = affinity_error
         else:
             chosen.append(mode)
     return chosen, skipped
@@ -368,15 +380,24 @@ def app_config(mode: Mode, args: argparse.Namespace):
     return AppConfig(served_model_name=MODEL_NAME, engine=engine, **SMALL_CPUS, **keys)
 
 
+def affinity_router_config(config):
+    """The LLM server's request_router_config for the prefix_affinity mode."""
+    import prefix_affinity_router
+
+    return prefix_affinity_router.router_config(config.engine.model_dir)
+
+
 def deploy(mode: Mode, config, app_name: str, replicas: int) -> None:
     """serve.run the app with `replicas` LLM server replicas (build_app keeps num_replicas of
-    the LLMServer deployment it binds, as tests/cluster_checkpoints does)."""
+    the LLMServer deployment it binds, as tests/cluster_checkpoints does, and with the affinity
+    router its request_router_config: build_app sets one only with checkpoint_routing)."""
     from ray import serve
 
     import deployments.app
 
     original = deployments.app.LLMServer
-    deployments.app.LLMServer = original.options(num_replicas=replicas)
+    router = {"request_router_config": affinity_router_config(config)} if mode.affinity_router else {}
+    deployments.app.LLMServer = original.options(num_replicas=replicas, **router)
     try:
         serve.run(deployments.app.build_app(config.model_dump()), name=app_name,
                   route_prefix=ROUTE_PREFIX)
@@ -505,7 +526,7 @@ def git_state() -> dict:
     def git(*command: str) -> str:
         try:
             return subprocess.run(["git", *command], capture_output=True, text=True, timeout=30,
-                                  check=True).stdout.strip()
+                                  check=True).stdout.rstrip()  # not strip: " M path" keeps its status column
         except (OSError, subprocess.SubprocessError):
             return ""
 
@@ -542,6 +563,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def affinity_import_error() -> str | None:
+    """Why the prefix_affinity mode cannot run here (its router does not import); None: it can."""
+    try:
+        import prefix_affinity_router  # noqa: F401  (benchmarks/, on sys.path as the script's folder)
+    except ImportError as exc:
+        return f"Ray Serve LLM's PrefixCacheAffinityRouter does not import: {exc}"
+    return None
+
+
+def affinity_router_source() -> str:
+    import prefix_affinity_router
+
+    return (f"prefix_affinity_router.RenderedPromptAffinityRouter over "
+            f"{prefix_affinity_router.ROUTER_SOURCE}")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     from deployments.config import AppConfig
@@ -549,7 +586,8 @@ def main(argv: list[str] | None = None) -> None:
     from hybrid_serve_bench.tokens import TokenizerCounter
     from hybrid_serve_bench.workloads import Sizes, shared_instructions
 
-    modes, skipped = select_modes(args.modes, list(AppConfig.model_fields))
+    affinity_error = affinity_import_error() if "prefix_affinity" in args.modes else None
+    modes, skipped = select_modes(args.modes, list(AppConfig.model_fields), affinity_error)
     for name, reason in skipped.items():
         print(f"skipping mode {name}: {reason}")
     if not modes:
@@ -582,6 +620,7 @@ def main(argv: list[str] | None = None) -> None:
         "args": vars(args),
         "git": git,
         "modes": {m.name: m.keys for m in modes},
+        "affinity_router": affinity_router_source() if any(m.affinity_router for m in modes) else None,
         "skipped_modes": skipped,
         "app_configs": measured["configs"],
         "workload": {"name": workload.name, "kind": workload.kind, "params": workload.params,

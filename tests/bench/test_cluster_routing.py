@@ -1,6 +1,7 @@
 """benchmarks/cluster_routing.py's pure parts: the modes (and skipping one this checkout cannot
-run), the rotated schedule, per-replica counter deltas, the summary row and the table. No Ray,
-no deployment."""
+run), the rotated schedule, per-replica counter deltas, the summary row and the table; and the
+text benchmarks/prefix_affinity_router.py gives Ray's PrefixCacheAffinityRouter. No Ray
+cluster, no deployment."""
 
 from __future__ import annotations
 
@@ -33,10 +34,12 @@ def counters(imported=0, imported_bytes=0, exported=0, exported_bytes=0, rejecte
                           "deduplicated": 0, "rejected": rejected or {}}}
 
 
-def test_the_three_modes_and_their_keys():
-    assert cr.MODE_NAMES == ("default", "routing", "routing+transfer")
+def test_the_four_modes_and_their_keys():
+    assert cr.MODE_NAMES == ("default", "prefix_affinity", "routing", "routing+transfer")
     keys = {m.name: m.keys for m in cr.MODES}
     assert keys["default"] == {"checkpoint_routing": False}
+    assert keys["prefix_affinity"] == {"checkpoint_routing": False}  # no checkpoint router
+    assert [m.name for m in cr.MODES if m.affinity_router] == ["prefix_affinity"]
     assert keys["routing"] == {"checkpoint_routing": True}
     assert keys["routing+transfer"] == {"checkpoint_routing": True, "checkpoint_transfer": True}
 
@@ -52,10 +55,21 @@ def test_a_mode_whose_key_this_checkout_lacks_is_skipped_with_a_reason():
         cr.select_modes(["round-robin"], APP_FIELDS)
 
 
+def test_prefix_affinity_is_skipped_with_the_reason_its_router_does_not_import(monkeypatch):
+    reason = "Ray Serve LLM's PrefixCacheAffinityRouter does not import: No module named 'vllm'"
+    modes, skipped = cr.select_modes(["prefix_affinity", "routing"], APP_FIELDS, reason)
+    assert [m.name for m in modes] == ["routing"] and skipped == {"prefix_affinity": reason}
+    modes, skipped = cr.select_modes(["prefix_affinity"], APP_FIELDS, None)
+    assert [m.name for m in modes] == ["prefix_affinity"] and skipped == {}
+    monkeypatch.setitem(sys.modules, "prefix_affinity_router", None)  # import raises ImportError
+    error = cr.affinity_import_error()
+    assert error is not None and error.startswith("Ray Serve LLM's PrefixCacheAffinityRouter")
+
+
 def test_the_schedule_runs_every_mode_once_a_round_in_rotated_order():
-    a, b, c = cr.MODES
+    a, b, c, d = cr.MODES
     passes = cr.schedule(cr.MODES, 2)
-    assert passes == [(0, a), (0, b), (0, c), (1, b), (1, c), (1, a)]
+    assert passes == [(0, a), (0, b), (0, c), (0, d), (1, b), (1, c), (1, d), (1, a)]
     assert cr.schedule([a, b], 3) == [(0, a), (0, b), (1, b), (1, a), (2, a), (2, b)]
     assert cr.schedule([], 2) == []
 
@@ -172,10 +186,78 @@ def test_the_table_has_one_line_a_mode():
                               [{"r1": counters(imported=2, imported_bytes=3 * 2**20,
                                                exported=1, exported_bytes=512)}],
                               [{"holder": 1, "fallbacks": {"no_holder": 1}}]),
-            cr.summarize_mode("routing", [record(0, None, 500)], [1.0], [{}])]
+            cr.summarize_mode("routing", [record(0, None, 500)], [1.0], [{}]),
+            cr.summarize_mode("prefix_affinity", [record(0, 0, 0, 0.3), record(0, 500, 500, 0.1)],
+                              [1.0], [{"r1": counters()}], [None])]
     lines = cr.format_table(rows).splitlines()
-    assert len(lines) == 2 + 3
+    assert len(lines) == 2 + 4
     assert lines[0].startswith("| mode | requests (errors) | token hit rate")
     assert "| default | 2 (0) | 0.500 | 0.500 | 250 / 500 |" in lines[2]
     assert "| 1 / 1 (no_holder 1) | 2 (0) | 3.0 MiB | 512 B |" in lines[3]
     assert lines[4].count("| - ") >= 3  # nothing reported: dashes
+    # Ray's router reports no decisions of ours: its routing cell is a dash, not 0 / 0
+    assert lines[5].startswith("| prefix_affinity | 2 (0) | 1.000 | 1.000 | 500 / 500 | 100.0 | 300.0 |")
+    assert lines[5].endswith("| 900 | - | 0 (0) | 0 B | 0 B |")
+
+
+# ----- benchmarks/prefix_affinity_router.py (needs Ray's router class, not a Ray cluster)
+
+def _affinity():
+    return pytest.importorskip("prefix_affinity_router",
+                               reason="Ray Serve LLM's PrefixCacheAffinityRouter does not import")
+
+
+def generation_request(ids=(5, 6, 7)):
+    from engine.generation_request import GenerationRequest
+    from engine.sampling_params import SamplingParams
+
+    return GenerationRequest(request_id="r", prompt_token_ids=ids, sampling=SamplingParams())
+
+
+class Pending:
+    """The one attribute of Serve's PendingRequest the text extraction reads."""
+
+    def __init__(self, *args):
+        self.args = list(args)
+
+
+def test_the_affinity_router_reads_the_text_of_the_generation_requests_token_ids():
+    par = _affinity()
+    decoded = []
+
+    def decode(ids):
+        decoded.append(ids)
+        return "|".join(map(str, ids))
+
+    assert par.prompt_text(["not a request", generation_request((1, 2))], decode) == "1|2"
+    assert decoded == [[1, 2]]
+    assert par.prompt_text([], decode) is None and par.prompt_text(["x"], decode) is None
+
+    class Tokenizer:
+        pass
+
+    router = object.__new__(par.RenderedPromptAffinityRouter)  # no Serve state: only the text
+    router._tokenizer = Tokenizer()
+    router._tokenizer.decode = decode
+    assert router._extract_text_from_request(Pending(generation_request((3,)))) == "3"
+
+    class Completion:
+        prompt = "raw text"
+
+    assert router._extract_text_from_request(Pending(Completion())) == "raw text"  # Ray's reading
+
+
+def test_rays_own_reading_finds_no_text_in_our_llm_servers_argument():
+    """Why the adapter exists: the unchanged router refuses a GenerationRequest."""
+    par = _affinity()
+    router = object.__new__(par.PrefixCacheAffinityRouter)
+    with pytest.raises(ValueError, match="message or prompt"):
+        router._extract_text_from_request(Pending(generation_request()))
+
+
+def test_the_affinity_router_config_names_the_adapter_and_the_tokenizer():
+    par = _affinity()
+    config = par.router_config("/models/m")
+    assert config.request_router_class == "prefix_affinity_router.RenderedPromptAffinityRouter"
+    assert config.request_router_kwargs == {"model_dir": "/models/m"}
+    assert config.get_request_router_class().__mro__[1] is par.PrefixCacheAffinityRouter
