@@ -14,6 +14,10 @@ response cached the instruction, and the index lists a second holder" proves the
 replica restored the copy. Per-replica counters come from LLMServer.replica_stats, asked until
 every replica has answered. References are the same requests under fresh salts (from scratch,
 cached_tokens 0), greedy.
+
+The last test runs no Serve app: two engines over private tp=2 rank groups and an index actor
+of their own, to see each rank's shard go rank -> object store -> rank by reference, never
+through the replica's process (here, the test process), and a bad rank-1 shard rejected.
 """
 
 from __future__ import annotations
