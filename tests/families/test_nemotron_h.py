@@ -136,6 +136,12 @@ def test_checkpoint_loads_with_every_block_kind(case: Case):
     caches = case.model.allocate_caches(4, 16, 2)
     assert set(caches.key_cache) == set(case.config.attention_layers)
     assert set(caches.conv_state) == set(case.config.mamba_layers)
+    # MLP blocks hold neither: the sizes count the Mamba2 and attention blocks only
+    (conv_dim, taps), (heads, head_dim, state_size) = case.model.mamba_state_shape()
+    per_mamba = conv_dim * taps * 4 + heads * head_dim * state_size * 4
+    assert case.model.state_bytes_per_slot() == len(case.config.mamba_layers) * per_mamba
+    per_attention = 2 * 16 * case.model.kv_heads_per_rank() * case.config.head_dim * 4
+    assert case.model.kv_bytes_per_block(16) == len(case.config.attention_layers) * per_attention
 
 
 def test_one_chunk_matches_reference(case: Case):

@@ -1,0 +1,64 @@
+"""Nemotron-H's CUDA path (NemotronHModel with a GpuBatchPlan: the fused add+RMSNorm between
+blocks, the Mamba2 and attention kernels the plan chose, the squared-ReLU kernel) against its
+CPU fp32 path, on a random checkpoint with every block kind.
+
+The steps of test_model_gpu.py (fresh and continued prefills, a 1-token prefill, decodes) and
+then a one-row decode step (the single-row GEMMs, the fused Mamba decode kernel, and with one
+norm group the gated norm folded into it); hidden states of every step and a state slot after
+the last within the dtype's tolerance. With 4 norm groups the gated norm is never folded.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.forward_batch import build_forward_batch
+from engine.loader import load_model
+from engine.step_io import SchedulerOutput
+from tests.gpu.conftest import eager_forward, relative_error
+from tests.gpu.test_model_gpu import BLOCK_SIZE, _chunk, _steps
+from tests.tp.tp_support import write_random_checkpoint
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (fla-core's scan)"),
+]
+
+
+def _raw(n_groups: int) -> dict:
+    return dict(
+        model_type="nemotron_h", vocab_size=2048, hidden_size=128, intermediate_size=256,
+        hybrid_override_pattern="M-M*-M-*M", num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, mamba_num_heads=8, mamba_head_dim=32, n_groups=n_groups, ssm_state_size=32,
+        conv_kernel=4, chunk_size=256, use_bias=False, use_conv_bias=True, max_position_embeddings=1024,
+    )
+
+
+def _run(model_dir, device: str, dtype: torch.dtype):
+    model, config = load_model(model_dir, dtype=dtype, device=device)
+    caches = model.allocate_caches(num_blocks=32, block_size=BLOCK_SIZE, num_state_slots=5, device=device)
+    for layer in caches.ssm_state:  # slots start as garbage: reset chunks must not read them
+        caches.ssm_state[layer].fill_(float("nan"))
+        caches.conv_state[layer].fill_(float("nan"))
+    steps = _steps(config.vocab_size)
+    steps.append(SchedulerOutput((_chunk(0, [7], 22, False),)))  # one row: batch-1 decode
+    hiddens = []
+    with torch.inference_mode():
+        for step in steps:
+            batch = build_forward_batch(list(step.chunks), BLOCK_SIZE, torch.device(device))
+            hiddens.append(eager_forward(model, batch, caches).float().cpu())
+    return model, hiddens, caches.ssm_state[min(caches.ssm_state)][1:4].cpu()
+
+
+@pytest.mark.parametrize("n_groups", [1, 4])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-2), (torch.bfloat16, 5e-2)])
+def test_gpu_forward_matches_cpu(tmp_path, n_groups, dtype, tol):
+    model_dir = write_random_checkpoint(tmp_path / "model", _raw(n_groups))
+    _, ref_hiddens, ref_state = _run(model_dir, "cpu", torch.float32)
+    model, hiddens, state = _run(model_dir, "cuda", dtype)
+    if dtype == torch.float32:  # the fold needs one norm group on the rank
+        assert model.folds_gated_norm() == (n_groups == 1)
+    for i, (h, ref) in enumerate(zip(hiddens, ref_hiddens)):
+        assert relative_error(h, ref) < tol, f"step {i} hidden"
+    assert relative_error(state, ref_state) < tol, "ssm state after the last step"
