@@ -75,6 +75,11 @@ class HybridModelConfig:
     eos_token_ids: tuple[int, ...]
     pad_token_id: int | None
     dtype: str
+    # Routed experts after each block (engine/layers/routed_experts.py): 0 means dense (the
+    # shared MLP only). Each expert is a gated MLP of intermediate_size channels; each token
+    # goes to num_experts_per_tok of them.
+    num_local_experts: int = 0
+    num_experts_per_tok: int = 0
 
     @property
     def attention_layers(self) -> list[int]:

@@ -6,8 +6,9 @@ Splitting rules (docs/design.md section 6):
 - Mamba2 heads split evenly (their x, z, dt, conv channels, A_log, D, dt_bias, norm channels);
   B/C groups split evenly when n_groups divides by world_size, otherwise each rank holds the
   one group its heads read (replicated across the ranks sharing it);
-- MLP intermediate channels split evenly; vocabulary rows split in pieces of
-  ceil(vocab / world_size) (the last rank's piece may be shorter).
+- MLP intermediate channels split evenly, and so are each routed expert's (every rank holds
+  every expert, a slice of its channels; the router is replicated); vocabulary rows split in
+  pieces of ceil(vocab / world_size) (the last rank's piece may be shorter).
 Anything else (e.g. 6 query heads on 4 ranks) is a ValueError naming the field.
 """
 
@@ -34,6 +35,7 @@ class RankShardLayout:
     mlp_channels: IndexRange
     vocab_rows: IndexRange
     vocab_rows_per_rank: int  # ceil(vocab / world_size): every rank's logits are padded to it
+    expert_channels: IndexRange = (0, 0)  # each routed expert's intermediate channels
 
 
 def rank_shard_layout(config: HybridModelConfig, tp: TensorParallel) -> RankShardLayout:
@@ -60,6 +62,10 @@ def rank_shard_layout(config: HybridModelConfig, tp: TensorParallel) -> RankShar
         mlp_channels=tp.split_evenly(config.shared_intermediate_size, "shared_intermediate_size"),
         vocab_rows=tp.split_padded(config.vocab_size),
         vocab_rows_per_rank=-(-config.vocab_size // world),
+        expert_channels=(
+            tp.split_evenly(config.intermediate_size, "intermediate_size")
+            if config.num_local_experts > 0 else (0, 0)
+        ),
     )
 
 

@@ -33,20 +33,23 @@ class GatedMLP(nn.Module):
             intermediate_size, hidden_size, (channels,), bias=False, dtype=dtype, tp=tp
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, D) -> (T, D)
-        return self.output_linear(silu_and_mul(self.input_linear(x)))  # [gate | up]: (T, 2 I_local)
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:  # (T, D) -> (T, D)
+        """reduce=False: this rank's partial sum, not yet all-reduced (RowParallelLinear.forward),
+        for a caller that adds it to other partial sums before one all-reduce."""
+        gate_up = self.input_linear(x)  # [gate | up]: (T, 2 I_local)
+        return self.output_linear(silu_and_mul(gate_up), reduce)
 
-    def forward_gpu(self, x: torch.Tensor) -> torch.Tensor:  # (T, D) -> (T, D)
+    def forward_gpu(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:  # (T, D) -> (T, D)
         """forward on CUDA tensors. One row (decode at batch 1) whose [gate | up] the single-row
         GEMM takes (output_linear.supports_gated): silu(gate) * up is computed inside
         output_linear's GEMM, no launch of its own. Otherwise silu(gate) * up is one Triton
-        launch (engine/kernels/gpu/activation.py) before output_linear."""
+        launch (engine/kernels/gpu/activation.py) before output_linear. reduce as in forward."""
         gate_up = self.input_linear(x)  # (T, 2 I_local)
         if self.output_linear.supports_gated(gate_up):
-            return self.output_linear.forward_gated(gate_up)
+            return self.output_linear.forward_gated(gate_up, reduce)
         from engine.kernels.gpu.activation import silu_and_mul as silu_and_mul_gpu
 
-        return self.output_linear(silu_and_mul_gpu(gate_up))
+        return self.output_linear(silu_and_mul_gpu(gate_up), reduce)
 
 
 class SquaredReluMLP(nn.Module):

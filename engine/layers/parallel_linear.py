@@ -110,7 +110,12 @@ class RowParallelLinear(ShardedModule):
             (out_features, full_in_features), 1, input_ranges
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, in_local) -> (T, out)
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:  # (T, in_local) -> (T, out)
+        """reduce=False: this rank's partial product x_local @ W[:, cols].T only, without the
+        all-reduce and the bias, for a caller that sums several row-parallel outputs before
+        one all-reduce (the routed experts and the shared MLP) and adds any bias itself."""
+        if not reduce:
+            return linear(x, self.weight, None)
         if self.tp.world_size == 1:
             return linear(x, self.weight, self.bias)
         y = self.tp.all_reduce(linear(x, self.weight, None))
@@ -136,13 +141,15 @@ class RowParallelLinear(ShardedModule):
         local_bias = self.bias if self.tp.world_size == 1 else None
         return routes_to_skinny(gate_up, self.weight, local_bias, gated=True)
 
-    def forward_gated(self, gate_up: torch.Tensor) -> torch.Tensor:  # (1, 2 in_local) -> (1, out)
-        """forward(silu_and_mul(gate_up)) with silu(gate) * up computed inside the single-row
-        GEMM (engine/kernels/gpu/skinny_gemm.py's gated variant, one launch), then the same
-        all-reduce and bias as forward. Requires supports_gated(gate_up), which is not checked
-        again here."""
+    def forward_gated(self, gate_up: torch.Tensor, reduce: bool = True) -> torch.Tensor:  # (1, 2 in_local) -> (1, out)
+        """forward(silu_and_mul(gate_up), reduce) with silu(gate) * up computed inside the
+        single-row GEMM (engine/kernels/gpu/skinny_gemm.py's gated variant, one launch), then
+        the same all-reduce and bias as forward (neither when reduce is False). Requires
+        supports_gated(gate_up), which is not checked again here."""
         from engine.kernels.gpu.skinny_gemm import skinny_linear_unchecked
 
+        if not reduce:
+            return skinny_linear_unchecked(gate_up, self.weight, None, gated=True)
         if self.tp.world_size == 1:
             return skinny_linear_unchecked(gate_up, self.weight, self.bias, gated=True)
         y = self.tp.all_reduce(skinny_linear_unchecked(gate_up, self.weight, None, gated=True))

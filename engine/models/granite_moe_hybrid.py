@@ -1,7 +1,9 @@
-"""GraniteMoeHybrid (dense): Mamba2 and attention blocks, each followed by a gated MLP.
+"""GraniteMoeHybrid: Mamba2 and attention blocks, each followed by a gated MLP ("shared_mlp")
+and, when num_local_experts > 0, routed experts added to it ("block_sparse_moe",
+engine/layers/routed_experts.py: top-k of the router logits, softmax over those k).
 
-Numerically the same model as transformers' GraniteMoeHybridForCausalLM with
-num_local_experts=0, run over a ForwardBatch of chunks from many requests, with KV in paged
+Numerically the same model as transformers' GraniteMoeHybridForCausalLM, dense or with
+experts, run over a ForwardBatch of chunks from many requests, with KV in paged
 blocks and recurrent state in per-request slots (engine/forward_batch.py).
 
 Parameter names equal the checkpoint's with the leading "model." removed (lm_head.weight
@@ -10,7 +12,9 @@ stays as it is); engine/loader.py relies on that.
 Tensor parallel: the model is built for one rank of a TensorParallel context; every layer
 holds that rank's shard (engine/shard_layout.py says which heads, groups and channels) and
 calls the context's collectives. Hidden states (T, D) are whole on every rank between layers.
-With TensorParallel.single() it is the unsharded model and calls no collective.
+With TensorParallel.single() it is the unsharded model and calls no collective. The experts
+split each expert's channels like the shared MLP's; both partial sums are added before the
+layer's one all-reduce.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from engine.layers.attention import PagedAttention
 from engine.layers.mamba2 import Mamba2Mixer
 from engine.layers.mlp import GatedMLP
 from engine.layers.norm import RMSNorm
+from engine.layers.routed_experts import RoutedExperts, Routing, RoutingRule
 from engine.layers.rotary import RotaryEmbedding
 from engine.layers.vocab_parallel import (
     VocabParallelEmbedding,
@@ -53,13 +58,7 @@ MODEL_TYPE = "granitemoehybrid"
 def parse_config(raw: dict[str, Any]) -> HybridModelConfig:
     """Normalise a granitemoehybrid config.json dict; raises ValueError naming the field it
     cannot accept."""
-    # transformers defaults num_local_experts to 8 (MoE) when the field is absent.
-    num_experts = raw.get("num_local_experts", 8)
-    if num_experts is None or int(num_experts) > 0:
-        raise ValueError(
-            f"num_local_experts={num_experts!r}: only dense GraniteMoeHybrid models "
-            "(num_local_experts=0) are supported"
-        )
+    num_experts, top_k, intermediate_size = _parse_experts(raw)
     hidden_act = raw.get("hidden_act", "silu")
     if hidden_act != "silu":
         raise ValueError(f"hidden_act must be 'silu', got {hidden_act!r}")
@@ -98,7 +97,7 @@ def parse_config(raw: dict[str, Any]) -> HybridModelConfig:
         num_key_value_heads=num_kv_heads,
         head_dim=head_dim,
         attention_bias=bool(raw.get("attention_bias", False)),
-        intermediate_size=raw.get("intermediate_size", 0),
+        intermediate_size=intermediate_size,
         shared_intermediate_size=required(raw, "shared_intermediate_size"),
         hidden_act=hidden_act,
         mamba_n_heads=mamba_n_heads,
@@ -123,13 +122,44 @@ def parse_config(raw: dict[str, Any]) -> HybridModelConfig:
         eos_token_ids=parse_eos_token_ids(raw),
         pad_token_id=raw.get("pad_token_id"),
         dtype=parse_dtype(raw),
+        num_local_experts=num_experts,
+        num_experts_per_tok=top_k,
     )
+
+
+# transformers' GraniteMoeHybridConfig defaults, which apply when config.json lacks the field:
+# an absent num_local_experts means 8 experts (MoE), not a dense model.
+_DEFAULT_NUM_EXPERTS = 8
+_DEFAULT_EXPERTS_PER_TOKEN = 2
+_DEFAULT_EXPERT_CHANNELS = 11008
+
+
+def _parse_experts(raw: dict[str, Any]) -> tuple[int, int, int]:
+    """(num_local_experts, num_experts_per_tok, intermediate_size); a dense model (0 experts)
+    gets 0 experts per token and keeps intermediate_size as written (unused)."""
+    num_experts = raw.get("num_local_experts", _DEFAULT_NUM_EXPERTS)
+    if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts < 0:
+        raise ValueError(f"num_local_experts must be an integer >= 0, got {num_experts!r}")
+    if num_experts == 0:
+        return 0, 0, raw.get("intermediate_size") or 0
+    top_k = raw.get("num_experts_per_tok", _DEFAULT_EXPERTS_PER_TOKEN)
+    if not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+        raise ValueError(
+            f"num_experts_per_tok must be an integer in [1, num_local_experts={num_experts}], "
+            f"got {top_k!r}"
+        )
+    intermediate_size = raw.get("intermediate_size", _DEFAULT_EXPERT_CHANNELS)
+    if not isinstance(intermediate_size, int) or intermediate_size <= 0:
+        raise ValueError(f"intermediate_size must be a positive integer, got {intermediate_size!r}")
+    return num_experts, top_k, intermediate_size
 
 
 class DecoderLayer(nn.Module):
     """x += r * mixer(norm(x)); x += r * mlp(norm(x)), r = residual_multiplier.
 
     The mixer is `mamba` (Mamba2Mixer) or `self_attn` (PagedAttention); the other is absent.
+    mlp is `shared_mlp` (GatedMLP), plus `block_sparse_moe` (RoutedExperts) when the model has
+    experts (None otherwise): their partial sums are added, then all-reduced once.
     """
 
     def __init__(
@@ -150,6 +180,32 @@ class DecoderLayer(nn.Module):
         self.shared_mlp = GatedMLP(
             config.hidden_size, config.shared_intermediate_size, layout.mlp_channels, tp, dtype
         )
+        self.tp = tp
+        self.block_sparse_moe: RoutedExperts | None = None
+        if config.num_local_experts > 0:
+            routing = Routing(RoutingRule.TOP_K_THEN_SOFTMAX, config.num_experts_per_tok)
+            self.block_sparse_moe = RoutedExperts(
+                config.hidden_size, config.intermediate_size, config.num_local_experts, routing,
+                layout.expert_channels, tp, dtype,
+            )
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:  # (T, D) -> (T, D)
+        """shared_mlp(x), plus the routed experts' output when there are experts (PyTorch path)."""
+        if self.block_sparse_moe is None:
+            return self.shared_mlp(x)
+        partial = self.block_sparse_moe(x, reduce=False) + self.shared_mlp(x, reduce=False)
+        return self.tp.all_reduce(partial)
+
+    def mlp_gpu(self, x: torch.Tensor) -> torch.Tensor:  # (T, D) -> (T, D)
+        """mlp on CUDA: GatedMLP.forward_gpu and RoutedExperts.forward_gpu (grouped GEMM)."""
+        if self.block_sparse_moe is None:
+            return self.shared_mlp.forward_gpu(x)
+        partial = (
+            self.block_sparse_moe.forward_gpu(x, reduce=False)
+            + self.shared_mlp.forward_gpu(x, reduce=False)
+        )
+        return self.tp.all_reduce(partial)
+
 
     def forward(
         self,
@@ -167,7 +223,7 @@ class DecoderLayer(nn.Module):
         else:
             mixed = self.mamba(mixer_in, batch, caches.conv_state[i], caches.ssm_state[i])
         hidden = hidden + mixed * self.residual_multiplier
-        mlp_out = self.shared_mlp(self.post_attention_layernorm(hidden))
+        mlp_out = self.mlp(self.post_attention_layernorm(hidden))
         return hidden + mlp_out * self.residual_multiplier
 
     def forward_gpu(
@@ -200,7 +256,7 @@ class DecoderLayer(nn.Module):
                 mixer_in, batch, caches.conv_state[i], caches.ssm_state[i], gpu_plan, captures
             )
         hidden, mlp_in = add_rms_norm(hidden, mixed, r, norm_post.weight, norm_post.eps)
-        return hidden, self.shared_mlp.forward_gpu(mlp_in)
+        return hidden, self.mlp_gpu(mlp_in)
 
 
 class GraniteMoeHybridModel(nn.Module):

@@ -99,18 +99,20 @@ def test_published_checkpoint_spelling(tmp_path):
         ({"eos_token_id": [5, 6]}, "eos_token_ids", (5, 6)),
         ({"eos_token_id": None}, "eos_token_ids", ()),
         ({"num_key_value_heads": None}, "num_key_value_heads", 4),
+        ({"num_local_experts": DROP}, "num_local_experts", 8),  # transformers' default: MoE
     ],
 )
 def test_spelling_variants(tmp_path, overrides, field, expected):
-    config = load_model_config(write_config(tmp_path, {**TRANSFORMERS_5, **overrides}))
+    raw = {k: v for k, v in {**TRANSFORMERS_5, **overrides}.items() if v is not DROP}
+    config = load_model_config(write_config(tmp_path, raw))
     assert getattr(config, field) == expected
 
 
 @pytest.mark.parametrize(
     "overrides, field",
     [
-        ({"num_local_experts": 4}, "num_local_experts"),
-        ({"num_local_experts": DROP}, "num_local_experts"),  # transformers would default it to 8
+        ({"num_local_experts": None}, "num_local_experts"),
+        ({"num_local_experts": 4, "num_experts_per_tok": 5}, "num_experts_per_tok"),
         ({"layer_types": ["mamba", "moe", "attention"]}, "layer_types"),
         ({"layer_types": ["mamba", "attention"]}, "layer_types"),
         ({"position_embedding_type": "alibi"}, "position_embedding_type"),
