@@ -26,6 +26,9 @@ class SequenceChunk:
     state_slot: row of the recurrent state tensors owned by this request.
     reset_state: start the recurrence from zero (the first chunk of a prefill that restored
         nothing); otherwise continue from what the state slot holds.
+    position_state_slots: a verification chunk (engine/speculative/verify.py): one scratch
+        state slot per token, where the recurrent mixers write the state after that token,
+        token by token, leaving state_slot as it was; empty for any other chunk.
     """
 
     state_slot: int
@@ -33,6 +36,7 @@ class SequenceChunk:
     num_tokens: int
     block_table: tuple[int, ...]
     reset_state: bool
+    position_state_slots: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -138,6 +138,11 @@ class Mamba2Mixer(ShardedModule):
         y = hidden.new_empty(num_tokens, self.num_heads, self.head_dim, dtype=torch.float32)
         decode_rows, decode_slots, decode_resets = [], [], []
         for chunk, start, end in zip(batch.chunks, batch.cu_seqlens[:-1], batch.cu_seqlens[1:]):
+            if chunk.position_state_slots:  # speculative verification: chunk.state_slot only read
+                from engine.speculative.verify import mix_verification
+
+                y[start:end] = mix_verification(self, xBC[start:end], dt_raw[start:end], conv_state, ssm_state, chunk)
+                continue
             if end - start == 1:
                 decode_rows.append(start)
                 decode_slots.append(chunk.state_slot)
