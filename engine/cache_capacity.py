@@ -15,7 +15,7 @@ import torch
 
 from cache.cache_manager import BundleSizing
 from engine.config import EngineConfig
-from engine.model_config import HybridModelConfig
+from engine.model_config import GATED_DELTA_NET, HybridModelConfig
 from engine.shard_layout import RankShardLayout, rank_shard_layout, width
 from engine.tensor_parallel import TensorParallel
 
@@ -48,6 +48,30 @@ def mamba_state_shape(
     return (conv_dim, config.mamba_d_conv - 1), (heads, config.mamba_d_head, config.mamba_d_state)
 
 
+def gated_delta_net_state_shape(
+    config: HybridModelConfig, layout: RankShardLayout,
+) -> tuple[tuple[int, int], tuple[int, int, int]]:
+    """The rank's ((conv_dim, K-1), (H_v, d_k, d_v)) of one state slot of one gated delta-net
+    layer: the conv window over its q, k (key heads) and v (value heads) channels, and one
+    d_k x d_v recurrent matrix per value head (fp32)."""
+    key_heads, value_heads = width(layout.linear_key_heads), width(layout.linear_value_heads)
+    d_k, d_v = config.linear_key_head_dim, config.linear_value_head_dim
+    conv_dim = 2 * key_heads * d_k + value_heads * d_v
+    return (conv_dim, config.linear_conv_kernel_dim - 1), (value_heads, d_k, d_v)
+
+
+def recurrent_state_shape(
+    config: HybridModelConfig, layout: RankShardLayout,
+) -> tuple[tuple[int, int], tuple[int, int, int]]:
+    """The rank's (conv slot, recurrent slot) shapes of one recurrent layer, whatever its mixer:
+    the two tensors of a state slot (ModelCaches.conv_state / ssm_state) hold either kind, so
+    checkpoints, import checks and transfer move them unchanged. A model without recurrent
+    layers gets Mamba's shapes (unused: no layer holds them)."""
+    if config.recurrent_kind == GATED_DELTA_NET:
+        return gated_delta_net_state_shape(config, layout)
+    return mamba_state_shape(config, layout)
+
+
 def kv_bytes_per_block(
     config: HybridModelConfig, layout: RankShardLayout, dtype: torch.dtype, block_size: int,
 ) -> int:
@@ -58,12 +82,12 @@ def kv_bytes_per_block(
 
 
 def state_bytes_per_slot(config: HybridModelConfig, layout: RankShardLayout, dtype: torch.dtype) -> int:
-    """Bytes of one recurrent state slot on the rank across all Mamba layers (the rank's conv
-    channels in model dtype, its heads' SSM state in fp32)."""
-    (conv_dim, taps), (heads, head_dim, state_size) = mamba_state_shape(config, layout)
+    """Bytes of one recurrent state slot on the rank across all recurrent layers (the rank's
+    conv channels in model dtype, its heads' recurrent state in fp32)."""
+    (conv_dim, taps), (heads, head_dim, state_size) = recurrent_state_shape(config, layout)
     conv = conv_dim * taps * dtype.itemsize
     ssm = heads * head_dim * state_size * torch.float32.itemsize
-    return len(config.mamba_layers) * (conv + ssm)
+    return len(config.recurrent_layers) * (conv + ssm)
 
 
 def size_caches(config: EngineConfig, model_config: HybridModelConfig, tp: TensorParallel) -> CacheCapacity:
@@ -101,7 +125,9 @@ def size_caches(config: EngineConfig, model_config: HybridModelConfig, tp: Tenso
         block_size=config.block_size,
         max_model_len=max_model_len,
         world_size=tp.world_size,
-        in_pass_capture=config.device.startswith("cuda") and tp.world_size == 1,
+        # the gated delta-net's CUDA path has no in-pass capture: its captures end a chunk
+        in_pass_capture=config.device.startswith("cuda") and tp.world_size == 1
+        and model_config.recurrent_kind != GATED_DELTA_NET,
         bundle_sizing=BundleSizing(
             state_bytes=slot_bytes,
             kv_bytes_per_token=block_bytes // config.block_size,

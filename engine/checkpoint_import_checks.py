@@ -32,7 +32,7 @@ from enum import Enum
 import torch
 
 from cache.checkpoint_ledger import CheckpointKind
-from engine.cache_capacity import mamba_state_shape
+from engine.cache_capacity import recurrent_state_shape
 from engine.checkpoint_transfer import (
     FORMAT_VERSION, CheckpointHeader, CheckpointShard, ExportedCheckpoint, ModelIdentity,
     ShardLayout, checkpoint_digest, shard_checksum,
@@ -79,11 +79,11 @@ def expected_shard_layout(config: HybridModelConfig, tp: TensorParallel, dtype: 
     """The layout of rank tp.rank's shard for a model run in `dtype` (from its config alone;
     the same shapes Model.allocate_caches gives that rank)."""
     layout = rank_shard_layout(config, tp)
-    (conv_dim, taps), (heads, head_dim, state_size) = mamba_state_shape(config, layout)
-    num_mamba, num_attention = len(config.mamba_layers), len(config.attention_layers)
+    (conv_dim, taps), (heads, head_dim, state_size) = recurrent_state_shape(config, layout)
+    num_recurrent, num_attention = len(config.recurrent_layers), len(config.attention_layers)
     return ShardLayout(
-        conv_state=(num_mamba, conv_dim, taps),
-        ssm_state=(num_mamba, heads, head_dim, state_size),
+        conv_state=(num_recurrent, conv_dim, taps),
+        ssm_state=(num_recurrent, heads, head_dim, state_size),
         kv_row=(num_attention, width(layout.kv_heads), config.head_dim),
         hidden_size=config.hidden_size,
         dtype=dtype,

@@ -6,6 +6,8 @@ Splitting rules (docs/design.md section 6):
 - Mamba2 heads split evenly (their x, z, dt, conv channels, A_log, D, dt_bias, norm channels);
   B/C groups split evenly when n_groups divides by world_size, otherwise each rank holds the
   one group its heads read (replicated across the ranks sharing it);
+- gated delta-net key heads split evenly, and value heads with them (each key head's value
+  heads are consecutive, so a rank holds whole key-head groups of q, k, v, z, b and a);
 - MLP intermediate channels split evenly, and so are each routed expert's (every rank holds
   every expert, a slice of its channels; the router is replicated); vocabulary rows split in
   pieces of ceil(vocab / world_size) (the last rank's piece may be shorter).
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.model_config import HybridModelConfig
+from engine.model_config import GATED_DELTA_NET, HybridModelConfig
 from engine.tensor_parallel import IndexRange, TensorParallel, covering_range
 
 
@@ -35,6 +37,8 @@ class RankShardLayout:
     mlp_channels: IndexRange
     vocab_rows: IndexRange
     vocab_rows_per_rank: int  # ceil(vocab / world_size): every rank's logits are padded to it
+    linear_key_heads: IndexRange = (0, 0)  # gated delta-net key heads
+    linear_value_heads: IndexRange = (0, 0)  # gated delta-net value heads (those of its key heads)
     expert_channels: IndexRange = (0, 0)  # each routed expert's intermediate channels
 
 
@@ -54,7 +58,13 @@ def rank_shard_layout(config: HybridModelConfig, tp: TensorParallel) -> RankShar
         mamba_groups = _split_or_cover(
             tp, mamba_heads, config.mamba_n_groups, config.mamba_n_heads, "mamba_n_groups"
         )
+    linear_key_heads = linear_value_heads = (0, 0)
+    if GATED_DELTA_NET in config.layer_types:
+        linear_key_heads = tp.split_evenly(config.linear_num_key_heads, "linear_num_key_heads")
+        linear_value_heads = tp.split_evenly(config.linear_num_value_heads, "linear_num_value_heads")
     return RankShardLayout(
+        linear_key_heads=linear_key_heads,
+        linear_value_heads=linear_value_heads,
         attention_heads=attention_heads,
         kv_heads=kv_heads,
         mamba_heads=mamba_heads,

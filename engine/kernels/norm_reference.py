@@ -8,7 +8,11 @@ them.
   layer writes it) followed by rms_norm of the result; returns both;
 - gated_rms_norm: Mamba2's weight * norm_g(y * silu(gate)), each group of group_size
   consecutive channels normalised by its own rms, all in fp32;
-- silu_and_mul: silu(gate) * up of the MLP, where the input is [gate | up].
+- silu_and_mul: silu(gate) * up of the MLP, where the input is [gate | up];
+- rms_norm_zero_centered: (1 + weight) * (x / rms(x)), all in fp32, rounded to x's dtype at
+  the end (Qwen3-Next's norms, whose stored weights are centred on zero);
+- rms_norm_then_gate: the gated delta-net's weight * norm(y) * silu(gate) over each head's
+  channels (normalised first, then gated: the other order from gated_rms_norm).
 
 Shapes: T tokens, D hidden, I channels.
 """
@@ -59,3 +63,24 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """(T, 2I) = [gate | up] -> silu(gate) * up (T, I), in x's dtype."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def rms_norm_zero_centered(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """(..., D) -> (..., D) in x's dtype: (1 + weight) * x / rms(x), all in fp32."""
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * (1.0 + weight.float())).to(x.dtype)
+
+
+def rms_norm_then_gate(
+    y: torch.Tensor,  # (..., P), P the channels one norm covers (a head)
+    gate: torch.Tensor,  # (..., P)
+    weight: torch.Tensor,  # (P,)
+    eps: float,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """weight * (y / rms(y)) * silu(gate): the normalisation in fp32 rounded to y's dtype
+    before the weight, the gate in fp32; returns out_dtype."""
+    y32 = y.float()
+    normed = (y32 * torch.rsqrt(y32.pow(2).mean(-1, keepdim=True) + eps)).to(y.dtype)
+    return ((weight * normed) * F.silu(gate.float())).to(out_dtype)

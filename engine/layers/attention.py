@@ -9,6 +9,7 @@ from engine.forward_batch import ForwardBatch
 from engine.kernels.gpu.batch_plan import GpuBatchPlan
 from engine.kernels.attention_reference import paged_attention, write_kv
 from engine.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear, linear, routes_to_skinny
+from engine.layers.norm import RMSNorm
 from engine.layers.rotary import apply_rotary
 from engine.model_config import HybridModelConfig
 from engine.shard_layout import RankShardLayout, width
@@ -26,6 +27,12 @@ class PagedAttention(nn.Module):
     there are fewer KV heads than ranks); q/k/v are column-parallel, o_proj row-parallel.
     num_heads and num_kv_heads are this rank's counts; its KV cache holds only its KV heads.
 
+    Options from the config (Qwen3-Next; off for GraniteMoeHybrid): attention_output_gate,
+    q_proj's rows per head are [query (Dh) | gate (Dh)] and the output is multiplied by
+    sigmoid(gate) before o_proj; qk_norm, q and k are RMS-normed over each head (q_norm,
+    k_norm, zero-centred with zero_centered_norm) before RoPE; rotary_dim < head_dim, RoPE
+    turns only the first rotary_dim channels of each head (the rope tables are that wide).
+
     Where the single-row GEMM kernel runs (batch-1 decode on CUDA) the q, k and v projections
     are one GEMM over a stacked weight, which stack_projections() builds once the weights are
     loaded; forward refuses to run before it.
@@ -41,14 +48,25 @@ class PagedAttention(nn.Module):
         self.head_dim = config.head_dim
         self.scale = config.attention_multiplier
         hidden, bias, head_dim = config.hidden_size, config.attention_bias, config.head_dim
+        self.output_gate = config.attention_output_gate
+        self.rotary_dim = config.rotary_dim
+        q_per_head = 2 * head_dim if self.output_gate else head_dim  # [query | gate] per head
         q_rows = (scaled(layout.attention_heads, head_dim),)
         kv_rows = (scaled(layout.kv_heads, head_dim),)
         full_q = config.num_attention_heads * head_dim
         full_kv = config.num_key_value_heads * head_dim
-        self.q_proj = ColumnParallelLinear(hidden, full_q, q_rows, bias, dtype)
+        self.q_proj = ColumnParallelLinear(
+            hidden, config.num_attention_heads * q_per_head,
+            (scaled(layout.attention_heads, q_per_head),), bias, dtype,
+        )
         self.k_proj = ColumnParallelLinear(hidden, full_kv, kv_rows, bias, dtype)
         self.v_proj = ColumnParallelLinear(hidden, full_kv, kv_rows, bias, dtype)
         self.o_proj = RowParallelLinear(full_q, hidden, q_rows, bias, dtype, tp)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if config.qk_norm:
+            norm = lambda: RMSNorm(head_dim, config.rms_norm_eps, dtype, config.zero_centered_norm)  # noqa: E731
+            self.q_norm, self.k_norm = norm(), norm()
         # (Q + 2 KV, D) weight and (Q + 2 KV,) bias or None, q/k/v's rows in that order
         self._stacked_qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
@@ -94,7 +112,8 @@ class PagedAttention(nn.Module):
     def project_qkv(
         self, hidden: torch.Tensor, stacked: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """query (T, H, Dh), key and value (T, Hkv, Dh) of hidden (T, D).
+        """query (T, H, Dh) (T, H, 2 Dh) = [query | gate] with the output gate), key and value
+        (T, Hkv, Dh) of hidden (T, D).
 
         stacked (the step's plan chose it: GpuBatchPlan.stacked_qkv, one row on CUDA) and a
         row the single-row GEMM kernel takes with the stacked weight (routes_to_skinny checks
@@ -112,11 +131,11 @@ class PagedAttention(nn.Module):
         num_tokens = hidden.shape[0]
         if stacked and routes_to_skinny(hidden, *self._stacked_qkv):
             self._check_stacked(self._stacked_qkv[0])
-            q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            q_width, kv_width = self.q_proj.weight.shape[0], self.num_kv_heads * self.head_dim
             query, key, value = linear(hidden, *self._stacked_qkv).split((q_width, kv_width, kv_width), dim=1)
         else:
             query, key, value = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
-        return (query.view(num_tokens, self.num_heads, self.head_dim),
+        return (query.view(num_tokens, self.num_heads, -1),
                 key.view(num_tokens, self.num_kv_heads, self.head_dim),
                 value.view(num_tokens, self.num_kv_heads, self.head_dim))
 
@@ -136,14 +155,19 @@ class PagedAttention(nn.Module):
         another, and each prefill chunk that starts its sequence through SDPA (attend_gpu)."""
         num_tokens = hidden.shape[0]
         query, key, value = self.project_qkv(hidden, stacked=gpu_plan is not None and gpu_plan.stacked_qkv)
+        gate = None
+        if self.output_gate:
+            query, gate = query.chunk(2, dim=-1)  # (T, H, Dh) each
+        if self.q_norm is not None:
+            query, key = self.q_norm(query), self.k_norm(key)
         if rope is not None:
-            query, key = apply_rotary(query, *rope), apply_rotary(key, *rope)
+            query, key = self.rotate(query, rope), self.rotate(key, rope)
         if gpu_plan is not None:
             from engine.kernels.gpu.paged_attention import write_kv as write_kv_gpu
 
             write_kv_gpu(key_cache, value_cache, batch.slot_mapping, key, value)
             output = self.attend_gpu(query, key, value, key_cache, value_cache, gpu_plan)
-            return self.o_proj(output.view(num_tokens, self.num_heads * self.head_dim))
+            return self.o_proj(self.gated(output, gate).view(num_tokens, self.num_heads * self.head_dim))
         write_kv(key_cache, value_cache, batch.slot_mapping, key, value)
         output = torch.empty_like(query)  # (T, H, Dh)
         for chunk, start, end in zip(batch.chunks, batch.cu_seqlens[:-1], batch.cu_seqlens[1:]):
@@ -151,7 +175,20 @@ class PagedAttention(nn.Module):
             output[start:end] = paged_attention(
                 query[start:end], key_cache, value_cache, block_table, chunk.start_position, self.scale
             )
-        return self.o_proj(output.view(num_tokens, self.num_heads * self.head_dim))
+        return self.o_proj(self.gated(output, gate).view(num_tokens, self.num_heads * self.head_dim))
+
+    def rotate(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """RoPE on x (T, heads, Dh): all channels, or the first rotary_dim (partial rotary; the
+        rope tables are (T, rotary_dim)) with the rest passed through."""
+        if self.rotary_dim == self.head_dim:
+            return apply_rotary(x, *rope)
+        turned, passed = x.split([self.rotary_dim, self.head_dim - self.rotary_dim], dim=-1)
+        return torch.cat([apply_rotary(turned, *rope), passed], dim=-1)
+
+    @staticmethod
+    def gated(output: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        """output * sigmoid(gate) (each (T, H, Dh)) with the output gate; output without."""
+        return output if gate is None else output * torch.sigmoid(gate)
 
     def attend_gpu(
         self,

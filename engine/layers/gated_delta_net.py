@@ -1,0 +1,252 @@
+"""Qwen3-Next's gated delta-net mixer: projections, causal conv and the gated delta rule with
+per-request state slots (the same two slot tensors as a Mamba2 layer's, with its own shapes:
+engine/cache_capacity.py gated_delta_net_state_shape)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.forward_batch import ForwardBatch
+from engine.kernels.conv_reference import causal_conv1d, causal_conv1d_step
+from engine.kernels.gated_delta_rule_reference import (
+    chunk_gated_delta_rule, gated_delta_rule_step, l2_normalize,
+)
+from engine.kernels.gpu.batch_plan import GpuBatchPlan
+from engine.kernels.norm_reference import rms_norm_then_gate
+from engine.layers.mamba2 import DepthwiseConv1dWeights
+from engine.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
+from engine.model_config import HybridModelConfig
+from engine.shard_layout import RankShardLayout, width
+from engine.tensor_parallel import ShardedModule, TensorParallel, TensorShard, scaled
+
+# The chunk length of the reference's chunked scan (fla-core's kernels use 64 too).
+SCAN_CHUNK = 64
+
+
+class HeadGatedRMSNorm(nn.Module):
+    """weight * norm(y) * silu(gate) over each value head's channels; the weight (d_v,) is
+    shared by every head, so every rank holds it whole (norm_reference.rms_norm_then_gate)."""
+
+    def __init__(self, head_dim: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(head_dim, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, y: torch.Tensor, gate: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """y, gate (T, H, d_v) -> (T, H * d_v) in out_dtype."""
+        return rms_norm_then_gate(y, gate, self.weight, self.eps, out_dtype).flatten(1)
+
+
+class GatedDeltaNet(ShardedModule):
+    """in_proj_qkvz -> q, k, v, z; in_proj_ba -> b, a; [q | k | v] -> causal conv + silu;
+    q, k L2-normalised and expanded to the value heads; decay g = -exp(A_log) * softplus(a +
+    dt_bias), beta = sigmoid(b); the gated delta rule (engine/kernels/gated_delta_rule_reference.py)
+    over the per-head d_k x d_v state, scale d_k^-0.5; y -> weight * norm(y) * silu(z) per head
+    -> out_proj.
+
+    Checkpoint layout (transformers' Qwen3NextGatedDeltaNet): in_proj_qkvz's rows are grouped
+    by key head, each group [q (d_k) | k (d_k) | v (r d_v) | z (r d_v)] with r = value heads per
+    key head; in_proj_ba's likewise [b (r) | a (r)]; the conv's channels are [q (all key heads)
+    | k | v (all value heads)], without bias.
+
+    Shapes: T tokens, Hk key heads, Hv value heads, dk, dv head dims, C = 2 Hk dk + Hv dv conv
+    channels; all of them this rank's. A_log and dt_bias are kept in fp32.
+
+    Tensor parallel: this rank holds key heads layout.linear_key_heads and their value heads
+    layout.linear_value_heads: their row groups of the column-parallel projections, their conv
+    channels, A_log and dt_bias, and their columns of the row-parallel out_proj; the norm's
+    weight whole. Its state slots hold only its heads.
+    """
+
+    def __init__(
+        self, config: HybridModelConfig, layout: RankShardLayout, tp: TensorParallel,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        key_heads, value_heads = layout.linear_key_heads, layout.linear_value_heads
+        self.num_key_heads, self.num_value_heads = width(key_heads), width(value_heads)
+        self.key_head_dim = dk = config.linear_key_head_dim
+        self.value_head_dim = dv = config.linear_value_head_dim
+        self.heads_per_key = r = config.linear_num_value_heads // config.linear_num_key_heads
+        self.key_dim = self.num_key_heads * dk
+        self.value_dim = self.num_value_heads * dv
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.scale = dk ** -0.5
+        full_key_dim, full_value_dim = config.linear_key_dim, config.linear_value_dim
+        hidden = config.hidden_size
+        group = 2 * dk + 2 * r * dv  # one key head's rows of in_proj_qkvz
+        self.in_proj_qkvz = ColumnParallelLinear(
+            hidden, config.linear_num_key_heads * group, (scaled(key_heads, group),), False, dtype
+        )
+        self.in_proj_ba = ColumnParallelLinear(
+            hidden, config.linear_num_key_heads * 2 * r, (scaled(key_heads, 2 * r),), False, dtype
+        )
+        conv_channels = (
+            scaled(key_heads, dk), scaled(key_heads, dk, full_key_dim),
+            scaled(value_heads, dv, 2 * full_key_dim),
+        )
+        self.conv1d = DepthwiseConv1dWeights(
+            2 * full_key_dim + full_value_dim, conv_channels, config.linear_conv_kernel_dim,
+            bias=False, dtype=dtype,
+        )
+        self.dt_bias = nn.Parameter(torch.empty(self.num_value_heads, dtype=torch.float32))
+        self.A_log = nn.Parameter(torch.empty(self.num_value_heads, dtype=torch.float32))
+        for name in ("dt_bias", "A_log"):
+            self.checkpoint_shards[name] = TensorShard((config.linear_num_value_heads,), 0, (value_heads,))
+        self.norm = HeadGatedRMSNorm(dv, config.rms_norm_eps, dtype)
+        self.out_proj = RowParallelLinear(
+            full_value_dim, hidden, (scaled(value_heads, dv),), False, dtype, tp
+        )
+
+    def project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """hidden (T, D) -> qkv (T, C) pre-conv in the conv's channel order, z (T, Hv, dv),
+        b and a (T, Hv)."""
+        T, Hk, r = hidden.shape[0], self.num_key_heads, self.heads_per_key
+        dk, dv = self.key_head_dim, self.value_head_dim
+        qkvz = self.in_proj_qkvz(hidden).view(T, Hk, 2 * dk + 2 * r * dv)
+        q, k, v, z = qkvz.split([dk, dk, r * dv, r * dv], dim=-1)  # per key head
+        ba = self.in_proj_ba(hidden).view(T, Hk, 2 * r)
+        b, a = ba.split([r, r], dim=-1)
+        qkv = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], dim=-1)
+        return (qkv, z.reshape(T, self.num_value_heads, dv), b.reshape(T, self.num_value_heads),
+                a.reshape(T, self.num_value_heads))
+
+    def rule_inputs(
+        self, qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor,  # (n, C) post-conv, (n, Hv) x2
+    ) -> tuple[torch.Tensor, ...]:
+        """The gated delta rule's inputs: q, k (n, Hv, dk) L2-normalised fp32 and expanded to
+        the value heads, v (n, Hv, dv), g (n, Hv) fp32 log decay, beta (n, Hv) fp32."""
+        n = qkv.shape[0]
+        q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        expand = lambda t: l2_normalize(t.reshape(n, self.num_key_heads, self.key_head_dim)).repeat_interleave(  # noqa: E731
+            self.heads_per_key, dim=1)
+        g = -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias.float())
+        return expand(q), expand(k), v.reshape(n, self.num_value_heads, self.value_head_dim), g, b.float().sigmoid()
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # (T, D)
+        batch: ForwardBatch,
+        conv_state: torch.Tensor,  # (num_slots, C, K-1), chunk slots updated in place
+        recurrent_state: torch.Tensor,  # (num_slots, Hv, dk, dv) fp32, chunk slots updated in place
+        gpu_plan: GpuBatchPlan | None = None,
+    ) -> torch.Tensor:
+        """(T, D) -> (T, D). Each chunk continues from its state slot (or from zeros if
+        reset_state) and leaves the state after its last token in the same slot.
+
+        gpu_plan: given on CUDA; the conv and the rule then run over every chunk at once
+        (mix_chunks_gpu); None: per chunk in PyTorch, the one-token chunks batched into one step."""
+        T = hidden.shape[0]
+        qkv, z, b, a = self.project(hidden)
+        if gpu_plan is not None:
+            y = self.mix_chunks_gpu(qkv, b, a, conv_state, recurrent_state, gpu_plan)
+            return self.out_proj(self.norm(y.to(hidden.dtype), z, hidden.dtype))
+        y = hidden.new_empty(T, self.num_value_heads, self.value_head_dim, dtype=torch.float32)
+        decode_rows, decode_slots, decode_resets = [], [], []
+        for chunk, start, end in zip(batch.chunks, batch.cu_seqlens[:-1], batch.cu_seqlens[1:]):
+            if end - start == 1:
+                decode_rows.append(start)
+                decode_slots.append(chunk.state_slot)
+                decode_resets.append(chunk.reset_state)
+                continue
+            slot = chunk.state_slot
+            conv_in = torch.zeros_like(conv_state[slot]) if chunk.reset_state else conv_state[slot]
+            rec_in = torch.zeros_like(recurrent_state[slot]) if chunk.reset_state else recurrent_state[slot]
+            y[start:end], conv_out, rec_out = self.mix_sequence(
+                qkv[start:end], b[start:end], a[start:end], conv_in, rec_in
+            )
+            conv_state[slot].copy_(conv_out)
+            recurrent_state[slot].copy_(rec_out)
+        if decode_rows:
+            rows = torch.tensor(decode_rows, device=hidden.device)
+            slots = torch.tensor(decode_slots, device=hidden.device)
+            keep = ~torch.tensor(decode_resets, device=hidden.device)  # a reset slot may hold NaN
+            conv_in = torch.where(keep[:, None, None], conv_state.index_select(0, slots), 0.0)
+            rec_in = torch.where(keep[:, None, None, None], recurrent_state.index_select(0, slots), 0.0)
+            y[rows], conv_out, rec_out = self.mix_decode(qkv[rows], b[rows], a[rows], conv_in, rec_in)
+            conv_state.index_copy_(0, slots, conv_out.to(conv_state.dtype))
+            recurrent_state.index_copy_(0, slots, rec_out)
+        # the rule's output in the model dtype before the norm, as transformers rounds it
+        return self.out_proj(self.norm(y.to(hidden.dtype), z, hidden.dtype))
+
+    def mix_sequence(
+        self,
+        qkv: torch.Tensor,  # (n, C), pre-conv
+        b: torch.Tensor,  # (n, Hv)
+        a: torch.Tensor,  # (n, Hv)
+        conv_state: torch.Tensor,  # (C, K-1), not modified
+        recurrent_state: torch.Tensor,  # (Hv, dk, dv) fp32, not modified
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One request's tokens: (y (n, Hv, dv) fp32, new conv state, new recurrent state)."""
+        weight = self.conv1d.weight[:, 0, :]  # (C, K)
+        qkv, new_conv_state = causal_conv1d(qkv, conv_state, weight, None, apply_silu=True)
+        q, k, v, g, beta = self.rule_inputs(qkv, b, a)
+        y, new_state = chunk_gated_delta_rule(q, k, v, g, beta, recurrent_state, self.scale, SCAN_CHUNK)
+        return y, new_conv_state, new_state
+
+    def mix_decode(
+        self,
+        qkv: torch.Tensor,  # (S, C), one pre-conv token per sequence
+        b: torch.Tensor,  # (S, Hv)
+        a: torch.Tensor,  # (S, Hv)
+        conv_state: torch.Tensor,  # (S, C, K-1), not modified
+        recurrent_state: torch.Tensor,  # (S, Hv, dk, dv) fp32, not modified
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One token of each of S requests: (y (S, Hv, dv) fp32, new conv states (S, C, K-1),
+        new recurrent states (S, Hv, dk, dv))."""
+        weight = self.conv1d.weight[:, 0, :]  # (C, K)
+        qkv, new_conv_state = causal_conv1d_step(qkv, conv_state, weight, None, apply_silu=True)
+        q, k, v, g, beta = self.rule_inputs(qkv, b, a)
+        y, new_state = gated_delta_rule_step(q, k, v, g, beta, recurrent_state, self.scale)
+        return y, new_conv_state, new_state
+
+    def mix_chunks_gpu(
+        self,
+        qkv: torch.Tensor,  # (T, C), pre-conv
+        b: torch.Tensor,  # (T, Hv)
+        a: torch.Tensor,  # (T, Hv)
+        conv_state: torch.Tensor,  # (num_slots, C, K-1), chunk slots updated in place
+        recurrent_state: torch.Tensor,  # (num_slots, Hv, dk, dv) fp32, chunk slots updated in place
+        plan: GpuBatchPlan,
+    ) -> torch.Tensor:
+        """Every chunk at once on CUDA: the engine's varlen causal conv (engine/kernels/gpu/
+        conv.py, two launches), then fla-core's recurrent kernel for the one-token chunks and
+        its chunked kernel for the rest (engine/kernels/gpu/gated_delta_rule.py), each between
+        a gather and a scatter of the chunks' state slots. Returns y (T, Hv, dv) in the model
+        dtype. In-pass captures are not supported (the model refuses such plans)."""
+        from engine.kernels.gpu.conv import causal_conv1d_varlen
+        from engine.kernels.gpu.gated_delta_rule import gated_delta_rule_decode, gated_delta_rule_prefill
+
+        T = qkv.shape[0]
+        qkv = causal_conv1d_varlen(
+            qkv, conv_state, self.conv1d.weight[:, 0, :], None, plan.cu_seqlens, plan.chunk_slot,
+            plan.chunk_reset, plan.token_chunk, apply_silu=True,
+        )
+        q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(T, self.num_key_heads, self.key_head_dim)
+        k = k.reshape(T, self.num_key_heads, self.key_head_dim)
+        v = v.reshape(T, self.num_value_heads, self.value_head_dim)
+        g = -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias.float())  # (T, Hv)
+        beta = b.float().sigmoid()  # (T, Hv)
+        # rows no kernel writes (a graph's padding) must hold finite values: zeros there
+        y = torch.zeros_like(v)
+        if plan.num_decode:
+            rows = plan.decode_rows
+            y[rows] = gated_delta_rule_decode(
+                q[rows], k[rows], v[rows], g[rows], beta[rows], self.scale, recurrent_state,
+                plan.decode_slots, plan.decode_reset,
+            )
+        if plan.num_prefill:
+            rows = plan.prefill_rows  # None: every row is a prefill row, in order
+            pick = (lambda t: t) if rows is None else (lambda t: t.index_select(0, rows))  # noqa: E731
+            y_prefill = gated_delta_rule_prefill(
+                pick(q), pick(k), pick(v), pick(g), pick(beta), self.scale, recurrent_state,
+                plan.prefill_slots, plan.prefill_reset, plan.prefill_cu_seqlens, plan.prefill_valid,
+            )
+            if rows is None:
+                y = y_prefill
+            else:
+                y.index_copy_(0, rows, y_prefill)
+        return y
