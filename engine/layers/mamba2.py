@@ -10,9 +10,14 @@ from engine.forward_batch import ForwardBatch
 from engine.kernels.gpu.batch_plan import GpuBatchPlan
 from engine.kernels.conv_reference import causal_conv1d, causal_conv1d_step
 from engine.kernels.ssd_reference import ssd_chunk_scan, ssd_step_batched
-from engine.layers.norm import GroupParallelGatedRMSNorm
+from engine.layers.norm import GroupParallelGatedRMSNorm, with_head_skip
 from engine.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
-from engine.model_config import HybridModelConfig
+from engine.model_config import (
+    MAMBA_GATE_ONLY,
+    MAMBA_NORM_FIRST,
+    MAMBA_NORM_GATE_FIRST,
+    HybridModelConfig,
+)
 from engine.shard_layout import RankShardLayout, width
 from engine.tensor_parallel import IndexRange, ShardedModule, TensorParallel, TensorShard, scaled
 
@@ -44,6 +49,13 @@ class Mamba2Mixer(ShardedModule):
     the gated norm (inside its kernel; in PyTorch when a norm group is split across ranks), not
     by the scan. A one-row decode step folds the gated norm into the decode kernel and
     out_proj's GEMM instead (mix_row_folded_gpu).
+
+    Options from the config (Falcon-H1; defaults give Mamba2's mixer): in_proj's output scaled
+    per section [z | x | B | C | dt] (mamba_projection_multipliers: five scalars, so each rank
+    scales its own rows of each section, sharded with them); the norm's form
+    (mamba_gated_norm: gate first, norm first, or the gate alone without a norm module; the
+    last two run their elementwise part in PyTorch on CUDA too and never fold); out_proj's
+    bias apart from in_proj's (mamba_out_proj_bias).
 
     Shapes: T tokens, H heads, P head dim, G groups, N state size, I = H * P; all of them
     this rank's (see below), so its state slots hold only its heads and channels.
@@ -95,15 +107,44 @@ class Mamba2Mixer(ShardedModule):
         self.D = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32))
         for name in ("dt_bias", "A_log", "D"):
             self.checkpoint_shards[name] = TensorShard((config.mamba_n_heads,), 0, (heads,))
-        self.norm = GroupParallelGatedRMSNorm(
-            full_I,
-            group_size=full_I // full_G,
-            channels=scaled(heads, P),
-            eps=config.rms_norm_eps,
-            tp=tp,
-            dtype=dtype,
+        if config.mamba_gated_norm not in (MAMBA_NORM_GATE_FIRST, MAMBA_NORM_FIRST, MAMBA_GATE_ONLY):
+            raise ValueError(f"mamba_gated_norm {config.mamba_gated_norm!r} is not a known form")
+        self.norm: GroupParallelGatedRMSNorm | None = None
+        if config.mamba_gated_norm != MAMBA_GATE_ONLY:
+            self.norm = GroupParallelGatedRMSNorm(
+                full_I,
+                group_size=full_I // full_G,
+                channels=scaled(heads, P),
+                eps=config.rms_norm_eps,
+                tp=tp,
+                dtype=dtype,
+                norm_first=config.mamba_gated_norm == MAMBA_NORM_FIRST,
+            )
+        # [z | x | B | C | dt] widths of this rank's in_proj output, and their multipliers
+        self.projection_sections = (
+            self.intermediate_size, self.intermediate_size, self.num_groups * N,
+            self.num_groups * N, self.num_heads,
         )
-        self.out_proj = RowParallelLinear(full_I, hidden, (scaled(heads, P),), bias, dtype, tp)
+        self.projection_multipliers = tuple(float(m) for m in config.mamba_projection_multipliers)
+        out_bias = bias if config.mamba_out_proj_bias is None else config.mamba_out_proj_bias
+        self.out_proj = RowParallelLinear(full_I, hidden, (scaled(heads, P),), out_bias, dtype, tp)
+
+    def scale_projection(self, projected: torch.Tensor) -> torch.Tensor:
+        """in_proj's output (T, 2I + 2GN + H) with each section scaled by its multiplier, in
+        place (no-op when all are 1): scalars only, so CUDA graphs capture it."""
+        start = 0
+        for width_, multiplier in zip(self.projection_sections, self.projection_multipliers):
+            if multiplier != 1.0:
+                projected[:, start : start + width_].mul_(multiplier)
+            start += width_
+        return projected
+
+    def gate_and_norm(self, y: torch.Tensor, gate: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """The configured norm of y (T, I) (the D skip included) with the gate z (T, I), in
+        PyTorch: the gated norm's forward, or y * silu(z) in fp32 without a norm. (T, I) out_dtype."""
+        if self.norm is not None:
+            return self.norm(y, gate, out_dtype=out_dtype)
+        return (y.float() * F.silu(gate.float())).to(out_dtype)
 
     def forward(
         self,
@@ -123,7 +164,7 @@ class Mamba2Mixer(ShardedModule):
         layer's (conv (Sc, C, K-1), ssm (Sc, H, P, N)) outputs for the states at the in-pass
         capture positions."""
         num_tokens = hidden.shape[0]
-        projected = self.in_proj(hidden)
+        projected = self.scale_projection(self.in_proj(hidden))
         gate, xBC, dt_raw = projected.split(
             [self.intermediate_size, self.conv_dim, self.num_heads], dim=-1
         )
@@ -131,9 +172,11 @@ class Mamba2Mixer(ShardedModule):
             if gpu_plan.folded_gated_norm:
                 return self.mix_row_folded_gpu(gate, xBC, dt_raw, conv_state, ssm_state, gpu_plan)
             y, x = self.mix_batch_gpu(xBC, dt_raw, conv_state, ssm_state, gpu_plan, captures)
-            normed = self.norm.forward_gpu(
-                y.view(num_tokens, self.intermediate_size), gate, hidden.dtype, skip=(x, self.D)
-            )
+            y = y.view(num_tokens, self.intermediate_size)
+            if self.norm is None or self.norm.norm_first:
+                normed = self.gate_and_norm(with_head_skip(y, x, self.D), gate, hidden.dtype)
+            else:
+                normed = self.norm.forward_gpu(y, gate, hidden.dtype, skip=(x, self.D))
             return self.out_proj(normed)
         y = hidden.new_empty(num_tokens, self.num_heads, self.head_dim, dtype=torch.float32)
         decode_rows, decode_slots, decode_resets = [], [], []
@@ -167,7 +210,7 @@ class Mamba2Mixer(ShardedModule):
             y[rows] = y_rows
             conv_state.index_copy_(0, slots, conv_out)
             ssm_state.index_copy_(0, slots, ssm_out)
-        normed = self.norm(y.view(num_tokens, self.intermediate_size), gate, out_dtype=hidden.dtype)
+        normed = self.gate_and_norm(y.view(num_tokens, self.intermediate_size), gate, hidden.dtype)
         return self.out_proj(normed)
 
     def mix_sequence(
@@ -274,6 +317,8 @@ class Mamba2Mixer(ShardedModule):
         are loaded: the forward routes ask once (HybridModel.folds_gated_norm, engine/models/registry.py) and
         the step's plan carries the choice (GpuBatchPlan.folded_gated_norm)."""
         weight = self.out_proj.weight
+        if self.norm is None or self.norm.norm_first:
+            return False
         if self.norm.group_size != self.intermediate_size or weight.dtype == torch.float16:
             return False
         return self.out_proj.supports_row_rms(weight.new_empty(1, self.intermediate_size))

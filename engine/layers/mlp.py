@@ -1,4 +1,5 @@
-"""The dense gated MLP after every GraniteMoeHybrid block ("shared_mlp" in checkpoints); and
+"""The dense gated MLP after every block: GraniteMoeHybrid's fused [gate | up] layout (GatedMLP,
+"shared_mlp" in checkpoints) and the Llama layout (SplitGatedMLP; Bamba, Falcon-H1); and
 Nemotron-H's non-gated squared-ReLU MLP block (SquaredReluMLP)."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from torch import nn
 from engine.kernels.norm_reference import silu_and_mul
 from engine.kernels.relu_squared_reference import relu_squared
 from engine.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
+from engine.model_config import MLP_FUSED, MLP_SPLIT, HybridModelConfig
 from engine.tensor_parallel import IndexRange, TensorParallel
 
 
@@ -50,6 +52,48 @@ class GatedMLP(nn.Module):
         from engine.kernels.gpu.activation import silu_and_mul as silu_and_mul_gpu
 
         return self.output_linear(silu_and_mul_gpu(gate_up), reduce)
+
+
+class SplitGatedMLP(nn.Module):
+    """down_proj(silu(gate_proj(x) * gate_multiplier) * up_proj(x)): the Llama layout (Bamba,
+    Falcon-H1; checkpoint names gate_proj, up_proj, down_proj), biases on all three when `bias`.
+    gate_multiplier is Falcon-H1's (1.0 elsewhere); a multiplier on the output belongs to the
+    decoder layer (its residual multiplier), not to this module.
+
+    Tensor parallel: as GatedMLP, each rank holds intermediate channels `channels` of gate_proj
+    and up_proj (column-parallel) and the matching columns of down_proj (row-parallel, one
+    all-reduce; its bias replicated and added once).
+    """
+
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, channels: IndexRange,
+        tp: TensorParallel, dtype: torch.dtype, bias: bool = False, gate_multiplier: float = 1.0,
+    ) -> None:
+        super().__init__()
+        self.gate_multiplier = gate_multiplier
+        self.gate_proj = ColumnParallelLinear(hidden_size, intermediate_size, (channels,), bias, dtype)
+        self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, (channels,), bias, dtype)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, (channels,), bias, dtype, tp)
+
+    def gate_up(self, x: torch.Tensor) -> torch.Tensor:
+        """(T, D) -> [gate * gate_multiplier | up] (T, 2 I_local), GatedMLP's input_linear layout."""
+        gate = self.gate_proj(x)
+        if self.gate_multiplier != 1.0:
+            gate = gate * self.gate_multiplier
+        return torch.cat([gate, self.up_proj(x)], dim=-1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, D) -> (T, D)
+        return self.down_proj(silu_and_mul(self.gate_up(x)))
+
+    def forward_gpu(self, x: torch.Tensor) -> torch.Tensor:  # (T, D) -> (T, D)
+        """forward on CUDA tensors, with GatedMLP.forward_gpu's activation: inside down_proj's
+        single-row GEMM where it takes the [gate | up] row, else one Triton launch."""
+        gate_up = self.gate_up(x)  # (T, 2 I_local)
+        if self.down_proj.supports_gated(gate_up):
+            return self.down_proj.forward_gated(gate_up)
+        from engine.kernels.gpu.activation import silu_and_mul as silu_and_mul_gpu
+
+        return self.down_proj(silu_and_mul_gpu(gate_up))
 
 
 class SquaredReluMLP(nn.Module):

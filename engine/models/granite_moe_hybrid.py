@@ -29,7 +29,7 @@ from engine.forward_batch import ForwardBatch, ModelCaches
 from engine.kernels.gpu.batch_plan import GpuBatchPlan
 from engine.layers.attention import PagedAttention
 from engine.layers.mamba2 import Mamba2Mixer
-from engine.layers.mlp import GatedMLP
+from engine.layers.mlp import dense_mlp
 from engine.layers.norm import RMSNorm
 from engine.layers.routed_experts import RoutedExperts, Routing, RoutingRule
 from engine.layers.rotary import RotaryEmbedding
@@ -177,9 +177,7 @@ class DecoderLayer(nn.Module):
             self.self_attn = PagedAttention(config, layout, tp, dtype)
         else:
             self.mamba = Mamba2Mixer(config, layout, tp, dtype)
-        self.shared_mlp = GatedMLP(
-            config.hidden_size, config.shared_intermediate_size, layout.mlp_channels, tp, dtype
-        )
+        self.shared_mlp = dense_mlp(config, layout.mlp_channels, tp, dtype)  # config.mlp_layout
         self.tp = tp
         self.block_sparse_moe: RoutedExperts | None = None
         if config.num_local_experts > 0:
@@ -205,7 +203,6 @@ class DecoderLayer(nn.Module):
             + self.shared_mlp.forward_gpu(x, reduce=False)
         )
         return self.tp.all_reduce(partial)
-
 
     def forward(
         self,
@@ -264,7 +261,12 @@ class GraniteMoeHybridModel(nn.Module):
 
     With tie_word_embeddings the LM head is embed_tokens.weight and there is no lm_head module.
     tp: the rank this model is built for; None means TensorParallel.single() (unsharded).
+    decoder_layer: the layer class, built as (config, layer_index, layout, tp, dtype) and run
+    through forward / forward_gpu as DecoderLayer's; a family whose layers differ (Falcon-H1)
+    subclasses the model and names its own.
     """
+
+    decoder_layer: type[nn.Module] = DecoderLayer
 
     def __init__(
         self, config: HybridModelConfig, dtype: torch.dtype = torch.float32,
@@ -279,7 +281,7 @@ class GraniteMoeHybridModel(nn.Module):
             config.vocab_size, config.hidden_size, self.layout, self.tp, dtype
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, self.layout, self.tp, dtype)
+            self.decoder_layer(config, i, self.layout, self.tp, dtype)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
@@ -289,7 +291,8 @@ class GraniteMoeHybridModel(nn.Module):
                 config.vocab_size, config.hidden_size, self.layout, dtype
             )
         self.rotary = (
-            RotaryEmbedding(config.head_dim, config.rope_theta) if config.rope_theta is not None else None
+            RotaryEmbedding(config.head_dim, config.rope_theta, config.rotary_dim)
+            if config.rope_theta is not None else None
         )
 
     def forward(

@@ -19,6 +19,7 @@ import torch
 
 from engine.forward_batch import ForwardBatch, ModelCaches
 from engine.model_config import HybridModelConfig
+from engine.models import bamba, falcon_h1
 from engine.models import granite_moe_hybrid
 from engine.models import nemotron_h
 from engine.tensor_parallel import TensorParallel, TensorShard
@@ -68,6 +69,18 @@ FAMILIES: dict[str, ModelFamily] = {
             model_type=granite_moe_hybrid.MODEL_TYPE,
             parse_config=granite_moe_hybrid.parse_config,
             build_model=granite_moe_hybrid.GraniteMoeHybridModel,
+        ),
+        ModelFamily(
+            model_type=bamba.MODEL_TYPE,
+            parse_config=bamba.parse_config,
+            build_model=bamba.BambaModel,
+            parameter_name=bamba.parameter_name,
+        ),
+        ModelFamily(
+            model_type=falcon_h1.MODEL_TYPE,
+            parse_config=falcon_h1.parse_config,
+            build_model=falcon_h1.FalconH1Model,
+            parameter_name=bamba.parameter_name,  # Falcon-H1 names its tensors as Bamba does
         ),
         ModelFamily(
             model_type=nemotron_h.MODEL_TYPE,
