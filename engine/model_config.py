@@ -18,11 +18,13 @@ MAMBA = "mamba"
 ATTENTION = "attention"
 # A block whose mixer is an MLP (Nemotron-H's "-"): no KV, no recurrent state.
 MLP = "mlp"
-# Attention and Mamba2 side by side in one layer (Falcon-H1): it owns a KV slot and a state slot.
-HYBRID = "hybrid"
 MLP_FUSED, MLP_SPLIT = "fused", "split"  # HybridModelConfig.mlp_layout
 # HybridModelConfig.mamba_gated_norm: the forms of the norm between the SSD scan and out_proj.
 MAMBA_NORM_GATE_FIRST, MAMBA_NORM_FIRST, MAMBA_GATE_ONLY = "gate_first", "norm_first", "gate_only"
+GATED_DELTA_NET = "gated_delta_net"  # Qwen3-Next's linear attention (engine/layers/gated_delta_net.py)
+# Attention and Mamba2 side by side in one layer (Falcon-H1): it owns a KV slot and a state slot.
+HYBRID = "hybrid"
+RECURRENT_KINDS = (MAMBA, GATED_DELTA_NET, HYBRID)  # layers whose per-request state lives in a state slot
 
 _LAYER_TYPE_SPELLINGS = {
     "mamba": MAMBA,
@@ -38,7 +40,7 @@ class HybridModelConfig:
     """A hybrid model: Mamba2 and attention layers, each followed by a gated MLP.
 
     model_type: the config.json model_type of the family that parsed it (engine/models/registry.py).
-    layer_types[i] is "mamba" or "attention".
+    layer_types[i] is "mamba", "attention" or "gated_delta_net" (engine/layers/gated_delta_net.py).
     rope_theta: None means no positional embedding in attention (NoPE).
     attention_multiplier is the attention softmax scale (it replaces 1/sqrt(head_dim)).
     logits are lm_head(hidden) / logits_scaling.
@@ -80,13 +82,28 @@ class HybridModelConfig:
     eos_token_ids: tuple[int, ...]
     pad_token_id: int | None
     dtype: str
+    # Gated delta-net layers (GATED_DELTA_NET, Qwen3-Next): key heads (q and k), value heads
+    # (v, the gate z, beta and the decay), their head dims and the causal conv's width.
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
+    # Attention options (Qwen3-Next): q_proj also yields a per-head output gate (output *
+    # sigmoid(gate) before o_proj); q and k RMS-normed over head_dim before RoPE; RoPE on the
+    # first rotary_dim = int(head_dim * partial_rotary_factor) channels of a head only.
+    attention_output_gate: bool = False
+    qk_norm: bool = False
+    partial_rotary_factor: float = 1.0
+    # RMSNorm weights stored zero-centred: the scale is (1 + weight), computed in fp32.
+    zero_centered_norm: bool = False
+    # Multi-token prediction layers whose weights (mtp.*) the checkpoint carries.
+    num_mtp_layers: int = 0
     # Routed experts after each block (engine/layers/routed_experts.py): 0 means dense (the
     # shared MLP only). Each expert is a gated MLP of intermediate_size channels; each token
     # goes to num_experts_per_tok of them.
     num_local_experts: int = 0
     num_experts_per_tok: int = 0
-    # RoPE on the first rotary_dim = int(head_dim * partial_rotary_factor) channels of a head.
-    partial_rotary_factor: float = 1.0
     # The dense MLP's weight layout: MLP_FUSED (input_linear = [gate | up], output_linear;
     # GraniteMoeHybrid) or MLP_SPLIT (Llama's gate_proj, up_proj, down_proj; Bamba, Falcon-H1),
     # which may have biases on all three and gate_proj's output scaled by mlp_gate_multiplier.
@@ -114,12 +131,36 @@ class HybridModelConfig:
         return int(self.head_dim * self.partial_rotary_factor)
 
     @property
+    def linear_key_dim(self) -> int:
+        """Width of a gated delta-net's q (and of its k): key heads * key head dim."""
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_dim(self) -> int:
+        """Width of a gated delta-net's v (and of its gate z): value heads * value head dim."""
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
     def attention_layers(self) -> list[int]:
         return [i for i, kind in enumerate(self.layer_types) if kind in (ATTENTION, HYBRID)]
 
     @property
     def mamba_layers(self) -> list[int]:
         return [i for i, kind in enumerate(self.layer_types) if kind in (MAMBA, HYBRID)]
+
+    @property
+    def recurrent_layers(self) -> list[int]:
+        """Layers with a recurrent state slot (conv state + recurrent state): Mamba2 or gated
+        delta-net; a model holds one kind of them (its family refuses a mix)."""
+        return [i for i, kind in enumerate(self.layer_types) if kind in RECURRENT_KINDS]
+
+    @property
+    def recurrent_kind(self) -> str | None:
+        """The kind of the recurrent layers (MAMBA or GATED_DELTA_NET); None without any."""
+        kinds = {MAMBA if self.layer_types[i] == HYBRID else self.layer_types[i] for i in self.recurrent_layers}
+        if len(kinds) > 1:
+            raise ValueError(f"layer_types mixes recurrent kinds {sorted(kinds)}")
+        return kinds.pop() if kinds else None
 
     @property
     def mamba_intermediate_size(self) -> int:
@@ -146,19 +187,26 @@ def parse_eos_token_ids(raw: dict[str, Any]) -> tuple[int, ...]:
     return tuple(int(e) for e in eos) if isinstance(eos, list) else (int(eos),)
 
 
-def parse_layer_types(layer_types: list[str] | None, num_layers: int) -> tuple[str, ...]:
-    """mamba/attention (published checkpoints) or linear_attention/full_attention (transformers 5)."""
+def parse_layer_types(
+    layer_types: list[str] | None, num_layers: int, spellings: dict[str, str] | None = None,
+) -> tuple[str, ...]:
+    """mamba/attention (published checkpoints) or linear_attention/full_attention (transformers 5).
+
+    spellings: a family's own config spelling -> kind table (e.g. Qwen3-Next's
+    "linear_attention" is a gated delta-net); default GraniteMoeHybrid's, where it is Mamba2.
+    """
+    spellings = _LAYER_TYPE_SPELLINGS if spellings is None else spellings
     if layer_types is None:  # transformers' default: every layer is Mamba
         return (MAMBA,) * num_layers
     if len(layer_types) != num_layers:
         raise ValueError(f"layer_types has {len(layer_types)} entries, num_hidden_layers is {num_layers}")
-    unknown = sorted({t for t in layer_types if t not in _LAYER_TYPE_SPELLINGS}, key=str)
+    unknown = sorted({t for t in layer_types if t not in spellings}, key=str)
     if unknown:
         raise ValueError(
             f"layer_types holds unknown layer types {unknown}; "
-            f"expected one of {sorted(_LAYER_TYPE_SPELLINGS)}"
+            f"expected one of {sorted(spellings)}"
         )
-    return tuple(_LAYER_TYPE_SPELLINGS[t] for t in layer_types)
+    return tuple(spellings[t] for t in layer_types)
 
 
 def parse_rope_theta(raw: dict[str, Any]) -> float | None:

@@ -6,19 +6,30 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.kernels.norm_reference import gated_rms_norm, rms_norm
+from engine.kernels.norm_reference import gated_rms_norm, rms_norm, rms_norm_zero_centered
 from engine.tensor_parallel import IndexRange, ShardedModule, TensorParallel, TensorShard
 
 
 class RMSNorm(nn.Module):
-    """weight * x / rms(x), the normalisation computed in fp32 and cast back to x's dtype."""
+    """weight * x / rms(x), the normalisation computed in fp32 and cast back to x's dtype.
 
-    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype = torch.float32) -> None:
+    zero_centered: the stored weight is centred on zero (Qwen3-Next): the scale is
+    (1 + weight), and the whole product is computed in fp32 before the cast
+    (norm_reference.rms_norm_zero_centered). Normalises the last dimension, so it also takes
+    (T, H, D) per-head inputs (attention's q/k norms)."""
+
+    def __init__(
+        self, hidden_size: int, eps: float, dtype: torch.dtype = torch.float32,
+        zero_centered: bool = False,
+    ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
         self.eps = eps
+        self.zero_centered = zero_centered
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, D) -> (T, D)
+        if self.zero_centered:
+            return rms_norm_zero_centered(x, self.weight, self.eps)
         return rms_norm(x, self.weight, self.eps)
 
 
