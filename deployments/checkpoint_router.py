@@ -10,7 +10,14 @@ ingress replica, for `LLMServer.generate`). For each request this router:
    whose tokens are a prefix of the prompt,
 3. sends the request to the least loaded of those holders whose queue length (requests in
    flight there, probed for each request) is below `queue_threshold`,
-4. and otherwise leaves it to Serve's power-of-two choices (over the other replicas when every
+4. when no replica holds a prefix yet but the request has an instruction boundary, sends it
+   where this router sent the same instructions (namespace and tokens up to the boundary) in
+   the last PLACEMENT_TTL_S seconds, if that replica is below the threshold ("recent
+   placement"): the first requests of a new system prompt then meet on one replica, which
+   captures its checkpoint once, instead of each replica computing it before the index
+   hears of the first capture. The first of them goes to the less loaded of power-of-two's
+   pair, probed here, and is remembered;
+5. and otherwise leaves it to Serve's power-of-two choices (over the other replicas when every
    holder is at the threshold or above, "overloaded"): no holder, no token ids, a call that is not a generation (model
    info, pool usage), or no current mirror (index actor down).
 
@@ -22,7 +29,9 @@ miss there (the engine compares exact tokens), never a wrong answer.
 Unlike Ray Serve LLM's PrefixCacheAffinityRouter, which matches request text against a tree
 of text the router itself sent (a guess of what each replica caches, per router), this one
 matches the renderer's token ids against what each replica reports it actually holds, and
-every router of the application shares that one picture.
+every router of the application shares that one picture; the recent placements are the one
+guess it makes, per router, for the seconds before the index confirms a capture
+(benchmarks/cluster_routing.py compares both).
 
 Built on Ray 2.60's RequestRouter API (ray.serve.request_router); the power-of-two fallback
 calls Serve's PowerOfTwoChoicesRequestRouter.choose_replicas (ray.serve._private).
@@ -32,7 +41,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -46,7 +57,7 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
-from cache.shared_index import LookupResult
+from cache.shared_index import LookupResult, token_digest
 from deployments.checkpoint_index import get_index
 from deployments.index_mirror import ActorIndexSource, IndexMirror
 from deployments.metrics import RoutingMetrics
@@ -54,8 +65,43 @@ from engine.generation_request import GenerationRequest
 
 logger = logging.getLogger("ray.serve")
 
-Reason = Literal["holder", "no_holder", "overloaded", "no_tokens", "index_unavailable"]
+Reason = Literal["holder", "recent_placement", "no_holder", "overloaded", "no_tokens",
+                 "index_unavailable"]
 COUNTED_REQUEST_IDS = 4096  # requests remembered so a retried routing attempt is counted once
+# How long a placement stands in for the index: the capture, the replica's next report and the
+# mirror's next sync take about a second or two; beyond this the index knows, or it was evicted.
+PLACEMENT_TTL_S = 10.0
+MAX_PLACEMENTS = 4096
+
+
+class RecentPlacements:
+    """Where this router recently sent each set of instructions: digest of (namespace, the
+    prompt up to its instruction boundary) -> (replica id, when), at most MAX_PLACEMENTS,
+    each for PLACEMENT_TTL_S seconds. A guess: a wrong one costs a miss, never a wrong answer."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._placed: OrderedDict[bytes, tuple[str, float]] = OrderedDict()
+
+    @staticmethod
+    def key(namespace: tuple[str, str], request: GenerationRequest) -> bytes | None:
+        """The placement key of a request with an instruction boundary, else None."""
+        boundary = request.instruction_boundary
+        if not boundary:
+            return None
+        return token_digest(request.prompt_token_ids[:boundary]) + "\0".join(namespace).encode()
+
+    def get(self, key: bytes) -> str | None:
+        placed = self._placed.get(key)
+        if placed is None or self._clock() - placed[1] > PLACEMENT_TTL_S:
+            return None
+        return placed[0]
+
+    def record(self, key: bytes, replica_id: str) -> None:
+        self._placed[key] = (replica_id, self._clock())
+        self._placed.move_to_end(key)
+        while len(self._placed) > MAX_PLACEMENTS:
+            self._placed.popitem(last=False)
 
 
 @dataclass(frozen=True)
@@ -110,6 +156,7 @@ class CheckpointAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             return ActorIndexSource(await asyncio.to_thread(get_index, app))
 
         self._mirror = IndexMirror(connect)
+        self._placements = RecentPlacements()
         self._metrics = RoutingMetrics()
         self._counted: OrderedDict[str, None] = OrderedDict()
 
@@ -162,7 +209,30 @@ class CheckpointAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         queue_lens: dict[str, int | None] = {}
         if match is not None and match.replica_ids:
             queue_lens = await self._queue_lens([by_id[r] for r in match.replica_ids])
-        return choose_holders(match, queue_lens, self._queue_threshold)
+        choice = choose_holders(match, queue_lens, self._queue_threshold)
+        key = RecentPlacements.key(namespace, request)
+        if choice.reason != "no_holder" or key is None:
+            return choice
+        return await self._place(key, candidates, by_id) or choice
+
+    async def _place(self, key: bytes, candidates: list[RunningReplica],
+                     by_id: dict[str, RunningReplica]) -> HolderChoice | None:
+        """Instructions no replica holds yet: their recent placement if it is below the
+        threshold; else the less loaded of a fresh power-of-two pair, remembered. None: leave
+        it to power-of-two choices (nothing answered the probe)."""
+        placed = self._placements.get(key)
+        if placed is not None and placed in by_id:
+            queue_len = (await self._queue_lens([by_id[placed]])).get(placed)
+            if queue_len is not None and queue_len < self._queue_threshold:
+                return HolderChoice((placed,), "recent_placement")
+        (pair, *_) = await PowerOfTwoChoicesRequestRouter.choose_replicas(
+            self, candidate_replicas=candidates) or [[]]
+        lens = {r: n for r, n in (await self._queue_lens(pair)).items() if n is not None}
+        if not lens:
+            return None
+        chosen = min(lens, key=lambda r: (lens[r], r))
+        self._placements.record(key, chosen)
+        return HolderChoice((chosen,), "no_holder")
 
     async def _queue_lens(self, replicas: list[RunningReplica]) -> dict[str, int | None]:
         """Each holder's requests in flight, probed now (None when it does not answer in

@@ -152,8 +152,9 @@ ROUTED_TO_HOLDER = MetricSpec(
     "longest checkpoint.")
 ROUTING_FALLBACKS = MetricSpec(
     "hybrid_serve_routing_fallbacks", "counter",
-    "Generation requests the checkpoint-aware router left to power-of-two choices, by reason: "
-    "no_holder (no replica holds a prefix), overloaded (every holder at routing_queue_threshold "
+    "Generation requests the checkpoint-aware router did not send to a reported holder, by "
+    "reason: recent_placement (sent where it sent the same instructions seconds ago, before the "
+    "index heard of the capture), no_holder (no replica holds a prefix), overloaded (every holder at routing_queue_threshold "
     "or more), no_tokens (no prompt token ids), index_unavailable (no current index mirror).",
     ("reason",))
 INDEX_RECORDS = MetricSpec(
@@ -208,7 +209,8 @@ METRICS = (REQUESTS, OUTPUT_TOKENS, TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY, RE
            ROUTING_FALLBACKS, INDEX_RECORDS, INDEX_BYTES, INDEX_STORED_COPIES, INDEX_STORED_BYTES,
            TRANSFERS, TRANSFER_BYTES, IMPORT_REJECTIONS, TRANSFER_SECONDS, FETCH_DECISIONS,
            FETCH_FAILURES)
-ROUTING_FALLBACK_REASONS = ("no_holder", "overloaded", "no_tokens", "index_unavailable")
+ROUTING_FALLBACK_REASONS = ("recent_placement", "no_holder", "overloaded", "no_tokens",
+                            "index_unavailable")
 
 
 def exported_names() -> frozenset[str]:

@@ -13,7 +13,13 @@ import pytest
 
 from cache.shared_index import LookupResult, ReplicaReport, SharedIndex, token_digest
 from deployments.checkpoint_reporter import CheckpointReporter
-from deployments.checkpoint_router import HolderChoice, choose_holders, generation_request
+from deployments.checkpoint_router import (
+    PLACEMENT_TTL_S,
+    HolderChoice,
+    RecentPlacements,
+    choose_holders,
+    generation_request,
+)
 from deployments.index_mirror import IndexMirror
 from engine.checkpoint_events import CheckpointEvent
 from engine.generation_request import GenerationRequest
@@ -184,3 +190,35 @@ def test_generation_request_is_found_in_args_or_kwargs_and_nothing_else():
     assert generation_request(SimpleNamespace(args=["text"], kwargs={})) is None
     assert generation_request(SimpleNamespace(args=None, kwargs=None)) is None
     assert generation_request(None) is None
+
+
+def test_recent_placements_key_on_namespace_and_instructions_and_expire():
+    clock = SimpleNamespace(now=0.0)
+    placements = RecentPlacements(clock=lambda: clock.now)
+    user_a = GenerationRequest("a", SYSTEM + (5, 6), SamplingParams(), instruction_boundary=len(SYSTEM))
+    user_b = GenerationRequest("b", SYSTEM + (7, 8, 9), SamplingParams(), instruction_boundary=len(SYSTEM))
+    other_system = GenerationRequest("c", SYSTEM[:-1] + (1, 5, 6), SamplingParams(),
+                                     instruction_boundary=len(SYSTEM))
+    no_boundary = GenerationRequest("d", SYSTEM + (5, 6), SamplingParams())
+    assert RecentPlacements.key(NS, no_boundary) is None
+    key = RecentPlacements.key(NS, user_a)
+    assert key == RecentPlacements.key(NS, user_b)  # same instructions, other user message
+    assert key != RecentPlacements.key(NS, other_system)
+    assert key != RecentPlacements.key(("models/tiny", "salt"), user_a)
+    assert placements.get(key) is None
+    placements.record(key, "replica-2")
+    clock.now = PLACEMENT_TTL_S
+    assert placements.get(key) == "replica-2"
+    assert placements.get(RecentPlacements.key(NS, other_system)) is None
+    clock.now = PLACEMENT_TTL_S + 0.1
+    assert placements.get(key) is None
+
+
+def test_recent_placements_are_bounded_least_recent_first(monkeypatch):
+    monkeypatch.setattr("deployments.checkpoint_router.MAX_PLACEMENTS", 3)
+    placements = RecentPlacements(clock=lambda: 0.0)
+    for key in (b"k1", b"k2", b"k3"):
+        placements.record(key, key.decode())
+    placements.record(b"k1", "again")  # refreshed: now the most recent
+    placements.record(b"k4", "k4")
+    assert [placements.get(k) for k in (b"k1", b"k2", b"k3", b"k4")] == ["again", None, "k3", "k4"]
