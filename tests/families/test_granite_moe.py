@@ -179,7 +179,7 @@ def test_greedy_tokens_match_generate(case: Case):
 
 
 def test_checkpoints_give_from_scratch_outputs(engine_dir):
-    engine = LLMEngine(EngineConfig(model_dir=str(engine_dir), max_num_batched_tokens=40, max_num_seqs=8))
+    engine = LLMEngine(EngineConfig(model_dir=str(engine_dir), max_num_batched_tokens=128, max_num_seqs=8))
     assert engine.executor.model.config.num_local_experts == 8
 
     first, second, scratch = instruction_reuse(engine, "moe-instructions")
@@ -198,7 +198,7 @@ def test_checkpoints_give_from_scratch_outputs(engine_dir):
     assert again.tokens == once.tokens and len(once.tokens) == GREEDY.max_tokens
 
     tally = Tally()
-    run_workload(engine, seed=5, num_requests=16, tally=tally)
+    run_workload(engine, seed=5, num_requests=8, tally=tally)
     print(f"moe engine: workload requests={tally.requests} hits={tally.hits} "
           f"cached_tokens={tally.cached_tokens} near_ties={tally.near_ties}")
     assert tally.hits > 0
