@@ -79,6 +79,13 @@ def parse_config(raw: dict[str, Any]) -> HybridModelConfig:
             f"rope_parameters.partial_rotary_factor={rotary_factor}: Bamba rotates half of each "
             f"head ({_ROTARY_FACTOR})"
         )
+    # older configs also give the rotated width itself (Bamba-9B: 64 of head_dim 128)
+    rotary_width = raw.get("attn_rotary_emb")
+    if rotary_width is not None and rotary_width != int(head_dim * rotary_factor):
+        raise ValueError(
+            f"attn_rotary_emb={rotary_width}: Bamba rotates {int(head_dim * rotary_factor)} "
+            f"channels of head_dim {head_dim}"
+        )
     mamba_expand = raw.get("mamba_expand", 2)
     mamba_n_heads = raw.get("mamba_n_heads", 128)
     mamba_n_groups = raw.get("mamba_n_groups", 1)

@@ -166,6 +166,7 @@ def test_spellings():
         "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}))
     assert listed == config
     assert parse_model_config(_raw(attn_layer_indices=None)).layer_types == (MAMBA,) * 3
+    assert parse_model_config(_raw(attn_rotary_emb=8)) == config  # head_dim 16, half rotated
 
 
 @pytest.mark.parametrize("changes, key", [
@@ -173,6 +174,7 @@ def test_spellings():
     (dict(attn_layer_indices=[3]), "attn_layer_indices"),
     (dict(rope_parameters={"rope_type": "default", "partial_rotary_factor": 1.0}), "partial_rotary_factor"),
     (dict(rope_parameters={"rope_type": "yarn", "factor": 2.0}), "rope_type"),
+    (dict(attn_rotary_emb=16), "attn_rotary_emb"),
     (dict(mamba_d_head=12), "mamba_d_head"),
     (dict(mamba_n_groups=3), "mamba_n_groups"),
     (dict(num_key_value_heads=3), "num_key_value_heads"),

@@ -162,9 +162,10 @@ def test_repeat_runs_no_prefill(engine):
 
 
 def test_tp2_matches_tp1(tmp_path):
-    """The norm-before-gate case: its norm groups (2) split across the ranks with the heads."""
+    """The norm-before-gate case with one norm group, so the group spans both ranks (its sum
+    of squares all-reduced) and the one B/C group is held by both."""
     model_dir = tmp_path / "model"
-    save_reference(FalconH1Config, FalconH1ForCausalLM, CASES["norm_before_gate"], model_dir)
+    save_reference(FalconH1Config, FalconH1ForCausalLM, dict(CASES["norm_before_gate"], mamba_n_groups=1), model_dir)
     check_tp2_matches_tp1(model_dir, "falcon_h1", tmp_path / "tp2")
 
 
