@@ -21,6 +21,7 @@ import math
 import pytest
 from transformers import FalconH1Config, FalconH1ForCausalLM
 
+from engine.checkpoint_import_checks import expected_shard_layout
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model_config import (
@@ -30,6 +31,7 @@ from engine.model_config import (
     MAMBA_NORM_GATE_FIRST,
 )
 from engine.models.registry import parse_model_config
+from engine.tensor_parallel import TensorParallel
 from hf_reference_checks import (
     Case,
     check_batched,
@@ -103,7 +105,13 @@ def test_checkpoint_loads_as_parallel_hybrid_layers(case: Case):
     assert config.mamba_gated_norm == NORM_FORMS[case.name]
     caches = case.model.allocate_caches(4, 16, 2)
     assert set(caches.key_cache) == set(caches.conv_state) == {0, 1, 2}
-    assert case.model.kv_bytes_per_block(16) > 0 and case.model.state_bytes_per_slot() > 0
+    # every layer counted in both budgets and in the checkpoint shard shapes
+    (conv_dim, taps), (heads, head_dim, state) = case.model.mamba_state_shape()
+    assert case.model.state_bytes_per_slot() == 3 * 4 * (conv_dim * taps + heads * head_dim * state)
+    assert case.model.kv_bytes_per_block(16) == 3 * 2 * 16 * config.num_key_value_heads * config.head_dim * 4
+    layout = expected_shard_layout(config, TensorParallel.single(), "float32")
+    assert layout.conv_state[0] == layout.ssm_state[0] == layout.kv_row[0] == 3
+    assert caches.conv_stack.shape[0] == caches.kv_stack.shape[1] == 3
 
 
 def test_one_chunk_matches_reference(case: Case):
