@@ -135,13 +135,13 @@ def main() -> None:
         flags = engine_args(model_dir, args.quick)
         print(f"model ready ({time.perf_counter() - t0:.0f}s)", flush=True)
         base = parse_args(["compare-policies", "--in-process", *flags])
-        with engine_targets(list(POLICIES), in_process_config(base),
+        chosen_passes = [p for p in passes(args.quick, args.concurrency) if not args.only or p[0] in args.only]
+        needed = [p for p in POLICIES if any(p in policies for _, policies, _ in chosen_passes)]
+        with engine_targets(needed, in_process_config(base),
                             ttft_at_first_token=not args.quick) as (targets, configs):
             by_label = dict(zip((t.label for t in targets), zip(targets, configs)))
             print(f"engines started ({time.perf_counter() - t0:.0f}s)", flush=True)
-            for name, policies, workload_flags in passes(args.quick, args.concurrency):
-                if args.only and name not in args.only:
-                    continue
+            for name, policies, workload_flags in chosen_passes:
                 argv = ["compare-policies", "--in-process", *flags,
                         *([] if args.quick else ["--ttft-at-first-token"]), "--policies",
                         *[",".join(p) or "none" for p in policies], *workload_flags]
