@@ -5,6 +5,9 @@ parameter must be filled, with the exact shape; anything else is a ValueError na
 Loading shows a progress bar over the shard files' bytes (stderr) and logs the time it took.
 Loading one parameter happens in `load_parameter` only: under tensor parallelism it reads just
 the rank's shard of the checkpoint tensor (safetensors slices), so no rank holds the full model.
+A family whose checkpoints store stacked parameters in pieces (experts one by one) names them
+(ModelFamily.stacked_piece): each piece is written into its parameter by `load_piece`, and the
+parameter counts as loaded once its pieces cover it.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from tqdm import tqdm
 
 from engine.model_config import HybridModelConfig
 from engine.models.registry import HybridModel, load_model_config, model_family
-from engine.tensor_parallel import SliceSource, TensorParallel, TensorShard
+from engine.tensor_parallel import SliceSource, StackedPiece, TensorParallel, TensorShard
 
 _TIED_LM_HEAD = "lm_head.weight"
 
@@ -53,6 +56,8 @@ def load_model(
     expected = dict(model.named_parameters())
     shards = model.parameter_shards()
     loaded: set[str] = set()
+    pieces_seen: set[tuple[str, int, int]] = set()  # (parameter, index, offset)
+    filled: dict[str, int] = {}  # stacked parameter -> elements its pieces wrote so far
     started = time.monotonic()
     progress = tqdm(total=sum(file.stat().st_size for file in files), unit="B", unit_scale=True,
                     mininterval=1.0, desc=f"loading {model_dir.name} ({len(files)} shards)")
@@ -62,6 +67,19 @@ def load_model(
                 progress.update(_checkpoint_bytes(f.get_slice(checkpoint_name)))
                 if config.tie_word_embeddings and checkpoint_name == _TIED_LM_HEAD:
                     continue  # tied to embed_tokens.weight, as transformers does
+                piece = family.stacked_piece(checkpoint_name, config) if family.stacked_piece else None
+                if piece is not None:
+                    key = (piece.parameter, piece.index, piece.offset)
+                    if piece.parameter not in expected or key in pieces_seen:
+                        raise ValueError(f"{file.name}: unexpected or repeated tensor {checkpoint_name!r}")
+                    pieces_seen.add(key)
+                    filled[piece.parameter] = filled.get(piece.parameter, 0) + load_piece(
+                        checkpoint_name, piece, model, expected[piece.parameter],
+                        f.get_slice(checkpoint_name), shards[piece.parameter], device,
+                    )
+                    if filled[piece.parameter] == expected[piece.parameter].numel():
+                        loaded.add(piece.parameter)
+                    continue
                 name = family.parameter_name(checkpoint_name)
                 if name not in expected:
                     raise ValueError(f"{file.name}: unexpected tensor {checkpoint_name!r}")
@@ -118,6 +136,43 @@ def load_parameter(
             f"shape {tuple(target.shape)}"
         )
     return nn.Parameter(tensor.to(device=device, dtype=target.dtype), requires_grad=False)
+
+
+def load_piece(
+    checkpoint_name: str,
+    piece: StackedPiece,
+    model: nn.Module,
+    target: nn.Parameter,
+    source: SliceSource,
+    shard: TensorShard,
+    device: str | torch.device,
+) -> int:
+    """Write this rank's part of one piece of a stacked parameter (E, out, in) into it,
+    allocating the parameter (empty, target's shape and dtype) at its first piece; returns the
+    elements written. ValueError when the piece's shape or place does not fit the full
+    stacked tensor."""
+    full = _full_shape(source)
+    num_stacked, *matrix = shard.full_shape
+    other = 3 - piece.dim  # the dimension the piece covers whole
+    length = full[piece.dim - 1] if len(full) == 2 else -1
+    if (len(full) != 2 or full[other - 1] != matrix[other - 1] or not 0 <= piece.index < num_stacked
+            or piece.offset + length > matrix[piece.dim - 1]):
+        raise ValueError(
+            f"tensor {checkpoint_name!r} of shape {full} does not fit {piece.parameter} "
+            f"{tuple(shard.full_shape)} at index {piece.index}, offset {piece.offset}"
+        )
+    parameter = model.get_parameter(piece.parameter)
+    if parameter.is_meta:
+        parameter = nn.Parameter(torch.empty(target.shape, dtype=target.dtype, device=device),
+                                 requires_grad=False)
+        _set_parameter(model, piece.parameter, parameter)
+    written = 0
+    for (start, end), tensor in piece.cut(source, length, shard):
+        where = [piece.index, slice(None), slice(None)]
+        where[piece.dim] = slice(start, end)
+        parameter.data[tuple(where)] = tensor.to(device=device, dtype=target.dtype)
+        written += tensor.numel()
+    return written
 
 
 def _full_shape(source: SliceSource) -> tuple[int, ...]:

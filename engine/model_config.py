@@ -124,6 +124,9 @@ class HybridModelConfig:
     attention_out_multiplier: float = 1.0
     mamba_in_multiplier: float = 1.0
     mamba_out_multiplier: float = 1.0
+    # Routed experts' weights (Qwen3-Next: softmax over all experts, then the top k):
+    # renormalised to sum 1 over a token's k experts.
+    norm_topk_prob: bool = False
 
     @property
     def rotary_dim(self) -> int:

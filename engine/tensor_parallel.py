@@ -116,6 +116,37 @@ class TensorShard:
         return torch.cat(parts, dim=self.dim) if len(parts) != 1 else parts[0]
 
 
+@dataclass(frozen=True)
+class StackedPiece:
+    """A checkpoint tensor that is one part of a stacked parameter (E, out, in), as checkpoints
+    that store experts one by one hold them: the (out_p, in) or (out, in_p) matrix of stacked
+    index `index`, starting at `offset` along `dim` (1: rows, 2: columns) of the full stacked
+    tensor. engine/loader.py writes this rank's part of it (cut) into the parameter."""
+
+    parameter: str  # the model parameter's name
+    index: int
+    dim: int  # 1 or 2
+    offset: int
+
+    def cut(
+        self, source: SliceSource, length: int, shard: TensorShard
+    ) -> list[tuple[IndexRange, torch.Tensor]]:
+        """The parts of the piece (`length` along `dim`) that fall in the shard's ranges (along
+        the same dim): each (its [start, end) in the rank's parameter along dim, the slice of
+        `source` read for it)."""
+        if shard.dim != self.dim:
+            raise ValueError(f"{self.parameter}: a piece along dim {self.dim}, the shard along {shard.dim}")
+        lead = (slice(None),) * (self.dim - 1)  # the source has no stacked dimension
+        parts, local = [], 0
+        for start, end in shard.ranges:
+            low, high = max(start, self.offset), min(end, self.offset + length)
+            if low < high:
+                read = source[(*lead, slice(low - self.offset, high - self.offset))]
+                parts.append(((local + low - start, local + high - start), read))
+            local += end - start
+        return parts
+
+
 class ShardedModule(nn.Module):
     """A module some of whose parameters are shards of checkpoint tensors.
 

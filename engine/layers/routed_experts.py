@@ -4,7 +4,9 @@ checkpoints). A family's shared MLP (engine/layers/mlp.py) is not part of this l
 decoder layer adds it, summing both partial outputs before one all-reduce (below).
 
 Routing is one explicit choice, `RoutingRule`, read by `route()`:
-- TOP_K_THEN_SOFTMAX (GraniteMoe): the K largest router logits, softmax over those K only.
+- TOP_K_THEN_SOFTMAX (GraniteMoe): the K largest router logits, softmax over those K only;
+- SOFTMAX_THEN_TOP_K (Qwen3-Next): softmax over all E logits, then the K largest
+  probabilities, renormalised to sum 1 when Routing.renormalize (the config's norm_topk_prob).
 A variant is a new member and a branch in `route()`, not a new layer. Qwen3-Next's, for
 instance, is softmax over all E logits, then the K largest probabilities, renormalised to
 sum 1 when the config's norm_topk_prob is set (a `renormalize` field next to `top_k` in
@@ -48,14 +50,17 @@ class RoutingRule(enum.Enum):
     """How router logits become each token's experts and weights (module docstring)."""
 
     TOP_K_THEN_SOFTMAX = "top_k_then_softmax"
+    SOFTMAX_THEN_TOP_K = "softmax_then_top_k"
 
 
 @dataclass(frozen=True)
 class Routing:
-    """rule, and top_k: experts per token (1 <= top_k <= number of experts)."""
+    """rule, and top_k: experts per token (1 <= top_k <= number of experts); renormalize:
+    SOFTMAX_THEN_TOP_K's K weights divided by their sum (the other rule ignores it)."""
 
     rule: RoutingRule
     top_k: int
+    renormalize: bool = False
 
 
 def route(logits: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,6 +69,11 @@ def route(logits: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.T
     if routing.rule is RoutingRule.TOP_K_THEN_SOFTMAX:
         top_logits, expert_ids = logits.topk(routing.top_k, dim=-1)  # (T, K), (T, K)
         return expert_ids, torch.softmax(top_logits, dim=-1)
+    if routing.rule is RoutingRule.SOFTMAX_THEN_TOP_K:
+        weights, expert_ids = torch.softmax(logits, dim=-1).topk(routing.top_k, dim=-1)  # (T, K)
+        if routing.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return expert_ids, weights
     raise ValueError(f"unknown routing rule {routing.rule!r}")
 
 

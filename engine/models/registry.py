@@ -22,7 +22,8 @@ from engine.model_config import HybridModelConfig
 from engine.models import bamba, falcon_h1
 from engine.models import granite_moe_hybrid
 from engine.models import nemotron_h
-from engine.tensor_parallel import TensorParallel, TensorShard
+from engine.models import qwen3_next
+from engine.tensor_parallel import StackedPiece, TensorParallel, TensorShard
 
 
 class HybridModel(Protocol):
@@ -54,12 +55,16 @@ class ModelFamily:
     build_model: (config, dtype, tp or None for unsharded) -> the model, on the current device
         (the loader builds it on the meta device and fills it).
     parameter_name: checkpoint tensor name -> model parameter name.
+    stacked_piece: (checkpoint tensor name, the parsed config) -> the StackedPiece it is of a
+        stacked parameter (experts stored one by one), or None for a tensor parameter_name maps
+        whole; None (the default): every tensor maps whole.
     """
 
     model_type: str
     parse_config: Callable[[dict[str, Any]], HybridModelConfig]
     build_model: Callable[[HybridModelConfig, torch.dtype, TensorParallel | None], HybridModel]
     parameter_name: Callable[[str], str] = strip_model_prefix
+    stacked_piece: Callable[[str, HybridModelConfig], StackedPiece | None] | None = None
 
 
 FAMILIES: dict[str, ModelFamily] = {
@@ -87,6 +92,13 @@ FAMILIES: dict[str, ModelFamily] = {
             parse_config=nemotron_h.parse_config,
             build_model=nemotron_h.NemotronHModel,
             parameter_name=nemotron_h.parameter_name,
+        ),
+        ModelFamily(
+            model_type=qwen3_next.MODEL_TYPE,
+            parse_config=qwen3_next.parse_config,
+            build_model=qwen3_next.Qwen3NextModel,
+            parameter_name=qwen3_next.parameter_name,
+            stacked_piece=qwen3_next.stacked_piece,
         ),
     )
 }

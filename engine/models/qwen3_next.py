@@ -1,0 +1,433 @@
+"""Qwen3-Next: gated delta-net (linear attention) and gated full-attention blocks, each followed
+by an MLP, with zero-centred RMSNorms and multi-token-prediction weights.
+
+Numerically the same model as transformers' Qwen3NextForCausalLM, run over a ForwardBatch
+like every family (engine/forward_batch.py). Every layer's MLP is dense (num_experts 0, or
+mlp_only_layers / decoder_sparse_step leaving no sparse layer) or every layer's is a sparse MoE
+block (SparseMoeBlock: routed experts, engine/layers/routed_experts.py, plus a gated shared
+expert); a mix of the two is refused. A gated
+delta-net's per-request state lives in the same state slot tensors as a Mamba2 layer's, with
+its own shapes (conv (2 Hk dk + Hv dv, K-1), recurrent (Hv, dk, dv) fp32;
+engine/cache_capacity.py recurrent_state_shape), so checkpoints, import checks and transfer
+move it unchanged.
+
+Parameter names equal the checkpoint's with the leading "model." removed (lm_head.weight and
+mtp.* stay as they are), except the experts': the router `mlp.gate.weight` is
+`mlp.experts.router.layer.weight`, and each expert's `mlp.experts.{e}.gate_proj / up_proj /
+down_proj.weight` is a piece (stacked_piece) of the stacked `mlp.experts.input_linear.weight`
+(E, 2I, D) = [gate | up] and `mlp.experts.output_linear.weight` (E, D, I), written there by the
+loader (engine/loader.py load_piece), each rank its channels of every expert.
+
+MTP: with num_mtp_layers > 0 (config.json's num_nextn_predict_layers or
+mtp_num_hidden_layers) the checkpoint's mtp.* tensors load into `self.mtp`
+(MultiTokenPredictionWeights), which the forward does not use: they are kept for speculative
+decoding.
+
+Tensor parallel: as GraniteMoeHybrid (engine/shard_layout.py: attention heads, KV heads,
+gated delta-net key and value heads, MLP channels, vocabulary rows); hidden states (T, D) are
+whole on every rank between layers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import re
+
+import torch
+from torch import nn
+
+from engine import cache_capacity
+from engine.forward_batch import ForwardBatch, ModelCaches
+from engine.kernels.gpu.batch_plan import GpuBatchPlan
+from engine.layers.attention import PagedAttention
+from engine.layers.gated_delta_net import GatedDeltaNet
+from engine.layers.mlp import SplitGatedMLP
+from engine.layers.norm import RMSNorm
+from engine.layers.parallel_linear import linear
+from engine.layers.routed_experts import RoutedExperts, Routing, RoutingRule
+from engine.layers.rotary import RotaryEmbedding
+from engine.layers.vocab_parallel import (
+    VocabParallelEmbedding,
+    VocabParallelLMHead,
+    vocab_parallel_logits,
+)
+from engine.model_config import (
+    ATTENTION,
+    GATED_DELTA_NET,
+    MLP_SPLIT,
+    HybridModelConfig,
+    as_float,
+    parse_dtype,
+    parse_eos_token_ids,
+    parse_layer_types,
+    parse_rope_base,
+    required,
+)
+from engine.shard_layout import RankShardLayout, rank_shard_layout, width
+from engine.tensor_parallel import StackedPiece, TensorParallel, TensorShard, parameter_shards
+
+MODEL_TYPE = "qwen3_next"
+
+_LAYER_TYPES = {"linear_attention": GATED_DELTA_NET, "full_attention": ATTENTION}
+
+
+def parse_config(raw: dict[str, Any]) -> HybridModelConfig:
+    """Normalise a qwen3_next config.json dict; ValueError naming the field it cannot accept
+    (dense and sparse MLP layers mixed, another activation, RoPE scaling, head counts that do
+    not group)."""
+    hidden_act = raw.get("hidden_act", "silu")
+    if hidden_act != "silu":
+        raise ValueError(f"hidden_act must be 'silu', got {hidden_act!r}")
+    hidden_size = required(raw, "hidden_size")
+    num_layers = required(raw, "num_hidden_layers")
+    sparse = _sparse_layers(raw, num_layers)
+    if sparse and len(sparse) != num_layers:
+        raise ValueError(
+            f"mlp_only_layers / decoder_sparse_step leave layers {sparse} sparse and the others "
+            "dense: a Qwen3-Next model here has every layer sparse or every layer dense"
+        )
+    num_experts = raw.get("num_experts", 512) if sparse else 0  # transformers' default: 512
+    top_k = raw.get("num_experts_per_tok", 10) if sparse else 0
+    if sparse and not 1 <= top_k <= num_experts:
+        raise ValueError(f"num_experts_per_tok={top_k} must be in [1, num_experts={num_experts}]")
+    layer_types = raw.get("layer_types")
+    if layer_types is None:  # transformers' default: every full_attention_interval-th layer
+        interval = raw.get("full_attention_interval", 4)
+        layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                       for i in range(num_layers)]
+    num_heads = required(raw, "num_attention_heads")
+    num_kv_heads = raw.get("num_key_value_heads") or num_heads
+    head_dim = raw.get("head_dim") or 256  # transformers' default
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}"
+        )
+    key_heads, value_heads = raw.get("linear_num_key_heads", 16), raw.get("linear_num_value_heads", 32)
+    if value_heads % key_heads != 0:
+        raise ValueError(
+            f"linear_num_value_heads={value_heads} is not a multiple of linear_num_key_heads={key_heads}"
+        )
+    rope_parameters = raw.get("rope_parameters") or {}
+    partial_rotary_factor = as_float(
+        rope_parameters.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.25)),
+        "partial_rotary_factor",
+    )
+    if int(head_dim * partial_rotary_factor) % 2 != 0:
+        raise ValueError(f"partial_rotary_factor={partial_rotary_factor} gives an odd rotary dim")
+    # the MLP widths in the engine's terms: routed experts' (intermediate_size) and the dense
+    # MLP's or the shared expert's (shared_intermediate_size)
+    if sparse:
+        intermediate_size = raw.get("moe_intermediate_size", 512)
+        shared_size = raw.get("shared_expert_intermediate_size", 512)
+    else:
+        intermediate_size = shared_size = required(raw, "intermediate_size")
+    return HybridModelConfig(
+        model_type=MODEL_TYPE,
+        vocab_size=required(raw, "vocab_size"),
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        layer_types=parse_layer_types(layer_types, num_layers, _LAYER_TYPES),
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        attention_bias=bool(raw.get("attention_bias", False)),
+        intermediate_size=intermediate_size,
+        shared_intermediate_size=shared_size,
+        hidden_act=hidden_act,
+        mamba_n_heads=0, mamba_d_head=0, mamba_d_state=0, mamba_n_groups=1, mamba_d_conv=0,
+        mamba_expand=0, mamba_chunk_size=0, mamba_conv_bias=False, mamba_proj_bias=False,
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=parse_rope_base(raw),
+        max_position_embeddings=raw.get("max_position_embeddings", 32768),
+        embedding_multiplier=1.0,
+        attention_multiplier=head_dim ** -0.5,
+        residual_multiplier=1.0,
+        logits_scaling=1.0,
+        time_step_limit=(0.0, float("inf")),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=parse_eos_token_ids(raw),
+        pad_token_id=raw.get("pad_token_id"),
+        dtype=parse_dtype(raw),
+        linear_num_key_heads=key_heads,
+        linear_num_value_heads=value_heads,
+        linear_key_head_dim=raw.get("linear_key_head_dim", 128),
+        linear_value_head_dim=raw.get("linear_value_head_dim", 128),
+        linear_conv_kernel_dim=raw.get("linear_conv_kernel_dim", 4),
+        attention_output_gate=True,
+        qk_norm=True,
+        partial_rotary_factor=partial_rotary_factor,
+        zero_centered_norm=True,
+        num_mtp_layers=int(raw.get("num_nextn_predict_layers") or raw.get("mtp_num_hidden_layers") or 0),
+        mlp_layout=MLP_SPLIT,
+        num_local_experts=num_experts,
+        num_experts_per_tok=top_k,
+        norm_topk_prob=bool(raw.get("norm_topk_prob", True)) if sparse else False,
+    )
+
+
+def _sparse_layers(raw: dict[str, Any], num_layers: int) -> list[int]:
+    """The layers transformers gives a sparse MoE block: not in mlp_only_layers, num_experts >
+    0 and (i + 1) divisible by decoder_sparse_step."""
+    num_experts = raw.get("num_experts", 512)  # transformers' default
+    step = raw.get("decoder_sparse_step", 1)
+    dense = set(raw.get("mlp_only_layers") or [])
+    if not num_experts:
+        return []
+    return [i for i in range(num_layers) if i not in dense and (i + 1) % step == 0]
+
+
+_EXPERT_TENSOR = re.compile(
+    r"^(?:model\.)?((?:mtp\.)?layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$"
+)
+_ROUTER_TENSOR = re.compile(r"^(?:model\.)?((?:mtp\.)?layers\.\d+\.mlp)\.gate\.weight$")
+
+
+def parameter_name(checkpoint_name: str) -> str:
+    """"model." stripped; a sparse block's router `...mlp.gate.weight` is
+    `...mlp.experts.router.layer.weight` (RoutedExperts' name)."""
+    router = _ROUTER_TENSOR.match(checkpoint_name)
+    if router is not None:
+        return f"{router.group(1)}.experts.router.layer.weight"
+    return checkpoint_name.removeprefix("model.")
+
+
+def stacked_piece(checkpoint_name: str, config: HybridModelConfig) -> StackedPiece | None:
+    """An expert's gate_proj / up_proj (I, D) is rows [0, I) / [I, 2I) of its slice of the
+    stacked input_linear (E, 2I, D); its down_proj (D, I) is its slice of output_linear
+    (E, D, I). None for every other tensor."""
+    match = _EXPERT_TENSOR.match(checkpoint_name)
+    if match is None:
+        return None
+    experts, index, projection = match.group(1), int(match.group(2)), match.group(3)
+    if projection == "down_proj":
+        return StackedPiece(f"{experts}.output_linear.weight", index, dim=2, offset=0)
+    offset = 0 if projection == "gate_proj" else config.intermediate_size
+    return StackedPiece(f"{experts}.input_linear.weight", index, dim=1, offset=offset)
+
+
+class SparseMoeBlock(nn.Module):
+    """experts(x) + sigmoid(shared_expert_gate(x)) * shared_expert(x): routed experts
+    (softmax over all experts, the top num_experts_per_tok, renormalised with norm_topk_prob)
+    and a gated shared expert (Llama-layout MLP of shared_intermediate_size channels).
+
+    Tensor parallel: the experts split each expert's channels (layout.expert_channels), the
+    shared expert its channels (layout.mlp_channels); the router and the (1, D) shared-expert
+    gate are replicated. Each of the two all-reduces its own output (two collectives a layer).
+    """
+
+    def __init__(
+        self, config: HybridModelConfig, layout: RankShardLayout, tp: TensorParallel,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        D = config.hidden_size
+        routing = Routing(RoutingRule.SOFTMAX_THEN_TOP_K, config.num_experts_per_tok, config.norm_topk_prob)
+        self.experts = RoutedExperts(
+            D, config.intermediate_size, config.num_local_experts, routing, layout.expert_channels, tp, dtype
+        )
+        self.shared_expert = SplitGatedMLP(D, config.shared_intermediate_size, layout.mlp_channels, tp, dtype)
+        self.shared_expert_gate = nn.Linear(D, 1, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, D) -> (T, D)
+        gate = torch.sigmoid(linear(x, self.shared_expert_gate.weight, None))  # (T, 1)
+        return self.experts(x) + gate * self.shared_expert(x)
+
+    def forward_gpu(self, x: torch.Tensor) -> torch.Tensor:  # (T, D) -> (T, D)
+        """forward on CUDA: the experts' grouped GEMM, the shared expert's GPU path."""
+        gate = torch.sigmoid(linear(x, self.shared_expert_gate.weight, None))  # (T, 1)
+        return self.experts.forward_gpu(x) + gate * self.shared_expert.forward_gpu(x)
+
+
+class DecoderLayer(nn.Module):
+    """x += mixer(norm(x)); x += mlp(norm(x)), both norms zero-centred.
+
+    The mixer is `linear_attn` (GatedDeltaNet) or `self_attn` (PagedAttention with the output
+    gate, q/k norms and partial rotary); the other is absent. `mlp` is the dense SplitGatedMLP
+    or, in a model with experts, a SparseMoeBlock.
+    """
+
+    def __init__(
+        self, config: HybridModelConfig, kind: str, layer_index: int, layout: RankShardLayout,
+        tp: TensorParallel, dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        self.layer_index = layer_index
+        norm = lambda: RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, zero_centered=True)  # noqa: E731
+        self.input_layernorm = norm()
+        self.post_attention_layernorm = norm()
+        self.self_attn: PagedAttention | None = None
+        self.linear_attn: GatedDeltaNet | None = None
+        if kind == ATTENTION:
+            self.self_attn = PagedAttention(config, layout, tp, dtype)
+        else:
+            self.linear_attn = GatedDeltaNet(config, layout, tp, dtype)
+        self.mlp: SplitGatedMLP | SparseMoeBlock
+        if config.num_local_experts:
+            self.mlp = SparseMoeBlock(config, layout, tp, dtype)
+        else:
+            self.mlp = SplitGatedMLP(
+                config.hidden_size, config.shared_intermediate_size, layout.mlp_channels, tp, dtype
+            )
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # (T, D)
+        batch: ForwardBatch,
+        caches: ModelCaches,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        gpu_plan: GpuBatchPlan | None = None,
+    ) -> torch.Tensor:
+        """Returns the new hidden (T, D); writes this layer's KV or state slots in `caches`.
+        gpu_plan: the mixers and the MLP run their CUDA kernels (the norms stay PyTorch ops,
+        on the device)."""
+        i = self.layer_index
+        mixer_in = self.input_layernorm(hidden)
+        if self.self_attn is not None:
+            mixed = self.self_attn(
+                mixer_in, batch, caches.key_cache[i], caches.value_cache[i], rope, gpu_plan
+            )
+        else:
+            mixed = self.linear_attn(
+                mixer_in, batch, caches.conv_state[i], caches.ssm_state[i], gpu_plan
+            )
+        hidden = hidden + mixed
+        mlp_in = self.post_attention_layernorm(hidden)
+        return hidden + (self.mlp(mlp_in) if gpu_plan is None else self.mlp.forward_gpu(mlp_in))
+
+
+class MultiTokenPredictionWeights(nn.Module):
+    """The checkpoint's mtp.* tensors, kept for speculative decoding (the forward does not run
+    them). Per Qwen3-Next's MTP head: pre_fc_norm_embedding and pre_fc_norm_hidden (D,), fc
+    (D, 2D) over [normed embedding | normed hidden], `layers` (num_mtp_layers full-attention
+    decoder layers, the main layers' shapes and sharding), and the final `norm` (D,); the
+    embedding and LM head are the main model's."""
+
+    def __init__(
+        self, config: HybridModelConfig, layout: RankShardLayout, tp: TensorParallel,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        D, eps = config.hidden_size, config.rms_norm_eps
+        self.pre_fc_norm_embedding = RMSNorm(D, eps, dtype, zero_centered=True)
+        self.pre_fc_norm_hidden = RMSNorm(D, eps, dtype, zero_centered=True)
+        self.fc = nn.Linear(2 * D, D, bias=False, dtype=dtype)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, ATTENTION, config.num_hidden_layers + j, layout, tp, dtype)
+            for j in range(config.num_mtp_layers)
+        )
+        self.norm = RMSNorm(D, eps, dtype, zero_centered=True)
+
+
+class Qwen3NextModel(nn.Module):
+    """Embedding, decoder layers, final zero-centred norm; lm_head for logits; `mtp` holds
+    the multi-token-prediction weights (None without them).
+
+    With tie_word_embeddings the LM head is embed_tokens.weight and there is no lm_head module.
+    tp: the rank this model is built for; None means TensorParallel.single() (unsharded).
+    The methods' contracts are GraniteMoeHybridModel's (engine/models/registry.py HybridModel).
+    """
+
+    def __init__(
+        self, config: HybridModelConfig, dtype: torch.dtype = torch.float32,
+        tp: TensorParallel | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.tp = tp if tp is not None else TensorParallel.single()
+        self.layout = rank_shard_layout(config, self.tp)
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, self.layout, self.tp, dtype
+        )
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, kind, i, self.layout, self.tp, dtype)
+            for i, kind in enumerate(config.layer_types)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, zero_centered=True)
+        self.lm_head: VocabParallelLMHead | None = None
+        if not config.tie_word_embeddings:
+            self.lm_head = VocabParallelLMHead(config.vocab_size, config.hidden_size, self.layout, dtype)
+        self.mtp: MultiTokenPredictionWeights | None = None
+        if config.num_mtp_layers:
+            self.mtp = MultiTokenPredictionWeights(config, self.layout, self.tp, dtype)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rotary_dim)
+
+    def forward(
+        self, batch: ForwardBatch, caches: ModelCaches, gpu_plan: GpuBatchPlan | None = None
+    ) -> torch.Tensor:
+        """Hidden states (T, D) after the final norm; mutates `caches` (KV of every token,
+        every chunk's state slot: state in -> state out, zeros for reset_state).
+
+        gpu_plan: required on CUDA (ValueError without), where the mixers run their kernels
+        over it; a plan with in-pass captures is refused (NotImplementedError: the gated
+        delta-net does not capture inside a chunk yet)."""
+        if gpu_plan is None and self.embed_tokens.weight.is_cuda:
+            raise ValueError("a forward pass on CUDA takes the step's GpuBatchPlan (engine/forward_routes.py)")
+        if gpu_plan is not None and gpu_plan.in_pass is not None:
+            raise NotImplementedError("Qwen3-Next does not capture state inside a prefill chunk")
+        hidden = self.embed_tokens(batch.input_ids)  # (T, D)
+        rope = self.rotary(batch.positions)  # (cos, sin), each (T, rotary_dim)
+        for layer in self.layers:
+            hidden = layer(hidden, batch, caches, rope, gpu_plan)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(n, D) -> (n, vocab) fp32: lm_head(hidden) in the model dtype, then fp32; every rank
+        returns the full vocabulary."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return vocab_parallel_logits(hidden, weight, self.config.vocab_size, self.layout, self.tp).float()
+
+    def folds_gated_norm(self) -> bool:
+        """No Mamba2 mixer: nothing to fold."""
+        return False
+
+    def stack_projections(self) -> None:
+        """Stack each attention layer's q, k and v weights (PagedAttention.stack_projections)."""
+        layers = [*self.layers, *(self.mtp.layers if self.mtp is not None else ())]
+        for layer in layers:
+            if layer.self_attn is not None:
+                layer.self_attn.stack_projections()
+
+    def parameter_shards(self) -> dict[str, TensorShard]:
+        """Parameter name -> the shard of its checkpoint tensor this rank holds."""
+        return parameter_shards(self)
+
+    def kv_heads_per_rank(self) -> int:
+        return width(self.layout.kv_heads)
+
+    def recurrent_state_shape(self) -> tuple[tuple[int, int], tuple[int, int, int]]:
+        """This rank's ((C, K-1), (Hv, dk, dv)) of one state slot of one gated delta-net layer."""
+        return cache_capacity.recurrent_state_shape(self.config, self.layout)
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        return cache_capacity.kv_bytes_per_block(self.config, self.layout, self.dtype, block_size)
+
+    def state_bytes_per_slot(self) -> int:
+        return cache_capacity.state_bytes_per_slot(self.config, self.layout, self.dtype)
+
+    def allocate_caches(
+        self, num_blocks: int, block_size: int, num_state_slots: int, device=None
+    ) -> ModelCaches:
+        """Zeroed KV blocks and state slots of this rank: the gated delta-net layers' conv and
+        recurrent states in ModelCaches.conv_state / ssm_state (stacked over those layers)."""
+        c = self.config
+        if device is None:
+            device = self.embed_tokens.weight.device
+        kv_shape = (num_blocks, block_size, self.kv_heads_per_rank(), c.head_dim)
+        conv_slot, rec_slot = self.recurrent_state_shape()
+        attention, recurrent = c.attention_layers, c.recurrent_layers
+        kv = torch.zeros((2, len(attention), *kv_shape), dtype=self.dtype, device=device)
+        conv = torch.zeros((len(recurrent), num_state_slots, *conv_slot), dtype=self.dtype, device=device)
+        rec = torch.zeros((len(recurrent), num_state_slots, *rec_slot), dtype=torch.float32, device=device)
+        return ModelCaches(
+            block_size=block_size,
+            key_cache={layer: kv[0, j] for j, layer in enumerate(attention)},
+            value_cache={layer: kv[1, j] for j, layer in enumerate(attention)},
+            conv_state={layer: conv[j] for j, layer in enumerate(recurrent)},
+            ssm_state={layer: rec[j] for j, layer in enumerate(recurrent)},
+            conv_stack=conv,
+            ssm_stack=rec,
+            kv_stack=kv,
+        )
