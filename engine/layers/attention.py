@@ -30,8 +30,9 @@ class PagedAttention(nn.Module):
     Options from the config (Qwen3-Next; off for GraniteMoeHybrid): attention_output_gate,
     q_proj's rows per head are [query (Dh) | gate (Dh)] and the output is multiplied by
     sigmoid(gate) before o_proj; qk_norm, q and k are RMS-normed over each head (q_norm,
-    k_norm, zero-centred with zero_centered_norm) before RoPE; rotary_dim < head_dim, RoPE
-    turns only the first rotary_dim channels of each head (the rope tables are that wide).
+    k_norm, zero-centred with zero_centered_norm) before RoPE; with rope tables narrower than
+    head_dim (partial_rotary_factor), RoPE turns only the first channels of each head
+    (engine/layers/rotary.py apply_rotary).
 
     Where the single-row GEMM kernel runs (batch-1 decode on CUDA) the q, k and v projections
     are one GEMM over a stacked weight, which stack_projections() builds once the weights are
@@ -49,7 +50,6 @@ class PagedAttention(nn.Module):
         self.scale = config.attention_multiplier
         hidden, bias, head_dim = config.hidden_size, config.attention_bias, config.head_dim
         self.output_gate = config.attention_output_gate
-        self.rotary_dim = config.rotary_dim
         q_per_head = 2 * head_dim if self.output_gate else head_dim  # [query | gate] per head
         q_rows = (scaled(layout.attention_heads, head_dim),)
         kv_rows = (scaled(layout.kv_heads, head_dim),)
@@ -145,7 +145,7 @@ class PagedAttention(nn.Module):
         batch: ForwardBatch,
         key_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, Dh), written at batch.slot_mapping
         value_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, Dh), written at batch.slot_mapping
-        rope: tuple[torch.Tensor, torch.Tensor] | None,  # (cos, sin), each (T, Dh); None = NoPE
+        rope: tuple[torch.Tensor, torch.Tensor] | None,  # (cos, sin), each (T, rotary_dim <= Dh); None = NoPE
         gpu_plan: GpuBatchPlan | None = None,
     ) -> torch.Tensor:
         """Writes every token's K/V to its slot, then attends each chunk over its own sequence.
@@ -161,7 +161,7 @@ class PagedAttention(nn.Module):
         if self.q_norm is not None:
             query, key = self.q_norm(query), self.k_norm(key)
         if rope is not None:
-            query, key = self.rotate(query, rope), self.rotate(key, rope)
+            query, key = apply_rotary(query, *rope), apply_rotary(key, *rope)
         if gpu_plan is not None:
             from engine.kernels.gpu.paged_attention import write_kv as write_kv_gpu
 
@@ -176,14 +176,6 @@ class PagedAttention(nn.Module):
                 query[start:end], key_cache, value_cache, block_table, chunk.start_position, self.scale
             )
         return self.o_proj(self.gated(output, gate).view(num_tokens, self.num_heads * self.head_dim))
-
-    def rotate(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """RoPE on x (T, heads, Dh): all channels, or the first rotary_dim (partial rotary; the
-        rope tables are (T, rotary_dim)) with the rest passed through."""
-        if self.rotary_dim == self.head_dim:
-            return apply_rotary(x, *rope)
-        turned, passed = x.split([self.rotary_dim, self.head_dim - self.rotary_dim], dim=-1)
-        return torch.cat([apply_rotary(turned, *rope), passed], dim=-1)
 
     @staticmethod
     def gated(output: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
