@@ -38,11 +38,9 @@ from engine.request import PENDING_TOKEN
 from engine.step_io import CaptureOp, ScheduledChunk
 
 
-# Multiples of 32 at most 1.25x apart (50% above 64 rows): a chunk above 96 rows pads by under
-# a quarter of its length. A user message after a restored instruction checkpoint is usually
-# 50-500 tokens, and its time to first token is mostly this pass: at 1.5x spacing the padding
-# averaged about a quarter of the rows (benchmarks/bench_gpu.py, the instruction sweep).
-PREFILL_GRAPH_SIZES = (64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640, 768, 896, 1024)
+# Steps at 1.5x spacing: a chunk pads by less than half its length (a user message after a
+# restored instruction checkpoint is usually 50-500 tokens; a short chat prompt under 1,024).
+PREFILL_GRAPH_SIZES = (64, 128, 192, 256, 384, 512, 768, 1024)
 
 
 def prefill_graph_sizes(max_tokens: int) -> tuple[int, ...]:
