@@ -19,7 +19,8 @@ down_proj.weight` is a piece (stacked_piece) of the stacked `mlp.experts.input_l
 loader (engine/loader.py load_piece), each rank its channels of every expert.
 
 MTP: with num_mtp_layers > 0 (config.json's num_nextn_predict_layers or
-mtp_num_hidden_layers) the checkpoint's mtp.* tensors load into `self.mtp`
+mtp_num_hidden_layers; the published releases name neither, so complete_config counts the
+checkpoint's mtp.layers.{j}) the checkpoint's mtp.* tensors load into `self.mtp`
 (MultiTokenPredictionWeights), which the forward does not use: they are kept for speculative
 decoding.
 
@@ -165,6 +166,19 @@ def parse_config(raw: dict[str, Any]) -> HybridModelConfig:
         num_experts_per_tok=top_k,
         norm_topk_prob=bool(raw.get("norm_topk_prob", True)) if sparse else False,
     )
+
+
+_MTP_LAYER_TENSOR = re.compile(r"^mtp\.layers\.(\d+)\.")
+
+
+def complete_config(raw: dict[str, Any], tensor_names: list[str]) -> dict[str, Any]:
+    """config.json with num_nextn_predict_layers set to the checkpoint's count of
+    mtp.layers.{j} when it names no MTP layer count (the published releases ship the MTP
+    weights without the key); as it is otherwise."""
+    if "num_nextn_predict_layers" in raw or "mtp_num_hidden_layers" in raw:
+        return raw
+    layers = {int(m.group(1)) for name in tensor_names if (m := _MTP_LAYER_TENSOR.match(name))}
+    return {**raw, "num_nextn_predict_layers": len(layers)} if layers else raw
 
 
 def _sparse_layers(raw: dict[str, Any], num_layers: int) -> list[int]:

@@ -58,6 +58,9 @@ class ModelFamily:
     stacked_piece: (checkpoint tensor name, the parsed config) -> the StackedPiece it is of a
         stacked parameter (experts stored one by one), or None for a tensor parameter_name maps
         whole; None (the default): every tensor maps whole.
+    complete_config: (config.json dict, the checkpoint's tensor names) -> the dict with the
+        keys a release leaves implicit filled from its tensors (Qwen3-Next's MTP layers);
+        None (the default): config.json says everything.
     """
 
     model_type: str
@@ -65,6 +68,7 @@ class ModelFamily:
     build_model: Callable[[HybridModelConfig, torch.dtype, TensorParallel | None], HybridModel]
     parameter_name: Callable[[str], str] = strip_model_prefix
     stacked_piece: Callable[[str, HybridModelConfig], StackedPiece | None] | None = None
+    complete_config: Callable[[dict[str, Any], list[str]], dict[str, Any]] | None = None
 
 
 FAMILIES: dict[str, ModelFamily] = {
@@ -99,6 +103,7 @@ FAMILIES: dict[str, ModelFamily] = {
             build_model=qwen3_next.Qwen3NextModel,
             parameter_name=qwen3_next.parameter_name,
             stacked_piece=qwen3_next.stacked_piece,
+            complete_config=qwen3_next.complete_config,
         ),
     )
 }
@@ -123,9 +128,30 @@ def parse_model_config(raw: dict[str, Any]) -> HybridModelConfig:
 
 
 def load_model_config(model_dir: str | Path) -> HybridModelConfig:
-    """Read `model_dir/config.json`; raises FileNotFoundError or ValueError."""
+    """Read `model_dir/config.json` (completed from the checkpoint's tensor names for a family
+    with ModelFamily.complete_config); raises FileNotFoundError or ValueError."""
     with open(Path(model_dir) / "config.json", encoding="utf-8") as f:
-        return parse_model_config(json.load(f))
+        raw = json.load(f)
+    family = model_family(raw.get("model_type", DEFAULT_MODEL_TYPE))
+    if family.complete_config is not None:
+        raw = family.complete_config(raw, checkpoint_tensor_names(model_dir))
+    return family.parse_config(raw)
+
+
+def checkpoint_tensor_names(model_dir: str | Path) -> list[str]:
+    """The tensor names of a checkpoint directory: model.safetensors.index.json's weight map
+    when there is one, else the headers of its *.safetensors files (no tensor data read)."""
+    from safetensors import safe_open
+
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        return sorted(json.loads(index.read_text(encoding="utf-8"))["weight_map"])
+    names: list[str] = []
+    for file in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            names += list(f.keys())
+    return names
 
 
 def build_model(config: HybridModelConfig, dtype: torch.dtype = torch.float32,

@@ -40,7 +40,7 @@ from engine.loader import load_model
 from engine.model_config import ATTENTION, GATED_DELTA_NET
 from engine.layers.mlp import SplitGatedMLP
 from engine.models.qwen3_next import Qwen3NextModel, SparseMoeBlock
-from engine.models.registry import parse_model_config
+from engine.models.registry import load_model_config, parse_model_config
 from engine.shard_layout import rank_shard_layout
 from engine.tensor_parallel import TensorParallel
 from paged_runner import PagedRunner, Request
@@ -314,6 +314,11 @@ def test_mtp_tensors_load_into_model_mtp(case: Case, tmp_path):
     model, _ = load_model(directory)
     loaded = dict(model.mtp.named_parameters(prefix="mtp"))
     assert set(loaded) == set(mtp) and all(torch.equal(loaded[n], mtp[n]) for n in mtp)
+    # as published: config.json without the key, the layer count read from the tensor names
+    del raw["num_nextn_predict_layers"]
+    (directory / "config.json").write_text(json.dumps(raw))
+    assert load_model_config(directory).num_mtp_layers == 1
+    assert load_model_config(case.directory).num_mtp_layers == 0
     prompt = case.prompt(20, seed=9)
     with_mtp = PagedRunner(model).run_in_chunks(Request(state_slot=0), prompt, [])
     without = PagedRunner(case.model).run_in_chunks(Request(state_slot=0), prompt, [])
