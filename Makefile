@@ -18,5 +18,7 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(VENV)/bin/python -m deployments.serve_main serve_config.yaml
 
+# Two workers: the Ray/Serve tests on one (one Ray instance, fixed ports), the rest on the
+# other (tests/conftest.py groups them).
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q tests
+	$(VENV)/bin/python -m pytest -q -n 2 --dist loadgroup tests
