@@ -7,6 +7,8 @@ from pathlib import Path
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "tiny-granite-hybrid"
 CHECKPOINT_SLOTS = ("prompt", "response", "instruction")
+SPECULATIVE_DRAFTERS = ("ngram",)
+MAX_SPECULATIVE_TOKENS = 16
 
 
 def _option(default, help: str):
@@ -63,6 +65,13 @@ class EngineConfig:
     async_scheduling: bool = _option(True, "Schedule and submit each step before the previous "
                                      "one's tokens are back, so the device never waits for the "
                                      "host; false runs one step at a time.")
+    num_speculative_tokens: int = _option(0, "Draft tokens verified per step for greedy "
+                                          "requests (speculative decoding, exact: the output "
+                                          "is the same as without); 0 turns it off. CPU path "
+                                          "only for now.")
+    speculative_drafter: str = _option("ngram", "Where draft tokens come from when "
+                                       "num_speculative_tokens > 0: ngram (prompt lookup, no "
+                                       "extra weights).")
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -92,3 +101,25 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        self._check_speculation()
+
+    def _check_speculation(self) -> None:
+        """Speculative decoding (engine/speculative/): k in [0, MAX_SPECULATIVE_TOKENS], a known
+        drafter, and, while it is on, the one path that verifies drafts so far (PyTorch on
+        CPU, one rank); ValueError naming the key otherwise."""
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"num_speculative_tokens must be an integer in [0, {MAX_SPECULATIVE_TOKENS}] "
+                f"(0 turns speculative decoding off), got {k!r}")
+        if self.speculative_drafter not in SPECULATIVE_DRAFTERS:
+            raise ValueError(f"speculative_drafter must be one of {list(SPECULATIVE_DRAFTERS)}, "
+                             f"got {self.speculative_drafter!r}")
+        if k == 0:
+            return
+        if self.device != "cpu":
+            raise ValueError(
+                f"num_speculative_tokens > 0 runs on the CPU path only for now (device {self.device!r}: "
+                "verification has no CUDA kernels or graphs yet); set num_speculative_tokens to 0")
+        if self.tensor_parallel_size != 1:
+            raise ValueError("num_speculative_tokens > 0 needs tensor_parallel_size 1 for now")

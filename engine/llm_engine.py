@@ -37,6 +37,8 @@ from engine.output_processor import OutputProcessor, RequestOutput
 from engine.request import FinishReason, Request
 from engine.sampling_params import InvalidRequestError
 from engine.scheduler import Scheduler, SchedulerStats
+from engine.speculative.ngram import NgramDrafter
+from engine.speculative.scheduling import SpeculationStats, SpeculativeDecoding
 from engine.step_io import RunnerOutput, SchedulerOutput
 from engine.tensor_parallel import TensorParallel
 from engine.worker import Worker
@@ -60,6 +62,7 @@ class EngineStats:
     num_checkpoints: int
     checkpoint_events_lost: int = 0  # events the bounded feed forgot, nobody having drained them
     transfers: TransferCounters = field(default_factory=TransferCounters)  # exports and imports
+    speculation: SpeculationStats = field(default_factory=SpeculationStats)  # drafts proposed, accepted
 
 
 @dataclass(frozen=True)
@@ -113,6 +116,7 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_model_len=capacity.max_model_len,
             checkpoints=checkpoints,
+            speculation=_speculation(config),
         )
         self.transfers = CheckpointExchange(
             cache, self.executor, _import_expectations(config, model_config, capacity),
@@ -199,6 +203,7 @@ class LLMEngine:
             num_checkpoints=len(ledger),
             checkpoint_events_lost=self.checkpoint_events.num_lost,
             transfers=self.transfers.counters.copy(),
+            speculation=self.scheduler.speculation.stats.copy(),
         )
 
     def record_checkpoint_events(self) -> None:
@@ -312,8 +317,8 @@ class LLMEngine:
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
         outputs = self.output_processor.process(updated, runner_output)
         for output in outputs:
-            if output.finished and output.request_id in self.scheduler.requests:
-                self.scheduler.finish_request(output.request_id, FinishReason.STOP)  # stop string
+            if output.finished and output.request_id in self.scheduler.requests:  # stop string
+                self.scheduler.finish_request(output.request_id, FinishReason.STOP, output.num_output_tokens)
         return outputs
 
     def _abandon_in_flight(self, unsubmitted: SchedulerOutput | None) -> list[SchedulerOutput]:
@@ -361,6 +366,15 @@ def _local_executor(config: EngineConfig) -> ModelExecutor:
     from engine.multiprocess_executor import MultiprocessExecutor
 
     return MultiprocessExecutor(config)
+
+
+def _speculation(config: EngineConfig) -> SpeculativeDecoding:
+    """The scheduler's speculative decoding: off at num_speculative_tokens 0; the drafter is
+    the n-gram prompt lookup (the only one EngineConfig accepts so far)."""
+    if not config.num_speculative_tokens:
+        return SpeculativeDecoding()
+    assert config.speculative_drafter == "ngram", config.speculative_drafter
+    return SpeculativeDecoding(config.num_speculative_tokens, NgramDrafter())
 
 
 def _import_expectations(config: EngineConfig, model_config, capacity) -> ImportExpectations:

@@ -21,8 +21,11 @@ class RequestOutput:
     """What one step produced for one request.
 
     new_text is a valid UTF-8 delta with stop strings cut; finish_reason is "stop", "length",
-    "abort" or "error" on the last output, None before. logits holds the fp32 logits row of the
-    new token when SamplingParams.return_logits is set.
+    "abort" or "error" on the last output, None before. new_token_ids holds one token, or
+    several when a speculative verification kept several (a stop string among them keeps the
+    tokens up to the one that completes it; num_output_tokens counts only the kept ones).
+    logits holds the fp32 logits row of the new token when SamplingParams.return_logits is set
+    (such a request never speculates: one token per output).
     """
 
     request_id: str
@@ -41,6 +44,7 @@ class RequestOutput:
 class _TextState:
     detokenizer: IncrementalDetokenizer
     stop_matcher: StopStringMatcher
+    num_tokens_seen: int = 0  # output tokens already turned into outputs
 
 
 class OutputProcessor:
@@ -55,33 +59,42 @@ class OutputProcessor:
         )
 
     def process(self, updated: list[Request], runner_output: RunnerOutput) -> list[RequestOutput]:
-        """One output per request that received a token. An output whose text hit a stop
-        string is marked finished with reason "stop"; the caller ends that request."""
+        """One output per request that received tokens (one, or several from a verification),
+        taken token by token. An output whose text hit a stop string is marked finished with
+        reason "stop" and keeps the tokens up to the one that completed it (its
+        num_output_tokens says how many the request keeps); the caller ends that request."""
         outputs = []
         for request in updated:
             state = self._states[request.request_id]
-            token = request.output_token_ids[-1]
+            new_tokens = request.output_token_ids[state.num_tokens_seen :]
+            state.num_tokens_seen = request.num_output_tokens
             finished = request.status is RequestStatus.FINISHED
             reason = request.finish_reason.value if finished else None
-            delta = "" if _is_stop_token(request, token) else state.detokenizer.add_token(token)
-            if finished:
-                delta += state.detokenizer.flush()
-            text, hit_stop_string = state.stop_matcher.feed(delta)
-            if hit_stop_string:
-                finished, reason = True, FinishReason.STOP.value
-            elif finished:
-                text += state.stop_matcher.flush()
+            text, kept = "", 0
+            for i, token in enumerate(new_tokens):
+                last = i == len(new_tokens) - 1
+                kept += 1
+                delta = "" if last and _is_stop_token(request, token) else state.detokenizer.add_token(token)
+                if finished and last:
+                    delta += state.detokenizer.flush()
+                piece, hit_stop_string = state.stop_matcher.feed(delta)
+                text += piece
+                if hit_stop_string:
+                    finished, reason = True, FinishReason.STOP.value
+                    break
+                if finished and last:
+                    text += state.stop_matcher.flush()
             if finished:
                 del self._states[request.request_id]
             outputs.append(
                 RequestOutput(
                     request_id=request.request_id,
-                    new_token_ids=(token,),
+                    new_token_ids=tuple(new_tokens[:kept]),
                     new_text=text,
                     finished=finished,
                     finish_reason=reason,
                     num_prompt_tokens=request.num_prompt_tokens,
-                    num_output_tokens=request.num_output_tokens,
+                    num_output_tokens=request.num_output_tokens - (len(new_tokens) - kept),
                     num_cached_tokens=request.num_cached_tokens or 0,
                     logits=runner_output.logits.get(request.request_id),
                 )

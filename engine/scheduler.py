@@ -16,6 +16,11 @@ Checkpoints (docs/design.md sections 2 and 5) are the CheckpointPolicy's: the sc
 where a request's prefill chunks must end, which captures a chunk or a finish makes, what an
 admitted request restores, and hands it each step's outcome to publish or drop.
 
+Speculative decoding (docs/design.md section 10) is SpeculativeDecoding's: it says which
+running requests wait for a pending token and what a decode drafts (a verification chunk of
+1 + k tokens against the same budget), turns a verification's result into output tokens and
+the commit of the kept position, and trims at a stop string.
+
 Pure Python: the scheduler sees the cache only through CacheManager's return values.
 """
 
@@ -28,6 +33,7 @@ from dataclasses import dataclass
 from cache.cache_manager import CacheManager, PoolUsage
 from engine.checkpoint_policy import CheckpointPolicy
 from engine.request import FinishReason, Request, RequestStatus, token_stop_reason
+from engine.speculative.scheduling import SpeculativeDecoding
 from engine.step_io import RestoreOp, RunnerOutput, ScheduledChunk, SchedulerOutput
 
 # A request that was in this many failed steps is failed: one that breaks every step fails its
@@ -54,9 +60,10 @@ class Scheduler:
         max_num_seqs: int,
         max_model_len: int,
         checkpoints: CheckpointPolicy | None = None,
+        speculation: SpeculativeDecoding | None = None,
     ) -> None:
         """checkpoints: the policy of the request-boundary checkpoints, reserving in `cache`;
-        None turns checkpoints off."""
+        None turns checkpoints off. speculation: None turns speculative decoding off."""
         self.cache = cache
         self.checkpoints = checkpoints if checkpoints is not None else CheckpointPolicy(cache)
         assert self.checkpoints.cache is cache, "the policy reserves in the scheduler's cache"
@@ -69,6 +76,7 @@ class Scheduler:
         self._finished_since_last_step: list[str] = []
         self.suspects: set[str] = set()  # requeued after a failed step: run alone until they sample
         self.stats = SchedulerStats()
+        self.speculation = speculation if speculation is not None else SpeculativeDecoding()
 
     # ----------------------------------------------------------------- requests in and out
 
@@ -80,16 +88,24 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    def finish_request(self, request_id: str, reason: FinishReason) -> Request | None:
+    def finish_request(
+        self, request_id: str, reason: FinishReason, num_output_tokens: int | None = None
+    ) -> Request | None:
         """End a request (stop, length, abort or error) and free its cache.
 
+        num_output_tokens: keep only that many output tokens (a stop string ended the text
+        inside the tokens its last verification chunk kept: SpeculativeDecoding.trim).
         A running request that ends by stop or length reserves its response checkpoint first
-        (never on abort or error). Returns the request, or None if it was unknown or already
-        finished.
+        (never on abort or error), over the tokens kept. Returns the request, or None if it
+        was unknown or already finished.
         """
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
+        if num_output_tokens is not None:
+            self.speculation.trim(request, num_output_tokens)
+        if reason in (FinishReason.ABORT, FinishReason.ERROR):
+            self.speculation.forget(request_id)
         if request.status is RequestStatus.RUNNING:
             self.checkpoints.reserve_at_finish(request, reason)
             self.running.remove(request)
@@ -122,6 +138,7 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         # reserved before this step: taken at its start (this step's chunks reserve for the next)
         captures = self.checkpoints.take_reserved()
+        commits = self.speculation.take_commits()  # likewise: what the last update kept
 
         restores: list[RestoreOp] = []
         suspect_chunk = self._schedule_suspect(budget, restores) if self.suspects else None
@@ -133,17 +150,20 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            if request.sampled_all_it_may:
+            if request.sampled_all_it_may or self.speculation.waits(request):
                 index += 1  # its last token is in flight: it stops by length when that returns
-                continue
-            num_new = self._chunk_length(request, budget)
+                continue  # (or it drafts once the token is known)
+            drafts = self.speculation.drafts(request, budget, self.max_model_len)
+            num_new = 1 + len(drafts) if drafts else self._chunk_length(request, budget)
             if not self._grow_blocks_or_preempt(request, num_new):
                 break  # the request itself was preempted; everything after it too
-            chunks.append(self._make_chunk(request, num_new))
+            chunks.append(self._make_chunk(request, num_new, drafts))
             budget -= num_new
             index += 1
 
         while admit and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            if self.speculation.waits(self.waiting[0]):
+                break  # preempted with its verification in flight: admitted once that returns
             chunk = self._admit(self.waiting[0], budget, restores)
             if chunk is None:
                 break  # first come, first served: nothing overtakes the head of the queue
@@ -158,6 +178,7 @@ class Scheduler:
             captures=tuple(captures),
             restores=tuple(restores),
             dropped_bundle_ids=self.cache.take_dropped_bundles(),
+            commits=commits,
         )
 
     def abandon_step(self, scheduler_output: SchedulerOutput) -> None:
@@ -180,7 +201,10 @@ class Scheduler:
         self.stats.failed_steps += 1
         to_fail: list[str] = []
         requeued: list[Request] = []
-        for request_id in dict.fromkeys(c.request_id for step in steps for c in step.chunks):
+        # a request whose commit (CommitOp) was in a failed step is recomputed too: its state
+        # slot may not hold what its last verification kept
+        in_steps = [op.request_id for step in steps for op in (*step.chunks, *step.commits)]
+        for request_id in dict.fromkeys(in_steps):
             request = self.requests.get(request_id)
             if request is None:
                 continue  # finished while the step ran
@@ -197,6 +221,7 @@ class Scheduler:
                 self.waiting.remove(request)
             request.num_computed_tokens = 0
             request.num_pending_tokens = 0
+            self.speculation.forget(request.request_id)
             request.status = RequestStatus.WAITING
             self.waiting.appendleft(request)
             self.suspects.add(request.request_id)
@@ -220,7 +245,12 @@ class Scheduler:
             request = self.requests.get(chunk.request_id)
             if request is None or not chunk.sample:
                 continue  # finished while the step ran, or sampled nothing
-            request.resolve_pending_token(runner_output.sampled_token_ids[chunk.request_id])
+            if chunk.num_draft_tokens:
+                verified = runner_output.verified_token_ids[chunk.request_id]
+                self.speculation.accept(request, chunk, verified, self.max_model_len)
+                self._free_blocks_past_computed(request)
+            else:
+                request.resolve_pending_token(runner_output.sampled_token_ids[chunk.request_id])
             self.suspects.discard(request.request_id)  # it ran alone and sampled: cleared
             reason = token_stop_reason(request, self.max_model_len)
             if reason is not None:
@@ -240,16 +270,19 @@ class Scheduler:
             length = pause - start
         return length
 
-    def _make_chunk(self, request: Request, num_new: int) -> ScheduledChunk:
+    def _make_chunk(self, request: Request, num_new: int, drafts: tuple[int, ...] = ()) -> ScheduledChunk:
         """The chunk of tokens [computed, computed + num_new); advances the request past it
         (one more pending token if it samples) and has the checkpoint policy reserve the
-        captures that fall due where it ends, to be taken at the start of the next step."""
+        captures that fall due where it ends, to be taken at the start of the next step.
+        With drafts, a verification chunk: the last token then the drafts (num_new is
+        1 + len(drafts)); the request advances past its last token only, the drafts being
+        settled by update_from_output (SpeculativeDecoding.accept)."""
         start = request.num_computed_tokens
-        end = start + num_new
+        end = start + num_new - len(drafts)
         assert request.state_slot is not None
         chunk = ScheduledChunk(
             request_id=request.request_id,
-            token_ids=request.token_slice(start, end),
+            token_ids=request.token_slice(start, end) + drafts,
             start_position=start,
             block_table=tuple(request.block_ids),
             state_slot=request.state_slot,
@@ -259,6 +292,7 @@ class Scheduler:
             sampling=request.sampling,
             num_output_tokens=request.num_output_tokens + request.num_pending_tokens,
             capture_hidden=end in request.pause_positions,
+            num_draft_tokens=len(drafts),
         )
         request.num_computed_tokens = end
         request.num_pending_tokens += int(chunk.sample)
@@ -331,8 +365,20 @@ class Scheduler:
             restores.append(self.checkpoints.restore_op(hit, request))
         return self._make_chunk(request, num_new)
 
+    def _free_blocks_past_computed(self, request: Request) -> None:
+        """A running request's blocks past its computed tokens (those its verification chunk's
+        rejected drafts were written to, never shared) go back to the cache."""
+        if request.status is not RequestStatus.RUNNING:
+            return
+        needed = -(-request.num_computed_tokens // self.cache.block_size)
+        surplus = request.block_ids[needed:]
+        if surplus:
+            del request.block_ids[needed:]
+            self.cache.release(surplus, None)
+
     def _preempt(self, request: Request) -> None:
         """Free a running request's cache and put it first in line to be recomputed."""
+        self.speculation.forget(request.request_id)
         self.running.remove(request)
         self._release_cache(request)
         request.num_computed_tokens = 0

@@ -28,6 +28,10 @@ class ScheduledChunk:
     token_ids may end with PENDING_TOKEN (engine/request.py): the token the step submitted
     just before sampled for this request, which the worker reads on the device.
     capture_hidden: return the final hidden row of this chunk (a stop at a requested position).
+    num_draft_tokens: k > 0 makes this a verification chunk (engine/speculative/): token_ids
+        is the request's last known token then k draft tokens; the runner returns the argmax
+        at each of the k + 1 positions (RunnerOutput.verified_token_ids) instead of sampling,
+        and leaves the request's state slot as it was until a CommitOp names the position kept.
     """
 
     request_id: str
@@ -40,6 +44,20 @@ class ScheduledChunk:
     sampling: SamplingParams
     num_output_tokens: int = 0
     capture_hidden: bool = False
+    num_draft_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class CommitOp:
+    """Keep position `index` (0: the chunk's first token) of the verification chunk the
+    runner last ran for request_id: its recurrent state into state_slot and its hidden row as
+    the request's last hidden row; the states of the other positions are forgotten. Applied at
+    the very start of the step, before its captures (a response capture of a request that
+    stopped in that verification reads what the commit wrote)."""
+
+    request_id: str
+    state_slot: int
+    index: int
 
 
 @dataclass(frozen=True)
@@ -89,10 +107,13 @@ class SchedulerOutput:
     restores: tuple[RestoreOp, ...] = ()
     # Bundles the scheduler forgot (evicted, duplicate, unconfirmed): the runner frees them.
     dropped_bundle_ids: tuple[int, ...] = ()
+    # Verified positions to keep (speculative decoding), applied first.
+    commits: tuple[CommitOp, ...] = ()
 
     @property
     def has_work(self) -> bool:
-        return bool(self.chunks or self.finished_request_ids or self.captures or self.dropped_bundle_ids)
+        return bool(self.chunks or self.finished_request_ids or self.captures or self.dropped_bundle_ids
+                    or self.commits)
 
     @property
     def num_tokens(self) -> int:
@@ -107,6 +128,8 @@ class RunnerOutput:
     # Bundle id -> the ranks that hold their shard of it, for every CaptureOp at least one
     # rank completed. The scheduler publishes a bundle only when every rank is listed.
     confirmed_captures: dict[int, frozenset[int]] = field(default_factory=dict)
+    # Verification chunks only (num_draft_tokens > 0): the argmax at each of its positions.
+    verified_token_ids: dict[str, tuple[int, ...]] = field(default_factory=dict)
     # Only for requests whose SamplingParams.return_logits is set: the fp32 logits row used.
     logits: dict[str, "torch.Tensor"] = field(default_factory=dict)
     # Only for chunks with capture_hidden: the final hidden row (after the final norm).

@@ -33,6 +33,7 @@ from engine.forward_routes import (
 from engine.host_index import int64_array, to_device
 from engine.loader import load_model
 from engine.sampler import Sampler
+from engine.speculative.verify import VerificationScratch, VerifyPass, check_verifiable, verify_greedy
 from engine.token_readback import PendingTokens, TokenReadback
 from engine.step_io import CaptureOp, RunnerOutput, ScheduledChunk, SchedulerOutput
 from engine.tensor_parallel import TensorParallel
@@ -112,10 +113,17 @@ class Worker:
         # state slot and a KV block that the scheduler never hands out: one of each is
         # allocated past the capacity it is told about.
         graphs = self.device.type == "cuda" and self.model.tp.world_size == 1
+        # Speculative decoding (engine/speculative/verify.py): each slot's scratch slots for
+        # the states of a verification chunk's positions, past the others.
+        k = config.num_speculative_tokens
+        if k:
+            check_verifiable(self.model_config.layer_types)
+        first_scratch_slot = self.capacity.num_state_slots + int(graphs)
         self.caches = self.model.allocate_caches(
             num_blocks=self.capacity.num_blocks + int(graphs),
             block_size=self.capacity.block_size,
-            num_state_slots=self.capacity.num_state_slots + int(graphs),
+            num_state_slots=first_scratch_slot
+            + VerificationScratch.num_scratch_slots(self.capacity.num_state_slots, k),
             device=self.device,
         )
         # The forward routes, in the order submit() tries them (_routes): the graphs where
@@ -132,6 +140,8 @@ class Worker:
             )
         self.capturing_pass = CapturingPass(self.model, self.caches, self.device)
         self.eager_pass = EagerPass(self.model, self.caches, self.device)
+        self.verification = VerificationScratch(self.caches, first_scratch_slot, k)
+        self.verify_pass = VerifyPass(self.model, self.caches, self.device, self.verification) if k else None
         self.sampler = Sampler(seed=config.seed, device=self.device)
         self.checkpoints = CheckpointStore(self.caches)
         # Last hidden row of every unfinished request a step computed: what a capture saves.
@@ -172,6 +182,7 @@ class Worker:
         tokens = step.tokens.read()
         output = step.output
         output.sampled_token_ids = dict(zip(step.sampled_ids, tokens))
+        output.verified_token_ids = {rid: tuple(row.tolist()) for rid, row in output.verified_token_ids.items()}
         # rows asked for (return_logits, a pause position): copied on the device at submit
         output.logits = {rid: row.cpu() for rid, row in output.logits.items()}
         output.hidden_rows = {rid: row.cpu() for rid, row in output.hidden_rows.items()}
@@ -180,19 +191,23 @@ class Worker:
 
     @torch.inference_mode()
     def submit(self, scheduler_output: SchedulerOutput) -> None:
-        """Launch one step, in this order: free dropped bundles, take captures (from what the
-        previous step left), restore bundles into new requests, forward every chunk that has
+        """Launch one step, in this order: free dropped bundles, commit kept verified positions
+        (CommitOp), take captures (from what the previous step left), restore bundles into new requests, forward every chunk that has
         tokens (through the first route that accepts them), sample where asked; start copying
         the sampled tokens to the host and return without waiting for the device. collect()
         returns the step's output (sampled tokens, this rank's capture confirmations); steps
         are collected in the order submitted, and at most two may be in flight.
 
+        A verification chunk (num_draft_tokens) is not sampled: the argmax at each of its
+        positions comes back in RunnerOutput.verified_token_ids.
         A chunk whose last token is PENDING_TOKEN is fed the token the previously submitted
         step sampled for its request (ValueError if it sampled none), read on the device."""
         if len(self._in_flight) >= _MAX_IN_FLIGHT:
             raise RuntimeError(f"submit() with {_MAX_IN_FLIGHT} steps in flight: collect() first")
         started = time.perf_counter()
         self.checkpoints.drop(scheduler_output.dropped_bundle_ids)
+        for commit in scheduler_output.commits:  # kept verified positions, before any capture
+            self._last_hidden[commit.request_id] = RowRef(self.verification.commit(commit), 0, owned=True)
         output = RunnerOutput()
         for capture in scheduler_output.captures:
             if capture.in_pass:
@@ -219,13 +234,16 @@ class Worker:
                     step_argmax[chunk.request_id] = RowRef(forward.argmax, i)
             for captured in forward.captured:
                 self._capture(captured.capture, captured.hidden_row, output, state=captured.state)
+            if self.verify_pass is not None:  # argmax at every position: to the host at collect
+                output.verified_token_ids = verify_greedy(self.model, computed, forward, self.verification)
         self._last_hidden = last_hidden
+        self.verification.forget(scheduler_output.finished_request_ids)
 
         for chunk in scheduler_output.chunks:
             if chunk.capture_hidden:
                 row = last_hidden[chunk.request_id].row()
                 output.hidden_rows[chunk.request_id] = row.to(torch.float32, copy=True)  # to the host at collect
-        sampled = [chunk for chunk in scheduler_output.chunks if chunk.sample]
+        sampled = [chunk for chunk in scheduler_output.chunks if chunk.sample and not chunk.num_draft_tokens]
         tokens = self._sampled[:0]
         if sampled:
             if all(chunk.request_id in step_logits for chunk in sampled):
@@ -280,9 +298,10 @@ class Worker:
             raise RuntimeError(f"{what}() with a step in flight: collect() it first")
 
     def _routes(self) -> list[ForwardRoute]:
-        """The forward routes in the order submit() tries them; the eager pass takes any step."""
-        graphs = [route for route in (self.decode_graphs, self.prefill_graphs) if route is not None]
-        return [*graphs, self.capturing_pass, self.eager_pass]
+        """The forward routes in the order submit() tries them (the graphs and the verification
+        pass where they exist); the eager pass takes any step."""
+        optional = (self.decode_graphs, self.prefill_graphs, self.verify_pass)
+        return [*(route for route in optional if route is not None), self.capturing_pass, self.eager_pass]
 
     def _capture(
         self, capture: CaptureOp, hidden_row: torch.Tensor, output: RunnerOutput,

@@ -1,0 +1,43 @@
+"""N-gram prompt lookup: draft the tokens that followed the latest earlier occurrence of the
+context's last n tokens (no model, no extra weights; any family)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+NAME = "ngram"
+
+
+@dataclass(frozen=True)
+class NgramDrafter:
+    """Proposes drafts from the request's own tokens (prompt and output so far).
+
+    For n from max_ngram down to min_ngram: find the latest position where the last n tokens
+    occurred before (not the suffix itself), and propose the tokens that followed it there,
+    at most num_drafts and never past the end of the context. Longer matches win; among equal
+    lengths the latest occurrence wins. Pure Python, deterministic, no state.
+    """
+
+    max_ngram: int = 3
+    min_ngram: int = 1
+    name: str = NAME
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_ngram <= self.max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram}, {self.max_ngram}")
+
+    def propose(self, token_ids: Sequence[int], num_drafts: int) -> tuple[int, ...]:
+        """Up to num_drafts draft tokens to follow token_ids; () when no n-gram matches or
+        num_drafts <= 0."""
+        length = len(token_ids)
+        if num_drafts <= 0:
+            return ()
+        tokens = list(token_ids)
+        for n in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
+            suffix = tokens[length - n :]
+            # a match starting at `start` must leave at least one token after it
+            for start in range(length - n - 1, -1, -1):
+                if tokens[start : start + n] == suffix:
+                    return tuple(tokens[start + n : start + n + num_drafts])
+        return ()

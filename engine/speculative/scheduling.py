@@ -1,0 +1,175 @@
+"""The scheduler's side of speculative decoding: which requests draft, how a verification
+chunk's result becomes output tokens, and which position's state the worker keeps.
+
+A verification chunk is a decode of k + 1 tokens: the request's last known token t0 then k
+drafts d1..dk (ScheduledChunk.num_draft_tokens = k). The runner returns the argmax g0..gk at
+each position. Greedy acceptance: d(i+1) is accepted while it equals g(i); with a drafts
+accepted the new tokens are g0..ga (the accepted drafts and the bonus token g(a)), exactly
+what a + 1 plain greedy decode steps give. Token-level stops (EOS, stop token ids, max_tokens,
+max_model_len) are judged token by token and drop what follows (`accept`); a stop string,
+judged on text by the output processor, drops what follows through `trim`. Only positions
+that are kept count: num_computed_tokens advances by the tokens kept, KV blocks past them are
+freed, and the worker is told (CommitOp) to keep the state after the last kept computed
+position; the request's own state slot is not written before that.
+
+Which requests speculate: greedy ones that do not ask for logits, once they have an output
+token and min_tokens is met (the sampler's min_tokens masking would change the argmax).
+Drafting needs every token known, so such a request waits while a token of its is pending
+(`waits`): with async_scheduling it has one step in flight at a time; the others keep the
+overlap.
+
+Pure Python, like the scheduler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from engine.request import Request, RequestStatus, token_stop_reason
+from engine.step_io import CommitOp, ScheduledChunk
+
+
+class Drafter(Protocol):
+    name: str
+
+    def propose(self, token_ids: Sequence[int], num_drafts: int) -> tuple[int, ...]:
+        """Up to num_drafts tokens to follow token_ids (() for none)."""
+        ...
+
+
+@dataclass
+class SpeculationStats:
+    """Counters since start (exported as metrics), for one drafter.
+
+    acceptance_lengths[a]: verification chunks in which a drafts were accepted (a = 0..k).
+    draft_tokens_accepted counts by the greedy rule; those dropped after at a stop are also
+    in draft_tokens_trimmed."""
+
+    drafter: str = ""
+    verification_chunks: int = 0
+    draft_tokens_proposed: int = 0
+    draft_tokens_accepted: int = 0
+    draft_tokens_trimmed: int = 0
+    acceptance_lengths: list[int] = field(default_factory=list)
+
+    def copy(self) -> SpeculationStats:
+        return SpeculationStats(self.drafter, self.verification_chunks, self.draft_tokens_proposed,
+                                self.draft_tokens_accepted, self.draft_tokens_trimmed,
+                                list(self.acceptance_lengths))
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted drafts per proposed draft (0.0 before any)."""
+        return self.draft_tokens_accepted / self.draft_tokens_proposed if self.draft_tokens_proposed else 0.0
+
+
+def greedy_accept(drafts: Sequence[int], verified: Sequence[int]) -> int:
+    """How many drafts the greedy rule accepts: drafts[i] is accepted while it equals
+    verified[i], the argmax at the position before it (len(verified) = len(drafts) + 1)."""
+    accepted = 0
+    while accepted < len(drafts) and drafts[accepted] == verified[accepted]:
+        accepted += 1
+    return accepted
+
+
+class SpeculativeDecoding:
+    """num_speculative_tokens: the most drafts a verification chunk carries (0: off, and then
+    every method is a no-op). Holds the commits not yet handed to a step and the counters."""
+
+    def __init__(self, num_speculative_tokens: int = 0, drafter: Drafter | None = None) -> None:
+        if num_speculative_tokens and drafter is None:
+            raise ValueError("num_speculative_tokens > 0 needs a drafter")
+        self.num_speculative_tokens = num_speculative_tokens
+        self.drafter = drafter
+        self.stats = SpeculationStats(
+            drafter=drafter.name if drafter is not None else "",
+            acceptance_lengths=[0] * (num_speculative_tokens + 1),
+        )
+        self._commits: dict[str, CommitOp] = {}  # request id -> position to keep, for the next step
+
+    def speculates(self, request: Request) -> bool:
+        """Whether `request` is one that drafts (module docstring)."""
+        params = request.sampling
+        return bool(self.num_speculative_tokens) and params.greedy and not params.return_logits
+
+    def waits(self, request: Request) -> bool:
+        """A speculating request with a token pending is not scheduled (nor admitted) until
+        that token is known."""
+        return request.num_pending_tokens > 0 and self.speculates(request)
+
+    def drafts(self, request: Request, budget: int, max_model_len: int) -> tuple[int, ...]:
+        """The drafts of `request`'s next chunk, when it is a decode (every token but the last
+        computed, none pending) of a speculating request: at most num_speculative_tokens,
+        budget - 1, and as many as leave room for the bonus token under max_tokens and
+        max_model_len. () otherwise. Mutates nothing."""
+        if not self.speculates(request) or request.num_pending_tokens:
+            return ()
+        if request.num_output_tokens == 0 or request.num_output_tokens < request.sampling.min_tokens:
+            return ()
+        if request.num_computed_tokens != request.num_tokens - 1:
+            return ()
+        limit = min(
+            self.num_speculative_tokens,
+            budget - 1,
+            request.sampling.max_tokens - request.num_output_tokens - 1,
+            max_model_len - request.num_tokens - 1,
+        )
+        if limit <= 0:
+            return ()
+        return self.drafter.propose(request.all_token_ids, limit)
+
+    def accept(self, request: Request, chunk: ScheduledChunk, verified: Sequence[int], max_model_len: int) -> int:
+        """The verification `chunk` of `request` came back with the argmax `verified` at each
+        position: resolve its pending token into the accepted drafts and the bonus token, one
+        by one, stopping after the first that ends the request by a token-level rule (what
+        follows is dropped). A running request's num_computed_tokens then stands just before
+        its last token, and the commit of the last computed position kept is recorded for the
+        next step. Returns the number of tokens kept (>= 1). Mutates the request and the
+        counters; the caller ends the request if token_stop_reason says so."""
+        drafts = chunk.token_ids[1:]
+        accepted = greedy_accept(drafts, verified)
+        self.stats.verification_chunks += 1
+        self.stats.draft_tokens_proposed += len(drafts)
+        self.stats.draft_tokens_accepted += accepted
+        self.stats.acceptance_lengths[accepted] += 1
+        request.num_pending_tokens -= 1
+        kept = 0
+        for token in verified[: accepted + 1]:
+            request.output_token_ids.append(token)
+            kept += 1
+            if token_stop_reason(request, max_model_len) is not None:
+                break
+        self.stats.draft_tokens_trimmed += accepted + 1 - kept
+        if request.status is RequestStatus.RUNNING:  # else preempted meanwhile: recomputed later
+            request.num_computed_tokens = chunk.start_position + kept
+            self._commits[request.request_id] = CommitOp(request.request_id, request.state_slot, kept - 1)
+        return kept
+
+    def trim(self, request: Request, num_output_tokens: int) -> None:
+        """Drop `request`'s output tokens past the first num_output_tokens (a stop string
+        ended its text there, inside the tokens its last verification kept), with the computed
+        positions and the commit that went with them. Call before the request finishes, so
+        its response checkpoint covers exactly the tokens kept. Mutates the request."""
+        dropped = request.num_output_tokens - num_output_tokens
+        if dropped <= 0:
+            return
+        commit = self._commits.get(request.request_id)
+        assert commit is not None and commit.index >= dropped and not request.num_pending_tokens, (
+            f"{request.request_id}: only tokens of its last verification can be trimmed")
+        del request.output_token_ids[num_output_tokens:]
+        request.num_computed_tokens -= dropped
+        self._commits[request.request_id] = CommitOp(commit.request_id, commit.state_slot, commit.index - dropped)
+        self.stats.draft_tokens_trimmed += dropped
+
+    def forget(self, request_id: str) -> None:
+        """`request_id` lost its state slot (preempted, requeued) before its commit was
+        handed to a step: nothing to keep."""
+        self._commits.pop(request_id, None)
+
+    def take_commits(self) -> tuple[CommitOp, ...]:
+        """The commits recorded since the last call, for the step being scheduled (applied at
+        its start, before its captures), and forgets them."""
+        commits, self._commits = tuple(self._commits.values()), {}
+        return commits
