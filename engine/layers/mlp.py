@@ -82,18 +82,22 @@ class SplitGatedMLP(nn.Module):
             gate = gate * self.gate_multiplier
         return torch.cat([gate, self.up_proj(x)], dim=-1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, D) -> (T, D)
-        return self.down_proj(silu_and_mul(self.gate_up(x)))
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:  # (T, D) -> (T, D)
+        """reduce=False: this rank's partial sum, neither all-reduced nor with down_proj's bias
+        (RowParallelLinear.forward), for a caller that sums partial outputs before one
+        all-reduce (Qwen3-Next's sparse block)."""
+        return self.down_proj(silu_and_mul(self.gate_up(x)), reduce)
 
-    def forward_gpu(self, x: torch.Tensor) -> torch.Tensor:  # (T, D) -> (T, D)
+    def forward_gpu(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:  # (T, D) -> (T, D)
         """forward on CUDA tensors, with GatedMLP.forward_gpu's activation: inside down_proj's
-        single-row GEMM where it takes the [gate | up] row, else one Triton launch."""
+        single-row GEMM where it takes the [gate | up] row, else one Triton launch. reduce as
+        in forward."""
         gate_up = self.gate_up(x)  # (T, 2 I_local)
         if self.down_proj.supports_gated(gate_up):
-            return self.down_proj.forward_gated(gate_up)
+            return self.down_proj.forward_gated(gate_up, reduce)
         from engine.kernels.gpu.activation import silu_and_mul as silu_and_mul_gpu
 
-        return self.down_proj(silu_and_mul_gpu(gate_up))
+        return self.down_proj(silu_and_mul_gpu(gate_up), reduce)
 
 
 class SquaredReluMLP(nn.Module):

@@ -228,7 +228,8 @@ class SparseMoeBlock(nn.Module):
 
     Tensor parallel: the experts split each expert's channels (layout.expert_channels), the
     shared expert its channels (layout.mlp_channels); the router and the (1, D) shared-expert
-    gate are replicated. Each of the two all-reduces its own output (two collectives a layer).
+    gate are replicated, so the gate scales each rank's partial sum of the shared expert alike,
+    and the two partial sums are added before one all-reduce.
     """
 
     def __init__(
@@ -246,12 +247,14 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, D) -> (T, D)
         gate = torch.sigmoid(linear(x, self.shared_expert_gate.weight, None))  # (T, 1)
-        return self.experts(x) + gate * self.shared_expert(x)
+        partial = self.experts(x, reduce=False) + gate * self.shared_expert(x, reduce=False)
+        return self.experts.tp.all_reduce(partial)
 
     def forward_gpu(self, x: torch.Tensor) -> torch.Tensor:  # (T, D) -> (T, D)
         """forward on CUDA: the experts' grouped GEMM, the shared expert's GPU path."""
         gate = torch.sigmoid(linear(x, self.shared_expert_gate.weight, None))  # (T, 1)
-        return self.experts.forward_gpu(x) + gate * self.shared_expert.forward_gpu(x)
+        partial = self.experts.forward_gpu(x, reduce=False) + gate * self.shared_expert.forward_gpu(x, reduce=False)
+        return self.experts.tp.all_reduce(partial)
 
 
 class DecoderLayer(nn.Module):
