@@ -24,12 +24,10 @@ from engine.model_config import (
     MLP_SPLIT,
     HybridModelConfig,
     as_float,
-    parse_dtype,
-    parse_eos_token_ids,
     parse_rope_base,
-    parse_time_step_limit,
     required,
 )
+from engine.models.config_fields import attention_fields, mamba_fields, token_fields
 from engine.models.granite_moe_hybrid import GraniteMoeHybridModel
 
 MODEL_TYPE = "bamba"
@@ -58,18 +56,10 @@ def parameter_name(checkpoint_name: str) -> str:
 
 def parse_config(raw: dict[str, Any]) -> HybridModelConfig:
     """Normalise a bamba config.json dict; raises ValueError naming the field it cannot accept."""
-    hidden_act = raw.get("hidden_act", "silu")
-    if hidden_act != "silu":
-        raise ValueError(f"hidden_act must be 'silu', got {hidden_act!r}")
-    hidden_size = required(raw, "hidden_size")
-    num_layers = required(raw, "num_hidden_layers")
-    num_heads = required(raw, "num_attention_heads")
-    num_kv_heads = raw.get("num_key_value_heads") or num_heads
-    head_dim = raw.get("head_dim") or hidden_size // num_heads
-    if num_heads % num_kv_heads != 0:
-        raise ValueError(
-            f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}"
-        )
+    attention = attention_fields(raw)
+    hidden_size, num_layers, head_dim = (
+        attention["hidden_size"], attention["num_hidden_layers"], attention["head_dim"]
+    )
     rotary_factor = as_float(
         (raw.get("rope_parameters") or {}).get("partial_rotary_factor", _ROTARY_FACTOR),
         "rope_parameters.partial_rotary_factor",
@@ -86,33 +76,16 @@ def parse_config(raw: dict[str, Any]) -> HybridModelConfig:
             f"attn_rotary_emb={rotary_width}: Bamba rotates {int(head_dim * rotary_factor)} "
             f"channels of head_dim {head_dim}"
         )
-    mamba_expand = raw.get("mamba_expand", 2)
-    mamba_n_heads = raw.get("mamba_n_heads", 128)
-    mamba_n_groups = raw.get("mamba_n_groups", 1)
-    mamba_d_head = mamba_head_dim(raw, mamba_expand * hidden_size, mamba_n_heads, "mamba_expand * hidden_size")
+    mamba = mamba_fields(raw, hidden_size)
     intermediate_size = required(raw, "intermediate_size")
     return HybridModelConfig(
         model_type=MODEL_TYPE,
         vocab_size=required(raw, "vocab_size"),
-        hidden_size=hidden_size,
-        num_hidden_layers=num_layers,
+        **attention,
         layer_types=_layer_types(raw.get("attn_layer_indices"), num_layers),
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        head_dim=head_dim,
-        attention_bias=bool(raw.get("attention_bias", False)),
         intermediate_size=intermediate_size,
         shared_intermediate_size=intermediate_size,
-        hidden_act=hidden_act,
-        mamba_n_heads=mamba_n_heads,
-        mamba_d_head=mamba_d_head,
-        mamba_d_state=raw.get("mamba_d_state", 256),
-        mamba_n_groups=mamba_n_groups,
-        mamba_d_conv=raw.get("mamba_d_conv", 4),
-        mamba_expand=mamba_expand,
-        mamba_chunk_size=raw.get("mamba_chunk_size", 256),
-        mamba_conv_bias=bool(raw.get("mamba_conv_bias", True)),
-        mamba_proj_bias=bool(raw.get("mamba_proj_bias", False)),
+        **mamba,
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
         rope_theta=parse_rope_base(raw),
         max_position_embeddings=raw.get("max_position_embeddings", 262144),
@@ -120,32 +93,11 @@ def parse_config(raw: dict[str, Any]) -> HybridModelConfig:
         attention_multiplier=head_dim**-0.5,
         residual_multiplier=1.0,
         logits_scaling=1.0,
-        time_step_limit=parse_time_step_limit(raw.get("time_step_limit")),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        bos_token_id=raw.get("bos_token_id"),
-        eos_token_ids=parse_eos_token_ids(raw),
-        pad_token_id=raw.get("pad_token_id"),
-        dtype=parse_dtype(raw),
+        **token_fields(raw),
         partial_rotary_factor=rotary_factor,
         mlp_layout=MLP_SPLIT,
         mlp_bias=bool(raw.get("mlp_bias", False)),
     )
-
-
-def mamba_head_dim(raw: dict[str, Any], inner_size: int, num_heads: int, inner_name: str) -> int:
-    """mamba_d_head as written, or inner_size / mamba_n_heads for "auto" (or absent);
-    ValueError unless d_head * n_heads == inner_size and the groups divide the heads."""
-    d_head = raw.get("mamba_d_head", "auto")
-    if d_head == "auto":
-        d_head = inner_size // num_heads
-    if d_head * num_heads != inner_size:
-        raise ValueError(
-            f"mamba_d_head={d_head} * mamba_n_heads={num_heads} must equal {inner_name} = {inner_size}"
-        )
-    groups = raw.get("mamba_n_groups", 1)
-    if num_heads % groups != 0:
-        raise ValueError(f"mamba_n_groups={groups} must divide mamba_n_heads={num_heads}")
-    return d_head
 
 
 def _layer_types(attn_layer_indices: list[int] | None, num_layers: int) -> tuple[str, ...]:

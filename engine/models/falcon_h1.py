@@ -45,13 +45,10 @@ from engine.model_config import (
     MLP_SPLIT,
     HybridModelConfig,
     as_float,
-    parse_dtype,
-    parse_eos_token_ids,
     parse_rope_base,
-    parse_time_step_limit,
     required,
 )
-from engine.models.bamba import mamba_head_dim
+from engine.models.config_fields import attention_fields, mamba_fields, token_fields
 from engine.models.granite_moe_hybrid import GraniteMoeHybridModel
 from engine.shard_layout import RankShardLayout
 from engine.tensor_parallel import TensorParallel
@@ -62,22 +59,11 @@ MODEL_TYPE = "falcon_h1"
 def parse_config(raw: dict[str, Any]) -> HybridModelConfig:
     """Normalise a falcon_h1 config.json dict; raises ValueError naming the field it cannot
     accept."""
-    hidden_act = raw.get("hidden_act", "silu")
-    if hidden_act != "silu":
-        raise ValueError(f"hidden_act must be 'silu', got {hidden_act!r}")
-    hidden_size = required(raw, "hidden_size")
-    num_layers = required(raw, "num_hidden_layers")
-    num_heads = required(raw, "num_attention_heads")
-    num_kv_heads = raw.get("num_key_value_heads") or num_heads
-    head_dim = raw.get("head_dim") or hidden_size // num_heads
-    if num_heads % num_kv_heads != 0:
-        raise ValueError(
-            f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}"
-        )
-    mamba_expand = raw.get("mamba_expand", 2)
-    mamba_n_heads = raw.get("mamba_n_heads", 128)
-    mamba_inner = raw.get("mamba_d_ssm") or mamba_expand * hidden_size
-    mamba_d_head = mamba_head_dim(raw, mamba_inner, mamba_n_heads, "mamba_d_ssm")
+    attention = attention_fields(raw)
+    hidden_size, num_layers, head_dim = (
+        attention["hidden_size"], attention["num_hidden_layers"], attention["head_dim"]
+    )
+    mamba = mamba_fields(raw, hidden_size, inner_size_key="mamba_d_ssm")
     ssm_multipliers = _multipliers(raw, "ssm_multipliers", 5)
     gate_multiplier, down_multiplier = _multipliers(raw, "mlp_multipliers", 2)
     lm_head_multiplier = _multiplier(raw, "lm_head_multiplier")
@@ -87,25 +73,11 @@ def parse_config(raw: dict[str, Any]) -> HybridModelConfig:
     return HybridModelConfig(
         model_type=MODEL_TYPE,
         vocab_size=required(raw, "vocab_size"),
-        hidden_size=hidden_size,
-        num_hidden_layers=num_layers,
+        **attention,
         layer_types=(HYBRID,) * num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        head_dim=head_dim,
-        attention_bias=bool(raw.get("attention_bias", False)),
         intermediate_size=intermediate_size,
         shared_intermediate_size=intermediate_size,
-        hidden_act=hidden_act,
-        mamba_n_heads=mamba_n_heads,
-        mamba_d_head=mamba_d_head,
-        mamba_d_state=raw.get("mamba_d_state", 256),
-        mamba_n_groups=raw.get("mamba_n_groups", 1),
-        mamba_d_conv=raw.get("mamba_d_conv", 4),
-        mamba_expand=mamba_expand,
-        mamba_chunk_size=raw.get("mamba_chunk_size", 256),
-        mamba_conv_bias=bool(raw.get("mamba_conv_bias", True)),
-        mamba_proj_bias=bool(raw.get("mamba_proj_bias", False)),
+        **mamba,
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
         rope_theta=parse_rope_base(raw),
         max_position_embeddings=raw.get("max_position_embeddings", 8192),
@@ -113,12 +85,7 @@ def parse_config(raw: dict[str, Any]) -> HybridModelConfig:
         attention_multiplier=_multiplier(raw, "key_multiplier") * head_dim**-0.5,
         residual_multiplier=down_multiplier,
         logits_scaling=1.0 / lm_head_multiplier,
-        time_step_limit=parse_time_step_limit(raw.get("time_step_limit")),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        bos_token_id=raw.get("bos_token_id"),
-        eos_token_ids=parse_eos_token_ids(raw),
-        pad_token_id=raw.get("pad_token_id"),
-        dtype=parse_dtype(raw),
+        **token_fields(raw),
         # transformers' Falcon-H1 rotates whole heads: it ignores a
         # rope_parameters.partial_rotary_factor (which a config may carry), and so does this.
         partial_rotary_factor=1.0,

@@ -41,14 +41,13 @@ from engine.layers.vocab_parallel import (
 from engine.model_config import (
     ATTENTION,
     HybridModelConfig,
-    parse_dtype,
-    parse_eos_token_ids,
     parse_layer_types,
     parse_rope_theta,
-    parse_time_step_limit,
     required,
 )
-from engine.shard_layout import RankShardLayout, rank_shard_layout, width
+from engine.models.config_fields import attention_fields, mamba_fields, token_fields
+from engine.models.model_caches import RankCaches
+from engine.shard_layout import RankShardLayout, rank_shard_layout
 from engine.tensor_parallel import TensorParallel, TensorShard, parameter_shards
 
 
@@ -59,56 +58,17 @@ def parse_config(raw: dict[str, Any]) -> HybridModelConfig:
     """Normalise a granitemoehybrid config.json dict; raises ValueError naming the field it
     cannot accept."""
     num_experts, top_k, intermediate_size = _parse_experts(raw)
-    hidden_act = raw.get("hidden_act", "silu")
-    if hidden_act != "silu":
-        raise ValueError(f"hidden_act must be 'silu', got {hidden_act!r}")
-
-    hidden_size = required(raw, "hidden_size")
-    num_layers = required(raw, "num_hidden_layers")
-    num_heads = required(raw, "num_attention_heads")
-    num_kv_heads = raw.get("num_key_value_heads") or num_heads
-    head_dim = raw.get("head_dim") or hidden_size // num_heads
-    if num_heads % num_kv_heads != 0:
-        raise ValueError(
-            f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}"
-        )
-
-    mamba_expand = raw.get("mamba_expand", 2)
-    mamba_n_heads = raw.get("mamba_n_heads", 128)
-    mamba_n_groups = raw.get("mamba_n_groups", 1)
-    mamba_d_head = raw.get("mamba_d_head", "auto")
-    if mamba_d_head == "auto":
-        mamba_d_head = mamba_expand * hidden_size // mamba_n_heads
-    if mamba_d_head * mamba_n_heads != mamba_expand * hidden_size:
-        raise ValueError(
-            f"mamba_d_head={mamba_d_head} * mamba_n_heads={mamba_n_heads} must equal "
-            f"mamba_expand * hidden_size = {mamba_expand * hidden_size}"
-        )
-    if mamba_n_heads % mamba_n_groups != 0:
-        raise ValueError(f"mamba_n_groups={mamba_n_groups} must divide mamba_n_heads={mamba_n_heads}")
-
+    attention = attention_fields(raw)
+    num_layers = attention["num_hidden_layers"]
+    mamba = mamba_fields(raw, attention["hidden_size"])
     return HybridModelConfig(
         model_type=MODEL_TYPE,
         vocab_size=required(raw, "vocab_size"),
-        hidden_size=hidden_size,
-        num_hidden_layers=num_layers,
+        **attention,
         layer_types=parse_layer_types(raw.get("layer_types"), num_layers),
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        head_dim=head_dim,
-        attention_bias=bool(raw.get("attention_bias", False)),
         intermediate_size=intermediate_size,
         shared_intermediate_size=required(raw, "shared_intermediate_size"),
-        hidden_act=hidden_act,
-        mamba_n_heads=mamba_n_heads,
-        mamba_d_head=mamba_d_head,
-        mamba_d_state=raw.get("mamba_d_state", 256),
-        mamba_n_groups=mamba_n_groups,
-        mamba_d_conv=raw.get("mamba_d_conv", 4),
-        mamba_expand=mamba_expand,
-        mamba_chunk_size=raw.get("mamba_chunk_size", 256),
-        mamba_conv_bias=bool(raw.get("mamba_conv_bias", True)),
-        mamba_proj_bias=bool(raw.get("mamba_proj_bias", False)),
+        **mamba,
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         rope_theta=parse_rope_theta(raw),
         max_position_embeddings=raw.get("max_position_embeddings", 2048),
@@ -116,12 +76,7 @@ def parse_config(raw: dict[str, Any]) -> HybridModelConfig:
         attention_multiplier=float(raw.get("attention_multiplier", 1.0)),
         residual_multiplier=float(raw.get("residual_multiplier", 1.0)),
         logits_scaling=float(raw.get("logits_scaling", 1.0)),
-        time_step_limit=parse_time_step_limit(raw.get("time_step_limit")),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        bos_token_id=raw.get("bos_token_id"),
-        eos_token_ids=parse_eos_token_ids(raw),
-        pad_token_id=raw.get("pad_token_id"),
-        dtype=parse_dtype(raw),
+        **token_fields(raw),
         num_local_experts=num_experts,
         num_experts_per_tok=top_k,
     )
@@ -256,7 +211,7 @@ class DecoderLayer(nn.Module):
         return hidden, self.mlp_gpu(mlp_in)
 
 
-class GraniteMoeHybridModel(nn.Module):
+class GraniteMoeHybridModel(RankCaches, nn.Module):
     """Embedding (times embedding_multiplier), decoder layers, final norm; lm_head for logits.
 
     With tie_word_embeddings the LM head is embed_tokens.weight and there is no lm_head module.
@@ -357,47 +312,6 @@ class GraniteMoeHybridModel(nn.Module):
         not listed (the RMSNorm weights, row-parallel biases) are held whole."""
         return parameter_shards(self)
 
-    def kv_heads_per_rank(self) -> int:
-        return width(self.layout.kv_heads)
-
     def mamba_state_shape(self) -> tuple[tuple[int, int], tuple[int, int, int]]:
         """This rank's ((conv_dim, K-1), (H, P, N)) of one state slot of one Mamba layer."""
         return cache_capacity.mamba_state_shape(self.config, self.layout)
-
-    def kv_bytes_per_block(self, block_size: int) -> int:
-        """Bytes of one KV block on this rank (engine/cache_capacity.py)."""
-        return cache_capacity.kv_bytes_per_block(self.config, self.layout, self.dtype, block_size)
-
-    def state_bytes_per_slot(self) -> int:
-        """Bytes of one recurrent state slot on this rank (engine/cache_capacity.py)."""
-        return cache_capacity.state_bytes_per_slot(self.config, self.layout, self.dtype)
-
-    def allocate_caches(
-        self, num_blocks: int, block_size: int, num_state_slots: int, device=None
-    ) -> ModelCaches:
-        """Zeroed KV blocks and state slots of this rank (layouts in engine/forward_batch.py;
-        the KV heads, Mamba heads and conv channels are the rank's own)."""
-        c = self.config
-        if device is None:
-            device = self.embed_tokens.weight.device
-        kv_shape = (num_blocks, block_size, self.kv_heads_per_rank(), c.head_dim)
-        conv_slot, ssm_slot = self.mamba_state_shape()
-        conv_shape = (num_state_slots, *conv_slot)
-        ssm_shape = (num_state_slots, *ssm_slot)
-        zeros = lambda shape, dtype: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
-        # One tensor per kind, stacked over layers; each layer's cache is a view of it.
-        attention, mamba = sorted(c.attention_layers), sorted(c.mamba_layers)
-        kv = zeros((2, len(attention), *kv_shape), self.dtype)
-        conv = zeros((len(mamba), *conv_shape), self.dtype)
-        ssm = zeros((len(mamba), *ssm_shape), torch.float32)
-        return ModelCaches(
-            block_size=block_size,
-            key_cache={layer: kv[0, j] for j, layer in enumerate(attention)},
-            value_cache={layer: kv[1, j] for j, layer in enumerate(attention)},
-            conv_state={layer: conv[j] for j, layer in enumerate(mamba)},
-            ssm_state={layer: ssm[j] for j, layer in enumerate(mamba)},
-            conv_stack=conv,
-            ssm_stack=ssm,
-            kv_stack=kv,
-        )
-

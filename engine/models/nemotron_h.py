@@ -45,7 +45,8 @@ from engine.model_config import (
     parse_time_step_limit,
     required,
 )
-from engine.shard_layout import RankShardLayout, rank_shard_layout, width
+from engine.models.model_caches import RankCaches
+from engine.shard_layout import RankShardLayout, rank_shard_layout
 from engine.tensor_parallel import TensorParallel, TensorShard, parameter_shards
 
 MODEL_TYPE = "nemotron_h"
@@ -246,7 +247,7 @@ class NemotronHBlock(nn.Module):
         return self.mixer(x) if gpu_plan is None else self.mixer.forward_gpu(x)
 
 
-class NemotronHModel(nn.Module):
+class NemotronHModel(RankCaches, nn.Module):
     """Embedding, blocks, final norm (norm_f); lm_head for logits (never tied: parse_config
     refuses tie_word_embeddings). tp: the rank this model is built for; None means unsharded."""
 
@@ -321,39 +322,6 @@ class NemotronHModel(nn.Module):
         """Parameter name -> the shard of its checkpoint tensor this rank holds."""
         return parameter_shards(self)
 
-    def kv_heads_per_rank(self) -> int:
-        return width(self.layout.kv_heads)
-
     def mamba_state_shape(self) -> tuple[tuple[int, int], tuple[int, int, int]]:
         """This rank's ((conv_dim, K-1), (H, P, N)) of one state slot of one Mamba2 block."""
         return cache_capacity.mamba_state_shape(self.config, self.layout)
-
-    def kv_bytes_per_block(self, block_size: int) -> int:
-        return cache_capacity.kv_bytes_per_block(self.config, self.layout, self.dtype, block_size)
-
-    def state_bytes_per_slot(self) -> int:
-        return cache_capacity.state_bytes_per_slot(self.config, self.layout, self.dtype)
-
-    def allocate_caches(
-        self, num_blocks: int, block_size: int, num_state_slots: int, device=None
-    ) -> ModelCaches:
-        """Zeroed KV blocks (attention blocks) and state slots (Mamba2 blocks) of this rank,
-        one stacked tensor per kind with a view per block; MLP blocks have none."""
-        c = self.config
-        device = self.embeddings.weight.device if device is None else device
-        conv_slot, ssm_slot = self.mamba_state_shape()
-        attention, mamba = c.attention_layers, c.mamba_layers
-        kv_shape = (2, len(attention), num_blocks, block_size, self.kv_heads_per_rank(), c.head_dim)
-        kv = torch.zeros(kv_shape, dtype=self.dtype, device=device)
-        conv = torch.zeros((len(mamba), num_state_slots, *conv_slot), dtype=self.dtype, device=device)
-        ssm = torch.zeros((len(mamba), num_state_slots, *ssm_slot), dtype=torch.float32, device=device)
-        return ModelCaches(
-            block_size=block_size,
-            key_cache={layer: kv[0, j] for j, layer in enumerate(attention)},
-            value_cache={layer: kv[1, j] for j, layer in enumerate(attention)},
-            conv_state={layer: conv[j] for j, layer in enumerate(mamba)},
-            ssm_state={layer: ssm[j] for j, layer in enumerate(mamba)},
-            conv_stack=conv,
-            ssm_stack=ssm,
-            kv_stack=kv,
-        )

@@ -38,7 +38,6 @@ import re
 import torch
 from torch import nn
 
-from engine import cache_capacity
 from engine.forward_batch import ForwardBatch, ModelCaches
 from engine.kernels.gpu.batch_plan import GpuBatchPlan
 from engine.layers.attention import PagedAttention
@@ -65,7 +64,8 @@ from engine.model_config import (
     parse_rope_base,
     required,
 )
-from engine.shard_layout import RankShardLayout, rank_shard_layout, width
+from engine.models.model_caches import RankCaches
+from engine.shard_layout import RankShardLayout, rank_shard_layout
 from engine.tensor_parallel import StackedPiece, TensorParallel, TensorShard, parameter_shards
 
 MODEL_TYPE = "qwen3_next"
@@ -337,7 +337,7 @@ class MultiTokenPredictionWeights(nn.Module):
         self.norm = RMSNorm(D, eps, dtype, zero_centered=True)
 
 
-class Qwen3NextModel(nn.Module):
+class Qwen3NextModel(RankCaches, nn.Module):
     """Embedding, decoder layers, final zero-centred norm; lm_head for logits; `mtp` holds
     the multi-token-prediction weights (None without them).
 
@@ -410,41 +410,3 @@ class Qwen3NextModel(nn.Module):
     def parameter_shards(self) -> dict[str, TensorShard]:
         """Parameter name -> the shard of its checkpoint tensor this rank holds."""
         return parameter_shards(self)
-
-    def kv_heads_per_rank(self) -> int:
-        return width(self.layout.kv_heads)
-
-    def recurrent_state_shape(self) -> tuple[tuple[int, int], tuple[int, int, int]]:
-        """This rank's ((C, K-1), (Hv, dk, dv)) of one state slot of one gated delta-net layer."""
-        return cache_capacity.recurrent_state_shape(self.config, self.layout)
-
-    def kv_bytes_per_block(self, block_size: int) -> int:
-        return cache_capacity.kv_bytes_per_block(self.config, self.layout, self.dtype, block_size)
-
-    def state_bytes_per_slot(self) -> int:
-        return cache_capacity.state_bytes_per_slot(self.config, self.layout, self.dtype)
-
-    def allocate_caches(
-        self, num_blocks: int, block_size: int, num_state_slots: int, device=None
-    ) -> ModelCaches:
-        """Zeroed KV blocks and state slots of this rank: the gated delta-net layers' conv and
-        recurrent states in ModelCaches.conv_state / ssm_state (stacked over those layers)."""
-        c = self.config
-        if device is None:
-            device = self.embed_tokens.weight.device
-        kv_shape = (num_blocks, block_size, self.kv_heads_per_rank(), c.head_dim)
-        conv_slot, rec_slot = self.recurrent_state_shape()
-        attention, recurrent = c.attention_layers, c.recurrent_layers
-        kv = torch.zeros((2, len(attention), *kv_shape), dtype=self.dtype, device=device)
-        conv = torch.zeros((len(recurrent), num_state_slots, *conv_slot), dtype=self.dtype, device=device)
-        rec = torch.zeros((len(recurrent), num_state_slots, *rec_slot), dtype=torch.float32, device=device)
-        return ModelCaches(
-            block_size=block_size,
-            key_cache={layer: kv[0, j] for j, layer in enumerate(attention)},
-            value_cache={layer: kv[1, j] for j, layer in enumerate(attention)},
-            conv_state={layer: conv[j] for j, layer in enumerate(recurrent)},
-            ssm_state={layer: rec[j] for j, layer in enumerate(recurrent)},
-            conv_stack=conv,
-            ssm_stack=rec,
-            kv_stack=kv,
-        )
