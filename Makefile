@@ -18,7 +18,9 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(VENV)/bin/python -m deployments.serve_main serve_config.yaml
 
-# Two workers: the Ray/Serve tests on one (one Ray instance, fixed ports), the rest on the
-# other (tests/conftest.py groups them).
+# The tests that need no Ray on two workers, then the Ray/Serve tests alone, one at a time
+# (tests/conftest.py marks them); fails if either run fails.
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q -n 2 --dist loadgroup tests
+	$(VENV)/bin/python -m pytest -q -n 2 -m "not ray" tests; first=$$?; \
+	$(VENV)/bin/python -m pytest -q -m ray tests; second=$$?; \
+	test $$first = 0 && test $$second = 0

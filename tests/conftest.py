@@ -5,11 +5,11 @@ numerics tests never pay for it) and shuts it down at the end. It is sized for a
 4 logical CPUs so fractional actors fit, a 256 MiB object store, no dashboard. The Serve
 fixtures on top of it are in tests/e2e/serve_fixtures.py.
 
-Under pytest-xdist (`make test` runs `-n 2 --dist loadgroup`), every test that starts Ray or
-Serve (it asks for ray_session, directly or through a Serve fixture, or lives in a directory
-of such tests) is put in one xdist group, so they run one after another on one worker with
-one Ray instance and their fixed ports, while the other worker runs the tests that need no
-Ray; the suite then takes about the longer of the two instead of their sum.
+Every test that starts Ray or Serve (it asks for ray_session, directly or through a Serve
+fixture, or lives in a directory of such tests) is marked `ray`. `make test` runs the others
+first on two pytest-xdist workers (`-m "not ray" -n 2`), then the `ray` tests in one process,
+one at a time, with one Ray instance and their fixed ports, and nothing else competing for
+the two cores (several of them time Serve's behaviour under load).
 """
 
 from __future__ import annotations
@@ -30,15 +30,13 @@ RAY_NUM_CPUS = 4
 RAY_OBJECT_STORE_BYTES = 256 * 1024 * 1024
 # Directories whose tests start Ray themselves (a subprocess, a fake cluster) or Serve.
 RAY_TEST_DIRS = ("e2e", "cluster", "cluster_checkpoints", "metrics", "soak")
-RAY_GROUP = "ray"
 
 
 def pytest_collection_modifyitems(config, items):
-    """Mark every Ray test xdist_group(RAY_GROUP): see the module docstring."""
+    """Mark every Ray test `ray`: see the module docstring."""
     for item in items:
-        directory = item.path.parent.name
-        if "ray_session" in item.fixturenames or directory in RAY_TEST_DIRS:
-            item.add_marker(pytest.mark.xdist_group(RAY_GROUP))
+        if "ray_session" in item.fixturenames or item.path.parent.name in RAY_TEST_DIRS:
+            item.add_marker(pytest.mark.ray)
 
 
 @pytest.fixture(scope="session")

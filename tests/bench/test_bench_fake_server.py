@@ -15,7 +15,6 @@ import pytest
 from hybrid_serve_bench import cli
 from hybrid_serve_bench.client import RECORD_FIELDS
 
-PORT = 8253
 ROLE_TO_CONTENT_S = 0.2  # the server waits this long between the role chunk and the first content
 
 
@@ -64,10 +63,10 @@ class FakeOpenAI(BaseHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def fake_server():
-    server = ThreadingHTTPServer(("127.0.0.1", PORT), FakeOpenAI)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), FakeOpenAI)  # a free port: xdist runs two
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
-    yield f"http://127.0.0.1:{PORT}"
+    yield f"http://127.0.0.1:{server.server_address[1]}"
     server.shutdown()
     server.server_close()
 
