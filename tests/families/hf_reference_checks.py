@@ -1,4 +1,5 @@
-"""Checks shared by the Bamba and Falcon-H1 family tests (test_bamba.py, test_falcon_h1.py):
+"""Checks shared by the family tests (test_bamba.py, test_falcon_h1.py, test_nemotron_h.py,
+test_qwen3_next.py):
 a tiny random transformers model saved with save_pretrained and loaded by the engine's loader,
 compared with transformers (fp32, CPU, eager attention) through the paged driver
 (tests/paged_runner.py); a saved model with the embedded model's tokenizer for LLMEngine runs;
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -38,7 +40,7 @@ def perturb_constant_init(reference: torch.nn.Module, seed: int) -> None:
     generator = torch.Generator().manual_seed(seed + 1)
     for name, param in reference.named_parameters():
         noise = torch.randn(param.shape, generator=generator)
-        if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+        if name.endswith("norm.weight") or name.endswith("norm_f.weight"):
             param.copy_(1.0 + 0.3 * noise)
         elif name.endswith("dt_bias"):
             param.copy_(0.7 * noise)
@@ -50,15 +52,23 @@ def perturb_constant_init(reference: torch.nn.Module, seed: int) -> None:
             param.copy_(0.1 * noise)
 
 
-def save_reference(config_class, model_class, hf_kwargs: dict, directory: Path, seed: int = 0):
-    """A seeded random transformers model (fp32, eager attention), constants perturbed, saved
-    to `directory`; returns it in eval mode. hf_kwargs is deep-copied: transformers' configs
-    may write into the dicts they are given (BambaConfig adds partial_rotary_factor to
-    rope_parameters)."""
+def without_none(hf_kwargs: dict) -> dict:
+    """hf_kwargs less the keys set to None (left to the transformers config's default)."""
+    return {k: v for k, v in hf_kwargs.items() if v is not None}
+
+
+def save_reference(
+    config_class, model_class, hf_kwargs: dict, directory: Path, seed: int = 0,
+    perturb: Callable[[torch.nn.Module, int], None] = perturb_constant_init,
+):
+    """A seeded random transformers model (fp32, eager attention), constants perturbed by
+    `perturb(model, seed)`, saved to `directory`; returns it in eval mode. hf_kwargs is
+    deep-copied: transformers' configs may write into the dicts they are given (BambaConfig
+    adds partial_rotary_factor to rope_parameters)."""
     torch.manual_seed(seed)
     kwargs = json.loads(json.dumps(hf_kwargs))
     reference = model_class(config_class(**kwargs, attn_implementation="eager")).eval()
-    perturb_constant_init(reference, seed)
+    perturb(reference, seed)
     reference.save_pretrained(directory)
     return reference
 
@@ -66,8 +76,11 @@ def save_reference(config_class, model_class, hf_kwargs: dict, directory: Path, 
 class Case:
     """A transformers reference and the same checkpoint loaded by the engine."""
 
-    def __init__(self, config_class, model_class, hf_kwargs: dict, directory: Path) -> None:
-        self.reference = save_reference(config_class, model_class, hf_kwargs, directory)
+    def __init__(
+        self, config_class, model_class, hf_kwargs: dict, directory: Path,
+        perturb: Callable[[torch.nn.Module, int], None] = perturb_constant_init,
+    ) -> None:
+        self.reference = save_reference(config_class, model_class, hf_kwargs, directory, perturb=perturb)
         self.model, self.config = load_model(directory)
         self.directory = directory
 

@@ -43,13 +43,21 @@ from engine.models.qwen3_next import Qwen3NextModel, SparseMoeBlock
 from engine.models.registry import load_model_config, parse_model_config
 from engine.shard_layout import rank_shard_layout
 from engine.tensor_parallel import TensorParallel
+from hf_reference_checks import (
+    TOLERANCE,
+    Case,
+    check_batched,
+    check_greedy,
+    check_odd_chunks,
+    check_one_chunk,
+    rel_err,
+    save_reference as save_hf_reference,
+    without_none,
+)
 from paged_runner import PagedRunner, Request
 from tests.engine.exactness import Tally, run_workload
 from tests.engine.reuse_cases import GREEDY, SYSTEM, chat, instruction_reuse, multi_turn, run
 from tests.tp.tp_support import run_model, run_world
-
-TOLERANCE = 1e-4
-PROMPT_LEN = 45  # several KV blocks of 16, with a partial tail
 
 # Alternating gated delta-net and gated attention; 2 key heads of 8 channels serving 4 value
 # heads of 16 (grouped value attention), GQA with head_dim * heads != hidden_size, RoPE on
@@ -103,11 +111,6 @@ def one_thread():
     torch.set_num_threads(previous)
 
 
-def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """max|a - b| / max|b|."""
-    return float((actual.float() - expected.float()).abs().max() / expected.float().abs().max())
-
-
 @torch.no_grad()
 def perturb_constant_init(reference: Qwen3NextForCausalLM, seed: int) -> None:
     """transformers sets the zero-centred norms to 0, the gated norm to 1 and dt_bias to 1:
@@ -125,34 +128,18 @@ def perturb_constant_init(reference: Qwen3NextForCausalLM, seed: int) -> None:
             param.copy_(torch.log(torch.rand(param.shape, generator=generator) * 8 + 0.5))
 
 
-def save_reference(hf_kwargs: dict, directory: Path, seed: int = 0) -> Qwen3NextForCausalLM:
-    torch.manual_seed(seed)
-    kwargs = {k: v for k, v in hf_kwargs.items() if v is not None}
-    reference = Qwen3NextForCausalLM(Qwen3NextConfig(**kwargs, attn_implementation="eager")).eval()
-    perturb_constant_init(reference, seed)
-    reference.save_pretrained(directory)
-    return reference
-
-
-class Case:
-    def __init__(self, hf_kwargs: dict, directory: Path) -> None:
-        self.reference = save_reference(hf_kwargs, directory)
-        self.model, self.config = load_model(directory)
-        self.directory = directory
-
-    def prompt(self, length: int, seed: int) -> list[int]:
-        generator = torch.Generator().manual_seed(seed)
-        return torch.randint(0, self.config.vocab_size, (length,), generator=generator).tolist()
-
-    @torch.no_grad()
-    def reference_logits(self, tokens: list[int]) -> torch.Tensor:
-        return self.reference(torch.tensor([tokens])).logits[0].float()
+def save_reference(hf_kwargs: dict, directory: Path) -> Qwen3NextForCausalLM:
+    return save_hf_reference(
+        Qwen3NextConfig, Qwen3NextForCausalLM, without_none(hf_kwargs), directory,
+        perturb=perturb_constant_init,
+    )
 
 
 @pytest.fixture(scope="module", params=["experts", "dense"])
 def case(request, tmp_path_factory) -> Case:
     kwargs = BASE if request.param == "experts" else VARIANT
-    return Case(kwargs, tmp_path_factory.mktemp(request.param))
+    directory = tmp_path_factory.mktemp(request.param)
+    return Case(Qwen3NextConfig, Qwen3NextForCausalLM, without_none(kwargs), directory, perturb_constant_init)
 
 
 def test_checkpoint_loads_with_both_mixers(case: Case):
@@ -175,72 +162,19 @@ def test_checkpoint_loads_with_both_mixers(case: Case):
 
 
 def test_one_chunk_matches_reference(case: Case):
-    prompt = case.prompt(PROMPT_LEN, seed=1)
-    logits = PagedRunner(case.model).run_in_chunks(Request(state_slot=0), prompt, [])
-    error = rel_err(logits, case.reference_logits(prompt))
-    print(f"one chunk: max relative error {error:.2e}")
-    assert error < TOLERANCE
+    check_one_chunk(case)
 
 
 def test_odd_chunks_match_reference(case: Case):
-    prompt = case.prompt(PROMPT_LEN, seed=2)
-    sizes = [3, 5, 7, 3, 5, 7, 1, 3]  # the rest (11) in a last chunk
-    logits = PagedRunner(case.model, seed=1).run_in_chunks(Request(state_slot=2), prompt, sizes)
-    error = rel_err(logits, case.reference_logits(prompt))
-    print(f"odd chunks: max relative error {error:.2e}")
-    assert error < TOLERANCE
+    check_odd_chunks(case)
 
 
 def test_batched_requests_match_reference(case: Case):
-    a, b, c = case.prompt(34, seed=3), case.prompt(23, seed=4), case.prompt(20, seed=5)
-    runner = PagedRunner(case.model, num_slots=4)
-    req_a, req_b, req_c = Request(state_slot=0), Request(state_slot=1), Request(state_slot=2)
-    runner.step([(Request(state_slot=2), case.prompt(9, seed=6))])  # C's slot dirty: must reset
-    first = runner.step([(req_a, a[:12]), (req_b, b[:21])])
-    # A mid-prefill, B decoding, C starting: one ForwardBatch
-    mixed = runner.step([(req_a, a[12:30]), (req_b, b[21:22]), (req_c, c[:9])])
-    last = runner.step([(req_b, b[22:23]), (req_c, c[9:]), (req_a, a[30:31])])
-    got = {
-        "a": (a[:31], [first[0], mixed[0], last[2]]),
-        "b": (b, [first[1], mixed[1], last[0]]),
-        "c": (c, [mixed[2], last[1]]),
-    }
-    for name, (tokens, pieces) in got.items():
-        logits = torch.cat(pieces)
-        assert logits.shape[0] == len(tokens)
-        error = rel_err(logits, case.reference_logits(tokens))
-        print(f"batched request {name}: max relative error {error:.2e}")
-        assert error < TOLERANCE
+    check_batched(case)
 
 
 def test_32_greedy_tokens_match_generate(case: Case):
-    prompt = case.prompt(19, seed=7)
-    num_new = 32
-    with torch.no_grad():
-        reference = case.reference.generate(
-            torch.tensor([prompt]), do_sample=False, max_new_tokens=num_new, min_new_tokens=0,
-            eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True,
-        )
-    reference_tokens = reference.sequences[0, len(prompt):].tolist()
-    reference_logits = [step[0].float() for step in reference.logits]
-    assert len(reference_tokens) == num_new
-    runner, request = PagedRunner(case.model), Request(state_slot=1)
-    step_logits = runner.step([(request, prompt)])[0][-1]
-    worst, compared = 0.0, 0
-    for i, expected in enumerate(reference_tokens):
-        error = rel_err(step_logits, reference_logits[i])
-        worst = max(worst, error)
-        assert error < TOLERANCE, f"logits differ at step {i} ({error:.2e})"
-        token = int(step_logits.argmax())
-        compared += 1
-        if token != expected:
-            top2 = reference_logits[i].topk(2).values
-            gap = float(top2[0] - top2[1])
-            assert gap < TOLERANCE, f"step {i}: got {token}, reference {expected} (gap {gap})"
-            print(f"near-tie at step {i} (top-2 gap {gap:.2e}); {compared} tokens compared")
-            return
-        step_logits = runner.step([(request, [token])])[0][-1]
-    print(f"greedy: {compared} tokens identical, 0 near-ties, max relative error {worst:.2e}")
+    check_greedy(case)
 
 
 # ---- the gated delta rule reference ---------------------------------------------------------
