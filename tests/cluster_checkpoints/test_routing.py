@@ -182,7 +182,9 @@ def test_an_overloaded_holder_is_passed_over(router_client, boundaries, new_salt
         response = chat(router_client, system, f"quick question {n}", salt, max_tokens=2)
         shorts.append((time.monotonic() - sent, response.usage.prompt_tokens_details.cached_tokens))
     shorts_done = time.monotonic()
-    after = holders(salt, system, tokenizer)
+    # the replicas report their captures in batches: the index lists the new holder shortly
+    after = wait_for(lambda: (held := holders(salt, system, tokenizer)) - {holder} and held, 10.0,
+                     "no other replica reported a checkpoint of the instruction")
     for thread in threads:
         thread.join(timeout=120)
     print(f"holder {holder}; short requests (seconds, cached tokens) {shorts}; holders after "
@@ -194,7 +196,6 @@ def test_an_overloaded_holder_is_passed_over(router_client, boundaries, new_salt
                for slot in longs)  # they went to the holder
     assert all(seconds < SHORT_BOUND_S for seconds, _ in shorts)
     assert shorts[0][1] == 0  # the first went to a replica without the checkpoint
-    assert after - {holder}, "no other replica served a request with the instruction"
 
 
 def wait_for(condition, timeout_s: float, what: str):
