@@ -17,9 +17,10 @@ ingress replica, for `LLMServer.generate`). For each request this router:
    captures its checkpoint once, instead of each replica computing it before the index
    hears of the first capture. The first of them goes to the less loaded of power-of-two's
    pair, probed here, and is remembered;
-5. and otherwise leaves it to Serve's power-of-two choices (over the other replicas when every
-   holder is at the threshold or above, "overloaded"): no holder, no token ids, a call that is not a generation (model
-   info, pool usage), or no current mirror (index actor down).
+5. sends it to a random pair of the other replicas when every holder is at the threshold or
+   above ("overloaded"),
+6. and otherwise leaves it to Serve's power-of-two choices: no holder, no token ids, a call
+   that is not a generation (model info, pool usage), or no current mirror (index actor down).
 
 Power-of-two choices is also the rank after the holders: a holder that turns out full
 (max_ongoing_requests) passes the request on to it in the same routing attempt. A digest
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -163,8 +165,9 @@ class CheckpointAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None
                               ) -> list[list[RunningReplica]]:
-        """[holders below the threshold, then power-of-two's pair], or power-of-two's pair
-        (over the replicas other than the holders when every holder is overloaded)."""
+        """[holders below the threshold, then power-of-two's pair]; [a random pair of the
+        other replicas, then power-of-two's pair] when every holder is overloaded; else
+        power-of-two's pair."""
         request = generation_request(pending_request)
         choice = HolderChoice((), "no_tokens")
         if request is not None and candidate_replicas:
@@ -175,12 +178,14 @@ class CheckpointAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
                                exc_info=True)
                 choice = HolderChoice((), "index_unavailable")
             self._count(pending_request, choice.reason)
-        others = candidate_replicas
-        if choice.reason == "overloaded":  # Serve's cached counts may not show the holders full
-            others = [r for r in candidate_replicas
-                      if r.replica_id.unique_id not in choice.overloaded] or candidate_replicas
         fallback = await PowerOfTwoChoicesRequestRouter.choose_replicas(
-            self, candidate_replicas=others, pending_request=pending_request)
+            self, candidate_replicas=candidate_replicas, pending_request=pending_request)
+        if choice.reason == "overloaded":
+            # Serve's power-of-two draws from all the deployment's replicas, whatever
+            # candidates it is given, and its cached counts may not show the holders full:
+            # first a random pair of the other replicas, then Serve's pair as a last resort.
+            others = [r for r in candidate_replicas if r.replica_id.unique_id not in choice.overloaded]
+            return ([random.sample(others, min(2, len(others)))] if others else []) + fallback
         if not choice.replica_ids:
             return fallback
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
