@@ -20,6 +20,7 @@ from engine.config import DEFAULT_MODEL_DIR
 from engine.loader import load_model
 from engine.tensor_parallel import TensorParallel
 from paged_runner import PagedRunner, Request
+from tests.engine.reuse_cases import GREEDY, SYSTEM, chat, instruction_reuse, multi_turn, run
 from tests.tp.tp_support import run_model, run_world
 
 TOLERANCE = 1e-4
@@ -201,3 +202,32 @@ def check_tp2_matches_tp1(model_dir: Path, name: str, out_dir: Path) -> float:
     print(f"tp=2: greedy tokens equal, logits max relative error {worst:.2e}")
     assert worst < TOLERANCE
     return worst
+
+
+# ---- checkpoint reuse through LLMEngine (every family asserts the same) ------------------------
+
+
+def check_instruction_reuse(engine, prefix: str) -> None:
+    """A second request with the same instructions restores them, prefills only the rest,
+    and gives the from-scratch tokens."""
+    first, second, scratch = instruction_reuse(engine, f"{prefix}-instruction")
+    assert first.cached == 0 and second.boundary is not None
+    assert second.cached == second.boundary
+    assert sum(second.chunk_sizes) == len(second.prompt) - second.boundary + GREEDY.max_tokens - 1
+    assert scratch.cached == 0 and scratch.tokens == second.tokens
+
+
+def check_multi_turn(engine, prefix: str) -> None:
+    """A continuation restores at least the previous turn's prompt and matches from scratch."""
+    first, second, scratch = multi_turn(engine, f"{prefix}-multi-turn")
+    assert second.cached >= len(first.prompt)
+    assert scratch.cached == 0 and scratch.tokens == second.tokens
+
+
+def check_repeat(engine, prefix: str) -> None:
+    """The same conversation again is served from its prompt checkpoint with no prefill."""
+    conversation = chat(SYSTEM, "Repeat after me: seven rivers.")
+    first = run(engine, f"{prefix}-r1", conversation, f"{prefix}-repeat")
+    second = run(engine, f"{prefix}-r2", conversation, f"{prefix}-repeat")
+    assert second.cached == len(second.prompt) and second.chunk_sizes[0] == 0
+    assert second.tokens == first.tokens and second.text == first.text

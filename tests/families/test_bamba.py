@@ -16,7 +16,6 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 from transformers import BambaConfig, BambaForCausalLM
 
 from engine.config import EngineConfig
@@ -24,6 +23,9 @@ from engine.llm_engine import LLMEngine
 from engine.model_config import ATTENTION, MAMBA, MLP_SPLIT
 from engine.models.registry import parse_model_config
 from hf_reference_checks import (
+    check_instruction_reuse,
+    check_multi_turn,
+    check_repeat,
     Case,
     check_batched,
     check_greedy,
@@ -33,7 +35,6 @@ from hf_reference_checks import (
     save_engine_model,
     save_reference,
 )
-from tests.engine.reuse_cases import GREEDY, SYSTEM, chat, instruction_reuse, multi_turn, run
 
 # GQA, two Mamba groups (a grouped gated norm), biases on attention, MLP and Mamba
 # projections, head_dim * heads != hidden_size, RoPE on half of each head.
@@ -115,25 +116,15 @@ def engine(engine_model_dir) -> LLMEngine:
 
 def test_instruction_reuse_matches_scratch(engine):
     assert engine.executor.model.config.model_type == "bamba"
-    first, second, scratch = instruction_reuse(engine, "bamba-instruction")
-    assert first.cached == 0 and second.boundary is not None
-    assert second.cached == second.boundary
-    assert sum(second.chunk_sizes) == len(second.prompt) - second.boundary + GREEDY.max_tokens - 1
-    assert scratch.cached == 0 and scratch.tokens == second.tokens
+    check_instruction_reuse(engine, "bamba")
 
 
 def test_multi_turn_matches_scratch(engine):
-    first, second, scratch = multi_turn(engine, "bamba-multi-turn")
-    assert second.cached >= len(first.prompt)
-    assert scratch.cached == 0 and scratch.tokens == second.tokens
+    check_multi_turn(engine, "bamba")
 
 
 def test_repeat_runs_no_prefill(engine):
-    conversation = chat(SYSTEM, "Repeat after me: seven rivers.")
-    first = run(engine, "bamba-r1", conversation, "bamba-repeat")
-    second = run(engine, "bamba-r2", conversation, "bamba-repeat")
-    assert second.cached == len(second.prompt) and second.chunk_sizes[0] == 0
-    assert second.tokens == first.tokens and second.text == first.text
+    check_repeat(engine, "bamba")
 
 
 # ---- tensor parallel -------------------------------------------------------------------------

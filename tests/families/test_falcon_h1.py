@@ -33,6 +33,9 @@ from engine.model_config import (
 from engine.models.registry import parse_model_config
 from engine.tensor_parallel import TensorParallel
 from hf_reference_checks import (
+    check_instruction_reuse,
+    check_multi_turn,
+    check_repeat,
     Case,
     check_batched,
     check_greedy,
@@ -42,7 +45,6 @@ from hf_reference_checks import (
     save_engine_model,
     save_reference,
 )
-from tests.engine.reuse_cases import GREEDY, SYSTEM, chat, instruction_reuse, multi_turn, run
 
 MULTIPLIERS = dict(
     embedding_multiplier=3.0,
@@ -145,25 +147,15 @@ def engine(engine_model_dir) -> LLMEngine:
 
 def test_instruction_reuse_matches_scratch(engine):
     assert engine.executor.model.config.model_type == "falcon_h1"
-    first, second, scratch = instruction_reuse(engine, "falcon-instruction")
-    assert first.cached == 0 and second.boundary is not None
-    assert second.cached == second.boundary
-    assert sum(second.chunk_sizes) == len(second.prompt) - second.boundary + GREEDY.max_tokens - 1
-    assert scratch.cached == 0 and scratch.tokens == second.tokens
+    check_instruction_reuse(engine, "falcon")
 
 
 def test_multi_turn_matches_scratch(engine):
-    first, second, scratch = multi_turn(engine, "falcon-multi-turn")
-    assert second.cached >= len(first.prompt)
-    assert scratch.cached == 0 and scratch.tokens == second.tokens
+    check_multi_turn(engine, "falcon")
 
 
 def test_repeat_runs_no_prefill(engine):
-    conversation = chat(SYSTEM, "Repeat after me: seven rivers.")
-    first = run(engine, "falcon-r1", conversation, "falcon-repeat")
-    second = run(engine, "falcon-r2", conversation, "falcon-repeat")
-    assert second.cached == len(second.prompt) and second.chunk_sizes[0] == 0
-    assert second.tokens == first.tokens and second.text == first.text
+    check_repeat(engine, "falcon")
 
 
 # ---- tensor parallel -------------------------------------------------------------------------

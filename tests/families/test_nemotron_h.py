@@ -31,6 +31,9 @@ from engine.models.nemotron_h import NemotronHModel
 from engine.models.registry import parse_model_config
 from engine.tensor_parallel import TensorParallel
 from hf_reference_checks import (
+    check_instruction_reuse,
+    check_multi_turn,
+    check_repeat,
     TOLERANCE,
     Case,
     check_batched,
@@ -41,7 +44,6 @@ from hf_reference_checks import (
     save_reference as save_hf_reference,
     without_none,
 )
-from tests.engine.reuse_cases import GREEDY, SYSTEM, chat, instruction_reuse, multi_turn, run
 from tests.tp.tp_support import run_model, run_world
 
 # Every block kind, a grouped gated norm (2 groups of 64 channels), GQA with head_dim * heads
@@ -151,25 +153,15 @@ def test_engine_runs_nemotron_h(engine):
 
 
 def test_instruction_reuse_matches_scratch(engine):
-    first, second, scratch = instruction_reuse(engine, "nh-instruction")
-    assert first.cached == 0 and second.boundary is not None
-    assert second.cached == second.boundary
-    assert sum(second.chunk_sizes) == len(second.prompt) - second.boundary + GREEDY.max_tokens - 1
-    assert scratch.cached == 0 and scratch.tokens == second.tokens
+    check_instruction_reuse(engine, "nh")
 
 
 def test_multi_turn_matches_scratch(engine):
-    first, second, scratch = multi_turn(engine, "nh-multi-turn")
-    assert second.cached >= len(first.prompt)
-    assert scratch.cached == 0 and scratch.tokens == second.tokens
+    check_multi_turn(engine, "nh")
 
 
 def test_repeat_runs_no_prefill(engine):
-    conversation = chat(SYSTEM, "Repeat after me: seven rivers.")
-    first = run(engine, "nh-r1", conversation, "nh-repeat")
-    second = run(engine, "nh-r2", conversation, "nh-repeat")
-    assert second.cached == len(second.prompt) and second.chunk_sizes[0] == 0
-    assert second.tokens == first.tokens and second.text == first.text
+    check_repeat(engine, "nh")
 
 
 # ---- tensor parallel -------------------------------------------------------------------------

@@ -44,6 +44,9 @@ from engine.models.registry import load_model_config, parse_model_config
 from engine.shard_layout import rank_shard_layout
 from engine.tensor_parallel import TensorParallel
 from hf_reference_checks import (
+    check_instruction_reuse,
+    check_multi_turn,
+    check_repeat,
     TOLERANCE,
     Case,
     check_batched,
@@ -56,7 +59,6 @@ from hf_reference_checks import (
 )
 from paged_runner import PagedRunner, Request
 from tests.engine.exactness import Tally, run_workload
-from tests.engine.reuse_cases import GREEDY, SYSTEM, chat, instruction_reuse, multi_turn, run
 from tests.tp.tp_support import run_model, run_world
 
 # Alternating gated delta-net and gated attention; 2 key heads of 8 channels serving 4 value
@@ -290,25 +292,15 @@ def test_engine_runs_qwen3_next(engine):
 
 
 def test_instruction_reuse_matches_scratch(engine):
-    first, second, scratch = instruction_reuse(engine, "qn-instruction")
-    assert first.cached == 0 and second.boundary is not None
-    assert second.cached == second.boundary
-    assert sum(second.chunk_sizes) == len(second.prompt) - second.boundary + GREEDY.max_tokens - 1
-    assert scratch.cached == 0 and scratch.tokens == second.tokens
+    check_instruction_reuse(engine, "qn")
 
 
 def test_multi_turn_matches_scratch(engine):
-    first, second, scratch = multi_turn(engine, "qn-multi-turn")
-    assert second.cached >= len(first.prompt)
-    assert scratch.cached == 0 and scratch.tokens == second.tokens
+    check_multi_turn(engine, "qn")
 
 
 def test_repeat_runs_no_prefill(engine):
-    conversation = chat(SYSTEM, "Repeat after me: seven rivers.")
-    first = run(engine, "qn-r1", conversation, "qn-repeat")
-    second = run(engine, "qn-r2", conversation, "qn-repeat")
-    assert second.cached == len(second.prompt) and second.chunk_sizes[0] == 0
-    assert second.tokens == first.tokens and second.text == first.text
+    check_repeat(engine, "qn")
 
 
 def test_exactness_workload_matches_scratch(engine):
