@@ -12,7 +12,8 @@ Each replica's series are its own, so `sum(...)` in PromQL adds up replicas and 
     LLM server replica   EngineMetricsExporter: every EXPORT_PERIOD_S, on the replica's event
                          loop, the engine's cumulative counters (EngineStats) become Counter
                          increments (the delta since the last export) and its pools and queues
-                         gauges; nothing on a request's path, nothing on the step thread
+                         gauges; nothing on a request's path, nothing on the step thread. With
+                         speculative decoding on, its counters too, per drafter
     checkpoint router    RoutingMetrics (in each process that routes to the LLM server, the
                          ingress): requests sent to a checkpoint's holder, fallbacks by reason
     checkpoint index     IndexMetrics (the application's index actor, not a Serve replica: it
@@ -32,10 +33,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from deployments.request_log import RequestRecord
+from engine.speculative.scheduling import SpeculationStats
 
 logger = logging.getLogger("ray.serve")
 
@@ -145,6 +148,36 @@ CHECKPOINT_BYTES = MetricSpec(
     "hybrid_serve_checkpoint_bytes", "gauge",
     "Bytes held by checkpoints outside the shared KV blocks.")
 
+# ----- speculative decoding, per drafter (engine/speculative/scheduling.py SpeculationStats);
+# exported by each LLM server replica with its engine's counters, no series while it is off
+SPECULATIVE_VERIFICATION_CHUNKS = MetricSpec(
+    "hybrid_serve_speculative_verification_chunks", "counter",
+    "Verification chunks (a decode of the last token and 1..k drafts, one forward pass), by "
+    "drafter.", ("drafter",))
+SPECULATIVE_DRAFTS_PROPOSED = MetricSpec(
+    "hybrid_serve_speculative_draft_tokens_proposed", "counter",
+    "Draft tokens the drafter proposed and a verification chunk checked, by drafter.",
+    ("drafter",))
+SPECULATIVE_DRAFTS_ACCEPTED = MetricSpec(
+    "hybrid_serve_speculative_draft_tokens_accepted", "counter",
+    "Draft tokens equal to the model's argmax (the greedy rule), by drafter; accepted / "
+    "proposed is the acceptance rate.", ("drafter",))
+SPECULATIVE_DRAFTS_TRIMMED = MetricSpec(
+    "hybrid_serve_speculative_draft_tokens_trimmed", "counter",
+    "Tokens of accepted draft runs dropped by a stop inside the run (EOS, a stop token or "
+    "string, max_model_len), by drafter; per chunk at most its accepted drafts.", ("drafter",))
+# A counter per acceptance length rather than a histogram: the engine counts chunks by length
+# exactly (0..k, a handful of integers), and a counter exports those counts as they are, through
+# the same deltas as every engine counter. A Ray histogram would replay each chunk as an
+# observe(), with `_sum` estimated from bucket midpoints, and histogram_quantile would
+# interpolate fractional lengths inside integer buckets. In PromQL the distribution is
+# `sum by (accepted) (rate(...))`, the share of chunks that accepted at least j drafts filters
+# on `accepted`, and the mean length is accepted drafts / verification chunks.
+SPECULATIVE_ACCEPTANCE_LENGTHS = MetricSpec(
+    "hybrid_serve_speculative_acceptance_lengths", "counter",
+    "Verification chunks by the number of their drafts accepted (accepted = 0..k), by drafter.",
+    ("drafter", "accepted"))
+
 # ----- checkpoint-aware routing (deployments/checkpoint_router.py) and the cluster index
 ROUTED_TO_HOLDER = MetricSpec(
     "hybrid_serve_routed_to_checkpoint_holder", "counter",
@@ -205,7 +238,10 @@ FETCH_FAILURES = MetricSpec(
 METRICS = (REQUESTS, OUTPUT_TOKENS, TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY, REQUEST_LATENCY,
            BOUNDARY_REJECTIONS, CHECKPOINT_EVENTS_TOTAL, PROMPT_TOKENS_RESTORED,
            PROMPT_TOKENS_COMPUTED, PREEMPTIONS, FAILED_STEPS, REQUESTS_FAILED, ENGINE_REQUESTS,
-           KV_BLOCKS, STATE_SLOTS, CHECKPOINTS, CHECKPOINT_BYTES, ROUTED_TO_HOLDER,
+           KV_BLOCKS, STATE_SLOTS, CHECKPOINTS, CHECKPOINT_BYTES,
+           SPECULATIVE_VERIFICATION_CHUNKS, SPECULATIVE_DRAFTS_PROPOSED,
+           SPECULATIVE_DRAFTS_ACCEPTED, SPECULATIVE_DRAFTS_TRIMMED,
+           SPECULATIVE_ACCEPTANCE_LENGTHS, ROUTED_TO_HOLDER,
            ROUTING_FALLBACKS, INDEX_RECORDS, INDEX_BYTES, INDEX_STORED_COPIES, INDEX_STORED_BYTES,
            TRANSFERS, TRANSFER_BYTES, IMPORT_REJECTIONS, TRANSFER_SECONDS, FETCH_DECISIONS,
            FETCH_FAILURES)
@@ -265,15 +301,19 @@ class EngineMetricsExporter:
     apart. A read that fails (a structure resized mid-read) is retried at the next export.
     """
 
-    def __init__(self, engine) -> None:
+    def __init__(self, engine, create: Callable[[MetricSpec], Any] = MetricSpec.create) -> None:
         """engine: the replica's LLMEngine (read only: stats(), pool_usage(), its scheduler's
-        running and waiting queues)."""
+        running and waiting queues). create: makes each metric (Ray's, MetricSpec.create; a
+        test passes one that records the increments and values)."""
         self._engine = engine
         self._exported: dict[tuple, int] = {}  # (metric name, tag values) -> value exported
-        self._counters = {spec.name: spec.create() for spec in (
+        self._counters = {spec.name: create(spec) for spec in (
             CHECKPOINT_EVENTS_TOTAL, PROMPT_TOKENS_RESTORED, PROMPT_TOKENS_COMPUTED, PREEMPTIONS,
-            FAILED_STEPS, REQUESTS_FAILED, TRANSFERS, TRANSFER_BYTES, IMPORT_REJECTIONS)}
-        self._gauges = {spec.name: spec.create() for spec in (
+            FAILED_STEPS, REQUESTS_FAILED, TRANSFERS, TRANSFER_BYTES, IMPORT_REJECTIONS,
+            SPECULATIVE_VERIFICATION_CHUNKS, SPECULATIVE_DRAFTS_PROPOSED,
+            SPECULATIVE_DRAFTS_ACCEPTED, SPECULATIVE_DRAFTS_TRIMMED,
+            SPECULATIVE_ACCEPTANCE_LENGTHS)}
+        self._gauges = {spec.name: create(spec) for spec in (
             ENGINE_REQUESTS, KV_BLOCKS, STATE_SLOTS, CHECKPOINTS, CHECKPOINT_BYTES)}
 
     async def run(self, period_s: float = EXPORT_PERIOD_S) -> None:
@@ -325,6 +365,21 @@ class EngineMetricsExporter:
             self._count(IMPORT_REJECTIONS, count, {"reason": reason})
         self._gauges[CHECKPOINTS.name].set(stats.num_checkpoints)
         self._gauges[CHECKPOINT_BYTES.name].set(stats.checkpoint_bytes)
+        self._count_speculation(stats.speculation)
+
+    def _count_speculation(self, speculation: SpeculationStats) -> None:
+        """Speculative decoding's counters, tagged with the drafter. Off (no drafter), they
+        stay zero and nothing is recorded: no series until speculation verifies a chunk."""
+        if not speculation.drafter:
+            return
+        drafter = {"drafter": speculation.drafter}
+        self._count(SPECULATIVE_VERIFICATION_CHUNKS, speculation.verification_chunks, drafter)
+        self._count(SPECULATIVE_DRAFTS_PROPOSED, speculation.draft_tokens_proposed, drafter)
+        self._count(SPECULATIVE_DRAFTS_ACCEPTED, speculation.draft_tokens_accepted, drafter)
+        self._count(SPECULATIVE_DRAFTS_TRIMMED, speculation.draft_tokens_trimmed, drafter)
+        for accepted, chunks in enumerate(speculation.acceptance_lengths):
+            self._count(SPECULATIVE_ACCEPTANCE_LENGTHS, chunks,
+                        {**drafter, "accepted": str(accepted)})
 
     def _count(self, spec: MetricSpec, total: int, tags: dict[str, str] | None = None) -> None:
         """Increment `spec`'s counter by what `total` (the engine's cumulative value) grew."""

@@ -16,6 +16,9 @@ import pytest
 import torch
 
 from deployments.instruction_boundary import find_instruction_boundary
+from deployments.metrics import (SPECULATIVE_ACCEPTANCE_LENGTHS, SPECULATIVE_DRAFTS_ACCEPTED,
+                                 SPECULATIVE_DRAFTS_PROPOSED, SPECULATIVE_DRAFTS_TRIMMED,
+                                 SPECULATIVE_VERIFICATION_CHUNKS, EngineMetricsExporter)
 from engine.config import EngineConfig
 from engine.generation_request import GenerationRequest
 from engine.llm_engine import LLMEngine
@@ -27,6 +30,7 @@ from engine.step_io import CommitOp, ScheduledChunk, SchedulerOutput
 from engine.worker import Worker
 from tests.engine.conversations import random_text, render, system_prompts
 from tests.engine.exactness import NEAR_TIE, Outcome, Tally, check_near_ties, run_round, tight_config
+from tests.unit.recording_metrics import RecordingMetrics
 
 K = 4
 GREEDY = SamplingParams(max_tokens=24, temperature=0)
@@ -408,3 +412,29 @@ def test_sampled_requests_and_logits_requests_do_not_speculate(engine_on, repeat
     _run(engine_on, [("sampled", prompt, "s")], replace(GREEDY, temperature=0.8, seed=3))
     _run(engine_on, [("logits", prompt, "l")], replace(GREEDY, return_logits=True))
     assert engine_on.stats().speculation.verification_chunks == before
+
+
+# ----------------------------------------------------------------- metrics
+
+
+def test_the_exported_metrics_equal_the_engine_counters(repeating_prompts):
+    """EngineMetricsExporter (deployments/metrics.py, as an LLM server replica runs it) after
+    every step of a speculating engine: its per-drafter series add up to EngineStats.speculation."""
+    engine, recorded = _engine(K), RecordingMetrics()
+    exporter = EngineMetricsExporter(engine, create=recorded)
+    for i, prompt in enumerate(repeating_prompts[:3]):
+        engine.add_request(GenerationRequest(f"m{i}", prompt, GREEDY, cache_salt="metrics"))
+    while engine.has_unfinished_requests():
+        engine.step()
+        exporter.export()
+    stats = engine.stats().speculation
+    assert 0 < stats.draft_tokens_accepted < stats.draft_tokens_proposed
+    drafter = (("drafter", "ngram"),)
+    for spec, total in ((SPECULATIVE_VERIFICATION_CHUNKS, stats.verification_chunks),
+                        (SPECULATIVE_DRAFTS_PROPOSED, stats.draft_tokens_proposed),
+                        (SPECULATIVE_DRAFTS_ACCEPTED, stats.draft_tokens_accepted),
+                        (SPECULATIVE_DRAFTS_TRIMMED, stats.draft_tokens_trimmed)):
+        assert recorded.series(spec) == ({drafter: total} if total else {}), spec.name
+    assert recorded.series(SPECULATIVE_ACCEPTANCE_LENGTHS) == {
+        (("accepted", str(a)),) + drafter: n for a, n in enumerate(stats.acceptance_lengths) if n}
+    assert len(stats.acceptance_lengths) == K + 1
