@@ -137,7 +137,9 @@ class GatedDeltaNet(ShardedModule):
         reset_state) and leaves the state after its last token in the same slot.
 
         gpu_plan: given on CUDA; the conv and the rule then run over every chunk at once
-        (mix_chunks_gpu); None: per chunk in PyTorch, the one-token chunks batched into one step."""
+        (mix_chunks_gpu); None: per chunk in PyTorch, the one-token chunks batched into one step,
+        a verification chunk (position_state_slots) one token at a time into its scratch slots
+        (engine/speculative/verify.py mix_verification)."""
         T = hidden.shape[0]
         qkv, z, b, a = self.project(hidden)
         if gpu_plan is not None:
@@ -146,6 +148,14 @@ class GatedDeltaNet(ShardedModule):
         y = hidden.new_empty(T, self.num_value_heads, self.value_head_dim, dtype=torch.float32)
         decode_rows, decode_slots, decode_resets = [], [], []
         for chunk, start, end in zip(batch.chunks, batch.cu_seqlens[:-1], batch.cu_seqlens[1:]):
+            if chunk.position_state_slots:  # speculative verification: chunk.state_slot only read
+                from engine.speculative.verify import mix_verification
+
+                y[start:end] = mix_verification(
+                    self.mix_decode, (qkv[start:end], b[start:end], a[start:end]), conv_state,
+                    recurrent_state, chunk,
+                )
+                continue
             if end - start == 1:
                 decode_rows.append(start)
                 decode_slots.append(chunk.state_slot)

@@ -184,7 +184,9 @@ class Mamba2Mixer(ShardedModule):
             if chunk.position_state_slots:  # speculative verification: chunk.state_slot only read
                 from engine.speculative.verify import mix_verification
 
-                y[start:end] = mix_verification(self, xBC[start:end], dt_raw[start:end], conv_state, ssm_state, chunk)
+                y[start:end] = mix_verification(
+                    self.mix_decode, (xBC[start:end], dt_raw[start:end]), conv_state, ssm_state, chunk
+                )
                 continue
             if end - start == 1:
                 decode_rows.append(start)

@@ -5,35 +5,31 @@ Exact rollback (docs/design.md section 10). Attention needs none: the K/V of rej
 positions lie past the request's kept tokens and are overwritten by its next chunk (the
 scheduler frees the blocks that held only them). A recurrent state that consumed a rejected
 token cannot be un-consumed, so a verification chunk never writes the request's state slot:
-each Mamba2 mixer runs its positions with the per-token recurrence (the ops of a one-token
-decode step, so every state equals plain decoding's) and writes the state after position i
-into scratch slot i of the request (VerificationScratch.slots). When the scheduler has
-settled the chunk, a CommitOp copies the kept position's scratch slot into the request's own
-slot and makes that position's hidden row the request's last one.
+each recurrent mixer (Mamba2, gated delta-net) runs its positions with the per-token
+recurrence (its one-token decode step, so every state equals plain decoding's) and writes the
+state after position i into scratch slot i of the request (VerificationScratch.slots). When
+the scheduler has settled the chunk, a CommitOp copies the kept position's scratch slot into
+the request's own slot and makes that position's hidden row the request's last one.
 
 CPU (PyTorch) path only for now: EngineConfig refuses speculation on CUDA, and the Worker
-refuses a model whose recurrent layers are not Mamba2 (Mamba2Mixer runs mix_verification).
+refuses a model with a layer kind outside VERIFIABLE_LAYER_KINDS (check_verifiable).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 import torch
 
 from engine.forward_batch import ModelCaches, SequenceChunk
 from engine.forward_routes import EagerPass, RouteOutput, SampledTokens
-from engine.model_config import ATTENTION, MAMBA, MLP
+from engine.model_config import ATTENTION, GATED_DELTA_NET, MAMBA, MLP
 from engine.step_io import CaptureOp, CommitOp, ScheduledChunk
 
-if TYPE_CHECKING:
-    from engine.layers.mamba2 import Mamba2Mixer
-
 # Layer kinds whose mixers verify k + 1 tokens exactly: attention (KV past the kept tokens is
-# overwritten), Mamba2 (mix_verification), MLP-only blocks (no state).
-VERIFIABLE_LAYER_KINDS = (ATTENTION, MAMBA, MLP)
+# overwritten), Mamba2 and the gated delta-net (mix_verification), MLP-only blocks (no state).
+VERIFIABLE_LAYER_KINDS = (ATTENTION, MAMBA, GATED_DELTA_NET, MLP)
 
 
 def check_verifiable(layer_types: Sequence[str]) -> None:
@@ -42,31 +38,35 @@ def check_verifiable(layer_types: Sequence[str]) -> None:
     if unsupported:
         raise ValueError(
             f"num_speculative_tokens > 0: this model's {unsupported} layers cannot verify drafts "
-            "yet (Mamba2 and attention can); set num_speculative_tokens to 0")
+            "yet (Mamba2, gated delta-net and attention can); set num_speculative_tokens to 0")
 
 
 def mix_verification(
-    mixer: Mamba2Mixer,
-    xBC: torch.Tensor,  # (n, conv_dim), pre-conv, the chunk's n = k + 1 tokens
-    dt_raw: torch.Tensor,  # (n, H)
-    conv_state: torch.Tensor,  # (num_slots, conv_dim, K-1): the chunk's scratch slots written
-    ssm_state: torch.Tensor,  # (num_slots, H, P, N) fp32: the chunk's scratch slots written
+    decode_step: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    token_inputs: Sequence[torch.Tensor],  # each (n, ...): the chunk's n = k + 1 tokens, pre-conv
+    conv_state: torch.Tensor,  # (num_slots, C, K-1): the chunk's scratch slots written
+    recurrent_state: torch.Tensor,  # (num_slots, ...) fp32: the chunk's scratch slots written
     chunk: SequenceChunk,  # a verification chunk (position_state_slots, one per token)
 ) -> torch.Tensor:
-    """A verification chunk through one Mamba2 mixer: token i continues from the state after
-    token i - 1 (token 0 from chunk.state_slot, which is only read) with mixer.mix_decode, the
-    one-token decode step, and leaves its state in position_state_slots[i]. Returns y (n, H, P)
-    fp32, the scan's output before the gated norm."""
+    """A verification chunk through one recurrent mixer: token i continues from the state
+    after token i - 1 (token 0 from chunk.state_slot, which is only read) with decode_step,
+    the mixer's one-token decode step, and leaves its state in position_state_slots[i]; each
+    step reads its state back from the slot the step before wrote, as plain decoding does.
+
+    decode_step(*(t[i : i + 1] for t in token_inputs), conv (1, C, K-1), state (1, ...)) ->
+    (y (1, ...), new conv, new state), its inputs not modified: Mamba2Mixer.mix_decode over
+    (xBC, dt_raw), GatedDeltaNet.mix_decode over (qkv, b, a). Returns the steps' y
+    concatenated, (n, ...) fp32 (the mixer's output before its gated norm)."""
     slot = chunk.state_slot
-    conv = conv_state[slot][None]  # (1, conv_dim, K-1)
-    ssm = ssm_state[slot][None]  # (1, H, P, N)
+    conv, state = conv_state[slot : slot + 1], recurrent_state[slot : slot + 1]
     outputs = []
     for i, scratch in enumerate(chunk.position_state_slots):
-        y, conv, ssm = mixer.mix_decode(xBC[i : i + 1], dt_raw[i : i + 1], conv, ssm)
-        conv_state[scratch].copy_(conv[0])
-        ssm_state[scratch].copy_(ssm[0])
+        y, conv_out, state_out = decode_step(*(t[i : i + 1] for t in token_inputs), conv, state)
+        conv_state[scratch].copy_(conv_out[0])
+        recurrent_state[scratch].copy_(state_out[0])
+        conv, state = conv_state[scratch : scratch + 1], recurrent_state[scratch : scratch + 1]
         outputs.append(y)
-    return torch.cat(outputs)  # (n, H, P)
+    return torch.cat(outputs)
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,7 @@ class VerificationScratch:
 
     def commit(self, op: CommitOp) -> torch.Tensor:
         """Copy the state after position op.index of request op.request_id's last
-        verification into op.state_slot (every Mamba layer); returns that position's hidden
+        verification into op.state_slot (every recurrent layer); returns that position's hidden
         row (1, D), owned. KeyError if no verification of it is held."""
         verified = self._pending.pop(op.request_id)
         scratch = self.first_slot + op.state_slot * self.positions + op.index

@@ -90,7 +90,7 @@ def test_off_by_default_and_the_cuda_path_is_untouched_when_off():
 def test_models_whose_recurrent_layers_cannot_verify_are_refused():
     check_verifiable(("mamba", "attention", "mlp"))
     with pytest.raises(ValueError, match="num_speculative_tokens"):
-        check_verifiable(("mamba", "gated_delta_net"))
+        check_verifiable(("mamba", "hybrid"))
 
 
 # ----------------------------------------------------------------- engines and workloads
