@@ -3,22 +3,26 @@
     python tests/metrics/ray_metrics_scenario.py OUT_JSON METRICS_PORT HTTP_PORT
 
 Starts a local Ray instance of its own with a metrics export port (its own process, so it never
-meets the test session's Ray instance), deploys the app with TWO LLM server replicas, sends
-chat and completion requests (and one refused by its model name), then scrapes Ray's metrics
-agent at http://127.0.0.1:METRICS_PORT/metrics until the sums over replicas equal what the
-clients saw (Ray exports with a lag), or a deadline. Writes to OUT_JSON what the clients saw
-(`expected`), the sums scraped (`totals`), the replicas seen in the series and every
-ray_hybrid_serve_* sample name scraped; the test asserts on them.
+meets the test session's Ray instance), deploys the app with TWO LLM server replicas and
+speculative decoding on (n-gram), sends chat and completion requests (and one refused by its
+model name, and one whose prompt repeats a span so that drafts are accepted), then scrapes Ray's
+metrics agent at http://127.0.0.1:METRICS_PORT/metrics until the sums over replicas equal what
+the clients saw (Ray exports with a lag) and the speculation counters agree with each other, or
+a deadline. Writes to OUT_JSON what the clients saw (`expected`), the sums scraped (`totals`,
+`speculation`), the replicas seen in the series and every ray_hybrid_serve_* sample name
+scraped; the test asserts on them.
 """
 
 from __future__ import annotations
 
 import json
+import random
 import sys
 import time
 import urllib.request
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -36,6 +40,8 @@ NUM_LLM_REPLICAS = 2
 BATCH = 8  # concurrent requests per batch: both replicas get some
 MAX_BATCHES = 5
 MAX_TOKENS = 8
+NUM_SPECULATIVE_TOKENS = 4
+REPEATING_MAX_TOKENS = 16
 CONVERGE_DEADLINE_S = 90.0
 KINDS = ("system", "user", "completion")
 SYSTEM = "You are a careful assistant for a hardware store. Answer in one short sentence."
@@ -49,7 +55,7 @@ CONFIG = AppConfig(  # tests/e2e/conftest.py's E2E_CONFIG, half a CPU per model 
         max_model_len=512, block_size=16, max_num_batched_tokens=256, max_num_seqs=16,
         kv_cache_bytes=32 * 1024 * 1024, state_cache_bytes=32 * 1024 * 1024,
         checkpoint_slots=("prompt", "response", "instruction"),
-        checkpoint_cache_bytes=32 * 1024 * 1024),
+        checkpoint_cache_bytes=32 * 1024 * 1024, num_speculative_tokens=NUM_SPECULATIVE_TOKENS),
 )
 
 
@@ -90,17 +96,68 @@ def totals(samples) -> dict[str, float]:
     }
 
 
+def speculation(samples) -> dict:
+    """The speculative decoding counters summed over replicas (every drafter): chunks, drafts
+    proposed, accepted, trimmed, and chunks by accepted drafts ("0".."k")."""
+    prefix = "ray_hybrid_serve_speculative_"
+    lengths: dict[str, float] = {}
+    for name, labels, value in samples:
+        if name == prefix + "acceptance_lengths_total":
+            lengths[labels["accepted"]] = lengths.get(labels["accepted"], 0) + value
+    return {
+        "chunks": total(samples, prefix + "verification_chunks_total"),
+        "proposed": total(samples, prefix + "draft_tokens_proposed_total"),
+        "accepted": total(samples, prefix + "draft_tokens_accepted_total"),
+        "trimmed": total(samples, prefix + "draft_tokens_trimmed_total"),
+        "lengths": dict(sorted(lengths.items())),
+    }
+
+
+def speculation_adds_up(counters: dict) -> bool:
+    """Chunks by length sum to the chunks, and their accepted drafts to the drafts accepted:
+    true once one export of each replica has reached the scrape whole."""
+    lengths = {int(a): n for a, n in counters["lengths"].items()}
+    return (sum(lengths.values()) == counters["chunks"]
+            and sum(a * n for a, n in lengths.items()) == counters["accepted"])
+
+
+def repeating_prompt() -> list[int]:
+    """P + C + P, P a random span of token ids and C the model's greedy continuation of it
+    (computed here with an engine of the same model): after the second P the model mostly
+    says C again, which the n-gram drafter proposes (tests/engine/test_speculative.py)."""
+    from engine.generation_request import GenerationRequest
+    from engine.llm_engine import LLMEngine
+    from engine.sampling_params import SamplingParams
+
+    rng = random.Random(25)
+    span = [rng.randrange(100, 2000) for _ in range(rng.randint(12, 24))]
+    engine = LLMEngine(replace(CONFIG.engine, num_speculative_tokens=0))
+    engine.add_request(GenerationRequest("span", span, SamplingParams(
+        max_tokens=REPEATING_MAX_TOKENS, temperature=0, ignore_eos=True)))
+    continuation: list[int] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            continuation += out.new_token_ids
+    engine.shutdown()
+    return span + continuation + span
+
+
 def replicas(samples, name: str) -> list[str]:
     return sorted({labels.get("replica", "") for sample_name, labels, _ in samples
                    if sample_name == name})
 
 
-def send(client: httpx.Client, index: int, kind: str) -> tuple[int, dict]:
+def send(client: httpx.Client, index: int, kind: str,
+         prompt_token_ids: list[int] | None = None) -> tuple[int, dict]:
     """Request number `index` of `kind`: a chat with the shared system prompt ("system"), a
-    chat without one ("user") or a completion. Returns the status and the body."""
+    chat without one ("user"), a completion, or a completion of `prompt_token_ids` for
+    REPEATING_MAX_TOKENS ("repeating"). Returns the status and the body."""
     question = QUESTIONS[index % len(QUESTIONS)] + f" ({index})"
     sampling = {"model": MODEL_NAME, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
-    if kind == "completion":
+    if kind == "repeating":
+        response = client.post("/v1/completions", json={
+            **sampling, "max_tokens": REPEATING_MAX_TOKENS, "prompt": prompt_token_ids})
+    elif kind == "completion":
         response = client.post("/v1/completions", json={**sampling, "prompt": question})
     else:
         messages = [{"role": "user", "content": question}]
@@ -117,6 +174,7 @@ def main(out_path: str, metrics_port: int, http_port: int) -> None:
     import deployments.app
     from deployments.app import build_app
 
+    prompt_token_ids = repeating_prompt()  # before Ray: the driver's engine is gone by then
     ray.init(address="local", num_cpus=4, object_store_memory=256 * 1024 * 1024,
              include_dashboard=False, log_to_driver=False, namespace=APP_NAME,
              _metrics_export_port=metrics_port,
@@ -126,14 +184,14 @@ def main(out_path: str, metrics_port: int, http_port: int) -> None:
         # build_app's LLMServer.options(...) keeps num_replicas from this one
         deployments.app.LLMServer = deployments.app.LLMServer.options(num_replicas=NUM_LLM_REPLICAS)
         serve.run(build_app(CONFIG), name=APP_NAME, route_prefix="/")
-        result = run_traffic_and_scrape(metrics_port, http_port)
+        result = run_traffic_and_scrape(metrics_port, http_port, prompt_token_ids)
     finally:
         serve.shutdown()
         ray.shutdown()
     Path(out_path).write_text(json.dumps(result, indent=1))
 
 
-def run_traffic_and_scrape(metrics_port: int, http_port: int) -> dict:
+def run_traffic_and_scrape(metrics_port: int, http_port: int, prompt_token_ids: list[int]) -> dict:
     expected = dict.fromkeys(("requests_ok", "output_tokens", "prompt_tokens",
                               "boundary_rejections_no_leading_instructions"), 0)
     statuses: list[int] = []
@@ -167,6 +225,7 @@ def run_traffic_and_scrape(metrics_port: int, http_port: int) -> dict:
         # the instruction checkpoint the earlier one left there
         for index in range(sent, sent + 3):
             count("system", *send(client, index, "system"))
+        count("repeating", *send(client, sent + 3, "repeating", prompt_token_ids))
     expected.update(requests_error_4xx=int(refused.status_code // 100 == 4),
                     requests_finished_by_length=expected["requests_ok"],
                     ttft_count=expected["requests_ok"], ttft_bucket_inf=expected["requests_ok"],
@@ -176,13 +235,16 @@ def run_traffic_and_scrape(metrics_port: int, http_port: int) -> dict:
     started = time.monotonic()
     while True:
         samples = scrape(metrics_port)
-        if totals(samples) == expected or time.monotonic() - started > CONVERGE_DEADLINE_S:
+        converged = totals(samples) == expected and speculation_adds_up(speculation(samples))
+        if converged or time.monotonic() - started > CONVERGE_DEADLINE_S:
             break
         time.sleep(1.0)
     return {
         "statuses": statuses,
         "expected": expected,
         "totals": totals(samples),
+        "speculation": speculation(samples),
+        "num_speculative_tokens": NUM_SPECULATIVE_TOKENS,
         "seconds_to_converge": round(time.monotonic() - started, 1),
         "llm_server_replicas": NUM_LLM_REPLICAS,
         "gauge_replicas": replicas(samples, "ray_hybrid_serve_kv_blocks"),

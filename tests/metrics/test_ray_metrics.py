@@ -43,7 +43,8 @@ def scenario(tmp_path_factory) -> dict:
         cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert proc.returncode == 0, f"scenario failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     result = json.loads(out.read_text())
-    print(f"converged after {result['seconds_to_converge']} s; totals {result['totals']}")
+    print(f"converged after {result['seconds_to_converge']} s; totals {result['totals']}; "
+          f"speculation {result['speculation']}")
     return result
 
 
@@ -64,3 +65,16 @@ def test_both_llm_server_replicas_export_their_series(scenario):
 def test_the_scrape_has_every_metric_the_dashboard_queries(scenario):
     missing = dashboard_metric_names() - set(scenario["names"])
     assert not missing, f"the dashboard queries metrics the scrape lacks: {sorted(missing)}"
+
+
+def test_speculation_counters_arrive_whole_through_ray(scenario):
+    """Speculative decoding's counters (on in the scenario, n-gram): the prompt that repeats a
+    span got drafts accepted, and the series summed over replicas agree with each other as the
+    engine's counters do (chunks by accepted drafts sum to the chunks and the drafts accepted)."""
+    counters = scenario["speculation"]
+    lengths = {int(a): n for a, n in counters["lengths"].items()}
+    assert counters["accepted"] > 0
+    assert counters["proposed"] >= counters["accepted"] >= counters["trimmed"]
+    assert sum(lengths.values()) == counters["chunks"]
+    assert sum(a * n for a, n in lengths.items()) == counters["accepted"]
+    assert max(lengths) <= scenario["num_speculative_tokens"]

@@ -70,7 +70,8 @@ def test_every_dashboard_query_reads_exported_metrics():
 
 @pytest.mark.parametrize("panel", ["Checkpoint hit rate", "Prompt tokens restored vs computed",
                                    "Time to first token", "Throughput (output tokens/s)",
-                                   "Pool usage", "Engine queues", "Request rate by status"])
+                                   "Pool usage", "Engine queues", "Request rate by status",
+                                   "Speculative decoding acceptance rate"])
 def test_the_dashboard_has_the_panel(panel):
     titles = [p["title"] for p in json.loads(DASHBOARD.read_text())["panels"]]
     assert panel in titles
