@@ -125,9 +125,7 @@ def size_caches(config: EngineConfig, model_config: HybridModelConfig, tp: Tenso
         block_size=config.block_size,
         max_model_len=max_model_len,
         world_size=tp.world_size,
-        # the gated delta-net's CUDA path has no in-pass capture: its captures end a chunk
-        in_pass_capture=config.device.startswith("cuda") and tp.world_size == 1
-        and model_config.recurrent_kind != GATED_DELTA_NET,
+        in_pass_capture=config.device.startswith("cuda") and tp.world_size == 1,
         bundle_sizing=BundleSizing(
             state_bytes=slot_bytes,
             kv_bytes_per_token=block_bytes // config.block_size,

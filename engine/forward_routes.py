@@ -48,7 +48,8 @@ class SampledTokens:
 @dataclass(frozen=True)
 class CapturedState:
     """An in-pass capture taken during the forward: the hidden row at its position (D,) and
-    the recurrent state there (conv (L_m, C, K-1), ssm (L_m, H, P, N) fp32)."""
+    the recurrent state there, every recurrent layer's state slot (conv (L_r, C, K-1), ssm
+    (L_r, *recurrent slot) fp32: Mamba2's (H, P, N) or the gated delta-net's (Hv, dk, dv))."""
 
     capture: CaptureOp
     hidden_row: torch.Tensor
@@ -133,8 +134,10 @@ class EagerPass:
 
 class CapturingPass(EagerPass):
     """A step with in-pass captures (at most one per chunk, each strictly inside its request's
-    prefill chunk): the eager pass whose plan also says where each Mamba layer writes the
-    states at the capture positions. CUDA path only (ValueError elsewhere)."""
+    prefill chunk): the eager pass whose plan also says where each recurrent layer (Mamba2 or
+    gated delta-net) writes the states at the capture positions, in buffers shaped as the
+    caches' state slots (the model's recurrent_state_shape). CUDA path only (ValueError
+    elsewhere)."""
 
     def accepts(self, chunks: list[ScheduledChunk], in_pass: Sequence[CaptureOp] = ()) -> bool:
         return bool(in_pass)
@@ -154,8 +157,8 @@ class CapturingPass(EagerPass):
             raise ValueError("more than one in-pass capture in one chunk")
         layers = sorted(self.caches.conv_state)
         conv0, ssm0 = self.caches.conv_state[layers[0]], self.caches.ssm_state[layers[0]]
-        conv_all = conv0.new_empty(len(layers), len(in_pass), *conv0.shape[1:])  # (L_m, Sc, C, K-1)
-        ssm_all = ssm0.new_empty(len(layers), len(in_pass), *ssm0.shape[1:])  # (L_m, Sc, H, P, N)
+        conv_all = conv0.new_empty(len(layers), len(in_pass), *conv0.shape[1:])  # (L_r, Sc, C, K-1)
+        ssm_all = ssm0.new_empty(len(layers), len(in_pass), *ssm0.shape[1:])  # (L_r, Sc, *recurrent slot)
         plan = with_in_pass_captures(
             plan, batch, splits, {l: conv_all[j] for j, l in enumerate(layers)},
             {l: ssm_all[j] for j, l in enumerate(layers)},

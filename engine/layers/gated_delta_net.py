@@ -132,6 +132,7 @@ class GatedDeltaNet(ShardedModule):
         conv_state: torch.Tensor,  # (num_slots, C, K-1), chunk slots updated in place
         recurrent_state: torch.Tensor,  # (num_slots, Hv, dk, dv) fp32, chunk slots updated in place
         gpu_plan: GpuBatchPlan | None = None,
+        captures: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """(T, D) -> (T, D). Each chunk continues from its state slot (or from zeros if
         reset_state) and leaves the state after its last token in the same slot.
@@ -139,11 +140,14 @@ class GatedDeltaNet(ShardedModule):
         gpu_plan: given on CUDA; the conv and the rule then run over every chunk at once
         (mix_chunks_gpu); None: per chunk in PyTorch, the one-token chunks batched into one step,
         a verification chunk (position_state_slots) one token at a time into its scratch slots
-        (engine/speculative/verify.py mix_verification)."""
+        (engine/speculative/verify.py mix_verification).
+
+        captures: with gpu_plan.in_pass, this layer's (conv (Sc, C, K-1), recurrent (Sc, Hv, dk,
+        dv) fp32) buffers of the in-pass captures, written (mix_chunks_gpu)."""
         T = hidden.shape[0]
         qkv, z, b, a = self.project(hidden)
         if gpu_plan is not None:
-            y = self.mix_chunks_gpu(qkv, b, a, conv_state, recurrent_state, gpu_plan)
+            y = self.mix_chunks_gpu(qkv, b, a, conv_state, recurrent_state, gpu_plan, captures)
             return self.out_proj(self.norm(y.to(hidden.dtype), z, hidden.dtype))
         y = hidden.new_empty(T, self.num_value_heads, self.value_head_dim, dtype=torch.float32)
         decode_rows, decode_slots, decode_resets = [], [], []
@@ -220,16 +224,29 @@ class GatedDeltaNet(ShardedModule):
         conv_state: torch.Tensor,  # (num_slots, C, K-1), chunk slots updated in place
         recurrent_state: torch.Tensor,  # (num_slots, Hv, dk, dv) fp32, chunk slots updated in place
         plan: GpuBatchPlan,
+        captures: tuple[torch.Tensor, torch.Tensor] | None = None,  # with plan.in_pass: written
     ) -> torch.Tensor:
         """Every chunk at once on CUDA: the engine's varlen causal conv (engine/kernels/gpu/
         conv.py, two launches), then fla-core's recurrent kernel for the one-token chunks and
         its chunked kernel for the rest (engine/kernels/gpu/gated_delta_rule.py), each between
         a gather and a scatter of the chunks' state slots. Returns y (T, Hv, dv) in the model
-        dtype. In-pass captures are not supported (the model refuses such plans)."""
+        dtype.
+
+        With plan.in_pass (never a graph's padded plan), captures = (conv (Sc, C, K-1),
+        recurrent (Sc, Hv, dk, dv) fp32) receive the states at the in-pass captures: the conv
+        state read before the conv kernel moves the slots on (in_pass_capture.
+        capture_conv_states), the recurrent state from the chunked kernel run in two calls
+        (engine/kernels/gpu/delta_rule_capture.py)."""
         from engine.kernels.gpu.conv import causal_conv1d_varlen
-        from engine.kernels.gpu.gated_delta_rule import gated_delta_rule_decode, gated_delta_rule_prefill
+        from engine.kernels.gpu.gated_delta_rule import (
+            gated_delta_rule_decode, gated_delta_rule_prefill, gated_delta_rule_prefill_with_captures,
+        )
+        from engine.kernels.gpu.in_pass_capture import capture_conv_states
 
         T = qkv.shape[0]
+        in_pass = plan.in_pass
+        if in_pass is not None:  # before the conv kernel overwrites the old conv states
+            capture_conv_states(qkv, conv_state, in_pass.splits, captures[0])
         qkv = causal_conv1d_varlen(
             qkv, conv_state, self.conv1d.weight[:, 0, :], None, plan.cu_seqlens, plan.chunk_slot,
             plan.chunk_reset, plan.token_chunk, apply_silu=True,
@@ -248,12 +265,19 @@ class GatedDeltaNet(ShardedModule):
                 q[rows], k[rows], v[rows], g[rows], beta[rows], self.scale, recurrent_state,
                 plan.decode_slots, plan.decode_reset,
             )
-        if plan.num_prefill:
+        if plan.num_prefill and in_pass is not None:
+            gated_delta_rule_prefill_with_captures(
+                q, k, v, g, beta, self.scale, recurrent_state, plan.prefill_slots, plan.prefill_reset,
+                in_pass.split, captures[1], y,
+            )
+        elif plan.num_prefill:
             rows = plan.prefill_rows  # None: every row is a prefill row, in order
             pick = (lambda t: t) if rows is None else (lambda t: t.index_select(0, rows))  # noqa: E731
+            chunks = plan.prefill_scan_chunks
             y_prefill = gated_delta_rule_prefill(
                 pick(q), pick(k), pick(v), pick(g), pick(beta), self.scale, recurrent_state,
                 plan.prefill_slots, plan.prefill_reset, plan.prefill_cu_seqlens, plan.prefill_valid,
+                None if chunks is None else chunks.indices,
             )
             if rows is None:
                 y = y_prefill

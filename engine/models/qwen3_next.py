@@ -306,8 +306,10 @@ class DecoderLayer(nn.Module):
                 mixer_in, batch, caches.key_cache[i], caches.value_cache[i], rope, gpu_plan
             )
         else:
+            in_pass = None if gpu_plan is None else gpu_plan.in_pass
+            captures = None if in_pass is None else (in_pass.conv_out[i], in_pass.ssm_out[i])
             mixed = self.linear_attn(
-                mixer_in, batch, caches.conv_state[i], caches.ssm_state[i], gpu_plan
+                mixer_in, batch, caches.conv_state[i], caches.ssm_state[i], gpu_plan, captures
             )
         hidden = hidden + mixed
         mlp_in = self.post_attention_layernorm(hidden)
@@ -378,12 +380,10 @@ class Qwen3NextModel(RankCaches, nn.Module):
         every chunk's state slot: state in -> state out, zeros for reset_state).
 
         gpu_plan: required on CUDA (ValueError without), where the mixers run their kernels
-        over it; a plan with in-pass captures is refused (NotImplementedError: the gated
-        delta-net does not capture inside a chunk yet)."""
+        over it; with in-pass captures (gpu_plan.in_pass) each gated delta-net layer writes its
+        states at the capture positions into the plan's buffers."""
         if gpu_plan is None and self.embed_tokens.weight.is_cuda:
             raise ValueError("a forward pass on CUDA takes the step's GpuBatchPlan (engine/forward_routes.py)")
-        if gpu_plan is not None and gpu_plan.in_pass is not None:
-            raise NotImplementedError("Qwen3-Next does not capture state inside a prefill chunk")
         hidden = self.embed_tokens(batch.input_ids)  # (T, D)
         rope = self.rotary(batch.positions)  # (cos, sin), each (T, rotary_dim)
         for layer in self.layers:

@@ -13,6 +13,9 @@ For a chunk whose first k tokens lie before p (0 < k < its length):
 Outputs and final states are those of the uncut chunk; the captured states are those the split
 path (two steps, the chunk cut at p) leaves in the slot, up to the scan's rounding.
 
+The gated delta-net takes its recurrent state at p another way, from the same plan (its `split`:
+engine/kernels/gpu/delta_rule_capture.py), and its conv state at p as above.
+
 Shapes: T tokens, Tp prefill rows, Ts scan rows (prefill rows and padding), Sp prefill chunks,
 Sc captures, NS scan chunks, L_m Mamba layers, C conv channels, H heads, P head dim, N state size.
 """
@@ -25,6 +28,7 @@ import numpy as np
 import torch
 
 from engine.host_index import chunk_pairs, concat_ranges, cumulative_bounds, int64_array, to_device
+from engine.kernels.gpu.delta_rule_capture import SplitPrefill, split_prefill, split_prefill_arrays
 
 
 @dataclass(frozen=True)
@@ -66,8 +70,8 @@ def scan_chunk_arrays(lengths: np.ndarray) -> list[np.ndarray]:
 
 @dataclass(frozen=True)
 class InPassCapturePlan:
-    """The scan's rows with each captured chunk front-padded, and where each Mamba layer writes
-    what it captures.
+    """The scan's rows with each captured chunk front-padded (Mamba2), the two calls of the
+    gated delta rule (split), and where each recurrent layer writes what it captures.
 
     scan_rows (Ts,): token row of each scan row, -1 for a padding row; scan_cu (Sp+1,) over the
     scan rows; scan_chunks: ScanChunks of the scan when it has several sequences, None for one;
@@ -75,7 +79,9 @@ class InPassCapturePlan:
     out_start: the first of them when they are one run of consecutive rows (one prefill
     sequence: the outputs are then a view, not a gathered copy), else None;
     capture_chunks (Sc,): per capture, the scan chunk that starts at its position;
-    conv_out[layer] (Sc, C, K-1) and ssm_out[layer] (Sc, H, P, N) fp32: written by the layer.
+    split: the gated delta rule's heads and tails calls (delta_rule_capture.SplitPrefill);
+    conv_out[layer] (Sc, C, K-1) and ssm_out[layer] (Sc, *recurrent slot) fp32, the layer's
+    state-slot shapes (Mamba2 (H, P, N), gated delta-net (Hv, dk, dv)): written by the layer.
     """
 
     splits: tuple[CaptureSplit, ...]
@@ -85,6 +91,7 @@ class InPassCapturePlan:
     out_rows: torch.Tensor
     out_start: int | None
     capture_chunks: torch.Tensor
+    split: SplitPrefill
     conv_out: dict[int, torch.Tensor]
     ssm_out: dict[int, torch.Tensor]
 
@@ -127,8 +134,9 @@ def build_in_pass_plan(
     scan_rows[out_rows] = concat_ranges(first_rows, lengths)
     several = len(prefill) > 1
     chunks = scan_chunk_arrays(pads + lengths) if several else [pads[:0], pads[:0]]
-    scan_rows_t, scan_cu_t, out_rows_t, capture_chunks_t, pairs_t, offsets_t = to_device(
-        [scan_rows, scan_cu, out_rows, capture_chunks, *chunks], device
+    split = split_prefill_arrays(prefill, [(s.chunk, s.split) for s in splits])
+    scan_rows_t, scan_cu_t, out_rows_t, capture_chunks_t, pairs_t, offsets_t, *split_t = to_device(
+        [scan_rows, scan_cu, out_rows, capture_chunks, *chunks, *split], device
     )
     return InPassCapturePlan(
         splits=tuple(splits),
@@ -138,6 +146,7 @@ def build_in_pass_plan(
         out_rows=out_rows_t,
         out_start=_start_of_one_run(out_rows),
         capture_chunks=capture_chunks_t,
+        split=split_prefill(split_t),
         conv_out=conv_out,
         ssm_out=ssm_out,
     )
