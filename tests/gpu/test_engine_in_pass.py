@@ -25,7 +25,13 @@ def engines():
 
 
 def test_in_pass_engine_serves_what_the_split_engine_serves(engines):
-    in_pass, split = engines
+    check_in_pass_engine_serves_what_the_split_engine_serves(*engines)
+
+
+def check_in_pass_engine_serves_what_the_split_engine_serves(in_pass: LLMEngine, split: LLMEngine) -> None:
+    """Two engines of one model, in-pass capture on and off: instruction reuse and multi-turn
+    give the same tokens and cached_tokens, the restored instruction checkpoint the
+    from-scratch tokens; the in-pass engine does not cut the first prompt at the boundary."""
     assert in_pass.scheduler.checkpoints.in_pass_capture and not split.scheduler.checkpoints.in_pass_capture
     for case in (instruction_reuse, multi_turn):
         got, expected = case(in_pass, "gpu"), case(split, "gpu")

@@ -250,32 +250,41 @@ def test_mixer_gpu_path_matches_its_pytorch_path():
                 f"{name} slot {c.state_slot}"
 
 
+def random_model_dir(directory, raw: dict = RAW_EXPERTS, **changes):
+    """A saved random Qwen3-Next of raw's architecture (with `changes`) and the embedded model's
+    tokenizer, its vocabulary sized to it; max_position_embeddings 1024."""
+    import json
+    import shutil
+
+    from engine.config import DEFAULT_MODEL_DIR
+    from tests.tp.tp_support import write_random_checkpoint
+
+    embedded = json.loads((DEFAULT_MODEL_DIR / "config.json").read_text())
+    raw = dict(raw, vocab_size=embedded["vocab_size"], max_position_embeddings=1024,
+               eos_token_id=embedded.get("eos_token_id"), **changes)
+    model_dir = write_random_checkpoint(directory, raw)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+        if (DEFAULT_MODEL_DIR / name).exists():
+            shutil.copy(DEFAULT_MODEL_DIR / name, model_dir / name)
+    return model_dir
+
+
 def test_engine_on_cuda_serves_checkpoints_exactly(tmp_path):
     """LLMEngine on CUDA (fp32; decode and prefill CUDA graphs, fla-core's kernels, the experts'
     grouped GEMM) with a random Qwen3-Next with experts: a restored instruction checkpoint and
     a continued conversation give the from-scratch outputs (tokens, logits within 1e-4). The
-    gated delta-net has no in-pass capture: captures end a prefill chunk."""
-    import json
-    import shutil
-
-    from engine.config import DEFAULT_MODEL_DIR, EngineConfig
+    instruction checkpoint is taken in-pass (tests/gpu/test_delta_rule_in_pass.py)."""
+    from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
     from tests.engine.exactness import Outcome, Tally, check_near_ties, compare
     from tests.engine.reuse_cases import instruction_reuse, multi_turn
-    from tests.tp.tp_support import write_random_checkpoint
 
-    embedded = json.loads((DEFAULT_MODEL_DIR / "config.json").read_text())
-    raw = dict(RAW_EXPERTS, vocab_size=embedded["vocab_size"], max_position_embeddings=1024,
-               eos_token_id=embedded.get("eos_token_id"))
-    model_dir = write_random_checkpoint(tmp_path / "qwen3_next", raw)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
-        if (DEFAULT_MODEL_DIR / name).exists():
-            shutil.copy(DEFAULT_MODEL_DIR / name, model_dir / name)
+    model_dir = random_model_dir(tmp_path / "qwen3_next")
     engine = LLMEngine(EngineConfig(
         model_dir=str(model_dir), device="cuda", dtype="float32", max_model_len=512,
         max_num_batched_tokens=512, kv_cache_bytes=32 << 20, state_cache_bytes=32 << 20,
     ))
-    assert not engine.scheduler.checkpoints.in_pass_capture
+    assert engine.scheduler.checkpoints.in_pass_capture
     tally = Tally()
     for label, case in (("instruction reuse", instruction_reuse), ("multi-turn", multi_turn)):
         first, second, scratch = case(engine, f"gpu-qn-{label}")
