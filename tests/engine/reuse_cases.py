@@ -55,21 +55,25 @@ def run(engine: LLMEngine, request_id: str, conversation, salt="", params=GREEDY
     return result
 
 
-def instruction_reuse(engine: LLMEngine, salt: str, prefix: str = "i") -> tuple[Alone, Alone, Alone]:
+def instruction_reuse(
+    engine: LLMEngine, salt: str, prefix: str = "i", params: SamplingParams = GREEDY
+) -> tuple[Alone, Alone, Alone]:
     """Two requests with the same system prompt and different user messages in namespace
     `salt`, then the second one again under a salt of its own (computed from scratch)."""
-    first = run(engine, f"{prefix}1", chat(SYSTEM, "Tell me about the river."), salt)
-    second = run(engine, f"{prefix}2", chat(SYSTEM, "And the mountain, briefly please?"), salt)
-    scratch = run(engine, f"{prefix}3", chat(SYSTEM, "And the mountain, briefly please?"), salt + "-scratch")
+    first = run(engine, f"{prefix}1", chat(SYSTEM, "Tell me about the river."), salt, params)
+    second = run(engine, f"{prefix}2", chat(SYSTEM, "And the mountain, briefly please?"), salt, params)
+    scratch = run(engine, f"{prefix}3", chat(SYSTEM, "And the mountain, briefly please?"), salt + "-scratch", params)
     return first, second, scratch
 
 
-def multi_turn(engine: LLMEngine, salt: str, prefix: str = "m") -> tuple[Alone, Alone, Alone]:
+def multi_turn(
+    engine: LLMEngine, salt: str, prefix: str = "m", params: SamplingParams = GREEDY
+) -> tuple[Alone, Alone, Alone]:
     """A conversation's first turn, its second turn (resending the history) in namespace
     `salt`, then the second turn again under a salt of its own."""
     turn1 = chat(SYSTEM, "Name a city.")
-    first = run(engine, f"{prefix}1", turn1, salt)
+    first = run(engine, f"{prefix}1", turn1, salt, params)
     turn2 = turn1 + [{"role": "assistant", "content": first.text}, {"role": "user", "content": "Why?"}]
-    second = run(engine, f"{prefix}2", turn2, salt)
-    scratch = run(engine, f"{prefix}3", turn2, salt + "-scratch")
+    second = run(engine, f"{prefix}2", turn2, salt, params)
+    scratch = run(engine, f"{prefix}3", turn2, salt + "-scratch", params)
     return first, second, scratch

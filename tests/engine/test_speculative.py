@@ -190,11 +190,15 @@ def _chat_jobs(tokenizer, seed: int, num_requests: int):
     ("roomy, budget 61, sync", EngineConfig(max_num_batched_tokens=61, async_scheduling=False)),
 ])
 def test_greedy_outputs_equal_speculation_off_over_the_exactness_workload(label, config, repeating_prompts):
-    """Both engines run the same rounds (chat requests, each also from scratch, and the
-    repeating prompts); every speculating output must equal the spec-off engine's."""
-    if config == "tight":
-        config = tight_config()
-    off, on = LLMEngine(config), LLMEngine(replace(config, num_speculative_tokens=K))
+    check_speculation_equals_off(tight_config() if config == "tight" else config, K, repeating_prompts, label)
+
+
+def check_speculation_equals_off(config: EngineConfig, k: int, repeating_prompts, label: str) -> None:
+    """Engines of `config` with speculation off and with k draft tokens run the same rounds
+    (chat requests with shared system prompts and multi-turn continuations, each also from
+    scratch, and the first three repeating prompts); every speculating output must equal the
+    spec-off engine's, and drafts must have been accepted."""
+    off, on = LLMEngine(config), LLMEngine(replace(config, num_speculative_tokens=k))
     with_logits = replace(GREEDY, max_tokens=12, return_logits=True)
     tally = Tally()
     rounds = _chat_jobs(off.tokenizer, seed=len(label), num_requests=16)
@@ -247,9 +251,14 @@ def _close(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 
 def test_a_rejected_draft_leaves_no_trace_in_the_state_slot_or_kept_kv():
+    check_rejected_draft_leaves_no_trace(EngineConfig())
+
+
+def check_rejected_draft_leaves_no_trace(config: EngineConfig) -> None:
     """A verification chunk with a wrong draft leaves the request's slot as it was; the
-    commit of the last accepted position gives the state and KV plain decoding gives."""
-    spec, plain = Worker(EngineConfig(num_speculative_tokens=3)), Worker(EngineConfig())
+    commit of the last accepted position gives the state and KV plain decoding gives
+    (Workers of `config`, one with 3 draft tokens)."""
+    spec, plain = Worker(replace(config, num_speculative_tokens=3)), Worker(config)
     prompt = tuple(random.Random(7).randrange(100, 2000) for _ in range(20))
     blocks = (0, 1, 2)  # block size 16: positions 0..47
 

@@ -169,14 +169,18 @@ def check_greedy(case: Case, num_new: int = 32) -> int:
     return 0
 
 
-def save_engine_model(config_class, model_class, hf_kwargs: dict, directory: Path) -> Path:
-    """A saved random model whose vocabulary is the embedded model's, with its tokenizer files
-    copied, for LLMEngine(EngineConfig(model_dir=...))."""
+def save_engine_model(
+    config_class, model_class, hf_kwargs: dict, directory: Path,
+    perturb: Callable[[torch.nn.Module, int], None] = perturb_constant_init,
+) -> Path:
+    """A saved random model (constants drawn by `perturb`, as save_reference) whose vocabulary
+    is the embedded model's, with its tokenizer files copied, for
+    LLMEngine(EngineConfig(model_dir=...))."""
     embedded = json.loads((DEFAULT_MODEL_DIR / "config.json").read_text())
     kwargs = dict(hf_kwargs, vocab_size=embedded["vocab_size"], max_position_embeddings=1024,
                   eos_token_id=embedded.get("eos_token_id"), pad_token_id=embedded.get("pad_token_id"),
                   bos_token_id=embedded.get("bos_token_id"))
-    save_reference(config_class, model_class, kwargs, directory)
+    save_reference(config_class, model_class, kwargs, directory, perturb=perturb)
     for name in TOKENIZER_FILES:
         if (DEFAULT_MODEL_DIR / name).exists():
             shutil.copy(DEFAULT_MODEL_DIR / name, directory / name)
