@@ -16,10 +16,22 @@ read from and written to a slot pool.
 - gated_delta_rule_prefill_with_captures: the same with in-pass captures, in two calls of the
   chunked kernel (engine/kernels/gpu/delta_rule_capture.py).
 
+fp32: fla's kernels leave tl.dot's operand precision to Triton's default, which is TF32 for
+fp32 operands on NVIDIA GPUs (about 1e-3 relative). An fp32 engine would then give different
+logits from a checkpoint and from scratch (their chunk edges differ) by more than fp32 rounding
+(1.7e-4 relative was seen on the H200). So every fla call with fp32 operands runs inside
+ieee_fp32_dots, which makes Triton compile fp32 dots in IEEE fp32 (triton.knobs.language.
+fp32_default, read when a kernel is compiled: on its first call, which is inside the context,
+as every call of fla's kernels in the engine goes through this module). bf16 operands are
+unaffected.
+
 Shapes: T tokens, HK key heads, HV value heads, K, V head dims, S sequences.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 
@@ -42,11 +54,12 @@ def gated_delta_rule_decode(
     from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule  # the GPU extra
 
     initial = gather_states(state_pool, slots, reset)  # (S, HV, K, V)
-    o, final = fused_recurrent_gated_delta_rule(
-        q[:, None].contiguous(), k[:, None].contiguous(), v[:, None].contiguous(),
-        g=g[:, None].contiguous(), beta=beta[:, None].contiguous(), scale=scale,
-        initial_state=initial, output_final_state=True, use_qk_l2norm_in_kernel=True,
-    )
+    with ieee_fp32_dots(q.dtype):
+        o, final = fused_recurrent_gated_delta_rule(
+            q[:, None].contiguous(), k[:, None].contiguous(), v[:, None].contiguous(),
+            g=g[:, None].contiguous(), beta=beta[:, None].contiguous(), scale=scale,
+            initial_state=initial, output_final_state=True, use_qk_l2norm_in_kernel=True,
+        )
     scatter_states(final.contiguous(), state_pool, slots)
     return o[:, 0]
 
@@ -101,6 +114,23 @@ def gated_delta_rule_prefill_with_captures(
     scatter_states(final.contiguous(), state_pool, slots)
 
 
+@contextlib.contextmanager
+def ieee_fp32_dots(dtype: torch.dtype) -> Iterator[None]:
+    """Within the block, Triton compiles dots of fp32 operands in IEEE fp32 when dtype is fp32
+    (module doc); for any other dtype the block runs as it is."""
+    if dtype != torch.float32:
+        yield
+        return
+    import triton
+
+    language = triton.knobs.language
+    previous, language.fp32_default = language.fp32_default, "ieee"
+    try:
+        yield
+    finally:
+        language.fp32_default = previous
+
+
 def chunk_rule(
     q: torch.Tensor,  # (T, HK, K), raw, S sequences' rows one after another
     k: torch.Tensor,  # (T, HK, K)
@@ -119,10 +149,11 @@ def chunk_rule(
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # the GPU extra
 
     several = initial.shape[0] > 1
-    o, final = chunk_gated_delta_rule(
-        q[None].contiguous(), k[None].contiguous(), v[None].contiguous(), g[None].contiguous(),
-        beta[None].contiguous(), scale=scale, initial_state=initial, output_final_state=True,
-        use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens if several else None,
-        chunk_indices=chunk_indices if several else None,
-    )
+    with ieee_fp32_dots(q.dtype):
+        o, final = chunk_gated_delta_rule(
+            q[None].contiguous(), k[None].contiguous(), v[None].contiguous(), g[None].contiguous(),
+            beta[None].contiguous(), scale=scale, initial_state=initial, output_final_state=True,
+            use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens if several else None,
+            chunk_indices=chunk_indices if several else None,
+        )
     return o[0], final
