@@ -195,6 +195,76 @@ def async_pass(engine, rng, quick: bool, switch_interval_s: float | None = None)
     return rows
 
 
+def bench_path_pass(engine, quick: bool) -> list[dict]:
+    """The in-process bench target's own path (hybrid_serve_bench.engine_target.EngineChat over
+    AsyncLLMEngine), with the bench's shared-instructions requests at 8,000 instruction tokens
+    (quick: 300), back to back (the next request the moment the last one ends, as the bench's
+    closed loop at concurrency 1), 16 tokens each: per request TTFT as the bench takes it, its
+    split as async_pass splits it, and every step() between its add_request and the delivery of
+    its first token (wall ms, tokens per chunk, restores, captures, start relative to the add)."""
+    from engine.async_engine import AsyncLLMEngine
+    from hybrid_serve_bench.client import ChatRequest
+    from hybrid_serve_bench.engine_target import EngineChat
+    from hybrid_serve_bench.tokens import TokenizerCounter
+    from hybrid_serve_bench.workloads import Sizes, shared_instructions
+
+    aengine = AsyncLLMEngine(engine)
+    chat = EngineChat(aengine, ttft_at_first_token=True)
+    added: dict[str, float] = {}
+    delivered: dict[str, float] = {}
+    steps: list[dict] = []
+    add_request, deliver, step = engine.add_request, aengine._deliver, engine.step
+
+    def timed_add(req) -> None:
+        added[req.request_id] = time.perf_counter()
+        add_request(req)
+
+    def timed_deliver(outputs) -> None:
+        now = time.perf_counter()
+        for out in outputs:
+            if out.new_token_ids:
+                delivered.setdefault(out.request_id, now)
+        deliver(outputs)
+
+    def timed_step():
+        t0 = time.perf_counter()
+        outputs = step()
+        trace = engine.last_step
+        steps.append({"t0": t0, "wall_ms": round((time.perf_counter() - t0) * 1e3, 3),
+                      "collected_chunks": [len(c.token_ids) for c in trace.scheduler_output.chunks] if trace else [],
+                      "restores": len(trace.scheduler_output.restores) if trace else 0,
+                      "captures": len(trace.scheduler_output.captures) if trace else 0})
+        return outputs
+
+    engine.add_request, aengine._deliver, engine.step = timed_add, timed_deliver, timed_step
+    counter = TokenizerCounter(engine.config.model_dir)
+    workload = shared_instructions(Sizes(instruction_tokens=300 if quick else 8000, requests=8 if quick else 24,
+                                         systems=2), counter)
+    rows, salt = [], uuid.uuid4().hex  # nothing an earlier pass left is restored
+
+    async def main() -> None:
+        for conversation in workload.conversations:
+            messages = list(conversation.turns[0].new_messages)
+            result = await chat(ChatRequest("m", messages, 16, extra_body={"ignore_eos": True, "cache_salt": salt}))
+            rid = next(reversed(added))
+            t_add, t_out = added[rid], delivered[rid]
+            rows.append({"ttft_ms": round(result.ttft_s * 1e3, 3), "cached": result.cached_tokens,
+                         "prompt": result.prompt_tokens,
+                         "engine_ms": round((t_out - t_add) * 1e3, 3),
+                         "steps": [{**{k: v for k, v in st.items() if k != "t0"},
+                                    "at_ms": round((st["t0"] - t_add) * 1e3, 3)}
+                                   for st in steps if t_add - 0.05 <= st["t0"] <= t_out]})
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.add_request, engine.step = add_request, step
+        aengine._stopped = True  # stop the step thread, keep the engine (shutdown() would close it)
+        aengine._wakeup.set()
+        aengine._thread.join(timeout=10)
+    return rows
+
+
 class CompileLog:
     """The names of the Triton kernels built since the last `take()` (Triton's
     jit_post_compile_hook, called once per new variant; absent on CPU or an older Triton)."""
@@ -288,6 +358,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--only-bench-path", action="store_true",
+                        help="run only the bench-path pass (after the warm-up)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     from engine.llm_engine import LLMEngine
@@ -303,6 +375,10 @@ def main() -> None:
         for i in range(3):  # first compiles, autotunes
             ttft(engine, request(ids(rng, 600 + i), None, salt=uuid.uuid4().hex))
         result["compiled_at_start"] = len(compiles.take())
+        if args.only_bench_path:
+            run_bench_path(engine, args, result, text)
+            engine.shutdown()
+            return
         result["shapes"] = shapes_pass(engine, rng, args.quick)
         result["compiled_in_shapes"] = compiles.take()
         text.append("shapes: tokens ttft_ms steps routes")
@@ -350,11 +426,25 @@ def main() -> None:
             text += [f"  {r['instruction_tokens']:6d} {r['user_tokens']:4d} {r['ttft_ms']:8.3f} {r['in_ms']:7.3f} "
                      f"{r['engine_ms']:8.3f} {r['out_ms']:7.3f}" for r in result[name]]
             print("\n".join(text[-len(result[name]) - 1:]), flush=True)
-        (args.out / "ttft_anatomy.txt").write_text("\n".join(text))
+        run_bench_path(engine, args, result, text)
         result["wall_seconds"] = round(time.perf_counter() - t0, 1)
         (args.out / "ttft_anatomy.json").write_text(json.dumps(result, indent=1))
         engine.shutdown()
     print(f"done ({time.perf_counter() - t0:.0f}s)", flush=True)
+
+
+def run_bench_path(engine, args, result: dict, text: list[str]) -> None:
+    """bench_path_pass twice (the first warms its shapes), its table in text; writes both files."""
+    for name in ("bench_path_warm_up", "bench_path"):
+        result[name] = bench_path_pass(engine, args.quick)
+    text.append("bench_path: ttft_ms engine_ms cached/prompt steps (at_ms wall_ms collected_chunks restores captures)")
+    for r in result["bench_path"]:
+        text.append(f"  {r['ttft_ms']:8.3f} {r['engine_ms']:8.3f} {r['cached']}/{r['prompt']} "
+                    + " ".join(f"[{s['at_ms']} {s['wall_ms']} {s['collected_chunks']} {s['restores']} {s['captures']}]"
+                               for s in r["steps"]))
+    print("\n".join(text[-len(result['bench_path']) - 1:]), flush=True)
+    (args.out / "ttft_anatomy.txt").write_text("\n".join(text))
+    (args.out / "ttft_anatomy.json").write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":
