@@ -67,8 +67,8 @@ class EngineConfig:
                                      "host; false runs one step at a time.")
     num_speculative_tokens: int = _option(0, "Draft tokens verified per step for greedy "
                                           "requests (speculative decoding, exact: the output "
-                                          "is the same as without); 0 turns it off. CPU path "
-                                          "only for now.")
+                                          "is the same as without); 0 turns it off. One "
+                                          "rank only for now.")
     speculative_drafter: str = _option("ngram", "Where draft tokens come from when "
                                        "num_speculative_tokens > 0: ngram (prompt lookup, no "
                                        "extra weights).")
@@ -105,8 +105,8 @@ class EngineConfig:
 
     def _check_speculation(self) -> None:
         """Speculative decoding (engine/speculative/): k in [0, MAX_SPECULATIVE_TOKENS], a known
-        drafter, and, while it is on, the one path that verifies drafts so far (PyTorch on
-        CPU, one rank); ValueError naming the key otherwise."""
+        drafter, and, while it is on, one rank (the CPU path or one CUDA device,
+        engine/speculative/verify_gpu.py); ValueError naming the key otherwise."""
         k = self.num_speculative_tokens
         if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(
@@ -117,9 +117,5 @@ class EngineConfig:
                              f"got {self.speculative_drafter!r}")
         if k == 0:
             return
-        if self.device != "cpu":
-            raise ValueError(
-                f"num_speculative_tokens > 0 runs on the CPU path only for now (device {self.device!r}: "
-                "verification has no CUDA kernels or graphs yet); set num_speculative_tokens to 0")
         if self.tensor_parallel_size != 1:
             raise ValueError("num_speculative_tokens > 0 needs tensor_parallel_size 1 for now")

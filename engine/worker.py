@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -34,6 +34,7 @@ from engine.host_index import int64_array, to_device
 from engine.loader import load_model
 from engine.sampler import Sampler
 from engine.speculative.verify import VerificationScratch, VerifyPass, check_verifiable, verify_greedy
+from engine.speculative.verify_gpu import GpuVerifyPass
 from engine.token_readback import PendingTokens, TokenReadback
 from engine.step_io import CaptureOp, RunnerOutput, ScheduledChunk, SchedulerOutput
 from engine.tensor_parallel import TensorParallel
@@ -118,6 +119,9 @@ class Worker:
         k = config.num_speculative_tokens
         if k:
             check_verifiable(self.model_config.layer_types)
+            # no in-pass captures beside verification chunks (engine/speculative/verify_gpu.py):
+            # with speculation on, a capture ends its prefill chunk
+            self.capacity = replace(self.capacity, in_pass_capture=False)
         first_scratch_slot = self.capacity.num_state_slots + int(graphs)
         self.caches = self.model.allocate_caches(
             num_blocks=self.capacity.num_blocks + int(graphs),
@@ -141,7 +145,9 @@ class Worker:
         self.capturing_pass = CapturingPass(self.model, self.caches, self.device)
         self.eager_pass = EagerPass(self.model, self.caches, self.device)
         self.verification = VerificationScratch(self.caches, first_scratch_slot, k)
-        self.verify_pass = VerifyPass(self.model, self.caches, self.device, self.verification) if k else None
+        # verification chunks: the PyTorch path off CUDA, engine/speculative/verify_gpu.py on it
+        verify_route = VerifyPass if self.device.type != "cuda" else GpuVerifyPass
+        self.verify_pass = verify_route(self.model, self.caches, self.device, self.verification) if k else None
         self.sampler = Sampler(seed=config.seed, device=self.device)
         self.checkpoints = CheckpointStore(self.caches)
         # Last hidden row of every unfinished request a step computed: what a capture saves.
@@ -298,9 +304,10 @@ class Worker:
             raise RuntimeError(f"{what}() with a step in flight: collect() it first")
 
     def _routes(self) -> list[ForwardRoute]:
-        """The forward routes in the order submit() tries them (the graphs and the verification
-        pass where they exist); the eager pass takes any step."""
-        optional = (self.decode_graphs, self.prefill_graphs, self.verify_pass)
+        """The forward routes in the order submit() tries them (the verification pass and the
+        graphs where they exist; the verification pass first, as a lone verification chunk
+        would fit a prefill graph); the eager pass takes any step."""
+        optional = (self.verify_pass, self.decode_graphs, self.prefill_graphs)
         return [*(route for route in optional if route is not None), self.capturing_pass, self.eager_pass]
 
     def _capture(

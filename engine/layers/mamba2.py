@@ -270,7 +270,14 @@ class Mamba2Mixer(ShardedModule):
         decode CUDA graphs run) takes mix_decode_only_gpu, two launches; any other step
         mix_chunks_gpu. Both mutate the chunks' state slots in place. Returns (y (T, H, P) fp32 without the D skip, x
         (T, I) the scan's input: the conv output's x columns), so the caller adds D * x (the
-        gated norm does, as it reads y)."""
+        gated norm does, as it reads y). A plan with speculative verification chunks
+        (plan.verification) takes mix_verification_gpu (engine/speculative/verify_gpu.py): the
+        other chunks as here, the verification chunks' own slots only read, the states after
+        their positions left in scratch slots."""
+        if plan.verification is not None:
+            from engine.speculative.verify_gpu import mix_verification_gpu
+
+            return mix_verification_gpu(self, xBC, dt_raw, conv_state, ssm_state, plan.verification)
         if plan.fused_mamba_decode:
             return self.mix_decode_only_gpu(xBC, dt_raw, conv_state, ssm_state, plan)
         return self.mix_chunks_gpu(xBC, dt_raw, conv_state, ssm_state, plan, captures)

@@ -14,6 +14,7 @@ Shapes: T tokens, S chunks, Bd decode chunks, Sp prefill chunks, Tp prefill toke
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -21,6 +22,9 @@ import torch
 from engine.forward_batch import ForwardBatch
 from engine.host_index import concat_ranges, cumulative_bounds, int64_array, padded_rows, range_index, to_device
 from engine.kernels.gpu.in_pass_capture import InPassCapturePlan, ScanChunks, scan_chunk_arrays
+
+if TYPE_CHECKING:
+    from engine.speculative.verify_gpu import VerificationPlan
 
 
 # Decode-only steps of at most this many sequences take the Mamba mixers' fused conv + SSD
@@ -112,6 +116,9 @@ class GpuBatchPlan:
     prefill_valid: torch.Tensor | None = None
     # In-pass captures of this step (engine/kernels/gpu/in_pass_capture.py); None: none.
     in_pass: InPassCapturePlan | None = None
+    # Speculative verification chunks of this step, for the Mamba2 mixers
+    # (engine/speculative/verify_gpu.py); None: none. The other fields describe every chunk.
+    verification: VerificationPlan | None = None
 
 
 def build_gpu_batch_plan(
