@@ -5,7 +5,8 @@ config.json is spelled as transformers writes it) with random bf16 weights named
 transformers names them, loaded by the engine's loader into engine.worker.Worker, then
 
   * decode tokens/s at batch 1 and 64 with 1,024 tokens of context, through the worker's CUDA
-    graphs, against the bytes a step must move at the device-to-device copy rate;
+    graphs, against the bytes a step must move at the device-to-device copy rate, with one
+    more step's torch.profiler summary (its top kernels: where a low ratio goes);
   * a cold prefill of 4,096 tokens (time to the sampled token) against its matmul FLOPs at the
     bf16 matmul rate: the linear layers' active parameters (a routed expert's weights count
     top_k / num_experts times) and causal attention; the recurrent scans are left out of the
@@ -154,7 +155,8 @@ def family_rows(name: str, config_class: str, kwargs: dict, copy_bw: float, matm
     first = 1
     for batch in DECODE_BATCHES:
         row = decode_row(worker, "graphs", first, batch, CONTEXT, blocks_per_seq, copy_bw)
-        rows.append({k: row[k] for k in ("name", "seconds", "floor_seconds", "ratio_to_floor", "bytes", "tokens_per_s")})
+        rows.append({k: row[k] for k in ("name", "seconds", "floor_seconds", "ratio_to_floor", "bytes", "tokens_per_s",
+                                         "profile")})
         first += batch
     del worker
     torch.cuda.empty_cache()
