@@ -17,11 +17,12 @@ here every verification chunk of the step runs at once:
   (engine/kernels/gpu/mamba_decode.py conv_ssd_decode, the kernel plain decoding runs at up
   to FUSED_DECODE_MAX_ROWS rows, so the states are plain decoding's) over position i of every
   chunk, in place on scratch slot i, which first receives the state before position i: the
-  SSM state copied from the request's slot (i = 0) or from scratch slot i - 1, the conv
-  window as the last K-1 pre-conv inputs before position i. The conv windows are data
-  movement only: all of them come from one concatenation [old window | the chunk's inputs]
-  (position_conv_windows), and after the n launches each scratch slot gets its window after
-  position i. The request's slot is only read (index_select).
+  SSM state copied from the request's slot (i = 0) or from scratch slot i - 1 just before the
+  launch, the conv window (the last K-1 pre-conv inputs before position i) for every i before
+  the first launch. The conv windows are data movement only: all of them come from one
+  concatenation [old window | the chunk's inputs] (position_conv_windows), and after the n
+  launches each scratch slot gets its window after position i. The request's slot is only
+  read (index_select).
 
 The decode kernel updates the SSM state of the slot it reads, so each position costs one
 state copy (index_select + index_copy_, PyTorch) before its launch; a kernel reading one slot
@@ -199,16 +200,17 @@ def mix_verification_gpu(
     inputs = xBC.index_select(0, plan.rows.reshape(-1)).view(n, num_chunks, channels).permute(1, 2, 0)
     windows = position_conv_windows(old, inputs)  # (n + 1, V, C, K-1)
     weight = mixer.conv1d.weight[:, 0, :]  # (conv_dim, K)
+    scratch_slots = plan.scratch_slots.reshape(-1)  # position-major, as windows[j].reshape
+    # scratch slot i: the window before position i, which the decode kernel reads (never writes)
+    conv_state.index_copy_(0, scratch_slots, windows[:-1].reshape(-1, channels, taps))
     for i, (rows, slots, sources) in enumerate(zip(plan.position_rows, plan.position_slots, plan.position_sources)):
-        active = rows.shape[0]
-        conv_state.index_copy_(0, slots, windows[i, :active].contiguous())  # the window before position i
         ssm_state.index_copy_(0, slots, ssm_state.index_select(0, sources))  # the state before position i
         decode_step(
             xBC, dt_raw, conv_state, weight, mixer.conv1d.bias, mixer.dt_bias, mixer.A_log,
-            mixer.time_step_limit, ssm_state, x, y, rows, slots, plan.no_reset[:active],
+            mixer.time_step_limit, ssm_state, x, y, rows, slots, plan.no_reset[: rows.shape[0]],
         )
-    # the windows after each position (the decode kernel reads the conv state, never writes it)
-    conv_state.index_copy_(0, plan.scratch_slots.reshape(-1), windows[1:].reshape(-1, channels, taps))
+    # scratch slot i: the window after position i
+    conv_state.index_copy_(0, scratch_slots, windows[1:].reshape(-1, channels, taps))
     return y, x.view(T, H * P)
 
 

@@ -42,9 +42,9 @@ pytestmark = [
 
 K = 4
 GREEDY = SamplingParams(max_tokens=24, temperature=0)
-BF16_NEAR_TIE = 2e-2  # of the largest |logit| of the position
+BF16_NEAR_TIE = 5e-2  # of the largest |logit| of the position
 BF16_MAX_NEAR_TIE_FRACTION = 0.25
-TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}  # kernel vs PyTorch, over 5 chained steps
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}  # kernel vs PyTorch, over 5 chained steps
 
 
 # ----------------------------------------------------------------- the mixer
