@@ -74,11 +74,20 @@ def recurrent_state_shape(
 
 def kv_bytes_per_block(
     config: HybridModelConfig, layout: RankShardLayout, dtype: torch.dtype, block_size: int,
+    num_drafter_layers: int = 0,
 ) -> int:
-    """Bytes of one KV block on the rank across all attention layers (K and V of the rank's KV
-    heads, model dtype)."""
+    """Bytes of one KV block on the rank across all attention layers and num_drafter_layers
+    more (drafter_kv_layers) (K and V of the rank's KV heads, model dtype)."""
     per_layer = 2 * block_size * width(layout.kv_heads) * config.head_dim * dtype.itemsize
-    return len(config.attention_layers) * per_layer
+    return (len(config.attention_layers) + num_drafter_layers) * per_layer
+
+
+def drafter_kv_layers(config: EngineConfig, model_config: HybridModelConfig) -> tuple[int, ...]:
+    """The layers past the model's own whose KV the caches hold: the MTP drafter's one layer,
+    numbered num_hidden_layers (engine/speculative/mtp.py), when speculative decoding drafts
+    with mtp; none otherwise."""
+    drafts_by_mtp = config.num_speculative_tokens > 0 and config.speculative_drafter == "mtp"
+    return (model_config.num_hidden_layers,) if drafts_by_mtp else ()
 
 
 def state_bytes_per_slot(config: HybridModelConfig, layout: RankShardLayout, dtype: torch.dtype) -> int:
@@ -104,7 +113,8 @@ def size_caches(config: EngineConfig, model_config: HybridModelConfig, tp: Tenso
             f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
             f"{model_max_len}; lower max_model_len (or leave it unset for the model's own)"
         )
-    block_bytes = kv_bytes_per_block(model_config, layout, dtype, config.block_size)
+    block_bytes = kv_bytes_per_block(
+        model_config, layout, dtype, config.block_size, len(drafter_kv_layers(config, model_config)))
     slot_bytes = state_bytes_per_slot(model_config, layout, dtype)
     num_blocks = config.kv_cache_bytes // block_bytes
     num_slots = min(config.max_num_seqs, config.state_cache_bytes // slot_bytes)

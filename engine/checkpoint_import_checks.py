@@ -75,12 +75,17 @@ class ImportExpectations:
     max_model_len: int
 
 
-def expected_shard_layout(config: HybridModelConfig, tp: TensorParallel, dtype: str) -> ShardLayout:
+def expected_shard_layout(
+    config: HybridModelConfig, tp: TensorParallel, dtype: str, num_drafter_layers: int = 0,
+) -> ShardLayout:
     """The layout of rank tp.rank's shard for a model run in `dtype` (from its config alone;
-    the same shapes Model.allocate_caches gives that rank)."""
+    the same shapes Model.allocate_caches gives that rank), its K/V over the attention layers
+    and num_drafter_layers more (the MTP drafter's, engine/cache_capacity.py drafter_kv_layers):
+    an engine drafting with MTP and one that does not refuse each other's checkpoints (shape)."""
     layout = rank_shard_layout(config, tp)
     (conv_dim, taps), (heads, head_dim, state_size) = recurrent_state_shape(config, layout)
-    num_recurrent, num_attention = len(config.recurrent_layers), len(config.attention_layers)
+    num_recurrent = len(config.recurrent_layers)
+    num_attention = len(config.attention_layers) + num_drafter_layers
     return ShardLayout(
         conv_state=(num_recurrent, conv_dim, taps),
         ssm_state=(num_recurrent, heads, head_dim, state_size),

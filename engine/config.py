@@ -7,7 +7,7 @@ from pathlib import Path
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "tiny-granite-hybrid"
 CHECKPOINT_SLOTS = ("prompt", "response", "instruction")
-SPECULATIVE_DRAFTERS = ("ngram",)
+SPECULATIVE_DRAFTERS = ("ngram", "mtp")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -71,7 +71,14 @@ class EngineConfig:
                                           "rank only for now.")
     speculative_drafter: str = _option("ngram", "Where draft tokens come from when "
                                        "num_speculative_tokens > 0: ngram (prompt lookup, no "
-                                       "extra weights).")
+                                       "extra weights) or mtp (the model's multi-token-"
+                                       "prediction head, e.g. Qwen3-Next's mtp.* weights; CPU "
+                                       "path only for now).")
+    random_mtp_head_seed: int | None = _option(None, "Benchmarks and tests only: attach a random "
+                                               "MTP head drawn from this seed to a model whose "
+                                               "checkpoint has none (GraniteMoeHybrid), for "
+                                               "speculative_drafter mtp; it drafts at random. "
+                                               "Unset: none.")
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -115,7 +122,16 @@ class EngineConfig:
         if self.speculative_drafter not in SPECULATIVE_DRAFTERS:
             raise ValueError(f"speculative_drafter must be one of {list(SPECULATIVE_DRAFTERS)}, "
                              f"got {self.speculative_drafter!r}")
+        seed = self.random_mtp_head_seed
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+            raise ValueError(f"random_mtp_head_seed must be an integer >= 0 or unset, got {seed!r}")
+        if seed is not None and self.speculative_drafter != "mtp":
+            raise ValueError("random_mtp_head_seed attaches a head for speculative_drafter mtp, "
+                             f"not {self.speculative_drafter!r}; unset it or set the drafter to mtp")
         if k == 0:
             return
+        if self.speculative_drafter == "mtp" and self.device != "cpu":
+            raise ValueError(f"speculative_drafter mtp runs on the CPU path only for now (device "
+                             f"{self.device!r}); use ngram or set num_speculative_tokens to 0")
         if self.tensor_parallel_size != 1:
             raise ValueError("num_speculative_tokens > 0 needs tensor_parallel_size 1 for now")

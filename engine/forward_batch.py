@@ -29,6 +29,8 @@ class SequenceChunk:
     position_state_slots: a verification chunk (engine/speculative/verify.py): one scratch
         state slot per token, where the recurrent mixers write the state after that token,
         token by token, leaving state_slot as it was; empty for any other chunk.
+    first_key: attention reads the keys of positions first_key .. on (the PyTorch path): 1 for
+        the MTP drafter's layer, whose position 0 holds no key (engine/speculative/mtp.py).
     """
 
     state_slot: int
@@ -37,6 +39,7 @@ class SequenceChunk:
     block_table: tuple[int, ...]
     reset_state: bool
     position_state_slots: tuple[int, ...] = ()
+    first_key: int = 0
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from transformers import AutoTokenizer
 
 from cache.cache_manager import CacheManager, PoolUsage
 from cache.checkpoint_ledger import CheckpointKind, KindCounters
+from engine.cache_capacity import drafter_kv_layers
 from engine.checkpoint_events import CheckpointEvent, CheckpointEventFeed
 from engine.checkpoint_exchange import CheckpointExchange, ImportResult, TransferCounters
 from engine.checkpoint_import_checks import ImportExpectations, expected_shard_layout
@@ -38,7 +39,7 @@ from engine.request import FinishReason, Request
 from engine.sampling_params import InvalidRequestError
 from engine.scheduler import Scheduler, SchedulerStats
 from engine.speculative.ngram import NgramDrafter
-from engine.speculative.scheduling import SpeculationStats, SpeculativeDecoding
+from engine.speculative.scheduling import SpeculationStats, SpeculativeDecoding, WorkerProposals
 from engine.step_io import RunnerOutput, SchedulerOutput
 from engine.tensor_parallel import TensorParallel
 from engine.worker import Worker
@@ -370,11 +371,11 @@ def _local_executor(config: EngineConfig) -> ModelExecutor:
 
 def _speculation(config: EngineConfig) -> SpeculativeDecoding:
     """The scheduler's speculative decoding: off at num_speculative_tokens 0; the drafter is
-    the n-gram prompt lookup (the only one EngineConfig accepts so far)."""
+    the n-gram prompt lookup (ngram) or the worker's proposals (mtp: engine/speculative/mtp.py)."""
     if not config.num_speculative_tokens:
         return SpeculativeDecoding()
-    assert config.speculative_drafter == "ngram", config.speculative_drafter
-    return SpeculativeDecoding(config.num_speculative_tokens, NgramDrafter())
+    drafters = {"ngram": NgramDrafter, "mtp": lambda: WorkerProposals("mtp")}
+    return SpeculativeDecoding(config.num_speculative_tokens, drafters[config.speculative_drafter]())
 
 
 def _import_expectations(config: EngineConfig, model_config, capacity) -> ImportExpectations:
@@ -385,7 +386,8 @@ def _import_expectations(config: EngineConfig, model_config, capacity) -> Import
         model=model_identity(config.model_dir, config.dtype, torch.device(config.device).type),
         tensor_parallel_size=world,
         block_size=capacity.block_size,
-        layouts=tuple(expected_shard_layout(model_config, TensorParallel(rank, world), config.dtype)
+        layouts=tuple(expected_shard_layout(model_config, TensorParallel(rank, world), config.dtype,
+                                            len(drafter_kv_layers(config, model_config)))
                       for rank in range(world)),
         vocab_size=model_config.vocab_size,
         max_model_len=capacity.max_model_len,

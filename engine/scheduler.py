@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from cache.cache_manager import CacheManager, PoolUsage
 from engine.checkpoint_policy import CheckpointPolicy
@@ -106,6 +106,7 @@ class Scheduler:
             self.speculation.trim(request, num_output_tokens)
         if reason in (FinishReason.ABORT, FinishReason.ERROR):
             self.speculation.forget(request_id)
+        self.speculation.finished(request_id)
         if request.status is RequestStatus.RUNNING:
             self.checkpoints.reserve_at_finish(request, reason)
             self.running.remove(request)
@@ -255,6 +256,8 @@ class Scheduler:
             reason = token_stop_reason(request, self.max_model_len)
             if reason is not None:
                 self.finish_request(request.request_id, reason)
+            elif chunk.propose_drafts and request.status is RequestStatus.RUNNING:
+                self.speculation.receive(request, runner_output.draft_proposals.get(chunk.request_id))
             updated.append(request)
         return updated
 
@@ -294,6 +297,8 @@ class Scheduler:
             capture_hidden=end in request.pause_positions,
             num_draft_tokens=len(drafts),
         )
+        if chunk.sample:  # the worker drafts after it when the drafter runs there (MTP)
+            chunk = replace(chunk, propose_drafts=self.speculation.proposals_wanted(request))
         request.num_computed_tokens = end
         request.num_pending_tokens += int(chunk.sample)
         self.checkpoints.reserve_after_chunk(request, chunk)

@@ -32,6 +32,10 @@ class ScheduledChunk:
         is the request's last known token then k draft tokens; the runner returns the argmax
         at each of the k + 1 positions (RunnerOutput.verified_token_ids) instead of sampling,
         and leaves the request's state slot as it was until a CommitOp names the position kept.
+    propose_drafts: k > 0 (a chunk that samples, of a request that speculates with a drafter
+        the worker runs: MTP): after the step the worker proposes up to k draft tokens to
+        follow the token it sampled, or, for a verification chunk, the bonus token after the
+        drafts the greedy rule accepts (RunnerOutput.draft_proposals).
     """
 
     request_id: str
@@ -45,6 +49,16 @@ class ScheduledChunk:
     num_output_tokens: int = 0
     capture_hidden: bool = False
     num_draft_tokens: int = 0
+    propose_drafts: int = 0
+
+
+@dataclass(frozen=True)
+class DraftProposal:
+    """Draft tokens the worker proposed to follow the first `follows` tokens of a request (its
+    prompt and output tokens, the one the step sampled or kept last included)."""
+
+    follows: int
+    token_ids: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -130,6 +144,8 @@ class RunnerOutput:
     confirmed_captures: dict[int, frozenset[int]] = field(default_factory=dict)
     # Verification chunks only (num_draft_tokens > 0): the argmax at each of its positions.
     verified_token_ids: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # Chunks with propose_drafts only: what the worker's drafter proposed after the step.
+    draft_proposals: dict[str, DraftProposal] = field(default_factory=dict)
     # Only for requests whose SamplingParams.return_logits is set: the fp32 logits row used.
     logits: dict[str, "torch.Tensor"] = field(default_factory=dict)
     # Only for chunks with capture_hidden: the final hidden row (after the final norm).

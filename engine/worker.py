@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from engine.cache_capacity import CacheCapacity, size_caches
+from engine.cache_capacity import CacheCapacity, drafter_kv_layers, size_caches
 from engine.checkpoint_shards import ExportShardOp, ImportShardOp, gather_shard, scatter_shard, shard_misfit
 from engine.checkpoint_store import CheckpointStore
 from engine.checkpoint_transfer import CheckpointShard
@@ -33,6 +33,8 @@ from engine.forward_routes import (
 from engine.host_index import int64_array, to_device
 from engine.loader import load_model
 from engine.sampler import Sampler
+from engine.speculative.mtp import DraftStart, MtpDrafter, attach_head
+from engine.speculative.scheduling import greedy_accept
 from engine.speculative.verify import VerificationScratch, VerifyPass, check_verifiable, verify_greedy
 from engine.speculative.verify_gpu import GpuVerifyPass
 from engine.token_readback import PendingTokens, TokenReadback
@@ -123,12 +125,19 @@ class Worker:
             # with speculation on, a capture ends its prefill chunk
             self.capacity = replace(self.capacity, in_pass_capture=False)
         first_scratch_slot = self.capacity.num_state_slots + int(graphs)
+        # The MTP drafter (engine/speculative/mtp.py): its head's K/V is one more layer of the
+        # KV blocks, and each slot has scratch blocks for its draft rows, past the others.
+        mtp_head = attach_head(self.model, config)
+        first_draft_block = self.capacity.num_blocks + int(graphs)
+        draft_blocks = self.capacity.num_state_slots * MtpDrafter.scratch_blocks_per_slot(
+            self.capacity.block_size, k) if mtp_head is not None else 0
         self.caches = self.model.allocate_caches(
-            num_blocks=self.capacity.num_blocks + int(graphs),
+            num_blocks=first_draft_block + draft_blocks,
             block_size=self.capacity.block_size,
             num_state_slots=first_scratch_slot
             + VerificationScratch.num_scratch_slots(self.capacity.num_state_slots, k),
             device=self.device,
+            drafter_layers=drafter_kv_layers(config, self.model_config),
         )
         # The forward routes, in the order submit() tries them (_routes): the graphs where
         # captured (None otherwise), the capturing pass, the eager pass.
@@ -148,6 +157,8 @@ class Worker:
         # verification chunks: the PyTorch path off CUDA, engine/speculative/verify_gpu.py on it
         verify_route = VerifyPass if self.device.type != "cuda" else GpuVerifyPass
         self.verify_pass = verify_route(self.model, self.caches, self.device, self.verification) if k else None
+        self.drafter = (MtpDrafter(self.model, mtp_head, self.caches, self.eager_pass, first_draft_block, k)
+                        if mtp_head is not None else None)
         self.sampler = Sampler(seed=config.seed, device=self.device)
         self.checkpoints = CheckpointStore(self.caches)
         # Last hidden row of every unfinished request a step computed: what a capture saves.
@@ -227,12 +238,17 @@ class Worker:
         for restore in scheduler_output.restores:
             restored = self.checkpoints.restore(restore.bundle_id, restore.state_slot, restore.tail_block)
             last_hidden[restore.request_id] = RowRef(restored[None], 0, owned=True)
+        previous_sampled = SampledTokens(self._sampled, self._sampled_rows)
         step_logits: dict[str, RowRef] = {}  # logits rows this step's forward computed
         step_argmax: dict[str, RowRef] = {}  # and their argmax
+        forward = None
         if computed:
             in_pass = [capture for capture in scheduler_output.captures if capture.in_pass]
             route = next(route for route in self._routes() if route.accepts(computed, in_pass))
-            forward = route.run(computed, in_pass, SampledTokens(self._sampled, self._sampled_rows))
+            rows_before = self._rows_before(computed, last_hidden) if self.drafter is not None else {}
+            forward = route.run(computed, in_pass, previous_sampled)
+            if self.drafter is not None:  # the MTP head's K/V of every computed position
+                self.drafter.extend(computed, forward, rows_before, previous_sampled)
             for i, chunk in enumerate(computed):
                 last_hidden[chunk.request_id] = RowRef(forward.hidden, forward.last_rows[i])
                 if forward.logits is not None:
@@ -261,6 +277,9 @@ class Worker:
             tokens = self._sample(sampled, logits, argmax, output)
             store_sampled(self._sampled, tokens)
         self._sampled_rows = {chunk.request_id: i for i, chunk in enumerate(sampled)}
+        if self.drafter is not None:
+            starts = self._draft_starts(scheduler_output.chunks, computed, forward, last_hidden, tokens, output)
+            output.draft_proposals = self.drafter.propose(starts)
         self._in_flight.append(_SubmittedStep(
             output, [chunk.request_id for chunk in sampled], self._token_readback.start(tokens)
         ))
@@ -321,6 +340,44 @@ class Worker:
             hidden_row, state=state,
         )
         output.confirmed_captures[capture.bundle_id] = frozenset({self.rank})
+
+    def _rows_before(self, computed: list[ScheduledChunk], restored: dict[str, RowRef]) -> dict[str, torch.Tensor]:
+        """The hidden row (D,) before each computed chunk that does not start at 0: the one
+        restored this step (in `restored`), else the request's last (a commit's included),
+        copied before the forward may overwrite it (the MTP drafter's h_{s-1})."""
+        rows = {}
+        for chunk in computed:
+            if chunk.start_position:
+                ref = restored.get(chunk.request_id) or self._last_hidden.get(chunk.request_id)
+                if ref is None:
+                    raise RuntimeError(f"{chunk.request_id}: no hidden row before position {chunk.start_position}")
+                rows[chunk.request_id] = ref.kept().row()
+        return rows
+
+    def _draft_starts(
+        self, chunks: tuple[ScheduledChunk, ...], computed: list[ScheduledChunk], forward,
+        last_hidden: dict[str, RowRef], tokens: torch.Tensor, output: RunnerOutput,
+    ) -> list[DraftStart]:
+        """Where the MTP drafter starts for each chunk with propose_drafts: after the token it
+        sampled (tokens: this step's, in sampling order), or after a verification chunk's bonus
+        token, which follows the drafts the greedy rule accepts (the scheduler keeps those
+        too, unless a stop ends the request)."""
+        computed_row = {chunk.request_id: i for i, chunk in enumerate(computed)}
+        starts = []
+        for chunk in chunks:
+            if not (chunk.propose_drafts and chunk.sample):
+                continue
+            if chunk.num_draft_tokens:
+                verified = output.verified_token_ids[chunk.request_id]  # (k + 1,)
+                accepted = greedy_accept(chunk.token_ids[1:], verified.tolist())
+                last = forward.last_rows[computed_row[chunk.request_id]]
+                hidden = forward.hidden[last + 1 - len(chunk.token_ids) + accepted]  # the bonus token's h_{e-1}
+                starts.append(DraftStart(chunk, chunk.start_position + accepted + 1, verified[accepted], hidden))
+            else:
+                position = chunk.start_position + len(chunk.token_ids)
+                token = tokens[self._sampled_rows[chunk.request_id]]
+                starts.append(DraftStart(chunk, position, token, last_hidden[chunk.request_id].row()))
+        return starts
 
     def _rows_kept_over(self, scheduler_output: SchedulerOutput, computed: list[ScheduledChunk]) -> dict[str, RowRef]:
         """The last hidden rows of unfinished requests this step neither computes nor restores,

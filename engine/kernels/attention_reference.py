@@ -31,8 +31,10 @@ def paged_attention(
     block_table: torch.Tensor,  # (>= ceil((start_position + n) / block_size),) int64
     start_position: int,
     scale: float,
+    first_key: int = 0,
 ) -> torch.Tensor:
-    """Causal attention of n new queries over the sequence's first start_position + n keys.
+    """Causal attention of n new queries over the sequence's keys first_key .. start_position
+    + n - 1 (first_key 1: the MTP layer, whose position 0 holds no key; engine/speculative/mtp.py).
 
     The new tokens' K/V must already be written. Scores are computed in the query dtype and the
     softmax in fp32 (as transformers' eager attention does). Returns (n, H, D).
@@ -41,15 +43,15 @@ def paged_attention(
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     num_keys = start_position + num_queries
     blocks = block_table[: -(-num_keys // block_size)]
-    keys = key_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:num_keys]  # (S, Hkv, D)
-    values = value_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:num_keys]  # (S, Hkv, D)
+    keys = key_cache[blocks].reshape(-1, num_kv_heads, head_dim)[first_key:num_keys]  # (S, Hkv, D)
+    values = value_cache[blocks].reshape(-1, num_kv_heads, head_dim)[first_key:num_keys]  # (S, Hkv, D)
     group = num_heads // num_kv_heads
     keys = keys.repeat_interleave(group, dim=1)  # (S, H, D)
     values = values.repeat_interleave(group, dim=1)  # (S, H, D)
 
     scores = torch.einsum("qhd,khd->hqk", query, keys) * scale  # (H, n, S)
     query_positions = torch.arange(start_position, num_keys, device=query.device)
-    key_positions = torch.arange(num_keys, device=query.device)
+    key_positions = torch.arange(first_key, num_keys, device=query.device)
     future = key_positions[None, :] > query_positions[:, None]  # (n, S)
     scores = scores.masked_fill(future, float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)

@@ -173,7 +173,8 @@ class PagedAttention(nn.Module):
         for chunk, start, end in zip(batch.chunks, batch.cu_seqlens[:-1], batch.cu_seqlens[1:]):
             block_table = torch.tensor(chunk.block_table, dtype=torch.int64, device=hidden.device)
             output[start:end] = paged_attention(
-                query[start:end], key_cache, value_cache, block_table, chunk.start_position, self.scale
+                query[start:end], key_cache, value_cache, block_table, chunk.start_position, self.scale,
+                first_key=chunk.first_key,
             )
         return self.o_proj(self.gated(output, gate).view(num_tokens, self.num_heads * self.head_dim))
 

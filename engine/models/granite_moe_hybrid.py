@@ -19,6 +19,7 @@ layer's one all-reduce.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -47,6 +48,7 @@ from engine.model_config import (
 )
 from engine.models.config_fields import attention_fields, mamba_fields, token_fields
 from engine.models.model_caches import RankCaches
+from engine.models.mtp_head import MultiTokenPredictionHead, randomize
 from engine.shard_layout import RankShardLayout, rank_shard_layout
 from engine.tensor_parallel import TensorParallel, TensorShard, parameter_shards
 
@@ -249,6 +251,25 @@ class GraniteMoeHybridModel(RankCaches, nn.Module):
             RotaryEmbedding(config.head_dim, config.rope_theta, config.rotary_dim)
             if config.rope_theta is not None else None
         )
+        # This family's checkpoints carry no MTP head; a seeded random one can be attached for
+        # benchmarks and tests (random_mtp_head, EngineConfig.random_mtp_head_seed).
+        self.mtp: MultiTokenPredictionHead | None = None
+
+    def random_mtp_head(self, seed: int) -> MultiTokenPredictionHead:
+        """A seeded random MTP head for this model (engine/models/mtp_head.py randomize): one
+        attention DecoderLayer numbered num_hidden_layers, on the model's device and dtype, its
+        projections stacked. Benchmarks and tests only: it drafts at random. ValueError for a
+        subclass whose decoder layers are not this family's."""
+        if self.decoder_layer is not DecoderLayer:
+            raise ValueError(f"random_mtp_head_seed: no random MTP head for {type(self).__name__}")
+        config, index = self.config, self.config.num_hidden_layers
+        with_head = replace(config, num_hidden_layers=index + 1, layer_types=(*config.layer_types, ATTENTION))
+        with torch.device(self.embed_tokens.weight.device):
+            layer = DecoderLayer(with_head, index, self.layout, self.tp, self.dtype)
+            head = MultiTokenPredictionHead(config.hidden_size, config.rms_norm_eps, self.dtype, False, [layer])
+        randomize(head, seed)
+        layer.self_attn.stack_projections()
+        return head.eval().requires_grad_(False)
 
     def forward(
         self, batch: ForwardBatch, caches: ModelCaches, gpu_plan: GpuBatchPlan | None = None

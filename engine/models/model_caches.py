@@ -39,19 +39,23 @@ class RankCaches:
         return cache_capacity.state_bytes_per_slot(self.config, self.layout, self.dtype)
 
     def allocate_caches(
-        self, num_blocks: int, block_size: int, num_state_slots: int, device=None
+        self, num_blocks: int, block_size: int, num_state_slots: int, device=None,
+        drafter_layers: tuple[int, ...] = (),
     ) -> ModelCaches:
         """Zeroed KV blocks and state slots of this rank (layouts in engine/forward_batch.py;
         the KV heads, recurrent heads and conv channels are the rank's own), on `device`, or
         the embedding's device when None. One tensor per kind, stacked over its layers (K/V
         in the model dtype, conv state in the model dtype, recurrent state fp32); each
-        layer's cache is a view of it. Layers without a mixer cache (MLP blocks) get none."""
+        layer's cache is a view of it. Layers without a mixer cache (MLP blocks) get none.
+        drafter_layers: layer indices past the model's own whose KV the blocks also hold, after
+        the attention layers' (the MTP drafter's layer, engine/cache_capacity.py
+        drafter_kv_layers), so checkpoints and transfers carry it with the rest."""
         c = self.config
         if device is None:
             device = self.embed_tokens.weight.device
         kv_shape = (num_blocks, block_size, self.kv_heads_per_rank(), c.head_dim)
         conv_slot, state_slot = self.recurrent_state_shape()
-        attention, recurrent = c.attention_layers, c.recurrent_layers
+        attention, recurrent = [*c.attention_layers, *drafter_layers], c.recurrent_layers
         kv = torch.zeros((2, len(attention), *kv_shape), dtype=self.dtype, device=device)
         conv = torch.zeros((len(recurrent), num_state_slots, *conv_slot), dtype=self.dtype, device=device)
         state = torch.zeros((len(recurrent), num_state_slots, *state_slot), dtype=torch.float32, device=device)

@@ -268,6 +268,7 @@ class NemotronHModel(RankCaches, nn.Module):
         )
         self.norm_f = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head = VocabParallelLMHead(config.vocab_size, config.hidden_size, self.layout, dtype)
+        self.mtp = None  # no multi-token-prediction head (HybridModel.mtp)
 
     @property
     def embed_tokens(self) -> VocabParallelEmbedding:

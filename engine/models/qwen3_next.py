@@ -21,8 +21,8 @@ loader (engine/loader.py load_piece), each rank its channels of every expert.
 MTP: with num_mtp_layers > 0 (config.json's num_nextn_predict_layers or
 mtp_num_hidden_layers; the published releases name neither, so complete_config counts the
 checkpoint's mtp.layers.{j}) the checkpoint's mtp.* tensors load into `self.mtp`
-(MultiTokenPredictionWeights), which the forward does not use: they are kept for speculative
-decoding.
+(engine/models/mtp_head.py MultiTokenPredictionHead), which the forward does not use: the MTP
+drafter runs it (speculative_drafter mtp, engine/speculative/mtp.py).
 
 Tensor parallel: as GraniteMoeHybrid (engine/shard_layout.py: attention heads, KV heads,
 gated delta-net key and value heads, MLP channels, vocabulary rows); hidden states (T, D) are
@@ -65,6 +65,7 @@ from engine.model_config import (
     required,
 )
 from engine.models.model_caches import RankCaches
+from engine.models.mtp_head import MultiTokenPredictionHead
 from engine.shard_layout import RankShardLayout, rank_shard_layout
 from engine.tensor_parallel import StackedPiece, TensorParallel, TensorShard, parameter_shards
 
@@ -316,27 +317,15 @@ class DecoderLayer(nn.Module):
         return hidden + (self.mlp(mlp_in) if gpu_plan is None else self.mlp.forward_gpu(mlp_in))
 
 
-class MultiTokenPredictionWeights(nn.Module):
-    """The checkpoint's mtp.* tensors, kept for speculative decoding (the forward does not run
-    them). Per Qwen3-Next's MTP head: pre_fc_norm_embedding and pre_fc_norm_hidden (D,), fc
-    (D, 2D) over [normed embedding | normed hidden], `layers` (num_mtp_layers full-attention
-    decoder layers, the main layers' shapes and sharding), and the final `norm` (D,); the
-    embedding and LM head are the main model's."""
-
-    def __init__(
-        self, config: HybridModelConfig, layout: RankShardLayout, tp: TensorParallel,
-        dtype: torch.dtype,
-    ) -> None:
-        super().__init__()
-        D, eps = config.hidden_size, config.rms_norm_eps
-        self.pre_fc_norm_embedding = RMSNorm(D, eps, dtype, zero_centered=True)
-        self.pre_fc_norm_hidden = RMSNorm(D, eps, dtype, zero_centered=True)
-        self.fc = nn.Linear(2 * D, D, bias=False, dtype=dtype)
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, ATTENTION, config.num_hidden_layers + j, layout, tp, dtype)
-            for j in range(config.num_mtp_layers)
-        )
-        self.norm = RMSNorm(D, eps, dtype, zero_centered=True)
+def mtp_head(
+    config: HybridModelConfig, layout: RankShardLayout, tp: TensorParallel, dtype: torch.dtype,
+) -> MultiTokenPredictionHead:
+    """The checkpoint's mtp.* tensors: Qwen3-Next's MTP head (engine/models/mtp_head.py), its
+    norms zero-centred and its num_mtp_layers full-attention decoder layers numbered from
+    num_hidden_layers (the main layers' shapes and sharding)."""
+    layers = [DecoderLayer(config, ATTENTION, config.num_hidden_layers + j, layout, tp, dtype)
+              for j in range(config.num_mtp_layers)]
+    return MultiTokenPredictionHead(config.hidden_size, config.rms_norm_eps, dtype, True, layers)
 
 
 class Qwen3NextModel(RankCaches, nn.Module):
@@ -368,9 +357,9 @@ class Qwen3NextModel(RankCaches, nn.Module):
         self.lm_head: VocabParallelLMHead | None = None
         if not config.tie_word_embeddings:
             self.lm_head = VocabParallelLMHead(config.vocab_size, config.hidden_size, self.layout, dtype)
-        self.mtp: MultiTokenPredictionWeights | None = None
+        self.mtp: MultiTokenPredictionHead | None = None
         if config.num_mtp_layers:
-            self.mtp = MultiTokenPredictionWeights(config, self.layout, self.tp, dtype)
+            self.mtp = mtp_head(config, self.layout, self.tp, dtype)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rotary_dim)
 
     def forward(

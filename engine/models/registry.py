@@ -32,6 +32,9 @@ class HybridModel(Protocol):
 
     config: HybridModelConfig
     tp: TensorParallel
+    # The multi-token-prediction head (engine/models/mtp_head.py), or None: Qwen3-Next's mtp.*
+    # weights, or a random one a GraniteMoeHybrid model attaches (random_mtp_head).
+    mtp: Any
 
     def __call__(self, batch: ForwardBatch, caches: ModelCaches, gpu_plan: Any = None) -> torch.Tensor: ...
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...

@@ -5,6 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.request import Request
+    from engine.step_io import DraftProposal
 
 NAME = "ngram"
 
@@ -22,6 +27,7 @@ class NgramDrafter:
     max_ngram: int = 3
     min_ngram: int = 1
     name: str = NAME
+    on_worker: bool = False  # drafts here, from the tokens (engine/speculative/scheduling.py Drafter)
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_ngram <= self.max_ngram:
@@ -41,3 +47,8 @@ class NgramDrafter:
                 if tokens[start : start + n] == suffix:
                     return tuple(tokens[start + n : start + n + num_drafts])
         return ()
+
+    def draft(self, request: Request, proposal: DraftProposal | None, num_drafts: int) -> tuple[int, ...]:
+        """Drafter.draft: propose() over the request's prompt and output tokens (there is no
+        worker proposal)."""
+        return self.propose(request.all_token_ids, num_drafts)

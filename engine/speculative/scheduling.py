@@ -18,6 +18,13 @@ Drafting needs every token known, so such a request waits while a token of its i
 (`waits`): with async_scheduling it has one step in flight at a time; the others keep the
 overlap.
 
+Drafters, one interface (Drafter.draft) for both kinds: the n-gram drafter computes its drafts
+here from the request's tokens; the MTP drafter runs on the worker, which needs the hidden rows
+(engine/speculative/mtp.py): a chunk that samples asks for a proposal
+(ScheduledChunk.propose_drafts), the worker returns it with the step's output (a DraftProposal
+that says which tokens it follows), `receive` keeps it, and `drafts` hands it to the drafter
+only if it follows exactly the request's tokens.
+
 Pure Python, like the scheduler.
 """
 
@@ -28,15 +35,33 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from engine.request import Request, RequestStatus, token_stop_reason
-from engine.step_io import CommitOp, ScheduledChunk
+from engine.step_io import CommitOp, DraftProposal, ScheduledChunk
 
 
 class Drafter(Protocol):
-    name: str
+    """Where drafts come from. on_worker: the worker proposes them after each chunk that
+    samples (ScheduledChunk.propose_drafts), and `draft` is handed the proposal."""
 
-    def propose(self, token_ids: Sequence[int], num_drafts: int) -> tuple[int, ...]:
-        """Up to num_drafts tokens to follow token_ids (() for none)."""
+    name: str
+    on_worker: bool
+
+    def draft(self, request: Request, proposal: DraftProposal | None, num_drafts: int) -> tuple[int, ...]:
+        """Up to num_drafts tokens to follow all of `request`'s tokens (() for none).
+        proposal: what the worker proposed to follow exactly those tokens, or None (none
+        asked, or none that follows them). Mutates nothing."""
         ...
+
+
+@dataclass(frozen=True)
+class WorkerProposals:
+    """The drafter whose drafts the worker proposes (`name`: what it runs there, "mtp"): hands
+    out the proposal's first num_drafts tokens."""
+
+    name: str
+    on_worker: bool = True
+
+    def draft(self, request: Request, proposal: DraftProposal | None, num_drafts: int) -> tuple[int, ...]:
+        return proposal.token_ids[:num_drafts] if proposal is not None else ()
 
 
 @dataclass
@@ -88,6 +113,7 @@ class SpeculativeDecoding:
             acceptance_lengths=[0] * (num_speculative_tokens + 1),
         )
         self._commits: dict[str, CommitOp] = {}  # request id -> position to keep, for the next step
+        self._proposals: dict[str, DraftProposal] = {}  # request id -> the worker's last proposal
 
     def speculates(self, request: Request) -> bool:
         """Whether `request` is one that drafts (module docstring)."""
@@ -99,11 +125,28 @@ class SpeculativeDecoding:
         that token is known."""
         return request.num_pending_tokens > 0 and self.speculates(request)
 
+    def proposals_wanted(self, request: Request) -> int:
+        """ScheduledChunk.propose_drafts of a chunk of `request` that samples: how many drafts
+        the worker should propose after it (0: none, or a drafter of the scheduler's)."""
+        on_worker = self.drafter is not None and self.drafter.on_worker
+        return self.num_speculative_tokens if on_worker and self.speculates(request) else 0
+
+    def receive(self, request: Request, proposal: DraftProposal | None) -> None:
+        """Keep the worker's `proposal` for `request` (after the step that asked for it settled
+        and left the request running), replacing the one before; None keeps nothing."""
+        if proposal is not None:
+            self._proposals[request.request_id] = proposal
+        else:
+            self._proposals.pop(request.request_id, None)
+
     def drafts(self, request: Request, budget: int, max_model_len: int) -> tuple[int, ...]:
         """The drafts of `request`'s next chunk, when it is a decode (every token but the last
         computed, none pending) of a speculating request: at most num_speculative_tokens,
         budget - 1, and as many as leave room for the bonus token under max_tokens and
-        max_model_len. () otherwise. Mutates nothing."""
+        max_model_len. () otherwise. Uses up the worker's proposal for the request."""
+        proposal = self._proposals.pop(request.request_id, None)
+        if proposal is not None and proposal.follows != request.num_tokens:
+            proposal = None  # it follows other tokens: a stale one
         if not self.speculates(request) or request.num_pending_tokens:
             return ()
         if request.num_output_tokens == 0 or request.num_output_tokens < request.sampling.min_tokens:
@@ -118,7 +161,7 @@ class SpeculativeDecoding:
         )
         if limit <= 0:
             return ()
-        return self.drafter.propose(request.all_token_ids, limit)
+        return self.drafter.draft(request, proposal, limit)
 
     def accept(self, request: Request, chunk: ScheduledChunk, verified: Sequence[int], max_model_len: int) -> int:
         """The verification `chunk` of `request` came back with the argmax `verified` at each
@@ -165,8 +208,13 @@ class SpeculativeDecoding:
 
     def forget(self, request_id: str) -> None:
         """`request_id` lost its state slot (preempted, requeued) before its commit was
-        handed to a step: nothing to keep."""
+        handed to a step: nothing to keep, and its proposal is dropped (it is computed again)."""
         self._commits.pop(request_id, None)
+        self._proposals.pop(request_id, None)
+
+    def finished(self, request_id: str) -> None:
+        """`request_id` ended: its proposal is dropped (its commit is still handed out)."""
+        self._proposals.pop(request_id, None)
 
     def take_commits(self) -> tuple[CommitOp, ...]:
         """The commits recorded since the last call, for the step being scheduled (applied at

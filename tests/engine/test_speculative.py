@@ -71,7 +71,7 @@ def test_greedy_acceptance_rule():
     ({"num_speculative_tokens": 17}, "num_speculative_tokens must be an integer"),
     ({"num_speculative_tokens": True}, "num_speculative_tokens must be an integer"),
     ({"num_speculative_tokens": 2.0}, "num_speculative_tokens must be an integer"),
-    ({"speculative_drafter": "mtp"}, "speculative_drafter must be one of"),
+    ({"speculative_drafter": "eagle"}, "speculative_drafter must be one of"),
     ({"num_speculative_tokens": 2, "tensor_parallel_size": 2}, "num_speculative_tokens > 0 needs tensor_parallel_size 1"),
 ])
 def test_config_refusals(changes, message):

@@ -1,0 +1,164 @@
+"""The MTP drafter, the worker's side: the multi-token-prediction head (engine/models/mtp_head.py)
+run over every computed position, and k draft tokens proposed after each chunk that asks.
+
+Positions. The head's row for position q takes the pair (t_q, h_{q-1}): the token at q and the
+target's hidden row before it, and predicts t_{q+1}. Its K/V goes to position q of the head's
+own layer in the model's paged KV cache (layer index num_hidden_layers, engine/cache_capacity.py
+drafter_kv_layers): the positions a chunk computes are the positions whose head K/V it writes,
+so checkpoints (full blocks, attention tail) and transfers carry the head's K/V with the rest,
+a restore brings it back, and a rejected draft's K/V is overwritten as the main layers' is.
+Position 0 has no pair: nothing is written there and the head's attention reads keys from
+position 1 on (SequenceChunk.first_key). RoPE turns the row for position q by q - 1, the
+position of its hidden row (vLLM's convention; only differences of positions matter).
+
+Per step, on the PyTorch path:
+
+1. `extend`, after the model's forward: for every computed chunk [s, e), the head's rows for
+   positions max(s, 1) .. e - 1, h_{s-1} being the request's last hidden row before the chunk
+   (the previous step's, a commit's or a restored bundle's) and the rest the chunk's own rows.
+   Every request's chunks, so any checkpoint holds the head's K/V of all its positions.
+2. `propose`, after sampling: for each chunk with propose_drafts, from the position e after
+   its last kept one (a verification chunk: the greedy rule's accepted drafts and the bonus
+   token), the k draft rows (t_e, h_{e-1}) -> d1, (d1, h'_e) -> d2, ..., each depth one row per
+   request. Draft rows write their K/V into the request's scratch blocks (allocated past the
+   scheduler's, per state slot), which hold a copy of the partial block before e: the paged
+   cache past the kept positions is never written by drafting.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+
+from engine.config import EngineConfig
+from engine.forward_batch import ForwardBatch, ModelCaches, build_forward_batch
+from engine.forward_routes import EagerPass, RouteOutput, SampledTokens
+from engine.models.granite_moe_hybrid import GraniteMoeHybridModel
+from engine.models.mtp_head import MultiTokenPredictionHead
+from engine.step_io import DraftProposal, ScheduledChunk
+
+
+def attach_head(model, config: EngineConfig) -> MultiTokenPredictionHead | None:
+    """The head the MTP drafter runs, when config drafts with mtp (None otherwise): the model's
+    own (Qwen3-Next's mtp.*), or a random one from random_mtp_head_seed, attached to the model
+    as model.mtp. ValueError naming the key: no head, a random head asked of a model that has
+    one or of a family that builds none, more than one MTP layer."""
+    if not (config.num_speculative_tokens and config.speculative_drafter == "mtp"):
+        return None
+    if config.random_mtp_head_seed is not None:
+        if model.mtp is not None:
+            raise ValueError("random_mtp_head_seed: this model has its own MTP head (mtp.* weights); unset it")
+        if not isinstance(model, GraniteMoeHybridModel):
+            raise ValueError("random_mtp_head_seed: random MTP heads are built for GraniteMoeHybrid models only")
+        model.mtp = model.random_mtp_head(config.random_mtp_head_seed)
+    if model.mtp is None:
+        raise ValueError(
+            "speculative_drafter mtp: this model has no multi-token-prediction head (no mtp.* "
+            "weights); use speculative_drafter ngram (or random_mtp_head_seed for benchmarks)")
+    if len(model.mtp.layers) != 1:
+        raise ValueError(f"speculative_drafter mtp runs one MTP layer; this model has {len(model.mtp.layers)}")
+    return model.mtp
+
+
+@dataclass(frozen=True)
+class DraftStart:
+    """Where a request's drafts start: its chunk of this step, the position e of the token the
+    first draft follows, that token (0-d int64 on the device) and the hidden row before it,
+    h_{e-1} (D,)."""
+
+    chunk: ScheduledChunk
+    position: int
+    token: torch.Tensor
+    hidden: torch.Tensor
+
+
+class MtpDrafter:
+    """The head's passes over a step (module docstring). Request state slot s owns scratch
+    blocks first_scratch_block + s * blocks_per_slot .. + blocks_per_slot - 1."""
+
+    def __init__(
+        self, model, head: MultiTokenPredictionHead, caches: ModelCaches, eager: EagerPass,
+        first_scratch_block: int, num_speculative_tokens: int,
+    ) -> None:
+        self.model = model
+        self.head = head
+        self.caches = caches
+        self.eager = eager  # builds the head's batches: positions, KV slots, pending tokens fed
+        self.first_scratch_block = first_scratch_block
+        self.num_drafts = num_speculative_tokens
+        self.blocks_per_slot = self.scratch_blocks_per_slot(caches.block_size, num_speculative_tokens)
+
+    @staticmethod
+    def scratch_blocks_per_slot(block_size: int, num_speculative_tokens: int) -> int:
+        """Blocks that hold the partial block before a draft's first position and k draft rows."""
+        return -(-(block_size - 1 + num_speculative_tokens) // block_size)
+
+    def extend(
+        self, computed: list[ScheduledChunk], forward: RouteOutput, previous: dict[str, torch.Tensor],
+        sampled: SampledTokens,
+    ) -> None:
+        """Write the head's K/V of every position the step computed (step 1 of the module doc).
+        computed: the step's chunks in forward's row order; previous: request id -> its hidden
+        row before its chunk (D,), for every chunk that does not start at 0 (KeyError
+        otherwise); sampled: the previous step's tokens, which a PENDING_TOKEN stands for."""
+        chunks, rows = [], []
+        for i, chunk in enumerate(computed):
+            last = forward.last_rows[i]
+            own = forward.hidden[last + 1 - len(chunk.token_ids) : last]  # h_s .. h_{e-2}
+            if chunk.start_position == 0:  # position 0 has no pair
+                if len(chunk.token_ids) > 1:
+                    chunks.append(replace(chunk, token_ids=chunk.token_ids[1:], start_position=1))
+                    rows.append(own)
+            else:
+                chunks.append(chunk)
+                rows.append(torch.cat([previous[chunk.request_id][None], own]))
+        if chunks:
+            batch, _ = self.eager.inputs(chunks, sampled)
+            self._run(batch, torch.cat(rows))
+
+    def propose(self, starts: Sequence[DraftStart]) -> dict[str, DraftProposal]:
+        """num_drafts draft tokens for each start (step 2 of the module doc), one depth at a
+        time for all of them; writes only the head's layer of their scratch blocks. Reads the
+        drafts back to the host (the PyTorch path: no device to wait for)."""
+        if not starts:
+            return {}
+        block_size = self.caches.block_size
+        tables = [self._scratch_table(start, block_size) for start in starts]
+        tokens = torch.stack([start.token for start in starts])  # (n,)
+        hidden = torch.stack([start.hidden for start in starts])  # (n, D)
+        drafts = []
+        for depth in range(self.num_drafts):
+            rows = [replace(start.chunk, token_ids=(0,), start_position=start.position + depth,
+                            block_table=table, num_draft_tokens=0)
+                    for start, table in zip(starts, tables)]
+            batch = build_forward_batch(rows, block_size, tokens.device)
+            hidden = self._run(replace(batch, input_ids=tokens), hidden)  # (n, D)
+            tokens = torch.argmax(self.model.compute_logits(hidden), dim=-1)  # (n,)
+            drafts.append(tokens)
+        proposed = torch.stack(drafts, dim=1).tolist()  # (n, k)
+        return {start.chunk.request_id: DraftProposal(start.position + 1, tuple(row))
+                for start, row in zip(starts, proposed)}
+
+    def _run(self, batch: ForwardBatch, previous_hidden: torch.Tensor) -> torch.Tensor:
+        """The head over `batch` (its rows' tokens, positions and KV slots) with the hidden rows
+        before them (T, D): keys from position 1 on, RoPE at each row's position - 1. Returns
+        h' (T, D); writes the head layer's K/V."""
+        batch = replace(batch, chunks=tuple(replace(chunk, first_key=1) for chunk in batch.chunks))
+        rope = self.model.rotary(batch.positions - 1) if self.model.rotary is not None else None
+        embedded = self.model.embed_tokens(batch.input_ids)
+        return self.head(embedded, previous_hidden, batch, self.caches, rope)
+
+    def _scratch_table(self, start: DraftStart, block_size: int) -> tuple[int, ...]:
+        """The block table of start's draft rows: its own blocks before the one holding its
+        position, then its scratch blocks, the first holding a copy of the head layer's K/V of
+        the positions before start.position in that block."""
+        first = self.first_scratch_block + start.chunk.state_slot * self.blocks_per_slot
+        scratch = tuple(range(first, first + self.blocks_per_slot))
+        full, partial = divmod(start.position, block_size)
+        if partial:
+            layer, source = self.head.layer_index, start.chunk.block_table[full]
+            for cache in (self.caches.key_cache[layer], self.caches.value_cache[layer]):
+                cache[scratch[0], :partial].copy_(cache[source, :partial])
+        return start.chunk.block_table[:full] + scratch
