@@ -82,6 +82,13 @@ def verification_order(chunks: Sequence[ScheduledChunk]) -> tuple[list[int], int
     return rest + verifying, len(rest)
 
 
+def last_rows_in_order(order: Sequence[int], cu_seqlens: Sequence[int]) -> list[int]:
+    """The row of each chunk's last token, in the step's chunk order, for a batch laid out in
+    `order` (batch chunk j is step chunk order[j]) with chunk bounds cu_seqlens."""
+    position = {chunk_index: j for j, chunk_index in enumerate(order)}
+    return [cu_seqlens[position[i] + 1] - 1 for i in range(len(order))]
+
+
 @dataclass(frozen=True)
 class VerificationIndex:
     """Where the verification chunks' positions are, on the host. V chunks sorted by length,
@@ -238,8 +245,7 @@ class GpuVerifyPass(EagerPass):
         batch, plan = self.inputs(ordered, sampled)
         plan = replace(plan, verification=self.verification_plan(batch, num_rest))
         hidden = self.model(batch, self.caches, gpu_plan=plan)  # (T, D)
-        position = {chunk_index: j for j, chunk_index in enumerate(order)}
-        return RouteOutput(hidden, [batch.cu_seqlens[position[i] + 1] - 1 for i in range(len(chunks))])
+        return RouteOutput(hidden, last_rows_in_order(order, batch.cu_seqlens))
 
     def verification_plan(self, batch: ForwardBatch, num_rest: int) -> VerificationPlan:
         """The VerificationPlan of `batch`, whose first num_rest chunks are the others."""

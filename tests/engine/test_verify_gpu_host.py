@@ -140,3 +140,47 @@ def test_mix_verification_gpu_glue_equals_the_chained_decode_step():
     assert set(slots) <= set(untouched)
     assert torch.equal(conv_got[untouched], conv_state[untouched])
     assert torch.equal(ssm_got[untouched], ssm_state[untouched])
+
+
+def test_the_route_plans_the_other_chunks_apart_and_maps_rows_back():
+    """GpuVerifyPass's host side, with the plans built on the CPU: the batch laid out others
+    first, the rest plan is the ordinary plan of the other chunks alone, the verification plan
+    points at the verification chunks' rows and slots, and last rows map back to the step's
+    order."""
+    from types import SimpleNamespace
+
+    from engine.forward_batch import build_forward_batch
+    from engine.kernels.gpu.batch_plan import build_gpu_batch_plan
+    from engine.speculative.verify_gpu import GpuVerifyPass, last_rows_in_order
+
+    def chunk(rid, n, start, slot, drafts=0):
+        return ScheduledChunk(rid, tuple(range(7, 7 + n)), start, (2 * slot, 2 * slot + 1), slot, start == 0,
+                              True, SamplingParams(temperature=0), num_draft_tokens=drafts)
+
+    chunks = [chunk("a", 3, 9, 0, drafts=2), chunk("b", 1, 12, 1), chunk("c", 5, 0, 2), chunk("d", 5, 20, 3, drafts=4)]
+    model = SimpleNamespace(config=SimpleNamespace(layer_types=("mamba", "attention")))
+    caches = SimpleNamespace(block_size=16)
+    scratch = VerificationScratch(None, first_slot=5, num_speculative_tokens=4)
+    route = GpuVerifyPass(model, caches, torch.device("cpu"), scratch)
+    assert route.accepts(chunks) and not route.accepts(chunks[1:3])
+    order, num_rest = verification_order(chunks)
+    ordered = [chunks[i] for i in order]
+    batch = build_forward_batch(ordered, 16, torch.device("cpu"))
+    assert batch.cu_seqlens == (0, 1, 6, 9, 14)
+    plan = route.verification_plan(batch, num_rest)
+    want_rest = build_gpu_batch_plan(build_forward_batch(ordered[:2], 16, torch.device("cpu")), 16, torch.device("cpu"))
+    assert plan.num_rest_rows == 6 and plan.rest.num_decode == 1 and plan.rest.num_prefill == 1
+    for name in ("cu_seqlens", "chunk_slot", "decode_rows", "decode_slots", "prefill_cu_seqlens", "prefill_slots"):
+        assert torch.equal(getattr(plan.rest, name), getattr(want_rest, name)), name
+    # d (5 tokens, slot 3) before a (3 tokens, slot 0): longest first
+    assert plan.source_slots.tolist() == [3, 0]
+    assert plan.rows.tolist() == [[9, 6], [10, 7], [11, 8], [12, 8], [13, 8]]
+    assert plan.scratch_slots[:, 0].tolist() == list(scratch.slots(3, 5))
+    assert plan.scratch_slots[:, 1].tolist() == list(scratch.slots(0, 5))
+    assert [t.tolist() for t in plan.position_rows] == [[9, 6], [10, 7], [11, 8], [12], [13]]
+    assert last_rows_in_order(order, batch.cu_seqlens) == [8, 0, 5, 13]
+    only_verifying = route.verification_plan(build_forward_batch([chunks[0]], 16, torch.device("cpu")), 0)
+    assert only_verifying.rest is None and only_verifying.num_rest_rows == 0
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        GpuVerifyPass(SimpleNamespace(config=SimpleNamespace(layer_types=("gated_delta_net",))), caches,
+                      torch.device("cpu"), scratch)
