@@ -12,6 +12,7 @@ from engine.generation_request import GenerationRequest
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from tests.engine.conversations import render
+from tests.engine.exactness import LOGITS_RTOL
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, return_logits=True)
 SYSTEM = "You answer in riddles about rivers, mountains and the number seven. " * 3
@@ -28,6 +29,16 @@ class Alone:
     prompt: list[int]
     boundary: int | None  # the renderer's instruction boundary
     logits: list[torch.Tensor]
+
+
+def assert_same_as_reference(got: Alone, want: Alone, label: str) -> None:
+    """`got` (an engine at tp > 1) against `want` (the same run at tp=1): same cached tokens,
+    same greedy tokens, logits within LOGITS_RTOL."""
+    assert got.cached == want.cached, f"{label}: cached_tokens {got.cached} at tp, {want.cached} at tp=1"
+    assert got.tokens == want.tokens, f"{label}: tokens differ from tp=1"
+    for position, (row, reference_row) in enumerate(zip(got.logits, want.logits, strict=True)):
+        error = (row - reference_row).abs().max() / reference_row.abs().max()
+        assert error <= LOGITS_RTOL, f"{label}: logits at {position} differ from tp=1 by {error:.2e}"
 
 
 def chat(system: str | None, user: str) -> list[dict]:

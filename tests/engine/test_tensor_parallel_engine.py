@@ -27,10 +27,8 @@ from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.step_io import RunnerOutput
-from tests.engine.exactness import (
-    LOGITS_RTOL, Outcome, Tally, check_near_ties, compare, run_workload, tight_config,
-)
-from tests.engine.reuse_cases import SYSTEM, Alone, chat, instruction_reuse, multi_turn, run
+from tests.engine.exactness import Outcome, Tally, check_near_ties, compare, run_workload, tight_config
+from tests.engine.reuse_cases import SYSTEM, assert_same_as_reference, chat, instruction_reuse, multi_turn, run
 
 TP_SIZES = (2, 4)
 # The exactness suite's roomy configuration: chunked prefill (budget 61), 16 requests in flight.
@@ -62,15 +60,6 @@ def reference_workload() -> tuple[dict[str, Outcome], Tally]:
 
 def tp_of(engine: LLMEngine) -> int:
     return engine.config.tensor_parallel_size
-
-
-def assert_same_as_reference(got: Alone, want: Alone, label: str) -> None:
-    """Same cached tokens, same greedy tokens and logits within LOGITS_RTOL of tp=1."""
-    assert got.cached == want.cached, f"{label}: cached_tokens {got.cached} at tp, {want.cached} at tp=1"
-    assert got.tokens == want.tokens, f"{label}: tokens differ from tp=1"
-    for position, (row, reference_row) in enumerate(zip(got.logits, want.logits, strict=True)):
-        error = (row - reference_row).abs().max() / reference_row.abs().max()
-        assert error <= LOGITS_RTOL, f"{label}: logits at {position} differ from tp=1 by {error:.2e}"
 
 
 # ---------------------------------------------------------------- exactness suite at tp 2 and 4

@@ -20,7 +20,7 @@ from engine.config import DEFAULT_MODEL_DIR
 from engine.loader import load_model
 from engine.tensor_parallel import TensorParallel
 from paged_runner import PagedRunner, Request
-from tests.engine.reuse_cases import GREEDY, SYSTEM, chat, instruction_reuse, multi_turn, run
+from tests.engine.reuse_cases import GREEDY, SYSTEM, Alone, chat, instruction_reuse, multi_turn, run
 from tests.tp.tp_support import run_model, run_world
 
 TOLERANCE = 1e-4
@@ -211,27 +211,32 @@ def check_tp2_matches_tp1(model_dir: Path, name: str, out_dir: Path) -> float:
 # ---- checkpoint reuse through LLMEngine (every family asserts the same) ------------------------
 
 
-def check_instruction_reuse(engine, prefix: str) -> None:
+def check_instruction_reuse(engine, prefix: str) -> tuple[Alone, Alone, Alone]:
     """A second request with the same instructions restores them, prefills only the rest,
-    and gives the from-scratch tokens."""
+    and gives the from-scratch tokens. Returns the three runs (first, second, scratch)."""
     first, second, scratch = instruction_reuse(engine, f"{prefix}-instruction")
     assert first.cached == 0 and second.boundary is not None
     assert second.cached == second.boundary
     assert sum(second.chunk_sizes) == len(second.prompt) - second.boundary + GREEDY.max_tokens - 1
     assert scratch.cached == 0 and scratch.tokens == second.tokens
+    return first, second, scratch
 
 
-def check_multi_turn(engine, prefix: str) -> None:
-    """A continuation restores at least the previous turn's prompt and matches from scratch."""
+def check_multi_turn(engine, prefix: str) -> tuple[Alone, Alone, Alone]:
+    """A continuation restores at least the previous turn's prompt and matches from scratch.
+    Returns the three runs (turn 1, turn 2, turn 2 from scratch)."""
     first, second, scratch = multi_turn(engine, f"{prefix}-multi-turn")
     assert second.cached >= len(first.prompt)
     assert scratch.cached == 0 and scratch.tokens == second.tokens
+    return first, second, scratch
 
 
-def check_repeat(engine, prefix: str) -> None:
-    """The same conversation again is served from its prompt checkpoint with no prefill."""
+def check_repeat(engine, prefix: str) -> tuple[Alone, Alone]:
+    """The same conversation again is served from its prompt checkpoint with no prefill.
+    Returns both runs."""
     conversation = chat(SYSTEM, "Repeat after me: seven rivers.")
     first = run(engine, f"{prefix}-r1", conversation, f"{prefix}-repeat")
     second = run(engine, f"{prefix}-r2", conversation, f"{prefix}-repeat")
     assert second.cached == len(second.prompt) and second.chunk_sizes[0] == 0
     assert second.tokens == first.tokens and second.text == first.text
+    return first, second
