@@ -137,7 +137,10 @@ def test_32_greedy_tokens_match_generate(case: Case):
 
 @pytest.fixture(scope="module")
 def engine_model_dir(tmp_path_factory):
-    return save_engine_model(FalconH1Config, FalconH1ForCausalLM, BASE, tmp_path_factory.mktemp("falcon_engine"))
+    """The norm-after-gate case: BASE's random model at the engine's vocabulary answers every
+    prompt with one token, which would make the reuse checks compare nothing."""
+    return save_engine_model(FalconH1Config, FalconH1ForCausalLM, CASES["norm_after_gate"],
+                             tmp_path_factory.mktemp("falcon_engine"))
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +150,8 @@ def engine(engine_model_dir) -> LLMEngine:
 
 def test_instruction_reuse_matches_scratch(engine):
     assert engine.executor.model.config.model_type == "falcon_h1"
-    check_instruction_reuse(engine, "falcon")
+    runs = check_instruction_reuse(engine, "falcon")
+    assert len({t for run in runs for t in run.tokens}) > 5, "degenerate greedy outputs test nothing"
 
 
 def test_multi_turn_matches_scratch(engine):
