@@ -134,6 +134,37 @@ def restores_pass(engine, rng, quick: bool) -> list[dict]:
     return rows
 
 
+class HandOffClock:
+    """Timestamps on an AsyncLLMEngine's step thread: when each request's add_request ran
+    (`added`) and when its first token was handed to the event loop (`delivered`), by wrapping
+    the engine's add_request and the async engine's _deliver; `stop()` unwraps them and stops
+    the step thread, keeping the engine (AsyncLLMEngine.shutdown would close it)."""
+
+    def __init__(self, engine, aengine) -> None:
+        self.engine, self.aengine = engine, aengine
+        self.added: dict[str, float] = {}
+        self.delivered: dict[str, float] = {}
+        self._add_request, self._deliver = engine.add_request, aengine._deliver
+        engine.add_request, aengine._deliver = self._timed_add, self._timed_deliver
+
+    def _timed_add(self, req) -> None:
+        self.added[req.request_id] = time.perf_counter()
+        self._add_request(req)
+
+    def _timed_deliver(self, outputs) -> None:
+        now = time.perf_counter()
+        for out in outputs:
+            if out.new_token_ids:
+                self.delivered.setdefault(out.request_id, now)
+        self._deliver(outputs)
+
+    def stop(self) -> None:
+        self.engine.add_request = self._add_request
+        self.aengine._stopped = True
+        self.aengine._wakeup.set()
+        self.aengine._thread.join(timeout=10)
+
+
 def async_pass(engine, rng, quick: bool, switch_interval_s: float | None = None) -> list[dict]:
     """Restores through AsyncLLMEngine; each request's TTFT split into: the hand-off in (until
     the step thread ran add_request), the engine (until the step thread handed the first token
@@ -142,22 +173,8 @@ def async_pass(engine, rng, quick: bool, switch_interval_s: float | None = None)
     from engine.async_engine import AsyncLLMEngine
 
     aengine = AsyncLLMEngine(engine)
-    added: dict[str, float] = {}
-    delivered: dict[str, float] = {}
-    add_request, deliver = engine.add_request, aengine._deliver
-
-    def timed_add(req) -> None:
-        added[req.request_id] = time.perf_counter()
-        add_request(req)
-
-    def timed_deliver(outputs) -> None:
-        now = time.perf_counter()
-        for out in outputs:
-            if out.new_token_ids:
-                delivered.setdefault(out.request_id, now)
-        deliver(outputs)
-
-    engine.add_request, aengine._deliver = timed_add, timed_deliver
+    clock = HandOffClock(engine, aengine)
+    added, delivered = clock.added, clock.delivered
     lengths = [200, 1000] if quick else [500, 8000]
     rows = []
 
@@ -188,10 +205,7 @@ def async_pass(engine, rng, quick: bool, switch_interval_s: float | None = None)
         asyncio.run(main())
     finally:
         sys.setswitchinterval(previous)
-        engine.add_request = add_request
-        aengine._stopped = True  # stop the step thread, keep the engine (shutdown() would close it)
-        aengine._wakeup.set()
-        aengine._thread.join(timeout=10)
+        clock.stop()
     return rows
 
 
@@ -210,21 +224,10 @@ def bench_path_pass(engine, quick: bool) -> list[dict]:
 
     aengine = AsyncLLMEngine(engine)
     chat = EngineChat(aengine, ttft_at_first_token=True)
-    added: dict[str, float] = {}
-    delivered: dict[str, float] = {}
+    clock = HandOffClock(engine, aengine)
+    added, delivered = clock.added, clock.delivered
     steps: list[dict] = []
-    add_request, deliver, step = engine.add_request, aengine._deliver, engine.step
-
-    def timed_add(req) -> None:
-        added[req.request_id] = time.perf_counter()
-        add_request(req)
-
-    def timed_deliver(outputs) -> None:
-        now = time.perf_counter()
-        for out in outputs:
-            if out.new_token_ids:
-                delivered.setdefault(out.request_id, now)
-        deliver(outputs)
+    step = engine.step
 
     def timed_step():
         t0 = time.perf_counter()
@@ -236,7 +239,7 @@ def bench_path_pass(engine, quick: bool) -> list[dict]:
                       "captures": len(trace.scheduler_output.captures) if trace else 0})
         return outputs
 
-    engine.add_request, aengine._deliver, engine.step = timed_add, timed_deliver, timed_step
+    engine.step = timed_step
     counter = TokenizerCounter(engine.config.model_dir)
     workload = shared_instructions(Sizes(instruction_tokens=300 if quick else 8000, requests=8 if quick else 24,
                                          systems=2), counter)
@@ -258,10 +261,8 @@ def bench_path_pass(engine, quick: bool) -> list[dict]:
     try:
         asyncio.run(main())
     finally:
-        engine.add_request, engine.step = add_request, step
-        aengine._stopped = True  # stop the step thread, keep the engine (shutdown() would close it)
-        aengine._wakeup.set()
-        aengine._thread.join(timeout=10)
+        engine.step = step
+        clock.stop()
     return rows
 
 
