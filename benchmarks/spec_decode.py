@@ -10,11 +10,11 @@ tokenizer, vocabulary cut as bench_gpu.py cuts it), in one process (no Ray).
     then; acceptance is the drafts accepted per draft proposed in that run, with the histogram
     of accepted drafts per verification chunk (the weights are random: how often the model
     repeats itself is what it is, and the acceptance is reported, not assumed);
-  * the cost of one verification step (B chunks of K + 1 tokens, engine/speculative/verify_gpu.py,
-    eager) against one plain decode step (B chunks of one token) at --context tokens of
-    context, through engine.worker.Worker: the decode step through its CUDA graph and eagerly
-    (graphs detached), each the median wall time of worker.execute (which waits for the
-    step's tokens) over --repeats steps after warm-up.
+  * the cost of one verification step (B chunks of K + 1 tokens) against one plain decode step
+    (B chunks of one token) at --context tokens of context, through engine.worker.Worker, each
+    through its CUDA graph (engine/speculative/verify_graphs.py, engine/cuda_graphs.py) and
+    eagerly (graphs detached; engine/speculative/verify_gpu.py), each the median wall time of
+    worker.execute (which waits for the step's tokens) over --repeats steps after warm-up.
 
 Prints a table and writes JSON to --out (rewritten after each row, "partial": true until the
 end, so a run cut short keeps its rows).
@@ -141,7 +141,7 @@ def step_cost_rows(model_dir: Path, args: argparse.Namespace) -> list[dict]:
     if not args.quick:
         config = sized_config(config, max(BATCHES), blocks_per_seq)
     worker = Worker(config)
-    graphs = worker.decode_graphs
+    graphs, verify_graphs = worker.decode_graphs, getattr(worker, "verify_graphs", None)
     vocab = worker.model.config.vocab_size
     rng = random.Random(3)
     rows = []
@@ -154,27 +154,29 @@ def step_cost_rows(model_dir: Path, args: argparse.Namespace) -> list[dict]:
         steps = {
             "decode_graph": SchedulerOutput(tuple(chunk(r, [last[r]], args.context, blocks_per_seq, False)
                                                   for r in requests)),
-            "verify": SchedulerOutput(tuple(replace(chunk(r, [last[r], *drafts[r]], args.context, blocks_per_seq, False),
+            "verify_graph": SchedulerOutput(tuple(replace(chunk(r, [last[r], *drafts[r]], args.context, blocks_per_seq, False),
                                                     num_draft_tokens=k) for r in requests)),
         }
-        steps["decode_eager"] = steps["decode_graph"]
+        steps["decode_eager"], steps["verify_eager"] = steps["decode_graph"], steps["verify_graph"]
         row = {"kind": "step_cost", "batch": batch, "k": k, "context": args.context}
         for name, step in steps.items():
             worker.decode_graphs = None if name == "decode_eager" else graphs
+            worker.verify_graphs = None if name == "verify_eager" else verify_graphs
             seconds = []
             for i in range(args.repeats + 3):
                 started = time.perf_counter()
                 worker.execute(step)
                 if i >= 3:
                     seconds.append(time.perf_counter() - started)
-                if name == "verify":  # settle it: commit the first position, as a rejection would
+                if name.startswith("verify"):  # settle it: commit the first position, as a rejection would
                     worker.execute(SchedulerOutput((), commits=tuple(CommitOp(f"r{r}", r, 0) for r in requests)))
             row[f"{name}_ms"] = 1e3 * statistics.median(seconds)
-        worker.decode_graphs = graphs
-        row["verify_over_decode_graph"] = row["verify_ms"] / row["decode_graph_ms"]
-        row["verify_over_decode_eager"] = row["verify_ms"] / row["decode_eager_ms"]
-        print(f"batch {batch}: verify {row['verify_ms']:.2f} ms, decode graph {row['decode_graph_ms']:.2f} ms, "
-              f"decode eager {row['decode_eager_ms']:.2f} ms", flush=True)
+        worker.decode_graphs, worker.verify_graphs = graphs, verify_graphs
+        for verify in ("verify_graph", "verify_eager"):
+            for decode in ("decode_graph", "decode_eager"):
+                row[f"{verify}_over_{decode}"] = row[f"{verify}_ms"] / row[f"{decode}_ms"]
+        print(f"batch {batch}: verify graph {row['verify_graph_ms']:.2f} ms, eager {row['verify_eager_ms']:.2f} ms; "
+              f"decode graph {row['decode_graph_ms']:.2f} ms, eager {row['decode_eager_ms']:.2f} ms", flush=True)
         rows.append(row)
     return rows
 
@@ -189,10 +191,12 @@ def print_table(rows: list[dict], k: int) -> None:
     if cost:
         print()
         print(markdown_table(
-            ["batch", "verify step ms", "decode step ms (graph)", "decode step ms (eager)", "verify / graph",
-             "verify / eager"],
-            [[str(r["batch"]), f"{r['verify_ms']:.3f}", f"{r['decode_graph_ms']:.3f}", f"{r['decode_eager_ms']:.3f}",
-              f"{r['verify_over_decode_graph']:.2f}", f"{r['verify_over_decode_eager']:.2f}"] for r in cost]))
+            ["batch", "verify ms (graph)", "verify ms (eager)", "decode ms (graph)", "decode ms (eager)",
+             "verify / decode (graphs)", "verify / decode (eager)"],
+            [[str(r["batch"]), f"{r['verify_graph_ms']:.3f}", f"{r['verify_eager_ms']:.3f}",
+              f"{r['decode_graph_ms']:.3f}", f"{r['decode_eager_ms']:.3f}",
+              f"{r['verify_graph_over_decode_graph']:.2f}", f"{r['verify_eager_over_decode_eager']:.2f}"]
+             for r in cost]))
 
 
 def main() -> None:

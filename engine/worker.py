@@ -37,6 +37,7 @@ from engine.speculative.mtp import DraftStart, MtpDrafter, attach_head
 from engine.speculative.scheduling import greedy_accept
 from engine.speculative.verify import VerificationScratch, VerifyPass, check_verifiable, verify_greedy
 from engine.speculative.verify_gpu import GpuVerifyPass
+from engine.speculative.verify_graphs import VerifyGraphRunner, verify_graph_sizes
 from engine.token_readback import PendingTokens, TokenReadback
 from engine.step_io import CaptureOp, RunnerOutput, ScheduledChunk, SchedulerOutput
 from engine.tensor_parallel import TensorParallel
@@ -157,6 +158,13 @@ class Worker:
         # verification chunks: the PyTorch path off CUDA, engine/speculative/verify_gpu.py on it
         verify_route = VerifyPass if self.device.type != "cuda" else GpuVerifyPass
         self.verify_pass = verify_route(self.model, self.caches, self.device, self.verification) if k else None
+        # steps of verification chunks only replay CUDA graphs where the decode steps do
+        # (engine/speculative/verify_graphs.py)
+        self.verify_graphs = None
+        if graphs and k:
+            self.verify_graphs = VerifyGraphRunner(self.model, self.caches, self.verification, scratch,
+                                                   verify_graph_sizes(config.max_num_seqs))
+            self.verify_graphs.capture()
         self.drafter = (MtpDrafter(self.model, mtp_head, self.caches, self.eager_pass, first_draft_block, k)
                         if mtp_head is not None else None)
         self.sampler = Sampler(seed=config.seed, device=self.device)
@@ -323,10 +331,10 @@ class Worker:
             raise RuntimeError(f"{what}() with a step in flight: collect() it first")
 
     def _routes(self) -> list[ForwardRoute]:
-        """The forward routes in the order submit() tries them (the verification pass and the
-        graphs where they exist; the verification pass first, as a lone verification chunk
-        would fit a prefill graph); the eager pass takes any step."""
-        optional = (self.verify_pass, self.decode_graphs, self.prefill_graphs)
+        """The forward routes in the order submit() tries them (the verification routes and
+        the graphs where they exist; the verification routes first, as a lone verification
+        chunk would fit a prefill graph); the eager pass takes any step."""
+        optional = (self.verify_graphs, self.verify_pass, self.decode_graphs, self.prefill_graphs)
         return [*(route for route in optional if route is not None), self.capturing_pass, self.eager_pass]
 
     def _capture(

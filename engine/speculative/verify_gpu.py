@@ -38,7 +38,9 @@ different lengths (fewer drafts) are sorted longest first, so the chunks still r
 position i are a prefix (VerificationIndex.active).
 
 Every index is built on the host (verification_index, pure numpy, tested on the CPU) and
-copied with the plan; the forward does not wait for the device. In-pass captures are off when
+copied with the plan; the forward does not wait for the device. A step of verification
+chunks only replays a CUDA graph instead (verify_graphs.py, the same mixer path over static
+buffers); this route takes the others. In-pass captures are off when
 speculation is on (cache_capacity.size_caches): a step with one is refused here.
 Gated delta-net models are refused on CUDA (no GPU verification for its mixer yet).
 """

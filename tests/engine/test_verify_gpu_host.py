@@ -184,3 +184,39 @@ def test_the_route_plans_the_other_chunks_apart_and_maps_rows_back():
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         GpuVerifyPass(SimpleNamespace(config=SimpleNamespace(layer_types=("gated_delta_net",))), caches,
                       torch.device("cpu"), scratch)
+
+
+def test_verify_graph_staging_pads_chunks_and_the_batch():
+    """VerifyInputStaging (engine/speculative/verify_graphs.py): two chunks (4 and 2 tokens, k
+    = 3) in a graph of 3 chunks: real rows as the chunk says, a short chunk's padded rows and
+    the padding chunk on the graph scratch block and slot, every position's scratch slot the
+    chunk's own."""
+    from dataclasses import replace
+
+    from engine.forward_routes import GraphScratch
+    from engine.speculative.verify_graphs import VerifyInputStaging, verify_graph_sizes
+
+    assert verify_graph_sizes(64) == (1, 2, 4, 8, 16) and verify_graph_sizes(6) == (1, 2, 4, 6)
+    assert verify_graph_sizes(1) == (1,)
+    scratch = VerificationScratch(None, first_slot=9, num_speculative_tokens=K)
+    graph_scratch = GraphScratch(max_blocks_per_seq=3, scratch_slot=8, scratch_block=30)
+    staging = VerifyInputStaging(3, K + 1, 3, 16, scratch, graph_scratch)
+    a = ScheduledChunk("a", (11, 12, 13, 14), 30, (4, 5, 6), 2, False, True, SamplingParams(temperature=0),
+                       num_draft_tokens=3)
+    b = ScheduledChunk("b", (21, 22), 5, (7,), 0, False, True, SamplingParams(temperature=0), num_draft_tokens=1)
+    assert staging.fits(a) and staging.fits(b)
+    assert not staging.fits(replace(a, start_position=46))  # positions 46..49 pass the table's 48
+    assert not staging.fits(replace(a, block_table=(4, 5)))  # 2 blocks do not cover 30..33
+    staging.stage([a, b])
+    ids, positions, kv, slots, starts, scratch_slots, table = staging.views(staging.buffer)
+    assert ids.tolist() == [11, 12, 13, 14, 21, 22, 0, 0, 0, 0, 0, 0]
+    assert positions.tolist() == [30, 31, 32, 33, 5, 6, 7, 8, 0, 1, 2, 3]
+    assert kv.tolist() == [5 * 16 + 14, 5 * 16 + 15, 6 * 16 + 0, 6 * 16 + 1, 7 * 16 + 5, 7 * 16 + 6,
+                           30 * 16 + 2, 30 * 16 + 3, 30 * 16 + 0, 30 * 16 + 1, 30 * 16 + 2, 30 * 16 + 3]
+    assert slots.tolist() == [2, 0, 8] and starts.tolist() == [30, 5, 0]
+    assert scratch_slots.tolist() == [[17, 9, 8], [18, 10, 8], [19, 11, 8], [20, 12, 8]]
+    assert table.tolist() == [[4, 5, 6], [7, 30, 30], [30, 30, 30]]
+    staging.stage([b])  # restaged: nothing of the step before is left
+    ids, *_, table = staging.views(staging.buffer)
+    assert ids.tolist()[:4] == [21, 22, 0, 0] and table.tolist()[1] == [30, 30, 30]
+

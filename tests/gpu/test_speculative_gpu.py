@@ -5,7 +5,9 @@
   (the CPU verification path): y, the states in the scratch slots, the request slots only read.
 - The worker: a step that mixes a verification chunk with a decode chunk and a fresh prefill
   chunk (GpuVerifyPass, rows reordered) gives the argmax plain decoding gives, leaves the
-  request's slot alone until the commit, and then the states and KV of plain decoding.
+  request's slot alone until the commit, and then the states and KV of plain decoding; a step
+  of verification chunks only replays a verification CUDA graph (verify_graphs.py) and gives
+  what the eager route gives.
 - The engine: greedy outputs with speculation on equal those with it off over the exactness
   workload (chat requests with shared system prompts, each also from scratch, multi-turn
   follow-ups, repeating prompts) in fp32 and bf16, and drafts are accepted on the repeating
@@ -152,13 +154,63 @@ def test_worker_verifies_beside_decode_and_prefill_chunks():
     step(spec, commits=(CommitOp("r", slots["r"], 1),))
     assert _close(_state(spec, slots["r"]), _state(plain, slots["r"]))
     assert _close(_kv(spec, 1, slice(0, 6)), _kv(plain, 1, slice(0, 6)))  # positions 16..21
-    # a lone verification chunk (which a prefill graph would also fit) goes on exactly
+    # a lone verification chunk (which a prefill graph would also fit) replays a verification
+    # graph, padded to k + 1 rows and to the graph's batch, and goes on exactly
     g3 = step(plain, chunk("r", [g2], 22)).sampled_token_ids["r"]
     g4 = step(plain, chunk("r", [g3], 23)).sampled_token_ids["r"]
+    replays = spec.verify_graphs.replays
     assert step(spec, chunk("r", [g2, g3], 22, drafts=1)).verified_token_ids["r"] == (g3, g4)
+    assert spec.verify_graphs.replays == replays + 1
     step(spec, commits=(CommitOp("r", slots["r"], 1),))
     assert _close(_state(spec, slots["r"]), _state(plain, slots["r"]))
     assert _close(_kv(spec, 1, slice(0, 8)), _kv(plain, 1, slice(0, 8)))
+
+
+def test_verification_graphs_equal_the_eager_route():
+    """Three verification chunks of 5, 3 and 2 tokens (k = 4; a graph of 4 chunks: padded rows
+    and a padding chunk) through the worker's verification graphs, then the same step through
+    the eager route (graphs detached): the same argmax at every position, scratch states and
+    K/V within rounding, the requests' own slots untouched by either."""
+    from engine.worker import Worker
+
+    worker = Worker(EngineConfig(device="cuda", num_speculative_tokens=K))
+    assert worker.verify_graphs is not None and worker.verify_graphs.batch_sizes == (1, 2, 4, 8, 16)
+    rng = random.Random(9)
+    requests = {"a": (0, (0, 1, 2)), "b": (1, (3, 4)), "c": (2, (5, 6))}  # slot, blocks
+    prompts = {rid: tuple(rng.randrange(100, 2000) for _ in range(n)) for rid, n in (("a", 30), ("b", 14), ("c", 9))}
+
+    def chunk(rid, tokens, start, drafts=0):
+        slot, blocks = requests[rid]
+        return ScheduledChunk(rid, tuple(tokens), start, blocks, slot, start == 0, True, GREEDY,
+                              num_draft_tokens=drafts)
+
+    first = worker.execute(SchedulerOutput(tuple(chunk(rid, p, 0) for rid, p in prompts.items()))).sampled_token_ids
+    lengths = {"a": 5, "b": 3, "c": 2}
+    verifying = tuple(
+        chunk(rid, [first[rid], *(rng.randrange(100, 2000) for _ in range(n - 1))], len(prompts[rid]), drafts=n - 1)
+        for rid, n in lengths.items()
+    )
+    own = {rid: _state(worker, slot) for rid, (slot, _) in requests.items()}
+
+    def verify():
+        out = worker.execute(SchedulerOutput(verifying))
+        states = {rid: [_state(worker, s) for s in worker.verification.slots(requests[rid][0], n)]
+                  for rid, n in lengths.items()}
+        kv = {rid: _kv(worker, requests[rid][1][-1], slice(0, 16)) for rid in lengths}
+        return out.verified_token_ids, states, kv
+
+    replays = worker.verify_graphs.replays
+    graph_tokens, graph_states, graph_kv = verify()
+    assert worker.verify_graphs.replays == replays + 1
+    graphs, worker.verify_graphs = worker.verify_graphs, None
+    eager_tokens, eager_states, eager_kv = verify()
+    worker.verify_graphs = graphs
+    assert graph_tokens == eager_tokens
+    for rid in lengths:
+        for i, (got, want) in enumerate(zip(graph_states[rid], eager_states[rid])):
+            assert _close(got, want), f"{rid} scratch state of position {i}"
+        assert _close(graph_kv[rid], eager_kv[rid]), f"{rid} K/V"
+        assert all(torch.equal(a, b) for a, b in zip(_state(worker, requests[rid][0]), own[rid])), f"{rid}'s slot"
 
 
 # ----------------------------------------------------------------- the engine

@@ -275,3 +275,34 @@ def single_prefill_plan(
         paged_positions=start_position, paged_tables=block_table, paged_max_length=num_rows,
         **kernel_choices(num_rows, 0, 1, in_pass=False, fold_gated_norm=False),
     )
+
+
+def verification_only_plan(
+    cu_seqlens: torch.Tensor,  # (b+1,) int64: 0, n, 2n, ..., b n
+    chunk_slot: torch.Tensor,  # (b,) int64: each chunk's state slot (only read)
+    no_reset: torch.Tensor,  # (b,) int64 zeros
+    lengths: torch.Tensor,  # (b,) int64: n each
+    start_positions: torch.Tensor,  # (b,) int64: position of each chunk's first row
+    block_table: torch.Tensor,  # (b, max_blocks) int64
+    max_length: int,  # n
+    verification: VerificationPlan,  # its rest None
+) -> GpuBatchPlan:
+    """The plan of b speculative verification chunks of n rows each (row v n + i: position i of
+    chunk v), over tensors the caller owns and refills in place (CUDA graph inputs,
+    engine/speculative/verify_graphs.py): attention serves every chunk through the paged
+    prefill kernel (each continues from its cached KV), the Mamba2 mixers through
+    `verification`; no decode chunk, no scan."""
+    num_chunks = chunk_slot.shape[0]
+    num_rows = num_chunks * max_length
+    token_chunk = torch.arange(num_rows, dtype=torch.int64, device=chunk_slot.device) // max_length
+    return GpuBatchPlan(
+        num_chunks=num_chunks, cu_seqlens=cu_seqlens, chunk_slot=chunk_slot, chunk_reset=no_reset,
+        token_chunk=token_chunk,
+        **_no_decode_rows(no_reset[:0]),
+        num_prefill=num_chunks, prefill_rows=None, prefill_cu_seqlens=cu_seqlens, prefill_scan_chunks=None,
+        prefill_slots=chunk_slot, prefill_reset=no_reset, fresh_chunks=(),
+        paged_first_rows=cu_seqlens[:-1], paged_lengths=lengths, paged_positions=start_positions,
+        paged_tables=block_table, paged_max_length=max_length,
+        **kernel_choices(num_rows, 0, num_chunks, in_pass=False, fold_gated_norm=False),
+        verification=verification,
+    )
