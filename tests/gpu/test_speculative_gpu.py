@@ -7,7 +7,7 @@
   chunk (GpuVerifyPass, rows reordered) gives the argmax plain decoding gives, leaves the
   request's slot alone until the commit, and then the states and KV of plain decoding; a step
   of verification chunks only replays a verification CUDA graph (verify_graphs.py) and gives
-  what the eager route gives.
+  what the eager route gives; neither route, nor the commit, waits for the device in submit.
 - The engine: greedy outputs with speculation on equal those with it off over the exactness
   workload (chat requests with shared system prompts, each also from scratch, multi-turn
   follow-ups, repeating prompts) in fp32 and bf16, and drafts are accepted on the repeating
@@ -211,6 +211,47 @@ def test_verification_graphs_equal_the_eager_route():
             assert _close(got, want), f"{rid} scratch state of position {i}"
         assert _close(graph_kv[rid], eager_kv[rid]), f"{rid} K/V"
         assert all(torch.equal(a, b) for a, b in zip(_state(worker, requests[rid][0]), own[rid])), f"{rid}'s slot"
+
+
+@pytest.mark.parametrize("route", ["graph", "eager"])
+def test_verification_steps_do_not_wait(route):
+    """A step of verification chunks (graph) and one that mixes a verification chunk with a
+    decode chunk (eager route) submit without a host synchronisation (tests/gpu/test_host_sync.py's
+    check: the second submit under sync debug mode "error"), and the commit of the step after."""
+    from engine.worker import Worker
+
+    worker = Worker(EngineConfig(device="cuda", num_speculative_tokens=K))
+    blocks = {0: (0, 1, 2), 1: (3, 4, 5)}
+
+    def chunk(slot, tokens, start, drafts=0):
+        return ScheduledChunk(f"r{slot}", tuple(tokens), start, blocks[slot], slot, start == 0, True, GREEDY,
+                              num_draft_tokens=drafts)
+
+    worker.execute(SchedulerOutput((chunk(0, range(100, 120), 0), chunk(1, range(200, 217), 0))))
+    verify = chunk(0, [7, 8, 9, 10, 11], 20, drafts=4)
+    step = SchedulerOutput((verify, chunk(1, [5, 6, 7], 17, drafts=2)) if route == "graph"
+                           else (verify, chunk(1, [5], 17)))
+    commit = SchedulerOutput((), commits=(CommitOp("r0", 0, 2),))
+    replays = worker.verify_graphs.replays
+    for run in range(2):
+        worker.execute(step)
+        torch.cuda.synchronize()
+        if run:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            worker.submit(commit)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        worker.collect()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            worker.submit(step)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        out = worker.collect()
+        assert len(out.verified_token_ids["r0"]) == 5
+    assert (worker.verify_graphs.replays > replays) == (route == "graph")
 
 
 # ----------------------------------------------------------------- the engine
