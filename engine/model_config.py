@@ -104,6 +104,11 @@ class HybridModelConfig:
     # goes to num_experts_per_tok of them.
     num_local_experts: int = 0
     num_experts_per_tok: int = 0
+    # Layers whose MLP is dense in a model with routed experts (Qwen3-Next's mlp_only_layers /
+    # decoder_sparse_step): a gated MLP of dense_intermediate_size channels in place of the
+    # experts and their shared MLP. Empty: every layer's MLP is alike (has_routed_experts).
+    dense_mlp_layers: tuple[int, ...] = ()
+    dense_intermediate_size: int = 0
     # The dense MLP's weight layout: MLP_FUSED (input_linear = [gate | up], output_linear;
     # GraniteMoeHybrid) or MLP_SPLIT (Llama's gate_proj, up_proj, down_proj; Bamba, Falcon-H1),
     # which may have biases on all three and gate_proj's output scaled by mlp_gate_multiplier.
@@ -127,6 +132,11 @@ class HybridModelConfig:
     # Routed experts' weights (Qwen3-Next: softmax over all experts, then the top k):
     # renormalised to sum 1 over a token's k experts.
     norm_topk_prob: bool = False
+
+    def has_routed_experts(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP holds the routed experts: the model has experts and the
+        layer is not one of dense_mlp_layers."""
+        return self.num_local_experts > 0 and layer not in self.dense_mlp_layers
 
     @property
     def rotary_dim(self) -> int:

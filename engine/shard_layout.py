@@ -9,7 +9,8 @@ Splitting rules (docs/design.md section 6):
 - gated delta-net key heads split evenly, and value heads with them (each key head's value
   heads are consecutive, so a rank holds whole key-head groups of q, k, v, z, b and a);
 - MLP intermediate channels split evenly, and so are each routed expert's (every rank holds
-  every expert, a slice of its channels; the router is replicated); vocabulary rows split in
+  every expert, a slice of its channels; the router is replicated) and those of the dense MLPs
+  of a model with experts (dense_mlp_layers); vocabulary rows split in
   pieces of ceil(vocab / world_size) (the last rank's piece may be shorter).
 Anything else (e.g. 6 query heads on 4 ranks) is a ValueError naming the field.
 """
@@ -40,6 +41,7 @@ class RankShardLayout:
     linear_key_heads: IndexRange = (0, 0)  # gated delta-net key heads
     linear_value_heads: IndexRange = (0, 0)  # gated delta-net value heads (those of its key heads)
     expert_channels: IndexRange = (0, 0)  # each routed expert's intermediate channels
+    dense_mlp_channels: IndexRange = (0, 0)  # the dense MLPs' channels in a model with experts
 
 
 def rank_shard_layout(config: HybridModelConfig, tp: TensorParallel) -> RankShardLayout:
@@ -75,6 +77,10 @@ def rank_shard_layout(config: HybridModelConfig, tp: TensorParallel) -> RankShar
         expert_channels=(
             tp.split_evenly(config.intermediate_size, "intermediate_size")
             if config.num_local_experts > 0 else (0, 0)
+        ),
+        dense_mlp_channels=(
+            tp.split_evenly(config.dense_intermediate_size, "dense_intermediate_size")
+            if config.dense_mlp_layers else (0, 0)
         ),
     )
 

@@ -2,10 +2,11 @@
 by an MLP, with zero-centred RMSNorms and multi-token-prediction weights.
 
 Numerically the same model as transformers' Qwen3NextForCausalLM, run over a ForwardBatch
-like every family (engine/forward_batch.py). Every layer's MLP is dense (num_experts 0, or
-mlp_only_layers / decoder_sparse_step leaving no sparse layer) or every layer's is a sparse MoE
-block (SparseMoeBlock: routed experts, engine/layers/routed_experts.py, plus a gated shared
-expert); a mix of the two is refused. A gated
+like every family (engine/forward_batch.py). Each layer's MLP is the one transformers chooses:
+a sparse MoE block (SparseMoeBlock: routed experts, engine/layers/routed_experts.py, plus a
+gated shared expert) when num_experts > 0, the layer is not in mlp_only_layers and (layer + 1)
+divides by decoder_sparse_step; otherwise a dense MLP (SplitGatedMLP of intermediate_size
+channels), so one model may mix the two (HybridModelConfig.dense_mlp_layers). A gated
 delta-net's per-request state lives in the same state slot tensors as a Mamba2 layer's, with
 its own shapes (conv (2 Hk dk + Hv dv, K-1), recurrent (Hv, dk, dv) fp32;
 engine/cache_capacity.py recurrent_state_shape), so checkpoints, import checks and transfer
@@ -76,18 +77,25 @@ _LAYER_TYPES = {"linear_attention": GATED_DELTA_NET, "full_attention": ATTENTION
 
 def parse_config(raw: dict[str, Any]) -> HybridModelConfig:
     """Normalise a qwen3_next config.json dict; ValueError naming the field it cannot accept
-    (dense and sparse MLP layers mixed, another activation, RoPE scaling, head counts that do
-    not group)."""
+    (another activation, RoPE scaling, head counts that do not group, MTP layers in a model
+    that mixes dense and sparse MLP layers).
+
+    The layers transformers gives a sparse MoE block (_sparse_layers) hold the experts; in a
+    model with experts the others are dense_mlp_layers, each a dense MLP of intermediate_size
+    channels (dense_intermediate_size)."""
     hidden_act = raw.get("hidden_act", "silu")
     if hidden_act != "silu":
         raise ValueError(f"hidden_act must be 'silu', got {hidden_act!r}")
     hidden_size = required(raw, "hidden_size")
     num_layers = required(raw, "num_hidden_layers")
     sparse = _sparse_layers(raw, num_layers)
-    if sparse and len(sparse) != num_layers:
+    dense_mlp_layers = tuple(i for i in range(num_layers) if i not in sparse) if sparse else ()
+    num_mtp_layers = int(raw.get("num_nextn_predict_layers") or raw.get("mtp_num_hidden_layers") or 0)
+    if dense_mlp_layers and num_mtp_layers:
         raise ValueError(
-            f"mlp_only_layers / decoder_sparse_step leave layers {sparse} sparse and the others "
-            "dense: a Qwen3-Next model here has every layer sparse or every layer dense"
+            f"mlp_only_layers / decoder_sparse_step leave layers {list(dense_mlp_layers)} dense "
+            f"and the others sparse, with {num_mtp_layers} MTP layers (num_nextn_predict_layers, "
+            "or the checkpoint's mtp.layers.*): MTP layers in such a model are not supported"
         )
     num_experts = raw.get("num_experts", 512) if sparse else 0  # transformers' default: 512
     top_k = raw.get("num_experts_per_tok", 10) if sparse else 0
@@ -124,6 +132,7 @@ def parse_config(raw: dict[str, Any]) -> HybridModelConfig:
         shared_size = raw.get("shared_expert_intermediate_size", 512)
     else:
         intermediate_size = shared_size = required(raw, "intermediate_size")
+    dense_intermediate_size = required(raw, "intermediate_size") if dense_mlp_layers else 0
     return HybridModelConfig(
         model_type=MODEL_TYPE,
         vocab_size=required(raw, "vocab_size"),
@@ -161,11 +170,13 @@ def parse_config(raw: dict[str, Any]) -> HybridModelConfig:
         qk_norm=True,
         partial_rotary_factor=partial_rotary_factor,
         zero_centered_norm=True,
-        num_mtp_layers=int(raw.get("num_nextn_predict_layers") or raw.get("mtp_num_hidden_layers") or 0),
+        num_mtp_layers=num_mtp_layers,
         mlp_layout=MLP_SPLIT,
         num_local_experts=num_experts,
         num_experts_per_tok=top_k,
         norm_topk_prob=bool(raw.get("norm_topk_prob", True)) if sparse else False,
+        dense_mlp_layers=dense_mlp_layers,
+        dense_intermediate_size=dense_intermediate_size,
     )
 
 
@@ -262,8 +273,11 @@ class DecoderLayer(nn.Module):
     """x += mixer(norm(x)); x += mlp(norm(x)), both norms zero-centred.
 
     The mixer is `linear_attn` (GatedDeltaNet) or `self_attn` (PagedAttention with the output
-    gate, q/k norms and partial rotary); the other is absent. `mlp` is the dense SplitGatedMLP
-    or, in a model with experts, a SparseMoeBlock.
+    gate, q/k norms and partial rotary); the other is absent. `mlp` is a SparseMoeBlock where
+    config.has_routed_experts(layer_index) (transformers' choice: not in mlp_only_layers and
+    (layer_index + 1) divisible by decoder_sparse_step), otherwise the dense SplitGatedMLP:
+    dense_intermediate_size channels in a model with experts, shared_intermediate_size in a
+    dense one.
     """
 
     def __init__(
@@ -282,8 +296,12 @@ class DecoderLayer(nn.Module):
         else:
             self.linear_attn = GatedDeltaNet(config, layout, tp, dtype)
         self.mlp: SplitGatedMLP | SparseMoeBlock
-        if config.num_local_experts:
+        if config.has_routed_experts(layer_index):
             self.mlp = SparseMoeBlock(config, layout, tp, dtype)
+        elif config.num_local_experts:  # one of dense_mlp_layers
+            self.mlp = SplitGatedMLP(
+                config.hidden_size, config.dense_intermediate_size, layout.dense_mlp_channels, tp, dtype
+            )
         else:
             self.mlp = SplitGatedMLP(
                 config.hidden_size, config.shared_intermediate_size, layout.mlp_channels, tp, dtype

@@ -3,8 +3,9 @@
 Tiny random models made with transformers (fp32, CPU, eager attention; the zero-centred norms,
 the gated delta-net's norm, A_log and dt_bias drawn instead of transformers' constant inits so
 a misplaced term shows), one with routed experts and a gated shared expert in every layer, one
-dense, saved with save_pretrained (experts one by one, as published) and loaded by the
-engine's loader:
+dense, one mixing dense and sparse layers (mlp_only_layers, decoder_sparse_step), saved with
+save_pretrained (experts one by one, as published) and loaded by the engine's loader:
+- each layer's MLP kind is the one transformers builds;
 - logits within 1e-4 relative (max|a-b| / max|b|) in one chunk, in odd chunks with the state
   carried, and with several requests in one forward; 32 greedy tokens equal to generate()'s
   (a near-tie, top-2 reference logits within 1e-4, is counted and stops the comparison);
@@ -14,7 +15,7 @@ engine's loader:
   reuse, multi-turn, repeats) on a saved model with the embedded model's tokenizer: the gated
   delta-net's state rides in the engine's state slots, checkpoints and import checks;
 - tensor parallel: tp=2 (gloo ranks, tests/tp/tp_support.py; one key head and its value heads,
-  half of every expert's channels per rank) equals tp=1;
+  half of every expert's and every dense MLP's channels per rank) equals tp=1, on the mixed model;
 - mtp.* tensors load into model.mtp; spellings accepted and refusals named by key.
 """
 
@@ -28,6 +29,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextSparseMoeBlock
 
 from engine.cache_capacity import recurrent_state_shape
 from engine.checkpoint_import_checks import expected_shard_layout
@@ -101,6 +103,11 @@ VARIANT = dict(
     linear_num_value_heads=2,
     mlp_only_layers=[0, 1, 2, 3],
 )
+# Mixed: decoder_sparse_step 2 leaves layers 0 and 2 dense, mlp_only_layers layer 3; layer 1 (a
+# full-attention layer between dense ones) holds the experts. The dense MLPs are
+# intermediate_size (96) wide, the shared expert 48.
+MIXED = dict(BASE, decoder_sparse_step=2, mlp_only_layers=[3])
+CASES = {"experts": BASE, "dense": VARIANT, "mixed": MIXED}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -137,11 +144,11 @@ def save_reference(hf_kwargs: dict, directory: Path) -> Qwen3NextForCausalLM:
     )
 
 
-@pytest.fixture(scope="module", params=["experts", "dense"])
+@pytest.fixture(scope="module", params=list(CASES))
 def case(request, tmp_path_factory) -> Case:
-    kwargs = BASE if request.param == "experts" else VARIANT
     directory = tmp_path_factory.mktemp(request.param)
-    return Case(Qwen3NextConfig, Qwen3NextForCausalLM, without_none(kwargs), directory, perturb_constant_init)
+    return Case(Qwen3NextConfig, Qwen3NextForCausalLM, without_none(CASES[request.param]), directory,
+                perturb_constant_init)
 
 
 def test_checkpoint_loads_with_both_mixers(case: Case):
@@ -158,9 +165,20 @@ def test_checkpoint_loads_with_both_mixers(case: Case):
     layout = expected_shard_layout(c, TensorParallel.single(), "float32")
     assert layout.conv_state == (len(c.recurrent_layers), conv_dim, c.linear_conv_kernel_dim - 1)
     assert case.model.mtp is None
-    experts = case.config.num_local_experts
-    assert experts in (0, 6)
-    assert all(isinstance(layer.mlp, SparseMoeBlock if experts else SplitGatedMLP) for layer in case.model.layers)
+    assert case.config.num_local_experts in (0, 6)
+    assert_mlp_kinds_as_transformers(case.model, case.reference)
+
+
+def assert_mlp_kinds_as_transformers(model: Qwen3NextModel, reference: Qwen3NextForCausalLM) -> None:
+    """Each layer's MLP is a SparseMoeBlock exactly where transformers built a sparse block,
+    otherwise a SplitGatedMLP of the reference MLP's width."""
+    assert len(model.layers) == len(reference.model.layers)
+    for i, (layer, theirs) in enumerate(zip(model.layers, reference.model.layers)):
+        if isinstance(theirs.mlp, Qwen3NextSparseMoeBlock):
+            assert isinstance(layer.mlp, SparseMoeBlock), i
+        else:
+            assert isinstance(layer.mlp, SplitGatedMLP), i
+            assert layer.mlp.gate_proj.weight.shape == theirs.mlp.gate_proj.weight.shape, i
 
 
 def test_one_chunk_matches_reference(case: Case):
@@ -230,6 +248,7 @@ def as_published(name: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
     return {name: value}
 
 
+@pytest.mark.parametrize("case", ["experts", "dense"], indirect=True)  # mixed + MTP: refused
 def test_mtp_tensors_load_into_model_mtp(case: Case, tmp_path):
     """A checkpoint with mtp.* tensors (experts one by one) and num_nextn_predict_layers: they
     load into model.mtp, and the logits do not change."""
@@ -319,9 +338,11 @@ def test_exactness_workload_matches_scratch(engine):
 
 def test_tp2_matches_tp1(tmp_path):
     """tp_support's greedy batch and stop-and-continue: tp=2 (two gloo ranks, each with one
-    key head and its two value heads) against tp=1 in process."""
+    key head and its two value heads, half of the channels of every expert, of the shared
+    expert and of the dense MLPs) against tp=1 in process, on the mixed model (a sparse layer
+    and dense ones)."""
     model_dir = tmp_path / "model"
-    save_reference(dict(BASE, vocab_size=101), model_dir)
+    save_reference(dict(MIXED, vocab_size=101), model_dir)
     torch.set_num_threads(1)
     single = run_model(model_dir, TensorParallel.single())
     ranks = run_world(2, {"qwen3_next": model_dir}, tmp_path / "tp2")["qwen3_next"]
@@ -365,11 +386,35 @@ def test_spellings_agree():
     assert (sparse.num_local_experts, sparse.num_experts_per_tok, sparse.norm_topk_prob) == (512, 10, True)
     assert (sparse.intermediate_size, sparse.shared_intermediate_size) == (512, 512)
     assert parse_model_config(_raw(mtp_num_hidden_layers=1)).num_mtp_layers == 1
+    mixed = parse_model_config(_raw(num_experts=8, num_experts_per_tok=2, decoder_sparse_step=2, mlp_only_layers=[3],
+                                    moe_intermediate_size=32, shared_expert_intermediate_size=48))
+    assert mixed.dense_mlp_layers == (0, 2, 3) and mixed.num_local_experts == 8
+    assert [mixed.has_routed_experts(i) for i in range(4)] == [False, True, False, False]
+    assert (mixed.intermediate_size, mixed.shared_intermediate_size, mixed.dense_intermediate_size) == (32, 48, 96)
+    layout = rank_shard_layout(mixed, TensorParallel(1, 2))
+    assert (layout.expert_channels, layout.mlp_channels, layout.dense_mlp_channels) == ((16, 32), (24, 48), (48, 96))
+    assert rank_shard_layout(default, TensorParallel(1, 2)).dense_mlp_channels == (0, 0)
+
+
+@pytest.mark.parametrize("changes", [
+    dict(decoder_sparse_step=2),
+    dict(mlp_only_layers=[0, 4]),
+    dict(decoder_sparse_step=3, mlp_only_layers=[5]),
+    dict(num_experts=0, decoder_sparse_step=2, mlp_only_layers=[1]),
+], ids=["step", "only-layers", "both", "no-experts"])
+def test_mlp_kinds_as_transformers_chooses(changes):
+    """Each layer's MLP kind and width (meta tensors) against the model transformers builds
+    from the same config."""
+    raw = _raw(**{**dict(num_hidden_layers=6, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                         shared_expert_intermediate_size=48), **changes})
+    with torch.device("meta"):
+        reference = Qwen3NextForCausalLM(Qwen3NextConfig(**{k: v for k, v in raw.items() if k != "model_type"}))
+        model = Qwen3NextModel(parse_model_config(raw))
+    assert_mlp_kinds_as_transformers(model, reference)
 
 
 @pytest.mark.parametrize("changes, key", [
-    (dict(num_experts=8, mlp_only_layers=[1]), "mlp_only_layers"),
-    (dict(num_experts=8, decoder_sparse_step=2), "decoder_sparse_step"),
+    (dict(num_experts=8, decoder_sparse_step=2, num_nextn_predict_layers=1), "num_nextn_predict_layers"),
     (dict(num_experts=8, num_experts_per_tok=9), "num_experts_per_tok"),
     (dict(hidden_act="gelu"), "hidden_act"),
     (dict(layer_types=["mamba"] * 4), "layer_types"),

@@ -147,6 +147,9 @@ RAW = dict(
 # every layer sparse: 4 routed experts (grouped GEMM on CUDA) and a gated shared expert
 RAW_EXPERTS = dict(RAW, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
                    shared_expert_intermediate_size=96)
+# dense and sparse MLP layers mixed: layer 1 sparse, layers 0, 2 (decoder_sparse_step) and 3
+# (mlp_only_layers) dense MLPs of intermediate_size channels
+RAW_MIXED = dict(RAW_EXPERTS, decoder_sparse_step=2, mlp_only_layers=[3])
 
 
 def _random_model(device: str, dtype: torch.dtype, raw: dict = RAW) -> Qwen3NextModel:
@@ -204,11 +207,11 @@ def _run(device: str, dtype: torch.dtype, raw: dict) -> tuple[list[torch.Tensor]
 
 
 @pytest.mark.parametrize("raw,dtype,tol", [
-    (RAW, torch.float32, 1e-2), (RAW_EXPERTS, torch.float32, 1e-2),
+    (RAW, torch.float32, 1e-2), (RAW_EXPERTS, torch.float32, 1e-2), (RAW_MIXED, torch.float32, 1e-2),
     # the PyTorch path itself in bf16 on the CPU is 3.5% (dense) and 7.5% (experts) from fp32
     # on these random models
     (RAW, torch.bfloat16, 6e-2), (RAW_EXPERTS, torch.bfloat16, 1.2e-1),
-], ids=["dense-fp32", "experts-fp32", "dense-bf16", "experts-bf16"])
+], ids=["dense-fp32", "experts-fp32", "mixed-fp32", "dense-bf16", "experts-bf16"])
 def test_model_gpu_forward_matches_cpu(raw, dtype, tol):
     """Three steps mixing fresh and continued prefills and decodes: every step's hidden states
     and the recurrent state slots after them, CUDA (fp32, bf16) against CPU fp32."""
