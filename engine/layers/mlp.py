@@ -117,15 +117,18 @@ class SquaredReluMLP(nn.Module):
         self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, (channels,), bias, dtype)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, (channels,), bias, dtype, tp)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, D) -> (T, D)
-        return self.down_proj(relu_squared(self.up_proj(x)))  # (T, I_local) in between
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:  # (T, D) -> (T, D)
+        """reduce=False: this rank's partial sum, neither all-reduced nor with down_proj's bias
+        (RowParallelLinear.forward), for a caller that sums partial outputs before one
+        all-reduce (Nemotron-H's MoE block with its shared expert)."""
+        return self.down_proj(relu_squared(self.up_proj(x)), reduce)  # (T, I_local) in between
 
-    def forward_gpu(self, x: torch.Tensor) -> torch.Tensor:  # (T, D) -> (T, D)
+    def forward_gpu(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:  # (T, D) -> (T, D)
         """forward on CUDA tensors: the squared ReLU is one Triton launch
-        (engine/kernels/gpu/relu_squared.py) between the two GEMMs."""
+        (engine/kernels/gpu/relu_squared.py) between the two GEMMs. reduce as in forward."""
         from engine.kernels.gpu.relu_squared import relu_squared as relu_squared_gpu
 
-        return self.down_proj(relu_squared_gpu(self.up_proj(x)))
+        return self.down_proj(relu_squared_gpu(self.up_proj(x)), reduce)
 
 
 def dense_mlp(

@@ -1,5 +1,6 @@
 """The grouped expert GEMM (engine/kernels/gpu/grouped_experts.py) against its reference, the
 loop over experts of engine/kernels/grouped_experts_reference.py, on the same random inputs:
+gated SiLU and non-gated squared-ReLU experts (Nemotron-H's, ExpertActivation),
 1, 7, 64 and 300 tokens, top-1, top-2 and top-8 of 8 experts, hidden and channel widths that
 are not multiples of the kernel's tiles, a skewed routing (most pairs on one expert), the
 block plan's invariants, and (GPU only) replays of a CUDA graph captured once with other
@@ -15,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.kernels.grouped_experts_reference import ExpertActivation
 from engine.kernels.grouped_experts_reference import grouped_experts as reference
 from tests.gpu.conftest import INTERPRETED, needs_device, relative_error
 
@@ -26,12 +28,15 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 NUM_EXPERTS, HIDDEN, CHANNELS = 8, 96, 80
 
 
-def _operands(num_tokens: int, top_k: int, dtype, device, seed: int, skewed: bool = False):
-    """hidden (T, D), gate_up (E, 2I, D), down (E, D, I), ids (T, K) distinct per token (from
-    random router logits, as top-k gives them), weights (T, K) softmax-normalised."""
+def _operands(num_tokens: int, top_k: int, dtype, device, seed: int, skewed: bool = False,
+              activation: ExpertActivation = ExpertActivation.SILU_GATED):
+    """hidden (T, D), gate_up (E, 2I, D) (or up (E, I, D) for RELU_SQUARED), down (E, D, I),
+    ids (T, K) distinct per token (from random router logits, as top-k gives them), weights
+    (T, K) softmax-normalised."""
     g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(num_tokens, HIDDEN, generator=g)
-    gate_up = torch.randn(NUM_EXPERTS, 2 * CHANNELS, HIDDEN, generator=g) / HIDDEN**0.5
+    rows = 2 * CHANNELS if activation is ExpertActivation.SILU_GATED else CHANNELS
+    gate_up = torch.randn(NUM_EXPERTS, rows, HIDDEN, generator=g) / HIDDEN**0.5
     down = torch.randn(NUM_EXPERTS, HIDDEN, CHANNELS, generator=g) / CHANNELS**0.5
     logits = torch.randn(num_tokens, NUM_EXPERTS, generator=g)
     if skewed:
@@ -42,15 +47,18 @@ def _operands(num_tokens: int, top_k: int, dtype, device, seed: int, skewed: boo
     return to(hidden), to(gate_up), to(down), ids.to(device), to(weights)
 
 
+@pytest.mark.parametrize("activation", list(ExpertActivation))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("top_k", [1, 2, 8])
 @pytest.mark.parametrize("num_tokens", [1, 7, 64, 300])
-def test_matches_reference(device, dtype, top_k, num_tokens):
+def test_matches_reference(device, dtype, top_k, num_tokens, activation):
     from engine.kernels.gpu.grouped_experts import grouped_experts
 
-    hidden, gate_up, down, ids, weights = _operands(num_tokens, top_k, dtype, device, seed=num_tokens + top_k)
-    got = grouped_experts(hidden, gate_up, down, ids, weights)
-    want = reference(hidden, gate_up, down, ids, weights)
+    hidden, gate_up, down, ids, weights = _operands(
+        num_tokens, top_k, dtype, device, seed=num_tokens + top_k, activation=activation
+    )
+    got = grouped_experts(hidden, gate_up, down, ids, weights, activation)
+    want = reference(hidden, gate_up, down, ids, weights, activation)
     assert got.shape == want.shape and got.dtype == dtype
     assert relative_error(got, want) < TOL[dtype]
 
@@ -88,25 +96,29 @@ def test_block_plan_covers_every_pair_once(device, num_tokens, top_k):
 
 
 @on_gpu_only
+@pytest.mark.parametrize("activation", list(ExpertActivation))
 @pytest.mark.parametrize("num_tokens, top_k", [(1, 2), (64, 8)])
-def test_replays_in_a_cuda_graph(device, num_tokens, top_k):
+def test_replays_in_a_cuda_graph(device, num_tokens, top_k, activation):
     """Captured once, replayed with other routings: any host read of the routing would have
     been frozen into the graph (or failed the capture)."""
     from engine.kernels.gpu.grouped_experts import grouped_experts
 
-    hidden, gate_up, down, ids, weights = _operands(num_tokens, top_k, torch.bfloat16, device, seed=0)
-    grouped_experts(hidden, gate_up, down, ids, weights)  # compile outside the capture
+    operands = lambda seed: _operands(  # noqa: E731
+        num_tokens, top_k, torch.bfloat16, device, seed=seed, activation=activation
+    )
+    hidden, gate_up, down, ids, weights = operands(0)
+    grouped_experts(hidden, gate_up, down, ids, weights, activation)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = grouped_experts(hidden, gate_up, down, ids, weights)
+        out = grouped_experts(hidden, gate_up, down, ids, weights, activation)
     for seed in (1, 2, 3):
-        new_hidden, _, _, new_ids, new_weights = _operands(num_tokens, top_k, torch.bfloat16, device, seed=seed)
+        new_hidden, _, _, new_ids, new_weights = operands(seed)
         hidden.copy_(new_hidden)
         ids.copy_(new_ids)
         weights.copy_(new_weights)
         graph.replay()
-        want = reference(hidden, gate_up, down, ids, weights)
+        want = reference(hidden, gate_up, down, ids, weights, activation)
         assert relative_error(out, want) < TOL[torch.bfloat16]
 
 

@@ -6,8 +6,10 @@ engine/kernels/grouped_experts_reference.py (same contract, same roundings).
    p % K) ordered by expert, each expert's run padded up to a multiple of BLOCK_M rows, so
    every block of BLOCK_M rows belongs to one expert. Per block: its expert (E past the last
    used block); per row: its pair (A = T*K for a padding row).
-2. `_gate_up_kernel`: per (block, column tile), [gate | up] of the block's rows against their
-   expert's input_linear, silu(gate) * up written per pair: (A, I).
+2. `_gate_up_kernel`: per (block, column tile), the block's rows against their expert's
+   input_linear and the activation (ExpertActivation, a constexpr GATED): [gate | up] and
+   silu(gate) * up, or up and relu(up)^2 (Nemotron-H's non-gated experts), written per
+   pair: (A, I).
 3. `_down_kernel`: per (block, column tile), the pairs' activations against their expert's
    output_linear, times the routing weight, written per pair: (A, D).
 4. The K pairs of each token summed: (T, K, D) -> (T, D).
@@ -33,6 +35,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.gpu.pdl import launch_options, release_next, wait_for_previous
+from engine.kernels.grouped_experts_reference import ExpertActivation
 
 BLOCK_N = 64
 BLOCK_K = 64
@@ -41,13 +44,13 @@ BLOCK_K = 64
 @triton.jit
 def _gate_up_kernel(
     x_ptr, stride_xt,  # (T, D)
-    w_ptr, stride_we, stride_wn, stride_wk,  # (E, 2I, D)
+    w_ptr, stride_we, stride_wn, stride_wk,  # (E, 2I, D) [gate | up] if GATED, else (E, I, D) up
     pairs_ptr,  # (B * BLOCK_M,) int32: the pair of each row, A for padding
     block_expert_ptr,  # (B,) int32: the expert of each block, E past the used blocks
     act_ptr, stride_at,  # (A, I)
     num_pairs, num_experts, top_k, D, I,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    PRECISION: tl.constexpr, USE_PDL: tl.constexpr, GATED: tl.constexpr,
 ):
     release_next(USE_PDL)
     wait_for_previous(USE_PDL)
@@ -61,6 +64,10 @@ def _gate_up_kernel(
     tokens = tl.where(valid, pairs // top_k, 0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < I
+    if GATED:  # the up rows follow the gate rows
+        up_rows = I + n
+    else:
+        up_rows = n
     w_base = w_ptr + expert.to(tl.int64) * stride_we
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -70,19 +77,24 @@ def _gate_up_kernel(
         x = tl.load(x_ptr + tokens[:, None] * stride_xt + k[None, :],
                     mask=valid[:, None] & k_ok[None, :], other=0.0)  # (BM, BK)
         w_mask = k_ok[:, None] & n_ok[None, :]
-        w_gate = tl.load(w_base + n[None, :] * stride_wn + k[:, None] * stride_wk,
-                         mask=w_mask, other=0.0)  # (BK, BN)
-        w_up = tl.load(w_base + (I + n[None, :]) * stride_wn + k[:, None] * stride_wk,
+        if GATED:
+            w_gate = tl.load(w_base + n[None, :] * stride_wn + k[:, None] * stride_wk,
+                             mask=w_mask, other=0.0)  # (BK, BN)
+            gate = tl.dot(x, w_gate, gate, input_precision=PRECISION)
+        w_up = tl.load(w_base + up_rows[None, :] * stride_wn + k[:, None] * stride_wk,
                        mask=w_mask, other=0.0)
-        gate = tl.dot(x, w_gate, gate, input_precision=PRECISION)
         up = tl.dot(x, w_up, up, input_precision=PRECISION)
-    # The reference's roundings: [gate | up] in the dtype, silu(gate) in fp32 rounded to it.
+    # The reference's roundings: the projections in the dtype; silu(gate) in fp32 rounded to
+    # it, times up rounded once; relu(up)^2 in fp32 rounded once.
     dtype = act_ptr.dtype.element_ty
-    gate = gate.to(dtype).to(tl.float32)
     up = up.to(dtype).to(tl.float32)
-    activated = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
+    if GATED:
+        gate = gate.to(dtype).to(tl.float32)
+        activated = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32) * up
+    else:
+        activated = tl.maximum(up, 0.0) * tl.maximum(up, 0.0)
     out = act_ptr + pairs.to(tl.int64)[:, None] * stride_at + n[None, :]
-    tl.store(out, (activated * up).to(dtype), mask=valid[:, None] & n_ok[None, :])
+    tl.store(out, activated.to(dtype), mask=valid[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -159,21 +171,22 @@ def expert_blocks(
 
 def grouped_experts(
     hidden: torch.Tensor,  # (T, D)
-    gate_up_weight: torch.Tensor,  # (E, 2I, D)
+    input_weight: torch.Tensor,  # (E, 2I, D) [gate | up] rows, or (E, I, D) up rows
     down_weight: torch.Tensor,  # (E, D, I)
     expert_ids: torch.Tensor,  # (T, K) int64
     expert_weights: torch.Tensor,  # (T, K) in hidden's dtype
+    activation: ExpertActivation = ExpertActivation.SILU_GATED,
 ) -> torch.Tensor:  # (T, D) in hidden's dtype
     """engine/kernels/grouped_experts_reference.grouped_experts on the GPU (module docstring):
     the same result within fp32-accumulation rounding, no host synchronisation."""
     num_tokens, hidden_size = hidden.shape
-    num_experts, double_channels, _ = gate_up_weight.shape
-    channels = double_channels // 2
+    num_experts, input_rows, _ = input_weight.shape
+    channels = activation.channels(input_rows)
     top_k = expert_ids.shape[1]
     num_pairs = num_tokens * top_k
     if num_pairs == 0:
         return torch.zeros_like(hidden)
-    assert hidden.stride(1) == 1 and gate_up_weight.shape[2] == hidden_size
+    assert hidden.stride(1) == 1 and input_weight.shape[2] == hidden_size
     assert down_weight.shape == (num_experts, hidden_size, channels)
     block_m = block_rows(num_pairs, num_experts)
     rows, blocks = expert_blocks(expert_ids, num_experts, block_m)
@@ -182,11 +195,11 @@ def grouped_experts(
     activated = torch.empty(num_pairs, channels, dtype=hidden.dtype, device=hidden.device)
     _gate_up_kernel[(num_blocks, triton.cdiv(channels, BLOCK_N))](
         hidden, hidden.stride(0),
-        gate_up_weight, *gate_up_weight.stride(),
+        input_weight, *input_weight.stride(),
         rows, blocks, activated, activated.stride(0),
         num_pairs, num_experts, top_k, hidden_size, channels,
         BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, PRECISION=precision,
-        num_warps=4, **launch_options(),
+        GATED=activation is ExpertActivation.SILU_GATED, num_warps=4, **launch_options(),
     )
     routing = expert_weights.to(hidden.dtype).reshape(-1).contiguous()  # (A,)
     per_pair = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
