@@ -18,6 +18,9 @@ MAMBA = "mamba"
 ATTENTION = "attention"
 # A block whose mixer is an MLP (Nemotron-H's "-"): no KV, no recurrent state.
 MLP = "mlp"
+# A block whose mixer is routed experts plus a shared expert (Nemotron-H's "E"): no KV, no
+# recurrent state.
+MOE = "moe"
 MLP_FUSED, MLP_SPLIT = "fused", "split"  # HybridModelConfig.mlp_layout
 # HybridModelConfig.mamba_gated_norm: the forms of the norm between the SSD scan and out_proj.
 MAMBA_NORM_GATE_FIRST, MAMBA_NORM_FIRST, MAMBA_GATE_ONLY = "gate_first", "norm_first", "gate_only"
@@ -132,6 +135,16 @@ class HybridModelConfig:
     # Routed experts' weights (Qwen3-Next: softmax over all experts, then the top k):
     # renormalised to sum 1 over a token's k experts.
     norm_topk_prob: bool = False
+    # Nemotron-H's MoE blocks (MOE; engine/models/nemotron_h_moe.py): experts picked by sigmoid
+    # scores plus a per-expert selection bias among the topk_group best of n_group equal expert
+    # groups, their weights times routed_scaling_factor; each expert a non-gated squared-ReLU
+    # MLP on moe_latent_size-wide inputs (0: hidden_size, no latent projections); a shared
+    # expert of shared_expert_intermediate_size channels.
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    moe_latent_size: int = 0
+    shared_expert_intermediate_size: int = 0
 
     def has_routed_experts(self, layer: int) -> bool:
         """Whether layer `layer`'s MLP holds the routed experts: the model has experts and the

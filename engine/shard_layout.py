@@ -11,7 +11,8 @@ Splitting rules (docs/design.md section 6):
 - MLP intermediate channels split evenly, and so are each routed expert's (every rank holds
   every expert, a slice of its channels; the router is replicated) and those of the dense MLPs
   of a model with experts (dense_mlp_layers); vocabulary rows split in
-  pieces of ceil(vocab / world_size) (the last rank's piece may be shorter).
+  pieces of ceil(vocab / world_size) (the last rank's piece may be shorter); a MoE block's
+  shared expert (Nemotron-H) splits its channels evenly too.
 Anything else (e.g. 6 query heads on 4 ranks) is a ValueError naming the field.
 """
 
@@ -42,6 +43,7 @@ class RankShardLayout:
     linear_value_heads: IndexRange = (0, 0)  # gated delta-net value heads (those of its key heads)
     expert_channels: IndexRange = (0, 0)  # each routed expert's intermediate channels
     dense_mlp_channels: IndexRange = (0, 0)  # the dense MLPs' channels in a model with experts
+    shared_expert_channels: IndexRange = (0, 0)  # a MoE block's shared expert's channels
 
 
 def rank_shard_layout(config: HybridModelConfig, tp: TensorParallel) -> RankShardLayout:
@@ -81,6 +83,10 @@ def rank_shard_layout(config: HybridModelConfig, tp: TensorParallel) -> RankShar
         dense_mlp_channels=(
             tp.split_evenly(config.dense_intermediate_size, "dense_intermediate_size")
             if config.dense_mlp_layers else (0, 0)
+        ),
+        shared_expert_channels=(
+            tp.split_evenly(config.shared_expert_intermediate_size, "shared_expert_intermediate_size")
+            if config.shared_expert_intermediate_size > 0 else (0, 0)
         ),
     )
 

@@ -1,8 +1,9 @@
-"""Nemotron-H: a stack of single-mixer blocks, each a Mamba2 mixer, an attention mixer or a
-squared-ReLU MLP, with its own pre-norm and residual (no MLP after a mixer).
+"""Nemotron-H: a stack of single-mixer blocks, each a Mamba2 mixer, an attention mixer, a
+squared-ReLU MLP or a MoE block (routed squared-ReLU experts plus a shared expert,
+engine/models/nemotron_h_moe.py), with its own pre-norm and residual (no MLP after a mixer).
 
-Numerically the same model as transformers' NemotronHForCausalLM (dense: no "moe" blocks),
-run over a ForwardBatch of chunks from many requests like GraniteMoeHybridModel, whose
+Numerically the same model as transformers' NemotronHForCausalLM (Nemotron-H and the
+Nemotron-3 MoE models alike), run over a ForwardBatch of chunks from many requests like GraniteMoeHybridModel, whose
 docstrings state the HybridModel contracts this module keeps. The Mamba2 mixer's gated norm
 is grouped (n_groups groups of I / n_groups channels, GroupParallelGatedRMSNorm), attention
 has no positional embedding and the softmax scale 1/sqrt(head_dim).
@@ -10,10 +11,12 @@ has no positional embedding and the softmax scale 1/sqrt(head_dim).
 Checkpoint tensor names are "backbone." + parameter name (transformers' save_pretrained and
 the published checkpoints; "model." is also read) and lm_head.weight: `parameter_name`.
 The embedding is `embeddings`, the final norm `norm_f`, block i's `layers.i.norm` and
-`layers.i.mixer`.
+`layers.i.mixer`; a MoE block's router and experts are renamed or stacked while loading
+(nemotron_h_moe.parameter_name, nemotron_h_moe.stacked_piece).
 
 Tensor parallel: as GraniteMoeHybridModel (engine/shard_layout.py): attention heads, Mamba
-heads and groups and MLP channels split; hidden states (T, D) whole between blocks.
+heads and groups, MLP channels and each expert's channels split; hidden states (T, D) whole
+between blocks.
 """
 
 from __future__ import annotations
@@ -39,13 +42,16 @@ from engine.model_config import (
     ATTENTION,
     MAMBA,
     MLP,
+    MOE,
     HybridModelConfig,
     parse_dtype,
     parse_eos_token_ids,
     parse_time_step_limit,
     required,
 )
+from engine.models import nemotron_h_moe
 from engine.models.model_caches import RankCaches
+from engine.models.nemotron_h_moe import NemotronHMoE
 from engine.shard_layout import RankShardLayout, rank_shard_layout
 from engine.tensor_parallel import TensorParallel, TensorShard, parameter_shards
 
@@ -55,30 +61,26 @@ MODEL_TYPE = "nemotron_h"
 # mamba/attention; hybrid_override_pattern is the published checkpoints' one letter a block.
 _BLOCK_TYPE_SPELLINGS = {
     "mamba": MAMBA, "linear_attention": MAMBA, "attention": ATTENTION, "full_attention": ATTENTION,
-    "mlp": MLP,
+    "mlp": MLP, "moe": MOE,
 }
-_PATTERN_SPELLINGS = {"M": MAMBA, "*": ATTENTION, "-": MLP}
-_ROUTED_EXPERT_SPELLINGS = {"moe", "E"}
+_PATTERN_SPELLINGS = {"M": MAMBA, "*": ATTENTION, "-": MLP, "E": MOE}
 
 
 def parameter_name(checkpoint_name: str) -> str:
     """"backbone.layers.0.mixer.A_log" (or "model. ...") -> "layers.0.mixer.A_log";
-    lm_head.weight as is."""
+    lm_head.weight as is; a MoE block's router and fused experts as
+    nemotron_h_moe.parameter_name renames them."""
+    name = checkpoint_name
     for prefix in ("backbone.", "model."):
-        if checkpoint_name.startswith(prefix):
-            return checkpoint_name.removeprefix(prefix)
-    return checkpoint_name
+        if name.startswith(prefix):
+            name = name.removeprefix(prefix)
+            break
+    return nemotron_h_moe.parameter_name(name) or name
 
 
 def _read_block_kinds(spelled: list[str], spellings: dict[str, str], key: str) -> tuple[str, ...]:
-    """Each block's kind (MAMBA, ATTENTION or MLP); ValueError naming `key` for routed-expert
-    blocks or an unknown spelling."""
-    experts = sorted({s for s in spelled if s in _ROUTED_EXPERT_SPELLINGS})
-    if experts:
-        raise ValueError(
-            f"{key} holds routed-expert (MoE) blocks {experts}: only dense Nemotron-H models "
-            "(mamba, attention and mlp blocks) are supported"
-        )
+    """Each block's kind (MAMBA, ATTENTION, MLP or MOE); ValueError naming `key` for an
+    unknown spelling."""
     unknown = sorted({s for s in spelled if s not in spellings}, key=str)
     if unknown:
         raise ValueError(f"{key} holds unknown block types {unknown}; expected one of {sorted(spellings)}")
@@ -135,6 +137,8 @@ def parse_config(raw: dict[str, Any]) -> HybridModelConfig:
     _refuse(raw, "tie_word_embeddings", (None, False), "tied embeddings are not supported")
 
     layer_types = parse_block_types(raw)
+    # the experts' fields, intermediate_size (each expert's width) among them; 0: no experts
+    experts = nemotron_h_moe.moe_fields(raw) if MOE in layer_types else dict(intermediate_size=0)
     hidden_size = required(raw, "hidden_size")
     num_heads = raw.get("num_attention_heads", 32)
     num_kv_heads = raw.get("num_key_value_heads") or num_heads
@@ -158,7 +162,6 @@ def parse_config(raw: dict[str, Any]) -> HybridModelConfig:
         num_key_value_heads=num_kv_heads,
         head_dim=head_dim,
         attention_bias=False,
-        intermediate_size=0,  # no routed experts
         # the MLP blocks' width, which engine/shard_layout.py splits as mlp_channels
         shared_intermediate_size=required(raw, "intermediate_size"),
         hidden_act="relu2",
@@ -186,12 +189,13 @@ def parse_config(raw: dict[str, Any]) -> HybridModelConfig:
         eos_token_ids=parse_eos_token_ids(raw),
         pad_token_id=raw.get("pad_token_id"),
         dtype=parse_dtype(raw),
+        **experts,
     )
 
 
 class NemotronHBlock(nn.Module):
-    """x += mixer(norm(x)); the mixer is a Mamba2Mixer, a PagedAttention or a SquaredReluMLP
-    (config.layer_types[layer_index]); `kind` says which."""
+    """x += mixer(norm(x)); the mixer is a Mamba2Mixer, a PagedAttention, a SquaredReluMLP or
+    a NemotronHMoE (config.layer_types[layer_index]); `kind` says which."""
 
     def __init__(
         self, config: HybridModelConfig, layer_index: int, layout: RankShardLayout,
@@ -205,6 +209,8 @@ class NemotronHBlock(nn.Module):
             self.mixer = Mamba2Mixer(config, layout, tp, dtype)
         elif self.kind == ATTENTION:
             self.mixer = PagedAttention(config, layout, tp, dtype)
+        elif self.kind == MOE:
+            self.mixer = NemotronHMoE(config, layout, tp, dtype)
         else:
             self.mixer = SquaredReluMLP(
                 config.hidden_size, config.shared_intermediate_size, layout.mlp_channels, tp, dtype
@@ -280,7 +286,7 @@ class NemotronHModel(RankCaches, nn.Module):
         self, batch: ForwardBatch, caches: ModelCaches, gpu_plan: GpuBatchPlan | None = None
     ) -> torch.Tensor:
         """Hidden states (T, D) after the final norm; the caches and gpu_plan contracts of
-        GraniteMoeHybridModel.forward (MLP blocks touch no cache)."""
+        GraniteMoeHybridModel.forward (MLP and MoE blocks touch no cache)."""
         if gpu_plan is None and self.embeddings.weight.is_cuda:
             raise ValueError("a forward pass on CUDA takes the step's GpuBatchPlan (engine/forward_routes.py)")
         hidden = self.embeddings(batch.input_ids)  # (T, D)

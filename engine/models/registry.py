@@ -21,7 +21,7 @@ from engine.forward_batch import ForwardBatch, ModelCaches
 from engine.model_config import HybridModelConfig
 from engine.models import bamba, falcon_h1
 from engine.models import granite_moe_hybrid
-from engine.models import nemotron_h
+from engine.models import nemotron_h, nemotron_h_moe
 from engine.models import qwen3_next
 from engine.tensor_parallel import StackedPiece, TensorParallel, TensorShard
 
@@ -99,6 +99,7 @@ FAMILIES: dict[str, ModelFamily] = {
             parse_config=nemotron_h.parse_config,
             build_model=nemotron_h.NemotronHModel,
             parameter_name=nemotron_h.parameter_name,
+            stacked_piece=nemotron_h_moe.stacked_piece,
         ),
         ModelFamily(
             model_type=qwen3_next.MODEL_TYPE,

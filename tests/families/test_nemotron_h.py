@@ -10,7 +10,8 @@ saved with save_pretrained ("backbone." names) and loaded by the engine's loader
 - the checkpoint exactness cases through LLMEngine (tests/engine/reuse_cases.py: instruction
   reuse, multi-turn, repeats) on a saved model with the embedded model's tokenizer;
 - tensor parallel: tp=2 (gloo ranks, tests/tp/tp_support.py) equals tp=1;
-- both block-pattern spellings, and the refusals, by name of the key.
+- both block-pattern spellings, and the refusals, by name of the key (MoE blocks:
+  test_nemotron_h_moe.py).
 """
 
 from __future__ import annotations
@@ -212,8 +213,6 @@ def test_both_pattern_spellings_agree():
 
 
 @pytest.mark.parametrize("changes, key", [
-    (dict(hybrid_override_pattern="M*E"), "hybrid_override_pattern"),
-    (dict(layers_block_type=["mamba", "moe"]), "layers_block_type"),
     (dict(hybrid_override_pattern="M*-", layers_block_type=["mamba", "mlp", "attention"]), "disagree"),
     (dict(hybrid_override_pattern="M*-", num_hidden_layers=4), "num_hidden_layers"),
     (dict(hybrid_override_pattern="M*X"), "hybrid_override_pattern"),
