@@ -171,6 +171,7 @@ def _gpu_plan_oracle(batch: ForwardBatch, block_size: int) -> dict:
         folded_gated_norm=False,  # the model's fold_gated_norm not given
         prefill_valid=None,
         in_pass=None,
+        verification=None,  # no chunk here carries drafts
     )
 
 

@@ -39,7 +39,8 @@ def test_mix_batch_gpu_routes_by_step_shape(mixer, monkeypatch, num_decode, num_
     monkeypatch.setattr(mixer, "mix_decode_only_gpu", lambda *args: taken.append("fused"))
     monkeypatch.setattr(mixer, "mix_chunks_gpu", lambda *args: taken.append("chunks"))
     choices = _choices(num_decode + 5 * num_prefill, num_decode, num_prefill, in_pass, fold_gated_norm=True)
-    plan = SimpleNamespace(num_decode=num_decode, num_prefill=num_prefill, in_pass=in_pass, **choices)
+    plan = SimpleNamespace(num_decode=num_decode, num_prefill=num_prefill, in_pass=in_pass, verification=None,
+                           **choices)
     mixer.mix_batch_gpu(None, None, None, None, plan)
     assert taken == [expected]
 
