@@ -57,12 +57,12 @@ from engine.forward_batch import ForwardBatch, ModelCaches
 from engine.forward_routes import EagerPass, RouteOutput, SampledTokens
 from engine.host_index import int64_array, to_device
 from engine.kernels.gpu.batch_plan import GpuBatchPlan, build_gpu_batch_plan
-from engine.model_config import ATTENTION, MAMBA, MLP
+from engine.model_config import ATTENTION, MAMBA, MLP, MOE
 from engine.speculative.verify import VerificationScratch
 from engine.step_io import CaptureOp, ScheduledChunk
 
 # Layer kinds the CUDA verification route runs (the gated delta-net verifies on the CPU only).
-GPU_VERIFIABLE_LAYER_KINDS = (ATTENTION, MAMBA, MLP)
+GPU_VERIFIABLE_LAYER_KINDS = (ATTENTION, MAMBA, MLP, MOE)  # MLP and MoE blocks hold no state
 
 
 def check_verifiable_on_gpu(layer_types: Sequence[str]) -> None:

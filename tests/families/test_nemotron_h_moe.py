@@ -50,6 +50,10 @@ from hf_reference_checks import (
     save_engine_model,
     save_reference,
 )
+from tests.engine.test_speculative import (  # noqa: F401 (repeating_prompts: a fixture, built with engine_off)
+    check_speculation_equals_off,
+    repeating_prompts,
+)
 
 _COMMON = dict(
     vocab_size=97, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
@@ -192,6 +196,18 @@ def test_multi_turn_matches_scratch(engine):
 
 def test_repeat_runs_no_prefill(engine):
     check_repeat(engine, "nhm")
+
+
+@pytest.fixture(scope="module")
+def engine_off(engine) -> LLMEngine:
+    """The spec-off engine test_speculative's repeating_prompts fixture continues spans with."""
+    return engine
+
+
+def test_speculation_equals_off(engine, repeating_prompts):
+    """MoE blocks hold no state, so they verify drafts as they run any rows: with 3 n-gram draft
+    tokens test_speculative's exactness run gives speculation off's outputs, drafts accepted."""
+    check_speculation_equals_off(engine.config, 3, repeating_prompts, "nemotron_h_moe")
 
 
 # ---- tensor parallel -------------------------------------------------------------------------
