@@ -67,8 +67,10 @@ class EngineConfig:
                                      "host; false runs one step at a time.")
     num_speculative_tokens: int = _option(0, "Draft tokens verified per step for greedy "
                                           "requests (speculative decoding, exact: the output "
-                                          "is the same as without); 0 turns it off. One "
-                                          "rank only for now.")
+                                          "is the same as without; README.md, Speculative "
+                                          "decoding); 0 turns it off, at most 16. One rank "
+                                          "only for now; refused for Falcon-H1, and for "
+                                          "Qwen3-Next on cuda.")
     speculative_drafter: str = _option("ngram", "Where draft tokens come from when "
                                        "num_speculative_tokens > 0: ngram (prompt lookup, no "
                                        "extra weights) or mtp (the model's multi-token-"
