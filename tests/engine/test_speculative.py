@@ -10,6 +10,7 @@ after the second P the model mostly says C again, which the n-gram lookup propos
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
@@ -185,6 +186,34 @@ def _chat_jobs(tokenizer, seed: int, num_requests: int):
         issued += len(picked)
 
 
+def compare_chat_rounds(
+    off: LLMEngine, on: LLMEngine, seed: int, label: str,
+    extra_jobs: Callable[[int], list[tuple]] = lambda round_index: [],
+) -> Tally:
+    """The rounds of _chat_jobs(seed, 16 requests), each with extra_jobs(round index) added,
+    through `off` (with logits) and `on` (greedy, 12 tokens): every output of `on` must equal
+    `off`'s (_compare: a divergence only at a near-tie); the conversations grow with `on`'s
+    texts. Checks the near-ties (check_near_ties) and returns the tally."""
+    with_logits = replace(GREEDY, max_tokens=12, return_logits=True)
+    tally = Tally()
+    rounds = _chat_jobs(off.tokenizer, seed=seed, num_requests=16)
+    jobs = next(rounds)
+    round_index = 0
+    while True:
+        jobs = jobs + extra_jobs(round_index)
+        want = run_round(off, jobs, with_logits)
+        got = run_round(on, jobs, replace(with_logits, return_logits=False))
+        for request_id, *_ in jobs:
+            _compare(got[request_id].token_ids, want[request_id], tally, f"{label} {request_id}")
+        try:
+            jobs = rounds.send({rid: got[rid].text for rid, *_ in jobs})
+        except StopIteration:
+            break
+        round_index += 1
+    check_near_ties(tally, label)
+    return tally
+
+
 @pytest.mark.parametrize("label, config", [
     ("tight: eviction + preemption, budget 64", "tight"),
     ("roomy, budget 61, sync", EngineConfig(max_num_batched_tokens=61, async_scheduling=False)),
@@ -199,24 +228,10 @@ def check_speculation_equals_off(config: EngineConfig, k: int, repeating_prompts
     scratch, and the first three repeating prompts); every speculating output must equal the
     spec-off engine's, and drafts must have been accepted."""
     off, on = LLMEngine(config), LLMEngine(replace(config, num_speculative_tokens=k))
-    with_logits = replace(GREEDY, max_tokens=12, return_logits=True)
-    tally = Tally()
-    rounds = _chat_jobs(off.tokenizer, seed=len(label), num_requests=16)
-    jobs = next(rounds)
-    round_index = 0
-    while True:
-        extra = [(f"rep-{round_index}-{i}", p, None, "") for i, p in enumerate(repeating_prompts[:3])]
-        jobs = jobs + extra
-        want = run_round(off, jobs, with_logits)
-        got = run_round(on, jobs, replace(with_logits, return_logits=False))
-        for request_id, *_ in jobs:
-            _compare(got[request_id].token_ids, want[request_id], tally, f"{label} {request_id}")
-        try:
-            jobs = rounds.send({rid: got[rid].text for rid, *_ in jobs})
-        except StopIteration:
-            break
-        round_index += 1
-    check_near_ties(tally, label)
+    tally = compare_chat_rounds(
+        off, on, seed=len(label), label=label,
+        extra_jobs=lambda r: [(f"rep-{r}-{i}", p, None, "") for i, p in enumerate(repeating_prompts[:3])],
+    )
     stats = on.stats().speculation
     print(f"\n[{label}] requests={tally.requests} near_ties={tally.near_ties} "
           f"proposed={stats.draft_tokens_proposed} accepted={stats.draft_tokens_accepted} "

@@ -24,8 +24,8 @@ from engine.sampling_params import SamplingParams
 from engine.step_io import CommitOp, ScheduledChunk, SchedulerOutput
 from engine.worker import Worker
 from tests.engine.conversations import random_text, render, system_prompts
-from tests.engine.exactness import Tally, check_near_ties, run_round, tight_config
-from tests.engine.test_speculative import _chat_jobs, _compare
+from tests.engine.exactness import tight_config
+from tests.engine.test_speculative import compare_chat_rounds
 
 K = 3
 SEED = 11
@@ -126,20 +126,7 @@ def test_greedy_outputs_equal_speculation_off_over_the_exactness_workload():
     # as many blocks with the head's KV layer (2 attention layers + 1) as without it
     off, on = LLMEngine(config), LLMEngine(replace(config, kv_cache_bytes=config.kv_cache_bytes * 3 // 2, **MTP))
     assert on.executor.capacity.num_blocks == off.executor.capacity.num_blocks
-    with_logits = replace(GREEDY, return_logits=True)
-    tally = Tally()
-    rounds = _chat_jobs(off.tokenizer, seed=25, num_requests=16)
-    jobs = next(rounds)
-    while True:
-        want = run_round(off, jobs, with_logits)
-        got = run_round(on, jobs, GREEDY)
-        for request_id, *_ in jobs:
-            _compare(got[request_id].token_ids, want[request_id], tally, f"mtp {request_id}")
-        try:
-            jobs = rounds.send({rid: got[rid].text for rid, *_ in jobs})
-        except StopIteration:
-            break
-    check_near_ties(tally, "mtp")
+    tally = compare_chat_rounds(off, on, seed=25, label="mtp")
     stats = on.stats().speculation
     print(f"\n[mtp] requests={tally.requests} near_ties={tally.near_ties} proposed={stats.draft_tokens_proposed} "
           f"accepted={stats.draft_tokens_accepted} preemptions={on.stats().scheduler.preemptions}")
