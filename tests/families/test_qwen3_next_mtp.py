@@ -35,7 +35,7 @@ from tests.engine.test_speculative import (  # noqa: F401 (a fixture, built with
     repeating_prompts,
     test_stop_string_inside_an_accepted_draft_run,
 )
-from tests.engine.test_speculative_mtp import _chat_requests, _drafts_per_request
+from tests.engine.test_speculative_mtp import check_restored_drafts_equal_scratch
 
 K = 3
 
@@ -103,15 +103,6 @@ def test_drafts_after_an_instruction_restore_equal_drafts_from_scratch(config):
     """test_speculative_mtp's restore check on Qwen3-Next, where drafts are accepted: 32
     requests over three system prompts, with checkpoints (most restore their instructions)
     and without, draft the same tokens and accept the same ones."""
-    config = replace(config, num_speculative_tokens=K, async_scheduling=False)
-    restored, scratch = LLMEngine(config), LLMEngine(replace(config, checkpoint_slots=()))
-    requests = _chat_requests(restored.tokenizer, 32)
-    got, cached = _drafts_per_request(restored, requests, batch=4)
-    want, _ = _drafts_per_request(scratch, requests, batch=4)
-    assert sum(1 for tokens in cached.values() if tokens) >= 24, cached
-    assert got == want
-    a, b = restored.stats().speculation, scratch.stats().speculation
-    print(f"\n[qwen3_next mtp restore] proposed={a.draft_tokens_proposed} accepted={a.draft_tokens_accepted}")
-    assert (a.draft_tokens_proposed, a.draft_tokens_accepted, a.acceptance_lengths) == (
-        b.draft_tokens_proposed, b.draft_tokens_accepted, b.acceptance_lengths)
-    assert a.draft_tokens_accepted > 0
+    stats = check_restored_drafts_equal_scratch(replace(config, num_speculative_tokens=K, async_scheduling=False))
+    print(f"\n[qwen3_next mtp restore] proposed={stats.draft_tokens_proposed} accepted={stats.draft_tokens_accepted}")
+    assert stats.draft_tokens_accepted > 0
