@@ -14,20 +14,22 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
-from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
 from engine.models.mtp_head import randomize
 from engine.models.qwen3_next import Qwen3NextModel
 from engine.models.registry import parse_model_config
-from hf_reference_checks import save_engine_model
-from test_qwen3_next import BASE, as_published, one_thread  # noqa: F401 (one_thread: autouse fixture)
-from test_qwen3_next_speculative import favour_four_tokens
+from test_qwen3_next import as_published, one_thread  # noqa: F401 (one_thread: autouse fixture)
+from test_qwen3_next_speculative import (  # noqa: F401 (engine_off, engine_on: fixtures, of this module's config)
+    K,
+    engine_off,
+    engine_on,
+    save_speculating_model,
+)
 from tests.engine.test_speculative import (  # noqa: F401 (a fixture, built with this module's engines)
     GREEDY,
     _run,
@@ -36,8 +38,6 @@ from tests.engine.test_speculative import (  # noqa: F401 (a fixture, built with
     test_stop_string_inside_an_accepted_draft_run,
 )
 from tests.engine.test_speculative_mtp import check_restored_drafts_equal_scratch
-
-K = 3
 
 
 def add_random_mtp_tensors(directory, seed: int) -> None:
@@ -55,25 +55,11 @@ def add_random_mtp_tensors(directory, seed: int) -> None:
 @pytest.fixture(scope="module")
 def config(tmp_path_factory) -> EngineConfig:
     """Speculation off, the MTP drafter named; the saved model with its mtp.* tensors."""
-    directory = save_engine_model(
-        Qwen3NextConfig, Qwen3NextForCausalLM, BASE, tmp_path_factory.mktemp("qwen3_next_mtp"),
-        perturb=favour_four_tokens,
-    )
+    config = save_speculating_model(tmp_path_factory.mktemp("qwen3_next_mtp"))
     # seed 7: all three drafts accepted in the first 24 tokens of two repeating prompts (of 12
     # seeds tried, half had none: the stop-string test stops inside such a run)
-    add_random_mtp_tensors(directory, seed=7)
-    return EngineConfig(model_dir=str(directory), max_num_batched_tokens=40, max_num_seqs=8,
-                        speculative_drafter="mtp")
-
-
-@pytest.fixture(scope="module")
-def engine_off(config) -> LLMEngine:
-    return LLMEngine(config)
-
-
-@pytest.fixture(scope="module")
-def engine_on(config) -> LLMEngine:
-    return LLMEngine(replace(config, num_speculative_tokens=K))
+    add_random_mtp_tensors(Path(config.model_dir), seed=7)
+    return replace(config, speculative_drafter="mtp")
 
 
 @pytest.fixture(scope="module")

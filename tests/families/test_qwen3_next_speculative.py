@@ -14,6 +14,7 @@ in 400 was accepted.
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -48,14 +49,17 @@ def favour_four_tokens(reference: Qwen3NextForCausalLM, seed: int) -> None:
     reference.lm_head.weight[others] *= 0.05
 
 
+def save_speculating_model(directory: Path) -> EngineConfig:
+    """BASE with its LM head favouring four tokens (favour_four_tokens) saved in `directory`
+    with the embedded model's tokenizer: the engine configuration of it, speculation off."""
+    save_engine_model(Qwen3NextConfig, Qwen3NextForCausalLM, BASE, directory, perturb=favour_four_tokens)
+    return EngineConfig(model_dir=str(directory), max_num_batched_tokens=40, max_num_seqs=8)
+
+
 @pytest.fixture(scope="module")
 def config(tmp_path_factory) -> EngineConfig:
-    """Speculation off; the saved model with the embedded model's tokenizer."""
-    directory = save_engine_model(
-        Qwen3NextConfig, Qwen3NextForCausalLM, BASE, tmp_path_factory.mktemp("qwen3_next_speculative"),
-        perturb=favour_four_tokens,
-    )
-    return EngineConfig(model_dir=str(directory), max_num_batched_tokens=40, max_num_seqs=8)
+    """Speculation off; the saved model (save_speculating_model)."""
+    return save_speculating_model(tmp_path_factory.mktemp("qwen3_next_speculative"))
 
 
 @pytest.fixture(scope="module")
