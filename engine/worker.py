@@ -33,8 +33,7 @@ from engine.forward_routes import (
 from engine.host_index import int64_array, to_device
 from engine.loader import load_model
 from engine.sampler import Sampler
-from engine.speculative.mtp import DraftStart, MtpDrafter, attach_head
-from engine.speculative.scheduling import greedy_accept
+from engine.speculative.mtp import MtpDrafter, attach_head
 from engine.speculative.verify import VerificationScratch, VerifyPass, check_verifiable, verify_greedy
 from engine.speculative.verify_gpu import GpuVerifyPass
 from engine.speculative.verify_graphs import VerifyGraphRunner, verify_graph_sizes
@@ -253,10 +252,11 @@ class Worker:
         if computed:
             in_pass = [capture for capture in scheduler_output.captures if capture.in_pass]
             route = next(route for route in self._routes() if route.accepts(computed, in_pass))
-            rows_before = self._rows_before(computed, last_hidden) if self.drafter is not None else {}
+            drafter = self.drafter
+            rows_before = drafter.rows_before(computed, last_hidden, self._last_hidden) if drafter is not None else {}
             forward = route.run(computed, in_pass, previous_sampled)
-            if self.drafter is not None:  # the MTP head's K/V of every computed position
-                self.drafter.extend(computed, forward, rows_before, previous_sampled)
+            if drafter is not None:  # the MTP head's K/V of every computed position
+                drafter.extend(computed, forward, rows_before, previous_sampled)
             for i, chunk in enumerate(computed):
                 last_hidden[chunk.request_id] = RowRef(forward.hidden, forward.last_rows[i])
                 if forward.logits is not None:
@@ -286,7 +286,10 @@ class Worker:
             store_sampled(self._sampled, tokens)
         self._sampled_rows = {chunk.request_id: i for i, chunk in enumerate(sampled)}
         if self.drafter is not None:
-            starts = self._draft_starts(scheduler_output.chunks, computed, forward, last_hidden, tokens, output)
+            starts = self.drafter.starts(
+                scheduler_output.chunks, computed, forward, last_hidden, tokens, self._sampled_rows,
+                output.verified_token_ids,
+            )
             output.draft_proposals = self.drafter.propose(starts)
         self._in_flight.append(_SubmittedStep(
             output, [chunk.request_id for chunk in sampled], self._token_readback.start(tokens)
@@ -348,44 +351,6 @@ class Worker:
             hidden_row, state=state,
         )
         output.confirmed_captures[capture.bundle_id] = frozenset({self.rank})
-
-    def _rows_before(self, computed: list[ScheduledChunk], restored: dict[str, RowRef]) -> dict[str, torch.Tensor]:
-        """The hidden row (D,) before each computed chunk that does not start at 0: the one
-        restored this step (in `restored`), else the request's last (a commit's included),
-        copied before the forward may overwrite it (the MTP drafter's h_{s-1})."""
-        rows = {}
-        for chunk in computed:
-            if chunk.start_position:
-                ref = restored.get(chunk.request_id) or self._last_hidden.get(chunk.request_id)
-                if ref is None:
-                    raise RuntimeError(f"{chunk.request_id}: no hidden row before position {chunk.start_position}")
-                rows[chunk.request_id] = ref.kept().row()
-        return rows
-
-    def _draft_starts(
-        self, chunks: tuple[ScheduledChunk, ...], computed: list[ScheduledChunk], forward,
-        last_hidden: dict[str, RowRef], tokens: torch.Tensor, output: RunnerOutput,
-    ) -> list[DraftStart]:
-        """Where the MTP drafter starts for each chunk with propose_drafts: after the token it
-        sampled (tokens: this step's, in sampling order), or after a verification chunk's bonus
-        token, which follows the drafts the greedy rule accepts (the scheduler keeps those
-        too, unless a stop ends the request)."""
-        computed_row = {chunk.request_id: i for i, chunk in enumerate(computed)}
-        starts = []
-        for chunk in chunks:
-            if not (chunk.propose_drafts and chunk.sample):
-                continue
-            if chunk.num_draft_tokens:
-                verified = output.verified_token_ids[chunk.request_id]  # (k + 1,)
-                accepted = greedy_accept(chunk.token_ids[1:], verified.tolist())
-                last = forward.last_rows[computed_row[chunk.request_id]]
-                hidden = forward.hidden[last + 1 - len(chunk.token_ids) + accepted]  # the bonus token's h_{e-1}
-                starts.append(DraftStart(chunk, chunk.start_position + accepted + 1, verified[accepted], hidden))
-            else:
-                position = chunk.start_position + len(chunk.token_ids)
-                token = tokens[self._sampled_rows[chunk.request_id]]
-                starts.append(DraftStart(chunk, position, token, last_hidden[chunk.request_id].row()))
-        return starts
 
     def _rows_kept_over(self, scheduler_output: SchedulerOutput, computed: list[ScheduledChunk]) -> dict[str, RowRef]:
         """The last hidden rows of unfinished requests this step neither computes nor restores,

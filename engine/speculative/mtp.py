@@ -15,50 +15,47 @@ Per step, on the PyTorch path:
 
 1. `extend`, after the model's forward: for every computed chunk [s, e), the head's rows for
    positions max(s, 1) .. e - 1, h_{s-1} being the request's last hidden row before the chunk
-   (the previous step's, a commit's or a restored bundle's) and the rest the chunk's own rows.
-   Every request's chunks, so any checkpoint holds the head's K/V of all its positions.
-2. `propose`, after sampling: for each chunk with propose_drafts, from the position e after
-   its last kept one (a verification chunk: the greedy rule's accepted drafts and the bonus
-   token), the k draft rows (t_e, h_{e-1}) -> d1, (d1, h'_e) -> d2, ..., each depth one row per
-   request. Draft rows write their K/V into the request's scratch blocks (allocated past the
+   (the previous step's, a commit's or a restored bundle's; `rows_before` keeps them before
+   the forward) and the rest the chunk's own rows. Every request's chunks, so any checkpoint
+   holds the head's K/V of all its positions.
+2. `propose`, after sampling (`starts` says where): for each chunk with propose_drafts, from
+   the position e after its last kept one (a verification chunk: the greedy rule's accepted
+   drafts and the bonus token), the k draft rows (t_e, h_{e-1}) -> d1, (d1, h'_e) -> d2, ...,
+   each depth one row per request. Draft rows write their K/V into the request's scratch blocks (allocated past the
    scheduler's, per state slot), which hold a copy of the partial block before e: the paged
    cache past the kept positions is never written by drafting.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.config import EngineConfig
 from engine.forward_batch import ForwardBatch, ModelCaches, build_forward_batch
 from engine.forward_routes import EagerPass, RouteOutput, SampledTokens
-from engine.models.granite_moe_hybrid import GraniteMoeHybridModel
 from engine.models.mtp_head import MultiTokenPredictionHead
+from engine.speculative.checks import check_mtp_head
+from engine.speculative.scheduling import greedy_accept
 from engine.step_io import DraftProposal, ScheduledChunk
+
+if TYPE_CHECKING:
+    from engine.worker import RowRef
 
 
 def attach_head(model, config: EngineConfig) -> MultiTokenPredictionHead | None:
     """The head the MTP drafter runs, when config drafts with mtp (None otherwise): the model's
     own (Qwen3-Next's mtp.*), or a random one from random_mtp_head_seed, attached to the model
-    as model.mtp. ValueError naming the key: no head, a random head asked of a model that has
-    one or of a family that builds none, more than one MTP layer."""
+    as model.mtp. ValueError naming the key where there is none to run
+    (engine/speculative/checks.py check_mtp_head, also run at deploy time)."""
     if not (config.num_speculative_tokens and config.speculative_drafter == "mtp"):
         return None
+    check_mtp_head(config, model.config)
     if config.random_mtp_head_seed is not None:
-        if model.mtp is not None:
-            raise ValueError("random_mtp_head_seed: this model has its own MTP head (mtp.* weights); unset it")
-        if not isinstance(model, GraniteMoeHybridModel):
-            raise ValueError("random_mtp_head_seed: random MTP heads are built for GraniteMoeHybrid models only")
         model.mtp = model.random_mtp_head(config.random_mtp_head_seed)
-    if model.mtp is None:
-        raise ValueError(
-            "speculative_drafter mtp: this model has no multi-token-prediction head (no mtp.* "
-            "weights); use speculative_drafter ngram (or random_mtp_head_seed for benchmarks)")
-    if len(model.mtp.layers) != 1:
-        raise ValueError(f"speculative_drafter mtp runs one MTP layer; this model has {len(model.mtp.layers)}")
     return model.mtp
 
 
@@ -117,6 +114,52 @@ class MtpDrafter:
         if chunks:
             batch, _ = self.eager.inputs(chunks, sampled)
             self._run(batch, torch.cat(rows))
+
+    @staticmethod
+    def rows_before(
+        computed: list[ScheduledChunk], restored: Mapping[str, RowRef], last: Mapping[str, RowRef],
+    ) -> dict[str, torch.Tensor]:
+        """extend's `previous`: the hidden row (D,) before each computed chunk that does not
+        start at 0, the one restored this step (in `restored`), else the request's last (in
+        `last`, a commit's included), copied before the forward may overwrite it (h_{s-1}).
+        RuntimeError for a chunk with neither."""
+        rows = {}
+        for chunk in computed:
+            if chunk.start_position:
+                ref = restored.get(chunk.request_id) or last.get(chunk.request_id)
+                if ref is None:
+                    raise RuntimeError(f"{chunk.request_id}: no hidden row before position {chunk.start_position}")
+                rows[chunk.request_id] = ref.kept().row()
+        return rows
+
+    @staticmethod
+    def starts(
+        chunks: Sequence[ScheduledChunk], computed: list[ScheduledChunk], forward: RouteOutput | None,
+        last_hidden: Mapping[str, RowRef], tokens: torch.Tensor, sampled_rows: Mapping[str, int],
+        verified: Mapping[str, torch.Tensor],
+    ) -> list[DraftStart]:
+        """propose's starts for each of the step's `chunks` with propose_drafts: after the token
+        it sampled (tokens (n,): the step's, row sampled_rows[request id]; the hidden row before
+        it last_hidden's), or after a verification chunk's bonus token (verified: its argmax at
+        each position (k + 1,), on the device), which follows the drafts the greedy rule
+        accepts (the scheduler keeps those too, unless a stop ends the request). computed:
+        the step's chunks in forward's row order."""
+        computed_row = {chunk.request_id: i for i, chunk in enumerate(computed)}
+        starts = []
+        for chunk in chunks:
+            if not (chunk.propose_drafts and chunk.sample):
+                continue
+            if chunk.num_draft_tokens:
+                argmax = verified[chunk.request_id]  # (k + 1,)
+                accepted = greedy_accept(chunk.token_ids[1:], argmax.tolist())
+                last = forward.last_rows[computed_row[chunk.request_id]]
+                hidden = forward.hidden[last + 1 - len(chunk.token_ids) + accepted]  # the bonus token's h_{e-1}
+                starts.append(DraftStart(chunk, chunk.start_position + accepted + 1, argmax[accepted], hidden))
+            else:
+                position = chunk.start_position + len(chunk.token_ids)
+                token = tokens[sampled_rows[chunk.request_id]]
+                starts.append(DraftStart(chunk, position, token, last_hidden[chunk.request_id].row()))
+        return starts
 
     def propose(self, starts: Sequence[DraftStart]) -> dict[str, DraftProposal]:
         """num_drafts draft tokens for each start (step 2 of the module doc), one depth at a
