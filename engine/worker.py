@@ -7,8 +7,11 @@ collect. It knows nothing of queues or requests beyond the SchedulerOutputs it i
 the tokens its previous step sampled (which a PENDING_TOKEN stands for).
 
 A step's forward pass runs through the first of its forward routes that accepts the step
-(engine/forward_routes.py: the decode and prefill CUDA graphs, the capturing pass, the eager
-pass), each of which builds its own inputs. The worker keeps what outlives a step: the caches,
+(with speculation on, the verification graphs and pass of engine/speculative/; then
+engine/forward_routes.py's decode and prefill CUDA graphs, the capturing pass, the eager
+pass), each of which builds its own inputs. With the MTP drafter (engine/speculative/mtp.py)
+the worker also runs the model's MTP head after the forward and proposes drafts after
+sampling. The worker keeps what outlives a step: the caches,
 the checkpoints (CheckpointStore), every request's last hidden row (RowRef), the sampled
 tokens and the steps in flight.
 """
@@ -139,8 +142,9 @@ class Worker:
             device=self.device,
             drafter_layers=drafter_kv_layers(config, self.model_config),
         )
-        # The forward routes, in the order submit() tries them (_routes): the graphs where
-        # captured (None otherwise), the capturing pass, the eager pass.
+        # The forward routes, in the order submit() tries them (_routes): the verification
+        # graphs and pass and the decode and prefill graphs where they exist (None otherwise),
+        # the capturing pass, the eager pass.
         self.decode_graphs = self.prefill_graphs = None
         if graphs:
             scratch = GraphScratch(
@@ -216,11 +220,13 @@ class Worker:
     @torch.inference_mode()
     def submit(self, scheduler_output: SchedulerOutput) -> None:
         """Launch one step, in this order: free dropped bundles, commit kept verified positions
-        (CommitOp), take captures (from what the previous step left), restore bundles into new requests, forward every chunk that has
-        tokens (through the first route that accepts them), sample where asked; start copying
-        the sampled tokens to the host and return without waiting for the device. collect()
-        returns the step's output (sampled tokens, this rank's capture confirmations); steps
-        are collected in the order submitted, and at most two may be in flight.
+        (CommitOp), take captures (from what the previous step left), restore bundles into new
+        requests, forward every chunk that has tokens (through the first route that accepts
+        them; the MTP head's K/V after it), sample where asked (then the MTP drafter's
+        proposals, RunnerOutput.draft_proposals); start copying the sampled tokens to the host
+        and return without waiting for the device. collect() returns the step's output
+        (sampled tokens, this rank's capture confirmations); steps are collected in the order
+        submitted, and at most two may be in flight.
 
         A verification chunk (num_draft_tokens) is not sampled: the argmax at each of its
         positions comes back in RunnerOutput.verified_token_ids.

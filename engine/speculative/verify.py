@@ -11,8 +11,10 @@ state after position i into scratch slot i of the request (VerificationScratch.s
 the scheduler has settled the chunk, a CommitOp copies the kept position's scratch slot into
 the request's own slot and makes that position's hidden row the request's last one.
 
-CPU (PyTorch) path only for now: EngineConfig refuses speculation on CUDA, and the Worker
-refuses a model with a layer kind outside VERIFIABLE_LAYER_KINDS (check_verifiable).
+This module is the PyTorch path (VerifyPass, the worker's route off CUDA); on one CUDA device
+the worker takes engine/speculative/verify_gpu.py's route and verify_graphs.py's graphs
+instead. The Worker refuses a model with a layer kind outside VERIFIABLE_LAYER_KINDS
+(check_verifiable).
 """
 
 from __future__ import annotations

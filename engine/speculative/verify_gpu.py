@@ -40,8 +40,8 @@ position i are a prefix (VerificationIndex.active).
 Every index is built on the host (verification_index, pure numpy, tested on the CPU) and
 copied with the plan; the forward does not wait for the device. A step of verification
 chunks only replays a CUDA graph instead (verify_graphs.py, the same mixer path over static
-buffers); this route takes the others. In-pass captures are off when
-speculation is on (cache_capacity.size_caches): a step with one is refused here.
+buffers); this route takes the others. In-pass captures are off when speculation is on (the
+Worker turns CacheCapacity.in_pass_capture off): a step with one is refused here.
 Gated delta-net models are refused on CUDA (no GPU verification for its mixer yet).
 """
 
