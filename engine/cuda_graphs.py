@@ -33,7 +33,8 @@ Shapes: Bmax the largest captured size, M block-table width, D hidden size, V vo
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from collections.abc import Callable, Iterable
+from typing import Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -43,6 +44,33 @@ from engine.forward_routes import GraphScratch, RouteOutput, SampledTokens
 from engine.kernels.gpu.batch_plan import decode_only_plan
 from engine.request import PENDING_TOKEN
 from engine.step_io import CaptureOp, ScheduledChunk
+
+
+Output = TypeVar("Output")
+
+
+def capture_by_size(
+    sizes: Iterable[int], warm_up: Callable[[int], object], captured: Callable[[int], Output],
+) -> tuple[dict[int, torch.cuda.CUDAGraph], dict[int, Output]]:
+    """One CUDA graph per size, in the order given (largest first, so the smaller ones fit in
+    the memory the first one took), all in one memory pool: warm_up(size) runs eagerly first
+    (Triton JIT and autotuning, cuBLAS handles; it stages its own inputs), the device is
+    synchronised, then captured(size) is recorded. Returns the graphs and what captured(size)
+    returned (its outputs, in the pool), by size; inference mode throughout. The decode,
+    prefill and verification graph runners capture through it."""
+    pool = torch.cuda.graph_pool_handle()
+    graphs: dict[int, torch.cuda.CUDAGraph] = {}
+    outputs: dict[int, Output] = {}
+    with torch.inference_mode():
+        for size in sizes:
+            warm_up(size)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                outputs[size] = captured(size)
+            graphs[size] = graph
+    torch.cuda.synchronize()
+    return graphs, outputs
 
 
 def decode_batch_sizes(max_batch: int) -> tuple[int, ...]:
@@ -201,7 +229,6 @@ class DecodeGraphRunner:
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # size -> ((b, D) hidden, (b, V) fp32 logits, (b,) int64 argmax), in the graph pool
         self._outputs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        self._pool = None
         self.replays = 0  # decode steps served by a graph (for tests and benchmarks)
         self.capture_seconds = 0.0  # wall time of capture(), warm-up runs included
 
@@ -230,16 +257,7 @@ class DecodeGraphRunner:
         self._stagings[0].fill_padding(0, self.max_batch)
         self._inputs.copy_(self._hosts[0])
         torch.cuda.synchronize()
-        self._pool = torch.cuda.graph_pool_handle()
-        with torch.inference_mode():
-            for size in reversed(self.batch_sizes):
-                self._forward(size)  # warm-up outside the graph
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self._pool):
-                    self._outputs[size] = self._forward(size)
-                self._graphs[size] = graph
-        torch.cuda.synchronize()
+        self._graphs, self._outputs = capture_by_size(reversed(self.batch_sizes), self._forward, self._forward)
         self.capture_seconds = time.perf_counter() - started
 
     def _views(self, size: int) -> tuple[torch.Tensor, ...]:

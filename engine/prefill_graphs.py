@@ -31,6 +31,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from engine.cuda_graphs import capture_by_size
 from engine.forward_batch import ForwardBatch, ModelCaches
 from engine.forward_routes import GraphScratch, RouteOutput, SampledTokens
 from engine.kernels.gpu.batch_plan import single_prefill_plan
@@ -107,20 +108,18 @@ class PrefillGraphRunner:
         """Capture every size, largest first, into one memory pool, each run eagerly once first
         (Triton JIT and autotuning) on padding only, which writes only the scratch slot and block."""
         started = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
-        with torch.inference_mode():
-            for size in reversed(self.sizes):
-                self._fill(None, size)
-                self._inputs.copy_(self._host)
-                self._forward(size)
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    # from pinned memory: a copy node that reads the host buffer at each replay
-                    self._inputs.copy_(self._host, non_blocking=True)
-                    self._outputs[size] = self._forward(size)
-                self._graphs[size] = graph
-        torch.cuda.synchronize()
+
+        def warm_up(size: int) -> None:
+            self._fill(None, size)
+            self._inputs.copy_(self._host)
+            self._forward(size)
+
+        def captured(size: int) -> torch.Tensor:
+            # from pinned memory: a copy node that reads the host buffer at each replay
+            self._inputs.copy_(self._host, non_blocking=True)
+            return self._forward(size)
+
+        self._graphs, self._outputs = capture_by_size(reversed(self.sizes), warm_up, captured)
         self.capture_seconds = time.perf_counter() - started
 
     def _forward(self, size: int) -> torch.Tensor:

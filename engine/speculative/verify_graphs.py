@@ -34,6 +34,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from engine.cuda_graphs import capture_by_size
 from engine.forward_batch import ForwardBatch, ModelCaches
 from engine.forward_routes import GraphScratch, RouteOutput, SampledTokens
 from engine.kernels.gpu.batch_plan import verification_only_plan
@@ -158,19 +159,14 @@ class VerifyGraphRunner:
         """Capture every size, largest first, into one pool; each runs once eagerly first
         (Triton JIT) over padding only, which writes only the graph scratch slot and block."""
         started = time.perf_counter()
-        self._pool = torch.cuda.graph_pool_handle()
-        with torch.inference_mode():
-            for size in reversed(self.batch_sizes):
-                staging = self._stagings[size]
-                staging.stage(())
-                self._inputs[size].copy_(torch.from_numpy(staging.buffer))
-                self.forward_static(size)
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self._pool):
-                    self._outputs[size] = self.forward_static(size)
-                self._graphs[size] = graph
-        torch.cuda.synchronize()
+
+        def warm_up(size: int) -> None:
+            staging = self._stagings[size]
+            staging.stage(())
+            self._inputs[size].copy_(torch.from_numpy(staging.buffer))
+            self.forward_static(size)
+
+        self._graphs, self._outputs = capture_by_size(reversed(self.batch_sizes), warm_up, self.forward_static)
         self.capture_seconds = time.perf_counter() - started
 
     def forward_static(self, size: int) -> torch.Tensor:
