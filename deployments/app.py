@@ -25,6 +25,7 @@ from deployments.llm_server import LLMServer
 from deployments.renderer import Renderer
 from engine.cache_capacity import check_cache_budgets
 from engine.models.registry import load_model_config
+from engine.speculative.checks import check_speculation
 
 
 # Requests an ingress replica takes beyond max_requests_in_flight: /health, /metrics, /v1/models
@@ -36,11 +37,14 @@ def check_engine_config(config: AppConfig) -> None:
     """Raise ValueError, naming the key, for an engine configuration the workers would refuse
     when they start: a model_dir without config.json, a model family this engine does not
     run (engine/models/registry.py), a config key it refuses, head counts that cannot be split (or
-    replicated) tensor_parallel_size ways, max_model_len beyond the model's context, or cache
-    budgets that cannot hold one request (engine/cache_capacity.py). Without this check Serve
+    replicated) tensor_parallel_size ways, max_model_len beyond the model's context, cache
+    budgets that cannot hold one request (engine/cache_capacity.py), or speculative decoding
+    the model cannot run (engine/speculative/checks.py). Without this check Serve
     would restart the failing replica again and again and the deploy would never finish."""
     try:
-        check_cache_budgets(config.engine, load_model_config(config.engine.model_dir))
+        model_config = load_model_config(config.engine.model_dir)
+        check_cache_budgets(config.engine, model_config)
+        check_speculation(config.engine, model_config)
     except FileNotFoundError as exc:
         raise ValueError(f"invalid hybrid-serve app args: engine.model_dir: {exc}") from None
     except ValueError as exc:

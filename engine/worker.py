@@ -37,7 +37,8 @@ from engine.host_index import int64_array, to_device
 from engine.loader import load_model
 from engine.sampler import Sampler
 from engine.speculative.mtp import MtpDrafter, attach_head
-from engine.speculative.verify import VerificationScratch, VerifyPass, check_verifiable, verify_greedy
+from engine.speculative.checks import check_speculation
+from engine.speculative.verify import VerificationScratch, VerifyPass, verify_greedy
 from engine.speculative.verify_gpu import GpuVerifyPass
 from engine.speculative.verify_graphs import VerifyGraphRunner, verify_graph_sizes
 from engine.token_readback import PendingTokens, TokenReadback
@@ -123,7 +124,7 @@ class Worker:
         # the states of a verification chunk's positions, past the others.
         k = config.num_speculative_tokens
         if k:
-            check_verifiable(self.model_config.layer_types)
+            check_speculation(config, self.model_config)
             # no in-pass captures beside verification chunks (engine/speculative/verify_gpu.py):
             # with speculation on, a capture ends its prefill chunk
             self.capacity = replace(self.capacity, in_pass_capture=False)

@@ -108,3 +108,13 @@ def test_check_config_exits_with_the_refusal_before_serve_run(tmp_path):
     assert accepted.returncode == 0, accepted.stderr
     assert "hybrid-serve" in accepted.stdout
 
+
+
+def test_speculation_the_model_cannot_run_fails_the_build_naming_the_key():
+    """The mtp drafter on the embedded model (no mtp.* weights) is refused when the app is
+    built, as the worker would refuse it when it starts (engine/speculative/checks.py); with a
+    random head for benchmarks, or the n-gram drafter, the build goes through."""
+    with pytest.raises(ValueError, match="speculative_drafter mtp: this model has no multi-token-prediction head"):
+        build_app({"engine": {"num_speculative_tokens": 3, "speculative_drafter": "mtp"}})
+    build_app({"engine": {"num_speculative_tokens": 3, "speculative_drafter": "mtp", "random_mtp_head_seed": 1}})
+    build_app({"engine": {"num_speculative_tokens": 3, "speculative_drafter": "ngram"}})

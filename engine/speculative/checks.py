@@ -1,0 +1,51 @@
+"""Whether a configuration's speculative decoding can run on a model, decided from the parsed
+config.json alone: what the worker refuses when it starts (engine/worker.py), callable at deploy
+time (deployments/app.py check_engine_config), so that Serve never restarts a replica that can
+only fail. Config-only refusals (k out of range, tensor_parallel_size > 1, mtp on CUDA) are
+EngineConfig's own.
+"""
+
+from __future__ import annotations
+
+from engine.config import EngineConfig
+from engine.model_config import HybridModelConfig
+from engine.models import bamba, granite_moe_hybrid
+from engine.speculative.verify import check_verifiable
+from engine.speculative.verify_gpu import check_verifiable_on_gpu
+
+# The families random_mtp_head_seed builds a random MTP head for: those whose model is
+# GraniteMoeHybridModel (its random_mtp_head).
+RANDOM_MTP_HEAD_FAMILIES = (granite_moe_hybrid.MODEL_TYPE, bamba.MODEL_TYPE)
+
+
+def check_speculation(config: EngineConfig, model_config: HybridModelConfig) -> None:
+    """ValueError naming the key when config's speculative decoding cannot run on this model:
+    a layer kind that cannot verify drafts (on CUDA: that the CUDA route cannot), or the mtp
+    drafter without exactly one MTP layer to run. Nothing to check with speculation off."""
+    if not config.num_speculative_tokens:
+        return
+    check_verifiable(model_config.layer_types)
+    if config.device.startswith("cuda"):
+        check_verifiable_on_gpu(model_config.layer_types)
+    if config.speculative_drafter == "mtp":
+        check_mtp_head(config, model_config)
+
+
+def check_mtp_head(config: EngineConfig, model_config: HybridModelConfig) -> None:
+    """ValueError naming the key unless the mtp drafter has one MTP layer to run: the
+    checkpoint's own (mtp.* weights), or a random head from random_mtp_head_seed on a family
+    that builds one and has none of its own."""
+    own_layers = model_config.num_mtp_layers
+    if config.random_mtp_head_seed is not None:
+        if own_layers:
+            raise ValueError("random_mtp_head_seed: this model has its own MTP head (mtp.* weights); unset it")
+        if model_config.model_type not in RANDOM_MTP_HEAD_FAMILIES:
+            raise ValueError("random_mtp_head_seed: random MTP heads are built for GraniteMoeHybrid and "
+                             f"Bamba models only, not {model_config.model_type}")
+        return
+    if not own_layers:
+        raise ValueError(
+            "speculative_drafter mtp: this model has no multi-token-prediction head (no mtp.* "
+            "weights); use speculative_drafter ngram (or random_mtp_head_seed for benchmarks)")
+    if own_layers != 1:
+        raise ValueError(f"speculative_drafter mtp runs one MTP layer; this model has {own_layers}")
