@@ -6,6 +6,9 @@ copy to pageable memory, an .item(), a stream synchronise."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -42,16 +45,24 @@ def _chunk(request: int, num_tokens: int, start: int = 0) -> ScheduledChunk:
     )
 
 
+@contextlib.contextmanager
+def sync_is_an_error() -> Iterator[None]:
+    """Within the block, every call that synchronises the host with the device raises (sync
+    debug mode "error"); back to "default" after it."""
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def _submit_without_waiting(worker, step: SchedulerOutput):
     """Run the step once to warm up, then again with every synchronising call an error; the
     second run's output."""
     worker.execute(step)
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with sync_is_an_error():
         worker.submit(step)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     return worker.collect()
 
 

@@ -23,6 +23,7 @@ libdevice.log1p, which Triton's interpreter does not emulate: every test here ne
 
 from __future__ import annotations
 
+import contextlib
 import random
 from dataclasses import replace
 
@@ -219,6 +220,7 @@ def test_verification_steps_do_not_wait(route):
     decode chunk (eager route) submit without a host synchronisation (tests/gpu/test_host_sync.py's
     check: the second submit under sync debug mode "error"), and the commit of the step after."""
     from engine.worker import Worker
+    from tests.gpu.test_host_sync import sync_is_an_error
 
     worker = Worker(EngineConfig(device="cuda", num_speculative_tokens=K))
     blocks = {0: (0, 1, 2), 1: (3, 4, 5)}
@@ -236,19 +238,12 @@ def test_verification_steps_do_not_wait(route):
     for run in range(2):
         worker.execute(step)
         torch.cuda.synchronize()
-        if run:
-            torch.cuda.set_sync_debug_mode("error")
-        try:
+        with sync_is_an_error() if run else contextlib.nullcontext():
             worker.submit(commit)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
         worker.collect()
         torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
+        with sync_is_an_error():
             worker.submit(step)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
         out = worker.collect()
         assert len(out.verified_token_ids["r0"]) == 5
     assert (worker.verify_graphs.replays > replays) == (route == "graph")
