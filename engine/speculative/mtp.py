@@ -21,9 +21,9 @@ Per step, on the PyTorch path:
 2. `propose`, after sampling (`starts` says where): for each chunk with propose_drafts, from
    the position e after its last kept one (a verification chunk: the greedy rule's accepted
    drafts and the bonus token), the k draft rows (t_e, h_{e-1}) -> d1, (d1, h'_e) -> d2, ...,
-   each depth one row per request. Draft rows write their K/V into the request's scratch blocks (allocated past the
-   scheduler's, per state slot), which hold a copy of the partial block before e: the paged
-   cache past the kept positions is never written by drafting.
+   each depth one row per request. Draft rows write their K/V into the request's scratch
+   blocks (allocated past the scheduler's, per state slot), which hold a copy of the partial
+   block before e: the paged cache past the kept positions is never written by drafting.
 """
 
 from __future__ import annotations
