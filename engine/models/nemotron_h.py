@@ -3,8 +3,8 @@ squared-ReLU MLP or a MoE block (routed squared-ReLU experts plus a shared exper
 engine/models/nemotron_h_moe.py), with its own pre-norm and residual (no MLP after a mixer).
 
 Numerically the same model as transformers' NemotronHForCausalLM (Nemotron-H and the
-Nemotron-3 MoE models alike), run over a ForwardBatch of chunks from many requests like GraniteMoeHybridModel, whose
-docstrings state the HybridModel contracts this module keeps. The Mamba2 mixer's gated norm
+Nemotron-3 MoE models alike), run over a ForwardBatch of chunks from many requests like
+GraniteMoeHybridModel, whose docstrings state the HybridModel contracts this module keeps. The Mamba2 mixer's gated norm
 is grouped (n_groups groups of I / n_groups channels, GroupParallelGatedRMSNorm), attention
 has no positional embedding and the softmax scale 1/sqrt(head_dim).
 
