@@ -54,6 +54,7 @@ from engine.shard_layout import RankShardLayout
 from engine.tensor_parallel import TensorParallel
 
 MODEL_TYPE = "falcon_h1"
+MAMBA_D_SSM_DEFAULT = 1024  # transformers' FalconH1Config.mamba_d_ssm
 
 
 def parse_config(raw: dict[str, Any]) -> HybridModelConfig:
@@ -63,7 +64,9 @@ def parse_config(raw: dict[str, Any]) -> HybridModelConfig:
     hidden_size, num_layers, head_dim = (
         attention["hidden_size"], attention["num_hidden_layers"], attention["head_dim"]
     )
-    mamba = mamba_fields(raw, hidden_size, inner_size_key="mamba_d_ssm")
+    # as transformers' FalconH1Config: a config.json without mamba_d_ssm gets its default
+    # (1024); only an explicit null means mamba_expand * hidden_size
+    mamba = mamba_fields({"mamba_d_ssm": MAMBA_D_SSM_DEFAULT, **raw}, hidden_size, inner_size_key="mamba_d_ssm")
     ssm_multipliers = _multipliers(raw, "ssm_multipliers", 5)
     gate_multiplier, down_multiplier = _multipliers(raw, "mlp_multipliers", 2)
     lm_head_multiplier = _multiplier(raw, "lm_head_multiplier")

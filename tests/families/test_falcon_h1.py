@@ -197,10 +197,15 @@ def test_spellings():
     assert config.mamba_gated_norm == MAMBA_GATE_ONLY and config.partial_rotary_factor == 1.0
     listed = parse_model_config(_raw(rope_theta=None, rope_parameters={"rope_type": "default", "rope_theta": 1e11}))
     assert listed == config
-    defaults = parse_model_config(_raw(mlp_multipliers=None, ssm_multipliers=None, key_multiplier=None,
-                                       lm_head_multiplier=None, mamba_d_ssm=None, mamba_d_head=None))
+    missing = _raw(mlp_multipliers=None, ssm_multipliers=None, key_multiplier=None,
+                   lm_head_multiplier=None, mamba_d_ssm=None, mamba_d_head=None)
+    defaults = parse_model_config(missing)
     assert defaults.mamba_projection_multipliers == (1.0,) * 5 and defaults.logits_scaling == 1.0
-    assert defaults.mamba_intermediate_size == 128  # mamba_expand (2) * hidden_size
+    # as transformers: a config.json without mamba_d_ssm gets FalconH1Config's default, an
+    # explicit null mamba_expand * hidden_size
+    assert defaults.mamba_intermediate_size == 1024 == FalconH1Config().mamba_d_ssm
+    null = parse_model_config(dict(missing, mamba_d_ssm=None))
+    assert null.mamba_intermediate_size == 128  # mamba_expand (2) * hidden_size
 
 
 @pytest.mark.parametrize("changes, key", [

@@ -84,10 +84,10 @@ def test_nemotron_3_nano_refuses_a_tensor_parallel_size_its_heads_do_not_divide(
 
 
 def test_falcon_h1_05b_copy_without_mamba_d_ssm_is_refused_naming_the_key():
-    """The copy found (README.md) has no mamba_d_ssm; its 24 Mamba heads of 64 channels (1536)
-    are not mamba_expand * hidden_size (2048), the width an absent mamba_d_ssm implies, and
-    transformers' own default (1024) fits neither: the engine refuses, naming the key."""
+    """The copy found (README.md) has no mamba_d_ssm, so it takes transformers' default (1024),
+    which its 24 Mamba heads of 64 channels (1536) do not fill: the engine refuses, naming the
+    key (the published file most likely sets mamba_d_ssm; the copy is incomplete)."""
     raw = _raw(FALCON_H1_05B)
     assert "mamba_d_ssm" not in raw
-    with pytest.raises(ValueError, match=r"mamba_d_head=64 \* mamba_n_heads=24 must equal mamba_d_ssm = 2048"):
+    with pytest.raises(ValueError, match=r"mamba_d_head=64 \* mamba_n_heads=24 must equal mamba_d_ssm = 1024"):
         parse_model_config(raw)
