@@ -16,16 +16,14 @@ saved with save_pretrained ("backbone." names) and loaded by the engine's loader
 
 from __future__ import annotations
 
-import json
 import math
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import NemotronHConfig, NemotronHForCausalLM
 
-from engine.config import DEFAULT_MODEL_DIR, EngineConfig
+from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model_config import ATTENTION, MAMBA, MLP
 from engine.models.nemotron_h import NemotronHModel
@@ -42,6 +40,7 @@ from hf_reference_checks import (
     check_odd_chunks,
     check_one_chunk,
     rel_err,
+    save_engine_model,
     save_reference as save_hf_reference,
     without_none,
 )
@@ -130,18 +129,8 @@ def test_32_greedy_tokens_match_generate(case: Case):
 
 @pytest.fixture(scope="module")
 def engine_model_dir(tmp_path_factory) -> Path:
-    """A saved random Nemotron-H with the embedded model's tokenizer (vocabulary sized to it)."""
-    directory = tmp_path_factory.mktemp("nemotron_h_engine")
-    embedded = json.loads((DEFAULT_MODEL_DIR / "config.json").read_text())
-    save_reference(
-        dict(BASE, vocab_size=embedded["vocab_size"], max_position_embeddings=1024,
-             eos_token_id=embedded.get("eos_token_id"), pad_token_id=embedded.get("pad_token_id")),
-        directory,
-    )
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
-        if (DEFAULT_MODEL_DIR / name).exists():
-            shutil.copy(DEFAULT_MODEL_DIR / name, directory / name)
-    return directory
+    """BASE saved with the embedded model's vocabulary and tokenizer (save_engine_model)."""
+    return save_engine_model(NemotronHConfig, NemotronHForCausalLM, without_none(BASE), tmp_path_factory.mktemp("nemotron_h_engine"))
 
 
 @pytest.fixture(scope="module")

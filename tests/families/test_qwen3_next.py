@@ -33,7 +33,7 @@ from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextSparseMo
 
 from engine.cache_capacity import recurrent_state_shape
 from engine.checkpoint_import_checks import expected_shard_layout
-from engine.config import DEFAULT_MODEL_DIR, EngineConfig
+from engine.config import EngineConfig
 from engine.kernels.gated_delta_rule_reference import (
     chunk_gated_delta_rule, gated_delta_rule_step, l2_normalize,
 )
@@ -56,6 +56,7 @@ from hf_reference_checks import (
     check_odd_chunks,
     check_one_chunk,
     rel_err,
+    save_engine_model,
     save_reference as save_hf_reference,
     without_none,
 )
@@ -285,18 +286,8 @@ def test_mtp_tensors_load_into_model_mtp(case: Case, tmp_path):
 
 @pytest.fixture(scope="module")
 def engine_model_dir(tmp_path_factory) -> Path:
-    """A saved random Qwen3-Next with the embedded model's tokenizer (vocabulary sized to it)."""
-    directory = tmp_path_factory.mktemp("qwen3_next_engine")
-    embedded = json.loads((DEFAULT_MODEL_DIR / "config.json").read_text())
-    save_reference(
-        dict(BASE, vocab_size=embedded["vocab_size"], max_position_embeddings=1024,
-             eos_token_id=embedded.get("eos_token_id"), pad_token_id=embedded.get("pad_token_id")),
-        directory,
-    )
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
-        if (DEFAULT_MODEL_DIR / name).exists():
-            shutil.copy(DEFAULT_MODEL_DIR / name, directory / name)
-    return directory
+    """BASE saved with the embedded model's vocabulary and tokenizer (save_engine_model)."""
+    return save_engine_model(Qwen3NextConfig, Qwen3NextForCausalLM, without_none(BASE), tmp_path_factory.mktemp("qwen3_next_engine"))
 
 
 @pytest.fixture(scope="module")
