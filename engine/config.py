@@ -74,8 +74,7 @@ class EngineConfig:
     speculative_drafter: str = _option("ngram", "Where draft tokens come from when "
                                        "num_speculative_tokens > 0: ngram (prompt lookup, no "
                                        "extra weights) or mtp (the model's multi-token-"
-                                       "prediction head, e.g. Qwen3-Next's mtp.* weights; CPU "
-                                       "path only for now).")
+                                       "prediction head, e.g. Qwen3-Next's mtp.* weights).")
     random_mtp_head_seed: int | None = _option(None, "Benchmarks and tests only: attach a random "
                                                "MTP head drawn from this seed to a model whose "
                                                "checkpoint has none (GraniteMoeHybrid), for "
@@ -132,8 +131,5 @@ class EngineConfig:
                              f"not {self.speculative_drafter!r}; unset it or set the drafter to mtp")
         if k == 0:
             return
-        if self.speculative_drafter == "mtp" and self.device != "cpu":
-            raise ValueError(f"speculative_drafter mtp runs on the CPU path only for now (device "
-                             f"{self.device!r}); use ngram or set num_speculative_tokens to 0")
         if self.tensor_parallel_size != 1:
             raise ValueError("num_speculative_tokens > 0 needs tensor_parallel_size 1 for now")

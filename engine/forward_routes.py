@@ -122,14 +122,22 @@ class EagerPass:
         self, chunks: list[ScheduledChunk], sampled: SampledTokens
     ) -> tuple[ForwardBatch, GpuBatchPlan | None]:
         """The step's ForwardBatch, pending tokens fed, and its plan (None off CUDA)."""
+        batch = self.batch(chunks, sampled)
+        return batch, self.plan(batch)
+
+    def batch(self, chunks: list[ScheduledChunk], sampled: SampledTokens) -> ForwardBatch:
+        """The ForwardBatch of `chunks`, each pending token fed from `sampled` on the device."""
         batch = build_forward_batch(chunks, self.caches.block_size, self.device)
         _feed_pending_tokens(batch, chunks, sampled)
+        return batch
+
+    def plan(self, batch: ForwardBatch) -> GpuBatchPlan | None:
+        """`batch`'s GpuBatchPlan on CUDA (one host-to-device copy), None off CUDA."""
         if self.device.type != "cuda":
-            return batch, None
-        plan = build_gpu_batch_plan(
+            return None
+        return build_gpu_batch_plan(
             batch, self.caches.block_size, self.device, fold_gated_norm=self.fold_gated_norm
         )
-        return batch, plan
 
 
 class CapturingPass(EagerPass):

@@ -36,7 +36,7 @@ from engine.forward_routes import (
 from engine.host_index import int64_array, to_device
 from engine.loader import load_model
 from engine.sampler import Sampler
-from engine.speculative.mtp import MtpDrafter, attach_head
+from engine.speculative.mtp import MtpDrafter, PendingDrafts, attach_head
 from engine.speculative.checks import check_speculation
 from engine.speculative.verify import VerificationScratch, VerifyPass, verify_greedy
 from engine.speculative.verify_gpu import GpuVerifyPass
@@ -215,6 +215,8 @@ class Worker:
         # rows asked for (return_logits, a pause position): copied on the device at submit
         output.logits = {rid: row.cpu() for rid, row in output.logits.items()}
         output.hidden_rows = {rid: row.cpu() for rid, row in output.hidden_rows.items()}
+        if step.drafts is not None:  # computed before the tokens' copy started: done by now
+            output.draft_proposals = step.drafts.read()
         output.worker_seconds += time.perf_counter() - started
         return output
 
@@ -224,8 +226,10 @@ class Worker:
         (CommitOp), take captures (from what the previous step left), restore bundles into new
         requests, forward every chunk that has tokens (through the first route that accepts
         them; the MTP head's K/V after it), sample where asked (then the MTP drafter's
-        proposals, RunnerOutput.draft_proposals); start copying the sampled tokens to the host
-        and return without waiting for the device. collect() returns the step's output
+        proposals, RunnerOutput.draft_proposals, left on the device until collect); start
+        copying the sampled tokens to the host and return without waiting for the device, but
+        where the MTP drafter follows a verification chunk: where its drafts start depends on
+        how many the chunk accepted, read from the device first. collect() returns the step's output
         (sampled tokens, this rank's capture confirmations); steps are collected in the order
         submitted, and at most two may be in flight.
 
@@ -292,14 +296,15 @@ class Worker:
             tokens = self._sample(sampled, logits, argmax, output)
             store_sampled(self._sampled, tokens)
         self._sampled_rows = {chunk.request_id: i for i, chunk in enumerate(sampled)}
+        drafts = None
         if self.drafter is not None:
             starts = self.drafter.starts(
                 scheduler_output.chunks, computed, forward, last_hidden, tokens, self._sampled_rows,
                 output.verified_token_ids,
             )
-            output.draft_proposals = self.drafter.propose(starts)
+            drafts = self.drafter.propose(starts)
         self._in_flight.append(_SubmittedStep(
-            output, [chunk.request_id for chunk in sampled], self._token_readback.start(tokens)
+            output, [chunk.request_id for chunk in sampled], self._token_readback.start(tokens), drafts,
         ))
         output.worker_seconds = time.perf_counter() - started
 
@@ -386,9 +391,11 @@ class Worker:
 
 @dataclass
 class _SubmittedStep:
-    """A step submitted and not yet collected: its output but for the sampled tokens, the
-    request id of each sampled row, and their copy to the host."""
+    """A step submitted and not yet collected: its output but for the sampled tokens and the
+    MTP drafter's proposals, the request id of each sampled row, their copy to the host, and
+    the proposals on the device (None: none)."""
 
     output: RunnerOutput
     sampled_ids: list[str]
     tokens: PendingTokens
+    drafts: PendingDrafts | None = None

@@ -167,9 +167,15 @@ class DecoderLayer(nn.Module):
         batch: ForwardBatch,
         caches: ModelCaches,
         rope: tuple[torch.Tensor, torch.Tensor] | None,
+        gpu_plan: GpuBatchPlan | None = None,
     ) -> torch.Tensor:
-        """The PyTorch path (no plan): returns the new hidden (T, D); writes this layer's KV or
-        state slots in `caches`."""
+        """Returns the new hidden (T, D); writes this layer's KV or state slots in `caches`.
+        No plan: the PyTorch path. gpu_plan: forward_gpu's kernels for a layer run on its own
+        (the MTP head's, engine/models/mtp_head.py), its pending MLP output added here; the
+        model's own layers chain forward_gpu instead, each add fused into the next norm."""
+        if gpu_plan is not None:
+            hidden, pending = self.forward_gpu(hidden, None, batch, caches, rope, gpu_plan)
+            return hidden + pending * self.residual_multiplier
         i = self.layer_index
         mixer_in = self.input_layernorm(hidden)
         if self.self_attn is not None:

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from engine.forward_batch import ForwardBatch, ModelCaches
+from engine.kernels.gpu.batch_plan import GpuBatchPlan
 from engine.layers.norm import RMSNorm
 from engine.layers.parallel_linear import linear
 
@@ -56,11 +57,15 @@ class MultiTokenPredictionHead(nn.Module):
         batch: ForwardBatch,  # the rows' positions, KV write slots and chunks (first_key 1)
         caches: ModelCaches,
         rope: tuple[torch.Tensor, torch.Tensor] | None,  # (cos, sin) (T, rotary_dim); None: NoPE
+        gpu_plan: GpuBatchPlan | None = None,
     ) -> torch.Tensor:
-        """h' (T, D) after the head's norm. Writes layers[0]'s K/V at batch.slot_mapping."""
+        """h' (T, D) after the head's norm. Writes layers[0]'s K/V at batch.slot_mapping.
+        gpu_plan: the batch's plan on CUDA (its first_key 1), which the layer's attention and
+        MLP run their kernels over; None: the PyTorch path. The norms and fc are PyTorch ops
+        either way."""
         fused = torch.cat([self.pre_fc_norm_embedding(embedded), self.pre_fc_norm_hidden(previous_hidden)], dim=-1)
         hidden = linear(fused, self.fc.weight, None)  # (T, D)
-        return self.norm(self.layers[0](hidden, batch, caches, rope))
+        return self.norm(self.layers[0](hidden, batch, caches, rope, gpu_plan))
 
 
 def randomize(head: MultiTokenPredictionHead, seed: int) -> None:

@@ -60,6 +60,21 @@ def attach_head(model, config: EngineConfig) -> MultiTokenPredictionHead | None:
 
 
 @dataclass(frozen=True)
+class PendingDrafts:
+    """A step's proposals before they reach the host: request_ids[i]'s drafts tokens[i] (on
+    the device) follow its first follows[i] tokens."""
+
+    request_ids: tuple[str, ...]
+    follows: tuple[int, ...]
+    tokens: torch.Tensor  # (n, k) int64
+
+    def read(self) -> dict[str, DraftProposal]:
+        """The proposals on the host, by request id (waits for the device if it must)."""
+        return {rid: DraftProposal(follows, tuple(row))
+                for rid, follows, row in zip(self.request_ids, self.follows, self.tokens.tolist())}
+
+
+@dataclass(frozen=True)
 class DraftStart:
     """Where a request's drafts start: its chunk of this step, the position e of the token the
     first draft follows, that token (0-d int64 on the device) and the hidden row before it,
@@ -112,8 +127,7 @@ class MtpDrafter:
                 chunks.append(chunk)
                 rows.append(torch.cat([previous[chunk.request_id][None], own]))
         if chunks:
-            batch, _ = self.eager.inputs(chunks, sampled)
-            self._run(batch, torch.cat(rows))
+            self._run(self.eager.batch(chunks, sampled), torch.cat(rows))
 
     @staticmethod
     def rows_before(
@@ -161,12 +175,13 @@ class MtpDrafter:
                 starts.append(DraftStart(chunk, position, token, last_hidden[chunk.request_id].row()))
         return starts
 
-    def propose(self, starts: Sequence[DraftStart]) -> dict[str, DraftProposal]:
+    def propose(self, starts: Sequence[DraftStart]) -> PendingDrafts | None:
         """num_drafts draft tokens for each start (step 2 of the module doc), one depth at a
-        time for all of them; writes only the head's layer of their scratch blocks. Reads the
-        drafts back to the host (the PyTorch path: no device to wait for)."""
+        time for all of them; writes only the head's layer of their scratch blocks. The drafts
+        stay on the device (PendingDrafts.read takes them to the host once the step is done);
+        None without starts."""
         if not starts:
-            return {}
+            return None
         block_size = self.caches.block_size
         tables = [self._scratch_table(start, block_size) for start in starts]
         tokens = torch.stack([start.token for start in starts])  # (n,)
@@ -180,18 +195,18 @@ class MtpDrafter:
             hidden = self._run(replace(batch, input_ids=tokens), hidden)  # (n, D)
             tokens = torch.argmax(self.model.compute_logits(hidden), dim=-1)  # (n,)
             drafts.append(tokens)
-        proposed = torch.stack(drafts, dim=1).tolist()  # (n, k)
-        return {start.chunk.request_id: DraftProposal(start.position + 1, tuple(row))
-                for start, row in zip(starts, proposed)}
+        return PendingDrafts(tuple(start.chunk.request_id for start in starts),
+                             tuple(start.position + 1 for start in starts), torch.stack(drafts, dim=1))
 
     def _run(self, batch: ForwardBatch, previous_hidden: torch.Tensor) -> torch.Tensor:
         """The head over `batch` (its rows' tokens, positions and KV slots) with the hidden rows
-        before them (T, D): keys from position 1 on, RoPE at each row's position - 1. Returns
-        h' (T, D); writes the head layer's K/V."""
+        before them (T, D): keys from position 1 on, RoPE at each row's position - 1; on CUDA
+        through the batch's plan (the attention kernels' first_key). Returns h' (T, D); writes
+        the head layer's K/V."""
         batch = replace(batch, chunks=tuple(replace(chunk, first_key=1) for chunk in batch.chunks))
         rope = self.model.rotary(batch.positions - 1) if self.model.rotary is not None else None
         embedded = self.model.embed_tokens(batch.input_ids)
-        return self.head(embedded, previous_hidden, batch, self.caches, rope)
+        return self.head(embedded, previous_hidden, batch, self.caches, rope, self.eager.plan(batch))
 
     def _scratch_table(self, start: DraftStart, block_size: int) -> tuple[int, ...]:
         """The block table of start's draft rows: its own blocks before the one holding its
