@@ -1,11 +1,13 @@
-"""Speculative decoding on the GPU (issue 25): n-gram drafting against plain decoding on the
-1.5B random-weight configuration (benchmarks/roofline/model.py, bf16, the tiny model's
+"""Speculative decoding on the GPU (issue 25): n-gram and MTP drafting against plain decoding on
+the 1.5B random-weight configuration (benchmarks/roofline/model.py, bf16, the tiny model's
 tokenizer, vocabulary cut as bench_gpu.py cuts it), in one process (no Ray).
 
-  * decode tokens/s at batch 1 and 16, speculation off and on (num_speculative_tokens K),
-    through LLMEngine, on a workload that copies spans of its prompt: each prompt is P + C + P,
-    P a random span and C the spec-off engine's greedy continuation of P, so after the second
-    P the model may say C again, which the n-gram drafter proposes. Decode tokens/s counts the
+  * decode tokens/s at batch 1 and 16, speculation off, with the n-gram drafter and with the
+    MTP drafter (a random head, random_mtp_head_seed: it drafts at chance, so its rows show
+    what drafting and verifying cost), K drafts a step, through LLMEngine, on a workload that
+    copies spans of its prompt: each prompt is P + C + P, P a random span and C the spec-off
+    engine's greedy continuation of P, so after the second P the model may say C again, which
+    the n-gram drafter proposes. Decode tokens/s counts the
     tokens emitted after every request of the batch has its first token, over the time since
     then; acceptance is the drafts accepted per draft proposed in that run, with the histogram
     of accepted drafts per verification chunk (the weights are random: how often the model
@@ -49,6 +51,7 @@ from engine.worker import Worker  # noqa: E402
 from harness import markdown_table, write_result  # noqa: E402
 
 BATCHES = (1, 16)
+MTP_HEAD_SEED = 7  # random_mtp_head_seed of the MTP rows
 
 
 def parse_args() -> argparse.Namespace:
@@ -109,14 +112,19 @@ def span_copying_prompts(engine: LLMEngine, count: int, span: int, vocab: int, p
 
 
 def engine_rows(model_dir: Path, args: argparse.Namespace, save) -> list[dict]:
-    """Decode tokens/s at each batch, speculation off and on, on span-copying prompts."""
+    """Decode tokens/s at each batch, speculation off, with n-gram drafts and with MTP drafts
+    (the random head: drafts at chance, so its rows price the drafting), on span-copying
+    prompts."""
     config = engine_config(model_dir, args.quick)
-    off, on = LLMEngine(config), LLMEngine(replace(config, num_speculative_tokens=args.k))
+    off = LLMEngine(config)
+    engines = {"off": off, "ngram": LLMEngine(replace(config, num_speculative_tokens=args.k)),
+               "mtp": LLMEngine(replace(config, num_speculative_tokens=args.k, speculative_drafter="mtp",
+                                        random_mtp_head_seed=MTP_HEAD_SEED))}
     params = SamplingParams(max_tokens=args.output_tokens, temperature=0, ignore_eos=True)
     prompts = span_copying_prompts(off, max(BATCHES), args.span, off.vocab_size, params)
     rows = []
     for batch in BATCHES:
-        for label, engine in (("off", off), ("ngram", on)):
+        for label, engine in engines.items():
             run_batch(engine, prompts[:batch], replace(params, max_tokens=16), f"warm-{label}-{batch}")
             result = run_batch(engine, prompts[:batch], params, f"{label}-{batch}")
             outputs = result.pop("tokens")
@@ -125,9 +133,11 @@ def engine_rows(model_dir: Path, args: argparse.Namespace, save) -> list[dict]:
             print(f"batch {batch} {label}: {result['tokens_per_s']:.1f} tok/s, acceptance "
                   f"{result['acceptance']:.2f} {result['acceptance_lengths']}", flush=True)
             save(rows)
-        off_out, on_out = rows[-2]["outputs"], rows[-1]["outputs"]
-        rows[-1]["same_outputs_as_off"] = off_out == on_out
-    del off, on
+        off_row, *speculating = rows[-len(engines):]
+        for row in speculating:
+            row["same_outputs_as_off"] = row["outputs"] == off_row["outputs"]
+    for engine in engines.values():
+        engine.shutdown()
     return rows
 
 
