@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
@@ -270,37 +271,25 @@ def _compare(got: list[int], want, tally: Tally, label: str, dtype: torch.dtype)
     assert len(got) == len(want.token_ids), f"{label}: lengths differ"
 
 
-def _repeating_prompts(engine: LLMEngine, count: int) -> list[list[int]]:
-    """P + C + P for random spans P, C the engine's greedy continuation of P (which the
-    n-gram drafter then proposes after the second P)."""
-    rng = random.Random(25)
-    spans = [[rng.randrange(100, 2000) for _ in range(rng.randint(12, 24))] for _ in range(count)]
-    jobs = [(f"span-{i}", p, None, "spans") for i, p in enumerate(spans)]
-    continued = run_round(engine, jobs, GREEDY)
-    return [p + continued[f"span-{i}"].token_ids + p for i, p in enumerate(spans)]
-
-
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("label", ["tight: eviction + preemption, budget 64", "roomy, budget 61, sync"])
-def test_greedy_outputs_equal_speculation_off_on_cuda(dtype, label):
+def compare_chat_rounds_on_cuda(
+    off: LLMEngine, on: LLMEngine, seed: int, dtype: str, label: str,
+    extra_jobs: Callable[[int], list[tuple]] = lambda round_index: [],
+) -> Tally:
+    """tests/engine/test_speculative.py's rounds of chat requests (_chat_jobs(seed), 16
+    requests, each round with extra_jobs(round index) added) through `off` (with logits) and
+    `on` (greedy, 12 tokens): every output of `on` must be `off`'s (_compare, near-ties by
+    dtype); the near-ties checked (fp32: check_near_ties; bf16: at most
+    BF16_MAX_NEAR_TIE_FRACTION of the requests). Prints the speculation counters; returns the
+    tally."""
     from tests.engine.test_speculative import _chat_jobs
 
-    if label.startswith("tight"):
-        config = replace(tight_config(), device="cuda", dtype=dtype)
-    else:
-        config = EngineConfig(device="cuda", dtype=dtype, max_num_batched_tokens=61, async_scheduling=False,
-                              max_model_len=512, kv_cache_bytes=32 << 20, state_cache_bytes=32 << 20)
-    off, on = LLMEngine(config), LLMEngine(replace(config, num_speculative_tokens=K))
-    assert not on.scheduler.checkpoints.in_pass_capture  # speculation turns in-pass capture off
-    repeating = _repeating_prompts(off, 3)
     with_logits = replace(GREEDY, max_tokens=12, return_logits=True)
-    tally = Tally()
-    torch_dtype = getattr(torch, dtype)
-    rounds = _chat_jobs(off.tokenizer, seed=len(label), num_requests=16)
+    tally, torch_dtype = Tally(), getattr(torch, dtype)
+    rounds = _chat_jobs(off.tokenizer, seed=seed, num_requests=16)
     jobs = next(rounds)
     round_index = 0
     while True:
-        jobs = jobs + [(f"rep-{round_index}-{i}", p, None, "") for i, p in enumerate(repeating)]
+        jobs = jobs + extra_jobs(round_index)
         want = run_round(off, jobs, with_logits)
         got = run_round(on, jobs, replace(with_logits, return_logits=False))
         for request_id, *_ in jobs:
@@ -318,6 +307,34 @@ def test_greedy_outputs_equal_speculation_off_on_cuda(dtype, label):
         check_near_ties(tally, f"{label} {dtype}")
     else:
         assert tally.near_ties <= BF16_MAX_NEAR_TIE_FRACTION * tally.requests, f"{tally.near_ties} near-ties"
+    return tally
+
+
+def _repeating_prompts(engine: LLMEngine, count: int) -> list[list[int]]:
+    """P + C + P for random spans P, C the engine's greedy continuation of P (which the
+    n-gram drafter then proposes after the second P)."""
+    rng = random.Random(25)
+    spans = [[rng.randrange(100, 2000) for _ in range(rng.randint(12, 24))] for _ in range(count)]
+    jobs = [(f"span-{i}", p, None, "spans") for i, p in enumerate(spans)]
+    continued = run_round(engine, jobs, GREEDY)
+    return [p + continued[f"span-{i}"].token_ids + p for i, p in enumerate(spans)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("label", ["tight: eviction + preemption, budget 64", "roomy, budget 61, sync"])
+def test_greedy_outputs_equal_speculation_off_on_cuda(dtype, label):
+    if label.startswith("tight"):
+        config = replace(tight_config(), device="cuda", dtype=dtype)
+    else:
+        config = EngineConfig(device="cuda", dtype=dtype, max_num_batched_tokens=61, async_scheduling=False,
+                              max_model_len=512, kv_cache_bytes=32 << 20, state_cache_bytes=32 << 20)
+    off, on = LLMEngine(config), LLMEngine(replace(config, num_speculative_tokens=K))
+    assert not on.scheduler.checkpoints.in_pass_capture  # speculation turns in-pass capture off
+    repeating = _repeating_prompts(off, 3)
+    compare_chat_rounds_on_cuda(
+        off, on, len(label), dtype, label,
+        extra_jobs=lambda round_index: [(f"rep-{round_index}-{i}", p, None, "") for i, p in enumerate(repeating)])
+    stats = on.stats().speculation
     assert stats.verification_chunks > 0 and stats.draft_tokens_accepted > 0
     assert sum(stats.acceptance_lengths) == stats.verification_chunks
     assert on.pool_usage().idle and off.pool_usage().idle
