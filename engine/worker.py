@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from engine.cache_capacity import CacheCapacity, drafter_kv_layers, size_caches
+from engine.cache_capacity import CacheCapacity, size_caches
 from engine.checkpoint_shards import ExportShardOp, ImportShardOp, gather_shard, scatter_shard, shard_misfit
 from engine.checkpoint_store import CheckpointStore
 from engine.checkpoint_transfer import CheckpointShard
@@ -36,11 +36,9 @@ from engine.forward_routes import (
 from engine.host_index import int64_array, to_device
 from engine.loader import load_model
 from engine.sampler import Sampler
-from engine.speculative.mtp import MtpDrafter, PendingDrafts, attach_head
-from engine.speculative.checks import check_speculation
-from engine.speculative.verify import VerificationScratch, VerifyPass, verify_greedy
-from engine.speculative.verify_gpu import GpuVerifyPass
-from engine.speculative.verify_graphs import VerifyGraphRunner, verify_graph_sizes
+from engine.speculative import worker_setup as speculation
+from engine.speculative.mtp import PendingDrafts
+from engine.speculative.verify import verify_greedy
 from engine.token_readback import PendingTokens, TokenReadback
 from engine.step_io import CaptureOp, RunnerOutput, ScheduledChunk, SchedulerOutput
 from engine.tensor_parallel import TensorParallel
@@ -120,33 +118,27 @@ class Worker:
         # state slot and a KV block that the scheduler never hands out: one of each is
         # allocated past the capacity it is told about.
         graphs = self.device.type == "cuda" and self.model.tp.world_size == 1
-        # Speculative decoding (engine/speculative/verify.py): each slot's scratch slots for
-        # the states of a verification chunk's positions, past the others.
-        k = config.num_speculative_tokens
-        if k:
-            check_speculation(config, self.model_config)
+        # Speculative decoding (engine/speculative/worker_setup.py): scratch state slots for
+        # verification chunks and the MTP drafter's scratch blocks and KV layer, past the rest.
+        speculation_needs = speculation.cache_needs(config, self.model, self.model_config, self.capacity)
+        if config.num_speculative_tokens:
             # no in-pass captures beside verification chunks (engine/speculative/verify_gpu.py):
             # with speculation on, a capture ends its prefill chunk
             self.capacity = replace(self.capacity, in_pass_capture=False)
         first_scratch_slot = self.capacity.num_state_slots + int(graphs)
-        # The MTP drafter (engine/speculative/mtp.py): its head's K/V is one more layer of the
-        # KV blocks, and each slot has scratch blocks for its draft rows, past the others.
-        mtp_head = attach_head(self.model, config)
         first_draft_block = self.capacity.num_blocks + int(graphs)
-        draft_blocks = self.capacity.num_state_slots * MtpDrafter.scratch_blocks_per_slot(
-            self.capacity.block_size, k) if mtp_head is not None else 0
         self.caches = self.model.allocate_caches(
-            num_blocks=first_draft_block + draft_blocks,
+            num_blocks=first_draft_block + speculation_needs.num_draft_blocks,
             block_size=self.capacity.block_size,
-            num_state_slots=first_scratch_slot
-            + VerificationScratch.num_scratch_slots(self.capacity.num_state_slots, k),
+            num_state_slots=first_scratch_slot + speculation_needs.num_scratch_slots,
             device=self.device,
-            drafter_layers=drafter_kv_layers(config, self.model_config),
+            drafter_layers=speculation_needs.drafter_layers,
         )
         # The forward routes, in the order submit() tries them (_routes): the verification
         # graphs and pass and the decode and prefill graphs where they exist (None otherwise),
         # the capturing pass, the eager pass.
         self.decode_graphs = self.prefill_graphs = None
+        scratch = None
         if graphs:
             scratch = GraphScratch(
                 max_blocks_per_seq=-(-self.capacity.max_model_len // self.capacity.block_size),
@@ -158,19 +150,10 @@ class Worker:
             )
         self.capturing_pass = CapturingPass(self.model, self.caches, self.device)
         self.eager_pass = EagerPass(self.model, self.caches, self.device)
-        self.verification = VerificationScratch(self.caches, first_scratch_slot, k)
-        # verification chunks: the PyTorch path off CUDA, engine/speculative/verify_gpu.py on it
-        verify_route = VerifyPass if self.device.type != "cuda" else GpuVerifyPass
-        self.verify_pass = verify_route(self.model, self.caches, self.device, self.verification) if k else None
-        # steps of verification chunks only replay CUDA graphs where the decode steps do
-        # (engine/speculative/verify_graphs.py)
-        self.verify_graphs = None
-        if graphs and k:
-            self.verify_graphs = VerifyGraphRunner(self.model, self.caches, self.verification, scratch,
-                                                   verify_graph_sizes(config.max_num_seqs))
-            self.verify_graphs.capture()
-        self.drafter = (MtpDrafter(self.model, mtp_head, self.caches, self.eager_pass, first_draft_block, k)
-                        if mtp_head is not None else None)
+        speculative = speculation.build(config, self.model, self.caches, speculation_needs, self.eager_pass,
+                                        first_scratch_slot, first_draft_block, scratch)
+        self.verification, self.verify_pass = speculative.verification, speculative.verify_pass
+        self.verify_graphs, self.drafter = speculative.verify_graphs, speculative.drafter
         self.sampler = Sampler(seed=config.seed, device=self.device)
         self.checkpoints = CheckpointStore(self.caches)
         # Last hidden row of every unfinished request a step computed: what a capture saves.
