@@ -15,7 +15,7 @@ import torch
 
 from engine.config import DEFAULT_MODEL_DIR
 from engine.loader import load_model
-from engine.prefill_graphs import PrefillGraphRunner, prefill_graph_sizes
+from engine.prefill_graphs import PrefillGraphRunner
 from engine.sampling_params import SamplingParams
 from engine.step_io import ScheduledChunk
 from engine.forward_batch import build_forward_batch
@@ -41,13 +41,6 @@ def _chunk(request: int, tokens: list[int], start: int, reset: bool) -> Schedule
         block_table=tuple(range(first, first + BLOCKS_PER_SEQ)), state_slot=request,
         reset_state=reset, sample=True, sampling=SamplingParams(),
     )
-
-
-def test_prefill_sizes():
-    assert prefill_graph_sizes(8192) == (64, 128, 192, 256, 384, 512, 768, 1024)
-    assert prefill_graph_sizes(512) == (64, 128, 192, 256, 384, 512)
-    assert prefill_graph_sizes(300) == (64, 128, 192, 256)
-    assert prefill_graph_sizes(63) == ()
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
