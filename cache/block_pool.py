@@ -9,6 +9,7 @@ holder releases it.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 
 
 class BlockPool:
@@ -37,12 +38,19 @@ class BlockPool:
             self._ref_counts[block] = 1
         return blocks
 
-    def share(self, blocks: list[int]) -> None:
-        """Add one reference to each (already allocated) block."""
+    def share(self, blocks: Sequence[int]) -> None:
+        """Add one reference to each block; ValueError, with nothing changed, if one is free."""
+        if not self.all_allocated(blocks):
+            free = next(block for block in blocks if self._ref_counts[block] <= 0)
+            raise ValueError(f"block {free} is free and cannot be shared")
+        ref_counts = self._ref_counts
         for block in blocks:
-            if self._ref_counts[block] <= 0:
-                raise ValueError(f"block {block} is free and cannot be shared")
-            self._ref_counts[block] += 1
+            ref_counts[block] += 1
+
+    def all_allocated(self, blocks: Sequence[int]) -> bool:
+        """Whether every block has a reference (True for none). A C loop: a long prompt's
+        checkpoint covers hundreds of blocks, on the step thread before its first launch."""
+        return min(map(self._ref_counts.__getitem__, blocks), default=1) > 0
 
     def release(self, blocks: list[int]) -> None:
         """Drop one reference from each block; blocks reaching zero become free."""

@@ -26,7 +26,7 @@ block from under one.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -114,7 +114,7 @@ class CheckpointLedger:
         self.counters = {kind: KindCounters() for kind in CheckpointKind}
         self._bundles: dict[BundleId, Bundle] = {}
         self._lru: OrderedDict[BundleId, None] = OrderedDict()  # published; least recent first
-        self._bundles_by_block: dict[int, set[BundleId]] = {}
+        self._bundle_refs: Counter[int] = Counter()  # block -> references bundles hold (> 0)
         self._next_id = 0
         self._bytes_held = 0
         # per owner: bytes held and bundles held (owners with none are left out)
@@ -145,14 +145,14 @@ class CheckpointLedger:
         return self._bundles.get(bundle_id)
 
     def bundles_for_block(self, block_id: int) -> frozenset[BundleId]:
-        """Ids of the bundles (pending or published) holding a reference to `block_id`."""
-        return frozenset(self._bundles_by_block.get(block_id, ()))
+        """Ids of the bundles (pending or published) holding a reference to `block_id` (a scan
+        of every bundle: for tests and diagnostics)."""
+        return frozenset(b.bundle_id for b in list(self._bundles.values()) if block_id in b.block_ids)
 
     def num_blocks_held_alone(self) -> int:
         """Blocks whose every reference belongs to a bundle (freed if those are dropped)."""
         return sum(  # over a copy: metrics and pool_usage read while the step thread runs
-            1 for block, holders in list(self._bundles_by_block.items())
-            if self.blocks.ref_count(block) == len(holders)
+            1 for block, held in list(self._bundle_refs.items()) if self.blocks.ref_count(block) == held
         )
 
     def published_at(self, namespace: Namespace, token_ids: Sequence[int]) -> Bundle | None:
@@ -190,17 +190,16 @@ class CheckpointLedger:
         if len(blocks) != len(tokens) // self.block_size or len(set(blocks)) != len(blocks):
             need = len(tokens) // self.block_size
             raise ValueError(f"{len(tokens)} tokens need exactly {need} distinct full blocks")
-        if any(self.blocks.ref_count(b) <= 0 for b in blocks):
+        if not self.blocks.all_allocated(blocks):
             raise ValueError("a bundle can only reference allocated blocks")
         if num_bytes > self.free_bytes:
             return None
-        self.blocks.share(list(blocks))
+        self.blocks.share(blocks)
         bundle = Bundle(self._next_id, namespace, tokens, CheckpointKind(kind), num_bytes, blocks,
                         owner=owner)
         self._next_id += 1
         self._bundles[bundle.bundle_id] = bundle
-        for block in blocks:
-            self._bundles_by_block.setdefault(block, set()).add(bundle.bundle_id)
+        self._bundle_refs.update(blocks)  # Counter.update counts in C
         self._bytes_held += num_bytes
         self._owner_bytes[owner] = self._owner_bytes.get(owner, 0) + num_bytes
         self._owner_bundles[owner] = self._owner_bundles.get(owner, 0) + 1
@@ -350,11 +349,11 @@ class CheckpointLedger:
             del self._lru[bundle.bundle_id]
             if self.listener is not None:
                 self.listener.dropped(bundle)
+        refs = self._bundle_refs
         for block in bundle.block_ids:
-            holders = self._bundles_by_block[block]
-            holders.discard(bundle.bundle_id)
-            if not holders:
-                del self._bundles_by_block[block]
+            refs[block] -= 1
+            if not refs[block]:
+                del refs[block]
         self.blocks.release(list(bundle.block_ids))
         self._bytes_held -= bundle.num_bytes
         self._owner_bytes[bundle.owner] -= bundle.num_bytes

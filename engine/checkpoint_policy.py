@@ -37,7 +37,7 @@ from collections.abc import Iterable, Mapping
 from cache.cache_manager import CacheManager
 from cache.checkpoint_ledger import CheckpointKind, Hit
 from cache.radix_index import Namespace
-from engine.request import PENDING_TOKEN, FinishReason, Request
+from engine.request import FinishReason, Request
 from engine.step_io import CaptureOp, RestoreOp, ScheduledChunk, SchedulerOutput
 
 Endpoint = tuple[Namespace, tuple[int, ...]]  # what a bundle covers: namespace and token ids
@@ -211,8 +211,10 @@ class CheckpointPolicy:
         the checkpoint budget)."""
         if kind not in self.kinds or position == 0 or request.state_slot is None:
             return None
+        # a capture covers only tokens whose values are known (token_slice puts PENDING_TOKEN
+        # past num_known_tokens only; scanning the tokens for it took 50 us at 8,000)
+        assert position <= request.num_known_tokens, "a capture covers only tokens whose values are known"
         tokens = request.token_slice(0, position)
-        assert PENDING_TOKEN not in tokens, "a capture covers only tokens whose values are known"
         endpoint = (request.namespace, tokens)
         if endpoint in self._pending_endpoints.values():
             return None

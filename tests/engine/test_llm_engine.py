@@ -140,6 +140,21 @@ def test_requests_that_cannot_run_are_refused_clearly(engine):
     assert not engine.has_unfinished_requests()
 
 
+def test_ids_past_a_published_checkpoint_are_range_checked(engine):
+    """add_request checks only the ids past the longest published checkpoint of the prompt's
+    namespace: an id out of range right after one, or inside a prefix that leaves it early, is
+    refused all the same; the prompt that follows it with valid ids runs."""
+    prompt = prompts(engine, 1, seed=9)[0] + list(range(40, 80))
+    run_all(engine, {"first": (prompt, GREEDY)})  # publishes its prompt checkpoint
+    covered = engine.longest_checkpoint((engine.config.model_dir, ""), prompt + [7])
+    assert covered == len(prompt)
+    for bad in (prompt + [engine.vocab_size], prompt + [-1], prompt[:3] + [engine.vocab_size] + prompt[4:] + [7]):
+        with pytest.raises(InvalidRequestError, match="prompt token ids must be in"):
+            engine.add_request(GenerationRequest("bad-id", bad, GREEDY))
+    assert run_all(engine, {"good": (prompt + [7, 8], GREEDY)})["good"][3] == "length"
+    assert not engine.has_unfinished_requests()
+
+
 def test_async_engine_streams_and_aborts_free_the_pools(engine):
     async_engine = AsyncLLMEngine(engine)
     prompt = prompts(engine, 1, seed=5)[0]

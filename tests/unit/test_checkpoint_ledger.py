@@ -94,6 +94,18 @@ def test_reserve_checks_blocks_and_budget():
     assert [pool.ref_count(b) for b in (blocks[0], blocks[1], 15)] == [1, 1, 0]  # nothing changed
 
 
+
+def test_sharing_a_free_block_changes_no_count():
+    """BlockPool.share checks every block before it adds a reference to any."""
+    pool = BlockPool(8)
+    blocks = pool.allocate(3)
+    with pytest.raises(ValueError, match="block 7 is free"):
+        pool.share([*blocks, 7])
+    assert [pool.ref_count(b) for b in (*blocks, 7)] == [1, 1, 1, 0]
+    pool.share(blocks)
+    assert [pool.ref_count(b) for b in blocks] == [2, 2, 2] and pool.all_allocated(blocks)
+    assert not pool.all_allocated([blocks[0], 7]) and pool.all_allocated([])
+
 def test_lookup_pins_and_pinned_bundles_are_never_evicted():
     pool, ledger = make_ledger(budget=30)
     a = capture(pool, ledger, [1, 2, 3])
