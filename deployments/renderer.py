@@ -13,7 +13,7 @@ from ray import serve
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from deployments.errors import APIError
-from deployments.instruction_boundary import find_instruction_boundary
+from deployments.instruction_boundary import InstructionPrefixes, find_instruction_boundary
 from deployments.protocol import ChatMessage
 
 
@@ -33,9 +33,13 @@ class RenderedPrompt:
     boundary_rejection: str | None = None
 
 
-def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[ChatMessage]) -> RenderedPrompt:
+def render_chat(
+    tokenizer: PreTrainedTokenizerBase, messages: list[ChatMessage],
+    prefixes: InstructionPrefixes | None = None,
+) -> RenderedPrompt:
     """Apply the model's chat template with the assistant generation prompt and tokenize, then
-    find the instruction boundary on the same conversation dicts (fails closed, never raises).
+    find the instruction boundary on the same conversation dicts (fails closed, never raises;
+    the instructions rendered alone taken from `prefixes` when given).
 
     Raises APIError(400) when the template refuses the conversation (templates raise on roles
     or shapes they do not support).
@@ -47,8 +51,8 @@ def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[ChatMessage])
         )
     except Exception as exc:  # jinja2 TemplateError, or a template's raise_exception(...)
         raise APIError.bad_request(f"The chat template rejected the messages: {exc}", "messages")
-    token_ids = tuple(int(t) for t in ids)
-    boundary = find_instruction_boundary(tokenizer, conversation, token_ids)
+    token_ids = tuple(map(int, ids))
+    boundary = find_instruction_boundary(tokenizer, conversation, token_ids, prefixes)
     return RenderedPrompt(
         token_ids=token_ids,
         instruction_boundary=boundary.position,
@@ -71,13 +75,15 @@ def tokenize_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str | list[int])
 
 @serve.deployment
 class Renderer:
-    """Holds one tokenizer per replica. Methods are called through a DeploymentHandle."""
+    """Holds one tokenizer per replica, and the instruction renderings it remembers
+    (InstructionPrefixes). Methods are called through a DeploymentHandle."""
 
     def __init__(self, model_dir: str) -> None:
         self._tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self._instruction_prefixes = InstructionPrefixes()
 
     def render_chat(self, messages: list[ChatMessage]) -> RenderedPrompt:
-        return render_chat(self._tokenizer, messages)
+        return render_chat(self._tokenizer, messages, self._instruction_prefixes)
 
     def tokenize_prompt(self, prompt: str | list[int]) -> RenderedPrompt:
         return tokenize_prompt(self._tokenizer, prompt)

@@ -5,7 +5,8 @@ stack do not travel to the device machine; torch, transformers, httpx and tqdm d
 EngineChat does what the ingress and renderer do for one chat request, then streams
 AsyncLLMEngine.generate into the StreamResult the HTTP client returns:
   render     the model's chat template with the generation prompt, and the verified
-             instruction boundary (deployments/instruction_boundary.py, as the renderer);
+             instruction boundary (deployments/instruction_boundary.py, as the renderer,
+             with the instruction renderings remembered as the renderer remembers them);
   request    extra_body's cache_salt and ignore_eos become GenerationRequest.cache_salt and
              SamplingParams.ignore_eos; temperature and max_tokens pass as they are;
   times      seconds from the engine submission, which is AFTER rendering (an HTTP server's
@@ -43,16 +44,19 @@ class EngineChat:
     def __init__(self, engine, ttft_at_first_token: bool = False) -> None:  # engine: AsyncLLMEngine
         self.engine = engine
         self.ttft_at_first_token = ttft_at_first_token
+        from deployments.instruction_boundary import InstructionPrefixes
+
         self.tokenizer = engine.engine.tokenizer
+        self.instruction_prefixes = InstructionPrefixes()  # as the renderer deployment keeps them
         self.render_s: list[float] = []
 
-    def render(self, messages: list[dict]) -> tuple[list[int], int | None]:
+    def render(self, messages: list[dict]) -> tuple[tuple[int, ...], int | None]:
         """(prompt ids, instruction boundary or None), as deployments/renderer.py renders."""
         from deployments.instruction_boundary import find_instruction_boundary
 
-        ids = [int(t) for t in self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=False)]
-        return ids, find_instruction_boundary(self.tokenizer, messages, ids).position
+        ids = tuple(map(int, self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False)))
+        return ids, find_instruction_boundary(self.tokenizer, messages, ids, self.instruction_prefixes).position
 
     async def __call__(self, request: ChatRequest) -> StreamResult:
         """One request to its end. Never raises: failures come back as StreamResult.error."""

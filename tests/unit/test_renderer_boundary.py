@@ -16,7 +16,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from deployments.errors import APIError
-from deployments.instruction_boundary import BoundaryRejection, find_instruction_boundary
+from deployments.instruction_boundary import BoundaryRejection, InstructionPrefixes, find_instruction_boundary
 from deployments.protocol import ChatMessage
 from deployments.renderer import render_chat, tokenize_prompt
 from engine.config import DEFAULT_MODEL_DIR, EngineConfig
@@ -167,3 +167,58 @@ def test_requests_without_a_boundary_are_still_exact(base_tokenizer, engine, nam
     assert scratch_cached == 0
     assert cached < len(second.token_ids)
     assert shared == scratch
+
+
+class CountingTemplate:
+    """A tokenizer whose apply_chat_template calls are counted by whether they render the
+    instructions alone (no generation prompt) or a full conversation."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.alone = self.full = 0
+
+    def apply_chat_template(self, conversation, add_generation_prompt=False, **kwargs):
+        if add_generation_prompt:
+            self.full += 1
+        else:
+            self.alone += 1
+        return self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, **kwargs)
+
+
+def test_remembered_instructions_give_the_boundary_without_rendering_them_again(base_tokenizer):
+    """The second request with the same instructions takes their rendering from
+    InstructionPrefixes; the boundary and the ids are those of a render without it. Other
+    instructions are rendered; past the capacity the least recently used is forgotten."""
+    tokenizer, prefixes = CountingTemplate(base_tokenizer), InstructionPrefixes(capacity=2)
+    first = messages(("system", SYSTEM), ("developer", "Be brief."), ("user", USER))
+    again = messages(("system", SYSTEM), ("developer", "Be brief."), ("user", "Another question?"))
+    got = [render_chat(tokenizer, m, prefixes) for m in (first, again)]
+    assert tokenizer.alone == 1 and tokenizer.full == 2 and len(prefixes) == 1
+    assert got == [render_chat(base_tokenizer, m) for m in (first, again)]
+    assert got[1].instruction_boundary is not None
+    render_chat(tokenizer, messages(("system", "Other."), ("user", USER)), prefixes)
+    render_chat(tokenizer, messages(("system", "Third."), ("user", USER)), prefixes)
+    assert tokenizer.alone == 3 and len(prefixes) == 2  # the first instructions were forgotten
+    render_chat(tokenizer, again, prefixes)
+    assert tokenizer.alone == 4
+
+
+def test_a_remembered_rendering_that_no_longer_matches_gives_no_boundary(base_tokenizer):
+    """A template whose output changed since the instructions were remembered (here: the
+    system block's date line) fails the token-for-token check: no boundary, never a wrong
+    one. A template error is not remembered."""
+    prefixes = InstructionPrefixes()
+    template = DATE_TEMPLATE.replace("messages | length > 1", "true")  # the date line always
+    yesterday = with_template(base_tokenizer, template)
+    conversation = messages(("system", SYSTEM), ("user", USER))
+    assert render_chat(yesterday, conversation, prefixes).instruction_boundary is not None
+    today = with_template(base_tokenizer, template.replace("2026-01-01", "2026-01-02"))
+    prompt = render_chat(today, conversation, prefixes)
+    assert prompt.instruction_boundary is None
+    assert prompt.boundary_rejection == BoundaryRejection.NOT_A_PREFIX.value
+    failing, before = with_template(base_tokenizer, NEEDS_USER_TEMPLATE), len(prefixes)
+    other = messages(("system", "New."), ("user", USER))
+    dicts = [m.model_dump(exclude_none=True) for m in other]
+    ids = tuple(failing.apply_chat_template(dicts, add_generation_prompt=True, tokenize=True, return_dict=False))
+    assert find_instruction_boundary(failing, dicts, ids, prefixes).rejection is BoundaryRejection.RENDER_ERROR
+    assert len(prefixes) == before
