@@ -5,7 +5,8 @@ them.
 - rms_norm: weight * (x / rms(x)), the normalisation in fp32, rounded to x's dtype before the
   weight multiplies (as transformers' GraniteMoeHybridRMSNorm);
 - add_rms_norm: the residual update `hidden + delta * r` (in the model dtype, as the decoder
-  layer writes it) followed by rms_norm of the result; returns both;
+  layer writes it) followed by rms_norm (or rms_norm_zero_centered) of the result; returns
+  both;
 - gated_rms_norm: Mamba2's weight * norm_g(y * silu(gate)), each group of group_size
   consecutive channels normalised by its own rms, all in fp32;
 - silu_and_mul: silu(gate) * up of the MLP, where the input is [gate | up];
@@ -36,12 +37,14 @@ def add_rms_norm(
     residual_multiplier: float,
     weight: torch.Tensor,  # (D,)
     eps: float,
+    zero_centered: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (new_hidden = hidden + delta * r, rms_norm(new_hidden)); with delta None,
-    (hidden, rms_norm(hidden))."""
+    (hidden, rms_norm(hidden)). zero_centered: rms_norm_zero_centered instead of rms_norm."""
     if delta is not None:
         hidden = hidden + delta * residual_multiplier
-    return hidden, rms_norm(hidden, weight, eps)
+    norm = rms_norm_zero_centered if zero_centered else rms_norm
+    return hidden, norm(hidden, weight, eps)
 
 
 def gated_rms_norm(

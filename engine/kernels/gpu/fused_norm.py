@@ -5,11 +5,15 @@ GPU counterparts of engine/kernels/norm_reference.py:
 - `add_rms_norm`: the residual update and the next RMSNorm in one pass over the row; the
   roundings of the reference (delta * r and the sum rounded to the model dtype, the normalised
   row rounded before the weight multiplies) are kept, so bf16 results match it to the last bit
-  or one ulp (reduction order);
+  or one ulp (reduction order); zero_centered: Qwen3-Next's norm, (1 + w) * x / rms(x) all in
+  fp32 and rounded once (norm_reference.rms_norm_zero_centered);
 - `gated_rms_norm`: Mamba2's norm_g(y * silu(gate)) * weight, one program per (row, group),
-  optionally with Mamba2's D skip (y + D * x per head) added as it reads y.
+  optionally with Mamba2's D skip (y + D * x per head) added as it reads y;
+- `rms_norm_then_gate`: the gated delta-net's weight * norm(y) * silu(gate) per head of P
+  channels (normalised first, then gated), one program per (row, head), with the reference's
+  roundings.
 
-Shapes: T tokens, D hidden, I channels, G groups, H heads.
+Shapes: T tokens, D hidden, I channels, G groups, H heads, P channels per head.
 """
 
 from __future__ import annotations
@@ -27,9 +31,9 @@ def _add_rms_norm_kernel(
     delta_ptr, stride_delta,  # (T, D)
     w_ptr,  # (D,)
     residual_ptr, stride_r,  # (T, D) out: x + delta * r
-    out_ptr, stride_o,  # (T, D) out: rms_norm(residual) * w
+    out_ptr, stride_o,  # (T, D) out: rms_norm(residual) * w (ZERO_CENTERED: * (1 + w))
     multiplier, eps, D,
-    HAS_DELTA: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_DELTA: tl.constexpr, ZERO_CENTERED: tl.constexpr, BLOCK_D: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     release_next(USE_PDL)
@@ -47,8 +51,12 @@ def _add_rms_norm_kernel(
         x = (x + scaled).to(dtype).to(tl.float32)
         tl.store(residual_ptr + t * stride_r + d, x.to(dtype), mask=mask)
     mean_square = tl.sum(x * x, axis=0) / D
-    normed = (x * tl.rsqrt(mean_square + eps)).to(dtype).to(tl.float32)
-    tl.store(out_ptr + t * stride_o + d, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+    normed = x * tl.rsqrt(mean_square + eps)
+    if ZERO_CENTERED:  # the scale 1 + w, the product in fp32, rounded once
+        scaled_norm = normed * (1.0 + w)
+    else:  # the normalised row rounded to the model dtype before the weight
+        scaled_norm = normed.to(dtype).to(tl.float32) * w
+    tl.store(out_ptr + t * stride_o + d, scaled_norm.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def add_rms_norm(
@@ -59,9 +67,11 @@ def add_rms_norm(
     eps: float,
     residual_out: torch.Tensor | None = None,  # (T, D); allocated when None
     out: torch.Tensor | None = None,  # (T, D); allocated when None
+    zero_centered: bool = False,  # weight centred on zero: the scale is 1 + weight
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (new_hidden, normed) as norm_reference.add_rms_norm; with delta None new_hidden
-    is `hidden` itself. Reads hidden and delta once, writes each output once."""
+    """Returns (new_hidden, normed) as norm_reference.add_rms_norm(..., zero_centered); with
+    delta None new_hidden is `hidden` itself. Reads hidden and delta once, writes each output
+    once."""
     num_tokens, dim = hidden.shape
     assert hidden.stride(1) == 1 and weight.is_contiguous() and weight.dtype == hidden.dtype
     if out is None:
@@ -82,7 +92,8 @@ def add_rms_norm(
         residual_out, residual_out.stride(0),
         out, out.stride(0),
         float(residual_multiplier), float(eps), dim,
-        HAS_DELTA=delta is not None, BLOCK_D=block_d, num_warps=min(16, max(4, block_d // 512)),
+        HAS_DELTA=delta is not None, ZERO_CENTERED=zero_centered, BLOCK_D=block_d,
+        num_warps=min(16, max(4, block_d // 512)),
         **launch_options(),
     )
     return residual_out, out
@@ -151,6 +162,60 @@ def gated_rms_norm(
         y, y.stride(0), gate, gate.stride(0), x, x.stride(0), D, weight, out, out.stride(0),
         group_size, float(eps),
         HAS_SKIP=skip is not None, HEAD_DIM=head_dim,
+        BLOCK=block, num_warps=min(16, max(4, block // 512)), **launch_options(),
+    )
+    return out
+
+
+@triton.jit
+def _rms_norm_then_gate_kernel(
+    y_ptr, stride_yt, stride_yh,  # (T, H, P), unit P stride
+    z_ptr, stride_zt, stride_zh,  # (T, H, P) gate, unit P stride
+    w_ptr,  # (P,), y's dtype
+    out_ptr,  # (T, H, P) contiguous
+    P, eps,
+    BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    release_next(USE_PDL)
+    t, h = tl.program_id(0), tl.program_id(1)
+    H = tl.num_programs(1)
+    p = tl.arange(0, BLOCK)
+    mask = p < P
+    wait_for_previous(USE_PDL)  # every load after it, the weight's too: a small one
+    w = tl.load(w_ptr + p, mask=mask, other=0.0).to(tl.float32)
+    y = tl.load(y_ptr + t * stride_yt + h * stride_yh + p, mask=mask, other=0.0)
+    dtype = y.dtype
+    y = y.to(tl.float32)
+    mean_square = tl.sum(y * y, axis=0) / P
+    # the reference's roundings: the normalised head, then its product with the weight, each
+    # rounded to y's dtype; the gate in fp32
+    normed = (y * tl.rsqrt(mean_square + eps)).to(dtype).to(tl.float32)
+    scaled = (w * normed).to(dtype).to(tl.float32)
+    z = tl.load(z_ptr + t * stride_zt + h * stride_zh + p, mask=mask, other=0.0).to(tl.float32)
+    out = scaled * (z * tl.sigmoid(z))
+    tl.store(out_ptr + (t * H + h) * P + p, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm_then_gate(
+    y: torch.Tensor,  # (T, H, P), unit P stride
+    gate: torch.Tensor,  # (T, H, P), unit P stride
+    weight: torch.Tensor,  # (P,), y's dtype
+    eps: float,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """norm_reference.rms_norm_then_gate over each of the H heads of every row, in one launch
+    of T x H programs: returns a new contiguous (T, H, P) tensor in out_dtype. y and gate may
+    have any row and head strides (a gate split from a projection's output)."""
+    num_tokens, heads, head_dim = y.shape
+    assert gate.shape == y.shape and y.stride(2) == 1 and gate.stride(2) == 1
+    assert weight.shape == (head_dim,) and weight.is_contiguous() and weight.dtype == y.dtype
+    out = torch.empty(num_tokens, heads, head_dim, dtype=out_dtype, device=y.device)
+    if num_tokens == 0:
+        return out
+    block = triton.next_power_of_2(head_dim)
+    _rms_norm_then_gate_kernel[(num_tokens, heads)](
+        y, y.stride(0), y.stride(1), gate, gate.stride(0), gate.stride(1), weight, out,
+        head_dim, float(eps),
         BLOCK=block, num_warps=min(16, max(4, block // 512)), **launch_options(),
     )
     return out
