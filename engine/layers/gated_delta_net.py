@@ -38,6 +38,14 @@ class HeadGatedRMSNorm(nn.Module):
         """y, gate (T, H, d_v) -> (T, H * d_v) in out_dtype."""
         return rms_norm_then_gate(y, gate, self.weight, self.eps, out_dtype).flatten(1)
 
+    def forward_gpu(self, y: torch.Tensor, gate: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """forward on CUDA tensors in one launch (engine/kernels/gpu/fused_norm.py
+        rms_norm_then_gate): y (T, H, d_v) in the weight's dtype, gate (T, H, d_v), each with
+        a unit channel stride -> (T, H * d_v) in out_dtype."""
+        from engine.kernels.gpu.fused_norm import rms_norm_then_gate as rms_norm_then_gate_gpu
+
+        return rms_norm_then_gate_gpu(y, gate, self.weight, self.eps, out_dtype).flatten(1)
+
 
 class GatedDeltaNet(ShardedModule):
     """in_proj_qkvz -> q, k, v, z; in_proj_ba -> b, a; [q | k | v] -> causal conv + silu;
@@ -138,7 +146,8 @@ class GatedDeltaNet(ShardedModule):
         reset_state) and leaves the state after its last token in the same slot.
 
         gpu_plan: given on CUDA; the conv and the rule then run over every chunk at once
-        (mix_chunks_gpu); None: per chunk in PyTorch, the one-token chunks batched into one step,
+        (mix_chunks_gpu), the output norm in one kernel (HeadGatedRMSNorm.forward_gpu);
+        None: per chunk in PyTorch, the one-token chunks batched into one step,
         a verification chunk (position_state_slots) one token at a time into its scratch slots
         (engine/speculative/verify.py mix_verification).
 
@@ -148,7 +157,7 @@ class GatedDeltaNet(ShardedModule):
         qkv, z, b, a = self.project(hidden)
         if gpu_plan is not None:
             y = self.mix_chunks_gpu(qkv, b, a, conv_state, recurrent_state, gpu_plan, captures)
-            return self.out_proj(self.norm(y.to(hidden.dtype), z, hidden.dtype))
+            return self.out_proj(self.norm.forward_gpu(y.to(hidden.dtype), z, hidden.dtype))
         y = hidden.new_empty(T, self.num_value_heads, self.value_head_dim, dtype=torch.float32)
         decode_rows, decode_slots, decode_resets = [], [], []
         for chunk, start, end in zip(batch.chunks, batch.cu_seqlens[:-1], batch.cu_seqlens[1:]):

@@ -316,23 +316,55 @@ class DecoderLayer(nn.Module):
         gpu_plan: GpuBatchPlan | None = None,
     ) -> torch.Tensor:
         """Returns the new hidden (T, D); writes this layer's KV or state slots in `caches`.
-        gpu_plan: the mixers and the MLP run their CUDA kernels (the norms stay PyTorch ops,
-        on the device)."""
-        i = self.layer_index
+        No plan: the PyTorch path. gpu_plan: forward_gpu's kernels for a layer run on its own
+        (the MTP head's, engine/models/mtp_head.py), its pending MLP output added here; the
+        model's own layers chain forward_gpu instead, each add fused into the next norm."""
+        if gpu_plan is not None:
+            hidden, pending = self.forward_gpu(hidden, None, batch, caches, rope, gpu_plan)
+            return hidden + pending
         mixer_in = self.input_layernorm(hidden)
+        hidden = hidden + self.mix(mixer_in, batch, caches, rope, None)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+    def forward_gpu(
+        self,
+        hidden: torch.Tensor,  # (T, D), the residual stream before the previous layer's MLP add
+        pending: torch.Tensor | None,  # (T, D) the previous layer's MLP output; None for layer 0
+        batch: ForwardBatch,
+        caches: ModelCaches,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        gpu_plan: GpuBatchPlan,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same layer on CUDA: each residual add runs inside the zero-centred norm that
+        follows it (engine/kernels/gpu/fused_norm.py add_rms_norm, one launch each), so the
+        previous layer's MLP output comes in as `pending` and this layer's goes out the same
+        way. Returns (hidden, pending): the stream is hidden + pending. Same caches contract as
+        forward; the mixer and the MLP run the kernels gpu_plan chose."""
+        from engine.kernels.gpu.fused_norm import add_rms_norm
+
+        norm_in, norm_post = self.input_layernorm, self.post_attention_layernorm
+        hidden, mixer_in = add_rms_norm(hidden, pending, 1.0, norm_in.weight, norm_in.eps, zero_centered=True)
+        mixed = self.mix(mixer_in, batch, caches, rope, gpu_plan)
+        hidden, mlp_in = add_rms_norm(hidden, mixed, 1.0, norm_post.weight, norm_post.eps, zero_centered=True)
+        return hidden, self.mlp.forward_gpu(mlp_in)
+
+    def mix(
+        self,
+        mixer_in: torch.Tensor,  # (T, D), input_layernorm's output
+        batch: ForwardBatch,
+        caches: ModelCaches,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        gpu_plan: GpuBatchPlan | None,
+    ) -> torch.Tensor:
+        """The mixer's output (T, D), not yet added to the stream: attention over this layer's
+        KV cache or the gated delta-net over its state slots (with gpu_plan.in_pass, its
+        captures written), either written in `caches`."""
+        i = self.layer_index
         if self.self_attn is not None:
-            mixed = self.self_attn(
-                mixer_in, batch, caches.key_cache[i], caches.value_cache[i], rope, gpu_plan
-            )
-        else:
-            in_pass = None if gpu_plan is None else gpu_plan.in_pass
-            captures = None if in_pass is None else (in_pass.conv_out[i], in_pass.ssm_out[i])
-            mixed = self.linear_attn(
-                mixer_in, batch, caches.conv_state[i], caches.ssm_state[i], gpu_plan, captures
-            )
-        hidden = hidden + mixed
-        mlp_in = self.post_attention_layernorm(hidden)
-        return hidden + (self.mlp(mlp_in) if gpu_plan is None else self.mlp.forward_gpu(mlp_in))
+            return self.self_attn(mixer_in, batch, caches.key_cache[i], caches.value_cache[i], rope, gpu_plan)
+        in_pass = None if gpu_plan is None else gpu_plan.in_pass
+        captures = None if in_pass is None else (in_pass.conv_out[i], in_pass.ssm_out[i])
+        return self.linear_attn(mixer_in, batch, caches.conv_state[i], caches.ssm_state[i], gpu_plan, captures)
 
 
 def mtp_head(
@@ -387,15 +419,29 @@ class Qwen3NextModel(RankCaches, nn.Module):
         every chunk's state slot: state in -> state out, zeros for reset_state).
 
         gpu_plan: required on CUDA (ValueError without), where the mixers run their kernels
-        over it; with in-pass captures (gpu_plan.in_pass) each gated delta-net layer writes its
-        states at the capture positions into the plan's buffers."""
+        over it and every residual add runs inside the zero-centred norm after it; with in-pass
+        captures (gpu_plan.in_pass) each gated delta-net layer writes its states at the capture
+        positions into the plan's buffers."""
         if gpu_plan is None and self.embed_tokens.weight.is_cuda:
             raise ValueError("a forward pass on CUDA takes the step's GpuBatchPlan (engine/forward_routes.py)")
         hidden = self.embed_tokens(batch.input_ids)  # (T, D)
         rope = self.rotary(batch.positions)  # (cos, sin), each (T, rotary_dim)
+        if gpu_plan is not None:
+            return self._forward_layers_gpu(hidden, batch, caches, rope, gpu_plan)
         for layer in self.layers:
-            hidden = layer(hidden, batch, caches, rope, gpu_plan)
+            hidden = layer(hidden, batch, caches, rope)
         return self.norm(hidden)
+
+    def _forward_layers_gpu(self, hidden, batch, caches, rope, gpu_plan) -> torch.Tensor:
+        """The decoder layers and the final norm on CUDA, residual adds fused into the
+        zero-centred norms (DecoderLayer.forward_gpu); the last MLP's add runs inside the final
+        norm."""
+        from engine.kernels.gpu.fused_norm import add_rms_norm
+
+        pending = None
+        for layer in self.layers:
+            hidden, pending = layer.forward_gpu(hidden, pending, batch, caches, rope, gpu_plan)
+        return add_rms_norm(hidden, pending, 1.0, self.norm.weight, self.norm.eps, zero_centered=True)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(n, D) -> (n, vocab) fp32: lm_head(hidden) in the model dtype, then fp32; every rank
