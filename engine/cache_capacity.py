@@ -66,7 +66,10 @@ def recurrent_state_shape(
     """The rank's (conv slot, recurrent slot) shapes of one recurrent layer, whatever its mixer:
     the two tensors of a state slot (ModelCaches.conv_state / ssm_state) hold either kind, so
     checkpoints, import checks and transfer move them unchanged. A model without recurrent
-    layers gets Mamba's shapes (unused: no layer holds them)."""
+    layers gets empty shapes (no layer holds them, and its config may not size a mixer: an
+    attention-only Qwen3-Next's Mamba fields are unset)."""
+    if not config.recurrent_layers:
+        return (0, 0), (0, 0, 0)
     if config.recurrent_kind == GATED_DELTA_NET:
         return gated_delta_net_state_shape(config, layout)
     return mamba_state_shape(config, layout)
@@ -117,7 +120,8 @@ def size_caches(config: EngineConfig, model_config: HybridModelConfig, tp: Tenso
         model_config, layout, dtype, config.block_size, len(drafter_kv_layers(config, model_config)))
     slot_bytes = state_bytes_per_slot(model_config, layout, dtype)
     num_blocks = config.kv_cache_bytes // block_bytes
-    num_slots = min(config.max_num_seqs, config.state_cache_bytes // slot_bytes)
+    # a model without recurrent layers holds nothing in a slot: one a sequence, for free
+    num_slots = min(config.max_num_seqs, config.state_cache_bytes // slot_bytes) if slot_bytes else config.max_num_seqs
     if num_blocks * config.block_size < max_model_len:
         raise CacheBudgetError(
             f"kv_cache_bytes={config.kv_cache_bytes} holds {num_blocks} blocks of "

@@ -313,6 +313,19 @@ def test_repeat_runs_no_prefill(engine):
     check_repeat(engine, "qn")
 
 
+def test_an_attention_only_model_serves_and_reuses(tmp_path):
+    """A config with full-attention layers only (no recurrent state; its Mamba-sized fields
+    unset) starts (state slots of 0 bytes, one a sequence) and reuses its KV checkpoints as
+    the hybrid does."""
+    model_dir = save_engine_model(Qwen3NextConfig, Qwen3NextForCausalLM,
+                                  without_none(dict(BASE, layer_types=["full_attention"] * 4)), tmp_path)
+    engine = LLMEngine(EngineConfig(model_dir=str(model_dir), max_num_batched_tokens=40, max_num_seqs=8))
+    assert engine.executor.model.state_bytes_per_slot() == 0
+    assert engine.executor.capacity.num_state_slots == 8
+    check_instruction_reuse(engine, "qn-attention-only")
+    check_multi_turn(engine, "qn-attention-only")
+
+
 def test_exactness_workload_matches_scratch(engine):
     """The exactness suite's randomized chat workload (16 requests, each also run from scratch
     in the same batches): identical greedy tokens, logits within 1e-4, near-ties counted."""

@@ -56,13 +56,8 @@ def _random_model(device: torch.device, dtype: torch.dtype) -> Qwen3NextModel:
 
 
 def _kv_caches(model: Qwen3NextModel, device: torch.device) -> ModelCaches:
-    """Zeroed K/V of 12 blocks per attention layer and no state slot (allocate_caches takes
-    Mamba2's state shapes for a model without recurrent layers, of width -1 in Qwen3-Next's
-    config)."""
-    shape = (12, BLOCK_SIZE, model.kv_heads_per_rank(), RAW["head_dim"])
-    layers = range(RAW["num_hidden_layers"])
-    zeros = lambda: {i: torch.zeros(shape, dtype=model.dtype, device=device) for i in layers}  # noqa: E731
-    return ModelCaches(BLOCK_SIZE, key_cache=zeros(), value_cache=zeros(), conv_state={}, ssm_state={})
+    """Zeroed K/V of 12 blocks per attention layer (no recurrent layer: empty state slots)."""
+    return model.allocate_caches(num_blocks=12, block_size=BLOCK_SIZE, num_state_slots=3, device=device)
 
 
 def _chunk(request: int, start: int, length: int) -> ScheduledChunk:
