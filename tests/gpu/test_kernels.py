@@ -128,19 +128,25 @@ def _paged_setup(device, seq_lens, Hkv=4, Dh=128, block_size=16, dtype=torch.bfl
     return key_cache, value_cache, tables
 
 
-@pytest.mark.parametrize("dtype", DOT_DTYPES)
-@pytest.mark.parametrize("num_splits", [1, 5, 16, None])  # None: decode_splits decides
-def test_paged_attention_decode(device, dtype, num_splits):
-    """Sequences from 1 key (every split but the first empty) to 1,000, keys in one program per
-    (sequence, KV head) or split over several. The 1,000-key sequence's last key dominates its
-    scores (by more than exp2 can span from the first split's maximum), so combining the
-    splits must rescale by the maximum over all of them."""
+def _poison_before(key_cache, value_cache, tables, first_key, block_size=16):
+    """NaN into the K/V of each sequence's positions before first_key: a kernel that reads them
+    (even under a zero weight) returns NaN there."""
+    for blocks in tables:
+        for position in range(first_key):
+            for cache in (key_cache, value_cache):
+                cache[blocks[position // block_size], position % block_size] = float("nan")
+
+
+def _check_paged_decode(device, dtype, seq_lens, num_splits, first_key=0):
+    """paged_attention_decode of one query per sequence at rows between other rows of a
+    NaN-poisoned output (keys before first_key NaN too), against paged_attention. The third
+    sequence's last key dominates its scores (by more than exp2 can span from the first
+    split's maximum), so combining the splits must rescale by the maximum over all of them."""
     from engine.kernels.gpu.paged_attention import paged_attention_decode
 
-    torch.manual_seed(4)
-    seq_lens = [1, 17, 1000, 64, 333]
     H, Dh, block_size = 16, 128, 16
     key_cache, value_cache, tables = _paged_setup(device, seq_lens, dtype=dtype)
+    _poison_before(key_cache, value_cache, tables, first_key)
     T = len(seq_lens) + 2
     rows = [1, 2, 3, 5, 6]
     query = torch.randn(T, H, Dh, device=device, dtype=dtype)
@@ -154,25 +160,46 @@ def test_paged_attention_decode(device, dtype, num_splits):
     scale = Dh**-0.5
 
     paged_attention_decode(
-        query, key_cache, value_cache, out, as_t(rows), as_t(seq_lens), table, scale, num_splits=num_splits
+        query, key_cache, value_cache, out, as_t(rows), as_t(seq_lens), table, scale, num_splits=num_splits,
+        first_key=first_key,
     )
     for row, n, blocks in zip(rows, seq_lens, tables):
         ref = paged_attention(
             query[row : row + 1].float(), key_cache.float(), value_cache.float(),
-            torch.tensor(blocks, device=device), n - 1, scale,
+            torch.tensor(blocks, device=device), n - 1, scale, first_key=first_key,
         )
         assert relative_error(out[row : row + 1], ref) < 1e-2, f"row {row}"
     assert torch.isnan(out[[0, 4]]).all(), "a non-decode row was written"
 
 
-def _check_paged_prefill(device, dtype, chunks, skipped, num_heads, num_kv_heads, **launch):
+@pytest.mark.parametrize("dtype", DOT_DTYPES)
+@pytest.mark.parametrize("num_splits", [1, 5, 16, None])  # None: decode_splits decides
+def test_paged_attention_decode(device, dtype, num_splits):
+    """Sequences from 1 key (every split but the first empty) to 1,000, keys in one program per
+    (sequence, KV head) or split over several."""
+    torch.manual_seed(4)
+    _check_paged_decode(device, dtype, [1, 17, 1000, 64, 333], num_splits)
+
+
+@pytest.mark.parametrize("dtype", DOT_DTYPES)
+@pytest.mark.parametrize("num_splits", [1, 5, 16, None])
+def test_paged_attention_decode_first_key(device, dtype, num_splits):
+    """first_key 1 (the MTP layer's; position 0 holds NaN): a sequence with one key past it
+    (keys 1 .. 1), one whose keys 1 .. 64 fill exactly one tile, long ones split over several
+    programs, some splits past the last key."""
+    torch.manual_seed(14)
+    _check_paged_decode(device, dtype, [2, 17, 1000, 65, 333], num_splits, first_key=1)
+
+
+def _check_paged_prefill(device, dtype, chunks, skipped, num_heads, num_kv_heads, first_key=0, **launch):
     """paged_attention_prefill over chunks ((queries, start position) each; chunk `skipped` gets
-    length 0) at rows between other rows of a NaN-poisoned output, against paged_attention per
-    chunk; rows outside the served chunks must stay NaN."""
+    length 0) at rows between other rows of a NaN-poisoned output, keys before first_key NaN
+    too, against paged_attention per chunk; rows outside the served chunks must stay NaN."""
     from engine.kernels.gpu.paged_attention import paged_attention_prefill
 
     Dh = 128
     key_cache, value_cache, tables = _paged_setup(device, [n + p for n, p in chunks], Hkv=num_kv_heads, dtype=dtype)
+    _poison_before(key_cache, value_cache, tables, first_key)
     first_rows, row = [], 2  # rows 0, 1 and one row between chunks belong to nobody
     for n, _ in chunks:
         first_rows.append(row)
@@ -187,7 +214,7 @@ def _check_paged_prefill(device, dtype, chunks, skipped, num_heads, num_kv_heads
     paged_attention_prefill(
         query, key_cache, value_cache, out, as_t(first_rows), as_t(lengths),
         as_t([p for _, p in chunks]), as_t([t + [0] * (width - len(t)) for t in tables]),
-        max(lengths), scale, **launch,
+        max(lengths), scale, first_key=first_key, **launch,
     )
     written = torch.zeros(row, dtype=torch.bool)
     for s, ((n, start), first, blocks) in enumerate(zip(chunks, first_rows, tables)):
@@ -195,7 +222,7 @@ def _check_paged_prefill(device, dtype, chunks, skipped, num_heads, num_kv_heads
             continue
         ref = paged_attention(
             query[first : first + n].float(), key_cache.float(), value_cache.float(),
-            torch.tensor(blocks, device=device), start, scale,
+            torch.tensor(blocks, device=device), start, scale, first_key=first_key,
         )
         assert relative_error(out[first : first + n], ref) < 1e-2, f"chunk {s}"
         written[first : first + n] = True
@@ -225,6 +252,19 @@ def test_paged_attention_prefill(device, dtype, tiling, num_splits, chunks):
     query heads over 4 KV heads, one or several query heads a program."""
     torch.manual_seed(5)
     _check_paged_prefill(device, dtype, chunks, 2, 16, 4, num_splits=num_splits, **PREFILL_TILINGS[tiling])
+
+
+@pytest.mark.parametrize("dtype", DOT_DTYPES)
+@pytest.mark.parametrize("tiling", list(PREFILL_TILINGS))
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
+def test_paged_attention_prefill_first_key(device, dtype, tiling, num_splits):
+    """first_key 1 (the MTP layer's; position 0 holds NaN): chunks from position 1 (longer and
+    shorter than a query block; one query: a single key past first_key), continuing ones, one
+    skipped; keys split over up to 8 programs, most of them past a short chunk's keys."""
+    torch.manual_seed(15)
+    chunks = [(100, 1), (1, 1), (37, 512), (20, 7), (3, 1), (70, 64)]
+    _check_paged_prefill(device, dtype, chunks, 3, 16, 4, first_key=1, num_splits=num_splits,
+                         **PREFILL_TILINGS[tiling])
 
 
 # (H, Hkv, heads a program): one head a program, two where two divide H / Hkv, and None (the

@@ -15,10 +15,15 @@ BLOCK_N at a time: each K/V tile is loaded once for all G heads (G = 1: one head
 G, BLOCK_M and the rest default as prefill_launch.py says).
 `write_kv` stores a step's K/V into the cache in one launch.
 
-Integer arguments that change with the batch (lengths, split counts, the partials' and block
-tables' strides) are marked do_not_specialize: Triton otherwise compiles a variant for each
-new combination of their divisibility by 16 and equality to 1, which in a burst of mixed
-chunks kept compiling for seconds mid-serving (benchmarks/ttft_anatomy.py, its compile count).
+Both attention kernels take first_key, the first key position any query reads (0; 1 for the
+MTP drafter's layer, whose position 0 holds no key: engine/speculative/mtp.py), and split the
+keys first_key .. over their programs, so split 0 always holds a key and no tile is empty.
+
+Integer arguments that change with the batch or the layer (lengths, split counts, first_key,
+the partials' and block tables' strides) are marked do_not_specialize: Triton otherwise
+compiles a variant for each new combination of their divisibility by 16 and equality to 1,
+which in a burst of mixed chunks kept compiling for seconds mid-serving
+(benchmarks/ttft_anatomy.py, its compile count).
 
 Shapes: T tokens, H heads, Hkv KV heads, D head dim, Bd decode sequences.
 """
@@ -81,7 +86,8 @@ def write_kv(
     )
 
 
-@triton.jit(do_not_specialize=["stride_split", "stride_ml_split", "stride_ml_t", "stride_table", "num_splits"])
+@triton.jit(do_not_specialize=["stride_split", "stride_ml_split", "stride_ml_t", "stride_table", "num_splits",
+                             "first_key"])
 def _paged_decode_kernel(
     q_ptr, stride_qt, stride_qh,  # (T, H, D), unit D stride
     k_ptr, v_ptr, stride_kb, stride_ko, stride_kh,  # (blocks, block_size, Hkv, D), K and V alike
@@ -91,6 +97,7 @@ def _paged_decode_kernel(
     rows_ptr, seq_lens_ptr, table_ptr, stride_table,  # (Bd,), (Bd,), (Bd, max_blocks)
     scale_log2,  # softmax scale * log2(e)
     num_splits,
+    first_key,  # keys first_key .. seq_len - 1 are read (first_key < every seq_len)
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -106,13 +113,14 @@ def _paged_decode_kernel(
     g_mask = g < GROUP
     q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + d[None, :],
                 mask=g_mask[:, None], other=0.0)  # (BLOCK_G, D)
-    # this split's share of the keys, in whole BLOCK_N tiles (a split past seq_len has none)
-    span = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    key_end = tl.minimum((split + 1) * span, seq_len)
+    # this split's share of keys first_key .. seq_len - 1, in whole BLOCK_N tiles (a split
+    # past seq_len has none)
+    span = tl.cdiv(tl.cdiv(seq_len - first_key, num_splits), BLOCK_N) * BLOCK_N
+    key_end = tl.minimum(first_key + (split + 1) * span, seq_len)
     m = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
     l = tl.zeros((BLOCK_G,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_G, HEAD_DIM), dtype=tl.float32)
-    for start in range(split * span, key_end, BLOCK_N):
+    for start in range(first_key + split * span, key_end, BLOCK_N):
         tok = start + tl.arange(0, BLOCK_N)
         t_mask = tok < key_end
         block = tl.load(table_ptr + i * stride_table + tok // KV_BLOCK, mask=t_mask, other=0)
@@ -153,7 +161,7 @@ def _decode_combine_kernel(
     i, head = tl.program_id(0), tl.program_id(1)
     d = tl.arange(0, HEAD_DIM)
     ml = ml_ptr + i * stride_ml_t + head * 2
-    m_max = tl.load(ml)  # split 0 holds key 0: finite
+    m_max = tl.load(ml)  # split 0 holds key first_key: finite
     for split in range(1, num_splits):
         m_max = tl.maximum(m_max, tl.load(ml + split * stride_ml_split))
     total = tl.zeros((1,), dtype=tl.float32)
@@ -183,14 +191,17 @@ def paged_attention_decode(
     block_table: torch.Tensor,  # (Bd, max_blocks) int
     scale: float,
     num_splits: int | None = None,  # key splits per (sequence, KV head); None: decode_splits()
+    first_key: int = 0,  # first key position read, < every seq_lens[i] (1: the MTP layer)
 ) -> None:
-    """For each i: out[rows[i]] = attention of query[rows[i]] over the first seq_lens[i] keys of
-    its blocks (K/V already written). Equal to paged_attention with n = 1 within bf16 rounding.
-    Touches no other row of out.
+    """For each i: out[rows[i]] = attention of query[rows[i]] over the keys at positions
+    first_key .. seq_lens[i] - 1 of its blocks (K/V already written; the keys before first_key
+    are never read). Equal to paged_attention(..., first_key=first_key) with n = 1 within bf16
+    rounding. Touches no other row of out.
 
-    The launches depend on Bd and the head counts only, never on seq_lens, so a CUDA graph
-    replays them for any context length. With num_splits > 1 each sequence's keys are split
-    over that many programs, whose fp32 partials a second launch combines."""
+    The launches depend on Bd and the head counts only, never on seq_lens or first_key, so a
+    CUDA graph replays them for any context length. With num_splits > 1 each sequence's keys
+    (from first_key on) are split over that many programs, whose fp32 partials a second launch
+    combines; a split past the last key contributes nothing."""
     num_decode = rows.shape[0]
     if num_decode == 0:
         return
@@ -214,7 +225,7 @@ def paged_attention_decode(
         key_cache, value_cache, key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         target, *strides, ml, *ml_strides,
         rows, seq_lens, block_table, block_table.stride(0),
-        scale * 1.4426950408889634, num_splits,
+        scale * 1.4426950408889634, num_splits, first_key,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         KV_BLOCK=block_size, BLOCK_N=64, SPLIT=split, **launch_options(),
     )
@@ -235,7 +246,7 @@ def _attend_key_tile(
     MASKED: tl.constexpr,  # False: every key of the tile is real and visible to every row
 ):
     """One key tile of _prefill_kernel's online softmax: returns the updated (m, l, acc). A row
-    that has seen no visible key yet keeps m = -inf (possible in a split after key 0)."""
+    that has seen no visible key yet keeps m = -inf (possible in a split after the first)."""
     tok = tile_start + tl.arange(0, BLOCK_N)
     d = tl.arange(0, HEAD_DIM)
     if MASKED:
@@ -262,7 +273,8 @@ def _attend_key_tile(
     return m_new, l, acc
 
 
-@triton.jit(do_not_specialize=['stride_split', 'stride_ml_split', 'stride_ml_t', 'stride_table', 'num_splits', 'max_len'])
+@triton.jit(do_not_specialize=['stride_split', 'stride_ml_split', 'stride_ml_t', 'stride_table', 'num_splits', 'max_len',
+                               'first_key'])
 def _prefill_kernel(
     q_ptr, stride_qt, stride_qh,  # (T, H, D), unit D stride
     k_ptr, v_ptr, stride_kb, stride_ko, stride_kh,  # (blocks, block_size, Hkv, D), K and V alike
@@ -272,6 +284,7 @@ def _prefill_kernel(
     rows_ptr, lens_ptr, positions_ptr, table_ptr, stride_table,  # (Sp,) x 3, (Sp, max_blocks)
     scale_log2,  # softmax scale * log2(e)
     num_splits, max_len,  # partial row of query j of chunk s: s * max_len + j
+    first_key,  # keys from first_key on are read (first_key <= every query's position)
     GROUP: tl.constexpr,  # query heads per KV head
     HEADS_PER_PROGRAM: tl.constexpr,  # G, a power of two dividing GROUP
     HEAD_DIM: tl.constexpr, KV_BLOCK: tl.constexpr,
@@ -297,14 +310,14 @@ def _prefill_kernel(
                     mask=i_mask[:, None], other=0.0)  # (G * BLOCK_M, D)
         q_pos = start_position + i  # the G rows of one query share its position
         kv_head = head_group * HEADS_PER_PROGRAM // GROUP  # the same for all G heads
-        # keys 0 .. the position of this block's last query, this split's share of them
+        # keys first_key .. the position of this block's last query, this split's share of them
         num_keys = start_position + tl.minimum((m_block + 1) * BLOCK_M, q_len)
-        span = tl.cdiv(tl.cdiv(num_keys, num_splits), BLOCK_N) * BLOCK_N
-        key_end = tl.minimum((split + 1) * span, num_keys)
+        span = tl.cdiv(tl.cdiv(num_keys - first_key, num_splits), BLOCK_N) * BLOCK_N
+        key_start = first_key + split * span
+        key_end = tl.minimum(key_start + span, num_keys)
         m = tl.full((BLOCK_M * HEADS_PER_PROGRAM,), float("-inf"), dtype=tl.float32)
         l = tl.zeros((BLOCK_M * HEADS_PER_PROGRAM,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_M * HEADS_PER_PROGRAM, HEAD_DIM), dtype=tl.float32)
-        key_start = split * span
         # Keys up to the block's first query position are visible to every row: whole tiles of
         # them take no mask; the tiles after (the causal edge, the split's last) do.
         unmasked_end = key_start + tl.maximum(
@@ -357,7 +370,7 @@ def _combine_kernel(
         part = s * max_len + i
         d = tl.arange(0, HEAD_DIM)
         m_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-        for split in range(num_splits):  # split 0 holds key 0, visible to every row: finite max
+        for split in range(num_splits):  # split 0 holds key first_key, visible to every row: finite max
             ml = ml_ptr + split * stride_ml_split + part * stride_ml_t + head * 2
             m_max = tl.maximum(m_max, tl.load(ml, mask=i_mask, other=0.0))
         total = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -391,20 +404,24 @@ def paged_attention_prefill(
     num_stages: int = 3,
     heads_per_program: int | None = None,  # G, query heads per program
     # (each None: prefill_launch.py's default)
+    first_key: int = 0,  # first key position read, <= every start_positions[s] (1: the MTP layer)
 ) -> None:
     """Causal attention of Sp prefill chunks over their paged K/V, every chunk's metadata on
     the device (so a CUDA graph can replay it with new chunks): for each s, query rows
     first_rows[s] + j, j < lengths[s], at position start_positions[s] + j, attend the keys at
-    positions 0 .. start_positions[s] + j of block_tables[s] (this step's K/V already
-    written). Touches no other row of out. Equal to paged_attention per chunk within the input
-    dtype's rounding (fp32 inputs multiply in full fp32; softmax in fp32, online).
+    positions first_key .. start_positions[s] + j of block_tables[s] (this step's K/V already
+    written; the keys before first_key are never read). Touches no other row of out. Equal to
+    paged_attention(..., first_key=first_key) per chunk within the input dtype's rounding (fp32
+    inputs multiply in full fp32; softmax in fp32, online).
 
     Each program takes block_m queries in heads_per_program query heads of one KV head (a
     power of two dividing H / Hkv; 1 is the ungrouped kernel), a (G * block_m, D) tile; the
     defaults are prefill_launch.py's. One launch, or with num_splits > 1 (few long-context
     queries: the user message after a restored prefix) each query block's keys split over
-    that many programs, whose fp32 partials a second launch combines. The launches and the
-    partials' size depend on Sp, max_length and the shapes only, never on the device metadata."""
+    that many programs (keys from first_key on; a split past a block's last key contributes
+    nothing), whose fp32 partials a second launch combines. The launches and the partials'
+    size depend on Sp, max_length and the shapes only, never on the device metadata or
+    first_key."""
     num_chunks = first_rows.shape[0]
     if num_chunks == 0 or max_length == 0:
         return
@@ -434,7 +451,7 @@ def paged_attention_prefill(
         key_cache, value_cache, key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         target, *strides, ml, *ml_strides,
         first_rows, lengths, start_positions, block_tables, block_tables.stride(0),
-        scale * 1.4426950408889634, num_splits, max_length,
+        scale * 1.4426950408889634, num_splits, max_length, first_key,
         GROUP=group, HEADS_PER_PROGRAM=heads, HEAD_DIM=head_dim, KV_BLOCK=block_size,
         BLOCK_M=block_m, BLOCK_N=launch.block_n,
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",  # fp32 models: no tf32
