@@ -192,7 +192,11 @@ class PagedAttention(nn.Module):
         value_cache: torch.Tensor,
         plan: GpuBatchPlan,
     ) -> torch.Tensor:
-        """Attention output (T, H, Dh) for every chunk of the batch, on CUDA."""
+        """Attention output (T, H, Dh) for every chunk of the batch, on CUDA: keys from
+        plan.first_key on. ValueError when the plan has a chunk that starts its sequence and a
+        first_key above 0: SDPA over the chunk's own K/V would read keys before it."""
+        if plan.first_key > 0 and plan.fresh_chunks:
+            raise ValueError(f"a chunk starting its sequence cannot be served with first_key {plan.first_key}")
         from engine.kernels.gpu.paged_attention import (
             causal_attention_from_start, paged_attention_decode, paged_attention_prefill,
         )
@@ -201,11 +205,12 @@ class PagedAttention(nn.Module):
         output = torch.empty_like(query) if plan.prefill_valid is None else torch.zeros_like(query)
         paged_attention_decode(
             query, key_cache, value_cache, output, plan.decode_rows, plan.decode_seq_lens,
-            plan.decode_block_table, self.scale,
+            plan.decode_block_table, self.scale, first_key=plan.first_key,
         )
         paged_attention_prefill(
             query, key_cache, value_cache, output, plan.paged_first_rows, plan.paged_lengths,
             plan.paged_positions, plan.paged_tables, plan.paged_max_length, self.scale,
+            first_key=plan.first_key,
         )
         for chunk in plan.fresh_chunks:
             output[chunk.start : chunk.end] = causal_attention_from_start(

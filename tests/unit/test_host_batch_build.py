@@ -172,6 +172,7 @@ def _gpu_plan_oracle(batch: ForwardBatch, block_size: int) -> dict:
         prefill_valid=None,
         in_pass=None,
         verification=None,  # no chunk here carries drafts
+        first_key=chunks[0].first_key if chunks else 0,  # every chunk's (checked by the plan)
     )
 
 
@@ -202,12 +203,7 @@ PACKED_FIELDS = (
 )
 
 
-@pytest.mark.parametrize("seed", SEEDS)
-def test_gpu_plan_matches_the_oracle_and_is_one_packed_buffer(seed):
-    rng = random.Random(seed)
-    block_size = rng.choice(BLOCK_SIZES)
-    batch = build_forward_batch(_random_chunks(rng, block_size), block_size, CPU)
-    plan = build_gpu_batch_plan(batch, block_size, CPU)
+def _assert_plan_matches_the_oracle(plan: GpuBatchPlan, batch: ForwardBatch, block_size: int) -> None:
     want = _gpu_plan_oracle(batch, block_size)
     assert set(want) == {f for f in GpuBatchPlan.__dataclass_fields__}
     for name, expected in want.items():
@@ -218,6 +214,15 @@ def test_gpu_plan_matches_the_oracle_and_is_one_packed_buffer(seed):
             _assert_same_chunks(actual, expected, name)
         else:
             assert actual == expected and type(actual) is type(expected), name
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_gpu_plan_matches_the_oracle_and_is_one_packed_buffer(seed):
+    rng = random.Random(seed)
+    block_size = rng.choice(BLOCK_SIZES)
+    batch = build_forward_batch(_random_chunks(rng, block_size), block_size, CPU)
+    plan = build_gpu_batch_plan(batch, block_size, CPU)
+    _assert_plan_matches_the_oracle(plan, batch, block_size)
     for view in plan.fresh_chunks:
         assert type(view.start) is int and type(view.end) is int
     packed = [getattr(plan, name) for name in PACKED_FIELDS]
@@ -229,6 +234,48 @@ def test_gpu_plan_matches_the_oracle_and_is_one_packed_buffer(seed):
     misaligned = [name for name in PACKED_FIELDS
                   if getattr(plan, name) is not None and (getattr(plan, name).data_ptr() - base) % 16]
     assert not misaligned  # Triton specialises pointers on 16-byte alignment: no new variants
+
+
+def _with_first_key(batch: ForwardBatch, first_keys: list[int]) -> ForwardBatch:
+    return replace(batch, chunks=tuple(replace(c, first_key=k) for c, k in zip(batch.chunks, first_keys)))
+
+
+def _continuing_chunks(rng: random.Random, block_size: int) -> list[ScheduledChunk]:
+    """_random_chunks without the chunks at position 0 (none of the MTP head's starts there)."""
+    chunks: list[ScheduledChunk] = []
+    while not chunks:
+        chunks = [c for c in _random_chunks(rng, block_size) if c.start_position > 0]
+    return chunks
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_gpu_plan_carries_the_batchs_first_key(seed):
+    """Chunks that all read keys from position 1 (the MTP layer's): the plan says first_key 1
+    and is otherwise the plan of the same chunks from key 0."""
+    rng = random.Random(seed)
+    block_size = rng.choice(BLOCK_SIZES)
+    batch = build_forward_batch(_continuing_chunks(rng, block_size), block_size, CPU)
+    head_batch = _with_first_key(batch, [1] * len(batch.chunks))
+    plan = build_gpu_batch_plan(head_batch, block_size, CPU)
+    assert plan.first_key == 1 and build_gpu_batch_plan(batch, block_size, CPU).first_key == 0
+    _assert_plan_matches_the_oracle(plan, head_batch, block_size)
+
+
+def test_gpu_plan_refuses_mixed_first_keys_and_a_chunk_before_its_first_key():
+    """One first_key serves a whole launch: chunks that differ are refused; so is a chunk from
+    position 0 with first_key 1 (its first query would read no key; SDPA would read key 0)."""
+    rng = random.Random(3)
+    batch = build_forward_batch(_continuing_chunks(rng, 16) + _continuing_chunks(rng, 16), 16, CPU)
+    mixed = [1] + [0] * (len(batch.chunks) - 1)
+    with pytest.raises(ValueError, match="first_key"):
+        build_gpu_batch_plan(_with_first_key(batch, mixed), 16, CPU)
+    for num_tokens in (1, 5):  # a decode chunk, a fresh prefill chunk
+        chunk = replace(_random_chunks(rng, 16)[0], start_position=0, token_ids=tuple(range(num_tokens)),
+                        block_table=(7,))
+        fresh = build_forward_batch([chunk], 16, CPU)
+        assert build_gpu_batch_plan(fresh, 16, CPU).first_key == 0
+        with pytest.raises(ValueError, match="first_key"):
+            build_gpu_batch_plan(_with_first_key(fresh, [1]), 16, CPU)
 
 
 # --- build_in_pass_plan ----------------------------------------------------------------------

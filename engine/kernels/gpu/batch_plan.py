@@ -85,6 +85,8 @@ class GpuBatchPlan:
     fused_mamba_decode, the Mamba mixers run the fused conv + SSD decode kernel instead of
     the chunked path; folded_gated_norm, they also fold their gated norm into that kernel and
     out_proj's single-row GEMM.
+    first_key: the first key position both attention kernels read (SequenceChunk.first_key,
+    the same for every chunk of the batch: 1 for the MTP drafter's layer, 0 otherwise).
     """
 
     num_chunks: int
@@ -119,14 +121,17 @@ class GpuBatchPlan:
     # Speculative verification chunks of this step, for the Mamba2 mixers
     # (engine/speculative/verify_gpu.py); None: none. The other fields describe every chunk.
     verification: VerificationPlan | None = None
+    first_key: int = 0
 
 
 def build_gpu_batch_plan(
     batch: ForwardBatch, block_size: int, device: torch.device, *, fold_gated_norm: bool = False
 ) -> GpuBatchPlan:
     """Pack the batch's chunk metadata into one int64 tensor, copy it once, and slice views.
-    fold_gated_norm: as kernel_choices."""
+    fold_gated_norm: as kernel_choices. ValueError (naming first_key) when the chunks' first_key
+    differ, or a chunk starts before its first_key (a query with no key to read)."""
     chunks, cu = batch.chunks, batch.cu_seqlens
+    first_key = _shared_first_key(chunks)
     cu_array = int64_array(cu)
     lengths = int64_array([c.num_tokens for c in chunks])
     starts = int64_array([c.start_position for c in chunks])
@@ -192,7 +197,22 @@ def build_gpu_batch_plan(
         paged_max_length=int(lengths[prefill][paged].max(initial=0)),
         **kernel_choices(batch.num_tokens, len(decode), len(prefill), in_pass=False,
                          fold_gated_norm=fold_gated_norm),
+        first_key=first_key,
     )
+
+
+def _shared_first_key(chunks) -> int:
+    """The first_key every chunk shares (0 for no chunk): one scalar serves a whole kernel
+    launch. ValueError when they differ, or when a chunk starts before it: its first query
+    would have no key, and a chunk from position 0 goes to SDPA, which reads every key."""
+    values = {chunk.first_key for chunk in chunks}
+    if len(values) > 1:
+        raise ValueError(f"chunks of one batch have different first_key values {sorted(values)}")
+    first_key = values.pop() if values else 0
+    early = [chunk.start_position for chunk in chunks if chunk.start_position < first_key]
+    if early:
+        raise ValueError(f"a chunk starts at position {early[0]}, before first_key {first_key}")
+    return first_key
 
 
 def _max_blocks(seq_lens: np.ndarray, block_size: int) -> int:
