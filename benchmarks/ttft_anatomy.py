@@ -215,7 +215,11 @@ def bench_path_pass(engine, quick: bool) -> list[dict]:
     (quick: 300), back to back (the next request the moment the last one ends, as the bench's
     closed loop at concurrency 1), 16 tokens each: per request TTFT as the bench takes it, its
     split as async_pass splits it, and every step() between its add_request and the delivery of
-    its first token (wall ms, tokens per chunk, restores, captures, start relative to the add)."""
+    its first token (wall ms, tokens per chunk, restores, captures, start relative to the add).
+    Then the same prompts again, in the same order, in a namespace of their own (so each
+    system's first request captures and the others restore, as in the pass), on the engine
+    alone (ttft(): no AsyncLLMEngine, no event loop): sync_ttft_ms, the same request's TTFT
+    without the async face, from the same run."""
     from engine.async_engine import AsyncLLMEngine
     from hybrid_serve_bench.client import ChatRequest
     from hybrid_serve_bench.engine_target import EngineChat
@@ -244,6 +248,7 @@ def bench_path_pass(engine, quick: bool) -> list[dict]:
     workload = shared_instructions(Sizes(instruction_tokens=300 if quick else 8000, requests=8 if quick else 24,
                                          systems=2), counter)
     rows, salt = [], uuid.uuid4().hex  # nothing an earlier pass left is restored
+    rendered = [chat.render(list(c.turns[0].new_messages)) for c in workload.conversations]
 
     async def main() -> None:
         for conversation in workload.conversations:
@@ -263,6 +268,9 @@ def bench_path_pass(engine, quick: bool) -> list[dict]:
     finally:
         engine.step = step
         clock.stop()
+    replay_salt = uuid.uuid4().hex  # as the pass did: each system's first request captures, the others restore
+    for row, (ids, boundary) in zip(rows, rendered):
+        row["sync_ttft_ms"] = ttft(engine, request(tuple(ids), boundary, replay_salt))["ttft_ms"]
     return rows
 
 
@@ -438,9 +446,10 @@ def run_bench_path(engine, args, result: dict, text: list[str]) -> None:
     """bench_path_pass twice (the first warms its shapes), its table in text; writes both files."""
     for name in ("bench_path_warm_up", "bench_path"):
         result[name] = bench_path_pass(engine, args.quick)
-    text.append("bench_path: ttft_ms engine_ms cached/prompt steps (at_ms wall_ms collected_chunks restores captures)")
+    text.append("bench_path: ttft_ms engine_ms sync_ttft_ms cached/prompt steps (at_ms wall_ms collected_chunks "
+                "restores captures)")
     for r in result["bench_path"]:
-        text.append(f"  {r['ttft_ms']:8.3f} {r['engine_ms']:8.3f} {r['cached']}/{r['prompt']} "
+        text.append(f"  {r['ttft_ms']:8.3f} {r['engine_ms']:8.3f} {r['sync_ttft_ms']:8.3f} {r['cached']}/{r['prompt']} "
                     + " ".join(f"[{s['at_ms']} {s['wall_ms']} {s['collected_chunks']} {s['restores']} {s['captures']}]"
                                for s in r["steps"]))
     print("\n".join(text[-len(result['bench_path']) - 1:]), flush=True)
