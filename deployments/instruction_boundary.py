@@ -43,9 +43,12 @@ class InstructionPrefixes:
     forgotten. An application's requests share their instructions, so those are rendered and
     tokenized once instead of once a request: at 8,000 instruction tokens that was half of
     render_chat's time (benchmarks/render_time.py). The ids are one tokenizer's: one instance
-    per tokenizer. Each remembered rendering is still checked token for token against every
-    full rendering (find_instruction_boundary), so a template whose output changes between
-    calls (one that prints the date) loses the boundary, never corrupts it. Thread-safe."""
+    per tokenizer. A remembered rendering is used only where it is, token for token, a proper
+    prefix of the full rendering; otherwise the instructions are rendered again and that
+    rendering replaces it, so a template whose output changes between calls (one that prints
+    the date) costs one render when it changes and never corrupts or loses the boundary; a
+    template that gives no boundary renders them every time, as without this memory.
+    Thread-safe."""
 
     def __init__(self, capacity: int = 64) -> None:
         if capacity < 1:
@@ -57,18 +60,23 @@ class InstructionPrefixes:
     def __len__(self) -> int:
         return len(self._ids)
 
-    def ids(self, tokenizer: Any, instructions: list[dict[str, Any]]) -> tuple[int, ...]:
-        """`instructions` rendered alone and tokenized; raises what the template raises (and
-        remembers nothing then)."""
+    def ids(
+        self, tokenizer: Any, instructions: list[dict[str, Any]], prompt_ids: Sequence[int],
+    ) -> tuple[int, ...]:
+        """`instructions` rendered alone and tokenized: the remembered rendering where it is a
+        proper token prefix of `prompt_ids` (their full rendering), else rendered now and
+        remembered; raises what the template raises (and remembers nothing then)."""
         key = json.dumps(instructions, sort_keys=True, ensure_ascii=False, default=str)
         with self._lock:
             ids = self._ids.get(key)
             if ids is not None:
                 self._ids.move_to_end(key)
-                return ids
+        if ids is not None and _is_proper_prefix(ids, prompt_ids):
+            return ids
         ids = _render_alone(tokenizer, instructions)
         with self._lock:
             self._ids[key] = ids
+            self._ids.move_to_end(key)
             while len(self._ids) > self.capacity:
                 self._ids.popitem(last=False)
         return ids
@@ -79,6 +87,10 @@ def _render_alone(tokenizer: Any, instructions: list[dict[str, Any]]) -> tuple[i
         instructions, add_generation_prompt=False, tokenize=True, return_dict=False)))
 
 
+def _is_proper_prefix(prefix: tuple[int, ...], prompt_ids: Sequence[int]) -> bool:
+    return 0 < len(prefix) < len(prompt_ids) and tuple(prompt_ids[: len(prefix)]) == prefix
+
+
 def find_instruction_boundary(
     tokenizer: Any, conversation: list[dict[str, Any]], prompt_ids: Sequence[int],
     prefixes: InstructionPrefixes | None = None,
@@ -86,8 +98,8 @@ def find_instruction_boundary(
     """The boundary of `conversation` (as rendered to `prompt_ids` with the generation prompt).
 
     Renders conversation[:k] (k = leading system/developer messages) without a generation
-    prompt, or takes that rendering from `prefixes`, and checks it token by token against
-    prompt_ids. Never raises.
+    prompt, or takes that rendering from `prefixes` (which renders again a remembered one that
+    is not a prefix), and checks it token by token against prompt_ids. Never raises.
     """
     k = 0
     while k < len(conversation) and conversation[k].get("role") in INSTRUCTION_ROLES:
@@ -98,9 +110,10 @@ def find_instruction_boundary(
         return InstructionBoundary(None, BoundaryRejection.ALL_INSTRUCTIONS)
     try:
         instructions = conversation[:k]
-        prefix = prefixes.ids(tokenizer, instructions) if prefixes is not None else _render_alone(tokenizer, instructions)
+        prefix = (prefixes.ids(tokenizer, instructions, prompt_ids) if prefixes is not None
+                  else _render_alone(tokenizer, instructions))
     except Exception:  # any template or tokenizer failure: no boundary
         return InstructionBoundary(None, BoundaryRejection.RENDER_ERROR)
-    if 0 < len(prefix) < len(prompt_ids) and tuple(prompt_ids[: len(prefix)]) == prefix:
+    if _is_proper_prefix(prefix, prompt_ids):
         return InstructionBoundary(len(prefix))
     return InstructionBoundary(None, BoundaryRejection.NOT_A_PREFIX)

@@ -203,19 +203,28 @@ def test_remembered_instructions_give_the_boundary_without_rendering_them_again(
     assert tokenizer.alone == 4
 
 
-def test_a_remembered_rendering_that_no_longer_matches_gives_no_boundary(base_tokenizer):
+def test_a_remembered_rendering_that_no_longer_matches_is_rendered_again(base_tokenizer):
     """A template whose output changed since the instructions were remembered (here: the
-    system block's date line) fails the token-for-token check: no boundary, never a wrong
-    one. A template error is not remembered."""
+    system block's date line, past midnight) is not trusted: the instructions are rendered
+    again and remembered anew, so that request and the next ones get the boundary a render
+    without InstructionPrefixes gives (an application's instructions, asked for every request,
+    would otherwise never leave the memory and lose their boundary for good). A template that
+    never gives a boundary gives none with it either. A template error is not remembered."""
     prefixes = InstructionPrefixes()
     template = DATE_TEMPLATE.replace("messages | length > 1", "true")  # the date line always
     yesterday = with_template(base_tokenizer, template)
     conversation = messages(("system", SYSTEM), ("user", USER))
     assert render_chat(yesterday, conversation, prefixes).instruction_boundary is not None
-    today = with_template(base_tokenizer, template.replace("2026-01-01", "2026-01-02"))
-    prompt = render_chat(today, conversation, prefixes)
-    assert prompt.instruction_boundary is None
-    assert prompt.boundary_rejection == BoundaryRejection.NOT_A_PREFIX.value
+    today = CountingTemplate(with_template(base_tokenizer, template.replace("2026-01-01", "2026-01-02")))
+    want = render_chat(today.tokenizer, conversation)
+    assert want.instruction_boundary is not None
+    assert [render_chat(today, conversation, prefixes) for _ in range(3)] == [want] * 3
+    assert today.alone == 1 and len(prefixes) == 1  # rendered again once, then remembered
+    merging = with_template(base_tokenizer, MERGING_TEMPLATE)
+    for _ in range(2):
+        prompt = render_chat(merging, conversation, prefixes)
+        assert prompt == render_chat(merging, conversation)
+        assert prompt.boundary_rejection == BoundaryRejection.NOT_A_PREFIX.value
     failing, before = with_template(base_tokenizer, NEEDS_USER_TEMPLATE), len(prefixes)
     other = messages(("system", "New."), ("user", USER))
     dicts = [m.model_dump(exclude_none=True) for m in other]
