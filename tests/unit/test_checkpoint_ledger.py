@@ -94,7 +94,6 @@ def test_reserve_checks_blocks_and_budget():
     assert [pool.ref_count(b) for b in (blocks[0], blocks[1], 15)] == [1, 1, 0]  # nothing changed
 
 
-
 def test_sharing_a_free_block_changes_no_count():
     """BlockPool.share checks every block before it adds a reference to any."""
     pool = BlockPool(8)
@@ -105,6 +104,7 @@ def test_sharing_a_free_block_changes_no_count():
     pool.share(blocks)
     assert [pool.ref_count(b) for b in blocks] == [2, 2, 2] and pool.all_allocated(blocks)
     assert not pool.all_allocated([blocks[0], 7]) and pool.all_allocated([])
+
 
 def test_lookup_pins_and_pinned_bundles_are_never_evicted():
     pool, ledger = make_ledger(budget=30)
@@ -189,7 +189,9 @@ def test_a_block_stays_allocated_while_any_bundle_references_it():
     pool.share(list(hit.block_ids))
     ledger.unpin(a)
     b = ledger.reserve(NS, [1, 2, 3, 4, 5, 6], RESPONSE, 10, request_blocks)
+    assert ledger.num_blocks_held_alone() == 0  # the request still holds all three
     pool.release(request_blocks)
+    assert ledger.num_blocks_held_alone() == 3
     pending = ledger.reserve(NS, [1, 2, 9], PROMPT, 10, hit.block_ids[:1])
     assert ledger.publish(b, {0}, world_size=1) is PublishOutcome.PUBLISHED
     shared = hit.block_ids[0]
@@ -198,11 +200,13 @@ def test_a_block_stays_allocated_while_any_bundle_references_it():
     assert ledger.evict_lru() == a
     ledger.publish(pending, set(), world_size=1)  # abandoned: dropped
     assert ledger.bundles_for_block(shared) == {b} and pool.ref_count(shared) == 1
+    assert ledger.num_blocks_held_alone() == 3
     assert shared not in pool.allocate(pool.num_free)  # every free block, but not this one
     assert ledger.lookup(NS, [1, 2, 3, 4, 5, 6]).bundle_id == b
     ledger.unpin(b)
     assert ledger.evict_lru() == b
     assert pool.ref_count(shared) == 0 and ledger.bundles_for_block(shared) == frozenset()
+    assert ledger.num_blocks_held_alone() == 0
     assert ledger.bytes_held == 0 and len(ledger) == 0
     assert ledger.counters[PROMPT].evicted == 1 and ledger.counters[RESPONSE].evicted == 1
     assert ledger.counters[PROMPT].dropped == 1
@@ -396,6 +400,8 @@ class LedgerMachine(RuleBasedStateMachine):
         for block in range(NUM_BLOCKS):
             assert self.pool.ref_count(block) == holders[block] >= 0
             assert self.ledger.bundles_for_block(block) == {b for b, r in bundles.items() if block in r.blocks}
+        # every reference in this pool is a bundle's: each referenced block is held alone
+        assert self.ledger.num_blocks_held_alone() == len(+holders)
 
     @invariant()
     def ledger_matches_model(self):
