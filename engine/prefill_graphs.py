@@ -39,9 +39,9 @@ from engine.request import PENDING_TOKEN
 from engine.step_io import CaptureOp, ScheduledChunk
 
 
-# Every 64 rows up to 512, then 1.25x: a chunk over 256 tokens pads by at most a quarter of
-# its length (a user message after a restored instruction checkpoint is usually 50-500 tokens;
-# a short chat prompt under 1,024). With the earlier 1.5x steps (..., 256, 384, 512) the H200
+# Every 64 rows up to 512, then every 128 (at most 1.25x apart): a chunk over 256 tokens pads
+# by at most a quarter of its length (a user message after a restored instruction checkpoint
+# is usually 50-500 tokens; a short chat prompt under 1,024). With the earlier 1.5x steps (..., 256, 384, 512) the H200
 # sweep at 8,000 instruction tokens (benchmarks/results/bench/gpu-instruction-sweep) took
 # TTFT p50 about 5.5 ms for user parts of up to 256 tokens and 6.9 ms for 257-384: its median
 # request sat just past 256, padded to 384.
