@@ -11,7 +11,8 @@ Position 0 has no pair: nothing is written there and the head's attention reads 
 position 1 on (SequenceChunk.first_key). RoPE turns the row for position q by q - 1, the
 position of its hidden row (vLLM's convention; only differences of positions matter).
 
-Per step, on the PyTorch path:
+Per step, on the PyTorch path and on CUDA alike (there through each batch's GpuBatchPlan, its
+attention in the paged kernels with first_key 1; the drafts stay on the device until collect):
 
 1. `extend`, after the model's forward: for every computed chunk [s, e), the head's rows for
    positions max(s, 1) .. e - 1, h_{s-1} being the request's last hidden row before the chunk
