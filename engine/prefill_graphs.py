@@ -63,9 +63,9 @@ class PrefillGraphRunner:
     # Packed input buffer: (4, Tmax) per-row fields, then the scalars, then the (M,) block table.
     _IDS, _POSITIONS, _KV_SLOTS, _TOKEN_CHUNK = range(4)
     _NUM_ROW_FIELDS = 4
-    # Scalars: cu_seqlens (3), chunk slots (2), chunk resets (2), start position, length, last row.
-    _CU, _SLOTS, _RESETS, _START, _LENGTH, _LAST = 0, 3, 5, 7, 8, 9
-    _NUM_SCALARS = 10
+    # Scalars: cu_seqlens (3), chunk slots (2), chunk resets (2), start position, length.
+    _CU, _SLOTS, _RESETS, _START, _LENGTH = 0, 3, 5, 7, 8
+    _NUM_SCALARS = 9
 
     def __init__(self, model, caches: ModelCaches, sizes: tuple[int, ...], scratch: GraphScratch) -> None:
         self.model, self.caches, self.block_size = model, caches, caches.block_size
@@ -86,7 +86,7 @@ class PrefillGraphRunner:
         self._replayed = torch.cuda.Event()  # the last replay (its input copy too) has finished
         self._replayed.record()
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[int, torch.Tensor] = {}  # size -> (1, D) hidden of the last real row
+        self._outputs: dict[int, torch.Tensor] = {}  # size -> its hidden rows (size, D)
         self.replays = 0  # prefill steps served by a graph (for tests and benchmarks)
         self.capture_seconds = 0.0
 
@@ -105,8 +105,10 @@ class PrefillGraphRunner:
     def run(
         self, chunks: list[ScheduledChunk], in_pass: Sequence[CaptureOp], sampled: SampledTokens
     ) -> RouteOutput:
-        """forward() of the one chunk as a route (it holds no pending token)."""
-        return RouteOutput(self.forward(chunks[0])[None], (0,))
+        """The one chunk's prefill as a route (it holds no pending token): every real row's
+        hidden, which the MTP drafter reads (engine/speculative/mtp.py), not the last alone."""
+        n = len(chunks[0].token_ids)
+        return RouteOutput(self._replay(chunks[0])[:n], (n - 1,))
 
     def capture(self) -> None:
         """Capture every size, largest first, into one memory pool, each run eagerly once first
@@ -127,8 +129,8 @@ class PrefillGraphRunner:
         self.capture_seconds = time.perf_counter() - started
 
     def _forward(self, size: int) -> torch.Tensor:
-        """The model's forward over the static inputs padded to `size` rows; returns the hidden
-        row of the chunk's last real token, (1, D)."""
+        """The model's forward over the static inputs padded to `size` rows; returns its hidden
+        rows, (size, D)."""
         rows = self._inputs[: self._scalars_at].view(self._NUM_ROW_FIELDS, self.max_rows)[:, :size]
         scalars = self._inputs[self._scalars_at : self._table_at]
         table = self._inputs[self._table_at :].view(1, self.max_blocks)
@@ -147,20 +149,24 @@ class PrefillGraphRunner:
             scan_bounds=self._scan_bounds[size],
             arange=self._arange,
         )
-        hidden = self.model(batch, self.caches, gpu_plan=plan)  # (size, D)
-        return hidden.index_select(0, scalars[self._LAST : self._LAST + 1])
+        return self.model(batch, self.caches, gpu_plan=plan)
 
     def forward(self, chunk: ScheduledChunk) -> torch.Tensor:
         """The prefill of the one chunk (accepts() must hold): the same cache writes as the
         eager pass; returns the hidden row of its last token, (D,): a view of the graph's
         output, valid until the next forward (as the decode graphs' outputs are)."""
+        return self._replay(chunk)[len(chunk.token_ids) - 1]
+
+    def _replay(self, chunk: ScheduledChunk) -> torch.Tensor:
+        """Replay the graph of the smallest size that holds `chunk`; returns its output, the
+        hidden rows (size, D), of which the first len(chunk.token_ids) are the chunk's."""
         size = next(s for s in self.sizes if s >= len(chunk.token_ids))
         self._replayed.synchronize()  # the host buffer is free: usually long done
         self._fill(chunk, size)
         self._graphs[size].replay()
         self._replayed.record()
         self.replays += 1
-        return self._outputs[size][0]
+        return self._outputs[size]
 
     def _fill(self, chunk: ScheduledChunk | None, size: int) -> None:
         """The host buffer for `chunk` padded to `size` rows (None: padding only, at the
@@ -193,7 +199,6 @@ class PrefillGraphRunner:
         scalars[self._RESETS : self._RESETS + 2] = (1 if chunk is None else int(chunk.reset_state), 1)
         scalars[self._START] = start
         scalars[self._LENGTH] = n
-        scalars[self._LAST] = max(n - 1, 0)
 
 
 __all__ = ["PrefillGraphRunner", "prefill_graph_sizes"]
