@@ -168,7 +168,8 @@ def _check_paged_decode(device, dtype, seq_lens, num_splits, first_key=0):
             query[row : row + 1].float(), key_cache.float(), value_cache.float(),
             torch.tensor(blocks, device=device), n - 1, scale, first_key=first_key,
         )
-        assert relative_error(out[row : row + 1], ref) < 1e-2, f"row {row}"
+        tol = 1e-5 if dtype == torch.float32 else 1e-2  # fp32: IEEE dots, no tf32
+        assert relative_error(out[row : row + 1], ref) < tol, f"row {row}"
     assert torch.isnan(out[[0, 4]]).all(), "a non-decode row was written"
 
 

@@ -99,7 +99,7 @@ def _paged_decode_kernel(
     num_splits,
     first_key,  # keys first_key .. seq_len - 1 are read (first_key < every seq_len)
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
-    KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     release_next(USE_PDL)
@@ -127,13 +127,13 @@ def _paged_decode_kernel(
         offsets = block * stride_kb + (tok % KV_BLOCK) * stride_ko + kv_head * stride_kh
         k = tl.load(k_ptr + offsets[:, None] + d[None, :], mask=t_mask[:, None], other=0.0)
         v = tl.load(v_ptr + offsets[:, None] + d[None, :], mask=t_mask[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale_log2  # (BLOCK_G, BLOCK_N) fp32, log2 units
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # (BLOCK_G, BLOCK_N) fp32, log2 units
         s = tl.where(t_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))  # finite: every tile holds a key
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m - m_new)
         l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
     if SPLIT:  # unnormalised partial; a split with no keys leaves m = -inf, l = 0, acc = 0
         part = out_ptr + split * stride_split + i * stride_ot
@@ -227,7 +227,9 @@ def paged_attention_decode(
         rows, seq_lens, block_table, block_table.stride(0),
         scale * 1.4426950408889634, num_splits, first_key,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        KV_BLOCK=block_size, BLOCK_N=64, SPLIT=split, **launch_options(),
+        KV_BLOCK=block_size, BLOCK_N=64, SPLIT=split,
+        PRECISION="ieee" if query.dtype == torch.float32 else "tf32",  # as the prefill kernel
+        **launch_options(),
     )
     if split:
         _decode_combine_kernel[(num_decode, num_heads)](
