@@ -18,10 +18,13 @@ NAME = "ngram"
 class NgramDrafter:
     """Proposes drafts from the request's own tokens (prompt and output so far).
 
-    For n from max_ngram down to min_ngram: find the latest position where the last n tokens
-    occurred before (not the suffix itself), and propose the tokens that followed it there,
-    at most num_drafts and never past the end of the context. Longer matches win; among equal
-    lengths the latest occurrence wins. Pure Python, deterministic, no state.
+    For n from max_ngram down to min_ngram: find the positions where the last n tokens
+    occurred before (not the suffix itself), and propose the tokens that followed one of them,
+    at most num_drafts and never past the end of the context. Longer matches win; among
+    equal lengths the latest occurrence followed by num_drafts tokens, else the one followed
+    by the most (the earliest): in a run that repeats itself (x x x x, or a loop of a few
+    tokens) the latest occurrence ends one token before the context does. Pure Python,
+    deterministic, no state.
     """
 
     max_ngram: int = 3
@@ -42,10 +45,15 @@ class NgramDrafter:
         tokens = list(token_ids)
         for n in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
             suffix = tokens[length - n :]
+            followed = None  # the tokens after the latest match seen so far (the earliest: the most)
             # a match starting at `start` must leave at least one token after it
             for start in range(length - n - 1, -1, -1):
                 if tokens[start : start + n] == suffix:
-                    return tuple(tokens[start + n : start + n + num_drafts])
+                    followed = tokens[start + n : start + n + num_drafts]
+                    if len(followed) == num_drafts:
+                        break
+            if followed is not None:
+                return tuple(followed)
         return ()
 
     def draft(self, request: Request, proposal: DraftProposal | None, num_drafts: int) -> tuple[int, ...]:

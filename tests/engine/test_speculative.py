@@ -40,7 +40,7 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0)
 # ----------------------------------------------------------------- drafter and acceptance rule
 
 
-def test_ngram_drafter_proposes_what_followed_the_latest_longest_match():
+def test_ngram_drafter_proposes_what_followed_the_longest_match():
     drafter = NgramDrafter(max_ngram=3, min_ngram=1)
     # "7 8" occurred twice; the latest occurrence (followed by 1 2) wins
     assert drafter.propose([7, 8, 5, 6, 7, 8, 1, 2, 9, 7, 8], 2) == (1, 2)
@@ -50,6 +50,10 @@ def test_ngram_drafter_proposes_what_followed_the_latest_longest_match():
     assert drafter.propose([1, 2, 3, 1, 2], 5) == (3, 1, 2)
     assert drafter.propose([1, 2, 3], 3) == ()
     assert drafter.propose([5, 5], 3) == (5,)
+    # a run repeating itself: the latest match leaves one token, an earlier one the full three
+    assert drafter.propose([3, 3, 3, 3, 3, 3], 3) == (3, 3, 3)
+    assert drafter.propose([9, 1, 2, 1, 2, 1, 2, 1, 2], 4) == (1, 2, 1, 2)  # the latest: (1, 2)
+    assert drafter.propose([4, 1, 2, 4, 1, 2, 6, 4, 1, 2], 2) == (6, 4)  # the latest is long enough
     assert drafter.propose([1, 2, 1], 0) == ()
     assert drafter.propose([], 2) == () and drafter.propose([4], 2) == ()
     assert NgramDrafter(max_ngram=2, min_ngram=2).propose([1, 2, 3, 9, 2], 2) == ()
