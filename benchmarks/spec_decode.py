@@ -89,6 +89,9 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], params: SamplingParam
             tokens[out.request_id] += out.new_token_ids
         if started is None and all(tokens.values()):
             started, at_start = time.perf_counter(), sum(map(len, tokens.values()))
+    if started is None:
+        empty = sorted(rid for rid, got in tokens.items() if not got)
+        raise RuntimeError(f"requests {empty} finished without a token: no decode rate to take")
     seconds = time.perf_counter() - started
     after = engine.stats().speculation
     proposed = after.draft_tokens_proposed - before.draft_tokens_proposed
