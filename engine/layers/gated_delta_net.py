@@ -225,6 +225,20 @@ class GatedDeltaNet(ShardedModule):
         y, new_state = gated_delta_rule_step(q, k, v, g, beta, recurrent_state, self.scale)
         return y, new_conv_state, new_state
 
+    def kernel_inputs(
+        self, qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor,  # (n, C) post-conv, (n, Hv) x2
+    ) -> tuple[torch.Tensor, ...]:
+        """The CUDA kernels' inputs (engine/kernels/gpu/gated_delta_rule.py): q, k (n, Hk, dk)
+        raw views (the kernels normalise them and expand them to the value heads), v (n, Hv,
+        dv), g (n, Hv) fp32 log decay, beta (n, Hv) fp32."""
+        n = qkv.shape[0]
+        q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(n, self.num_key_heads, self.key_head_dim)
+        k = k.reshape(n, self.num_key_heads, self.key_head_dim)
+        v = v.reshape(n, self.num_value_heads, self.value_head_dim)
+        g = -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias.float())  # (n, Hv)
+        return q, k, v, g, b.float().sigmoid()
+
     def mix_chunks_gpu(
         self,
         qkv: torch.Tensor,  # (T, C), pre-conv
@@ -245,14 +259,23 @@ class GatedDeltaNet(ShardedModule):
         recurrent (Sc, Hv, dk, dv) fp32) receive the states at the in-pass captures: the conv
         state read before the conv kernel moves the slots on (in_pass_capture.
         capture_conv_states), the recurrent state from the chunked kernel run in two calls
-        (engine/kernels/gpu/delta_rule_capture.py)."""
+        (engine/kernels/gpu/delta_rule_capture.py).
+
+        With plan.verification (speculative verification chunks; never with plan.in_pass):
+        engine/speculative/verify_gpu.py mix_delta_rule_verification_gpu, the other chunks
+        through this method over plan.verification.rest, the verification chunks position by
+        position with plain decoding's kernels, their own slots only read and the states after
+        their positions left in their scratch slots."""
+        if plan.verification is not None:
+            from engine.speculative.verify_gpu import mix_delta_rule_verification_gpu
+
+            return mix_delta_rule_verification_gpu(self, qkv, b, a, conv_state, recurrent_state, plan.verification)
         from engine.kernels.gpu.conv import causal_conv1d_varlen
         from engine.kernels.gpu.gated_delta_rule import (
             gated_delta_rule_decode, gated_delta_rule_prefill, gated_delta_rule_prefill_with_captures,
         )
         from engine.kernels.gpu.in_pass_capture import capture_conv_states
 
-        T = qkv.shape[0]
         in_pass = plan.in_pass
         if in_pass is not None:  # before the conv kernel overwrites the old conv states
             capture_conv_states(qkv, conv_state, in_pass.splits, captures[0])
@@ -260,12 +283,7 @@ class GatedDeltaNet(ShardedModule):
             qkv, conv_state, self.conv1d.weight[:, 0, :], None, plan.cu_seqlens, plan.chunk_slot,
             plan.chunk_reset, plan.token_chunk, apply_silu=True,
         )
-        q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = q.reshape(T, self.num_key_heads, self.key_head_dim)
-        k = k.reshape(T, self.num_key_heads, self.key_head_dim)
-        v = v.reshape(T, self.num_value_heads, self.value_head_dim)
-        g = -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias.float())  # (T, Hv)
-        beta = b.float().sigmoid()  # (T, Hv)
+        q, k, v, g, beta = self.kernel_inputs(qkv, b, a)
         # rows no kernel writes (a graph's padding) must hold finite values: zeros there
         y = torch.zeros_like(v)
         if plan.num_decode:

@@ -1,5 +1,5 @@
-"""Verification chunks on CUDA: the verification route of one CUDA device and the Mamba2
-mixer's part of it (docs/design.md section 10).
+"""Verification chunks on CUDA: the verification route of one CUDA device and the recurrent
+mixers' part of it, Mamba2's and the gated delta-net's (docs/design.md section 10).
 
 A verification chunk is the request's last token and its k drafts, n = k + 1 tokens. The
 scheduler has settled nothing yet, so the chunk must leave the request's own state slot as
@@ -23,6 +23,13 @@ here every verification chunk of the step runs at once:
   concatenation [old window | the chunk's inputs] (position_conv_windows), and after the n
   launches each scratch slot gets its window after position i. The request's slot is only
   read (index_select).
+- Gated delta-net (mix_delta_rule_verification_gpu): the same split, and for each position i
+  plain decoding's own two kernels over position i of every chunk as one-token chunks on
+  scratch slot i: the varlen causal conv (engine/kernels/gpu/conv.py, which also moves the
+  slot's window on) and fla-core's one-token recurrent kernel (engine/kernels/gpu/
+  gated_delta_rule.py gated_delta_rule_decode). Scratch slot i first receives the conv
+  window and the recurrent state before position i, both copied from the request's slot
+  (i = 0) or from scratch slot i - 1; the request's slot is only read.
 
 The decode kernel updates the SSM state of the slot it reads, so each position costs one
 state copy (index_select + index_copy_, PyTorch) before its launch; a kernel reading one slot
@@ -42,7 +49,6 @@ copied with the plan; the forward does not wait for the device. A step of verifi
 chunks only replays a CUDA graph instead (verify_graphs.py, the same mixer path over static
 buffers); this route takes the others. In-pass captures are off when speculation is on (the
 Worker turns CacheCapacity.in_pass_capture off): a step with one is refused here.
-Gated delta-net models are refused on CUDA (no GPU verification for its mixer yet).
 """
 
 from __future__ import annotations
@@ -57,12 +63,12 @@ from engine.forward_batch import ForwardBatch, ModelCaches
 from engine.forward_routes import EagerPass, RouteOutput, SampledTokens
 from engine.host_index import int64_array, to_device
 from engine.kernels.gpu.batch_plan import GpuBatchPlan, build_gpu_batch_plan
-from engine.model_config import ATTENTION, MAMBA, MLP, MOE
+from engine.model_config import ATTENTION, GATED_DELTA_NET, MAMBA, MLP, MOE
 from engine.speculative.verify import VerificationScratch
 from engine.step_io import CaptureOp, ScheduledChunk
 
-# Layer kinds the CUDA verification route runs (the gated delta-net verifies on the CPU only).
-GPU_VERIFIABLE_LAYER_KINDS = (ATTENTION, MAMBA, MLP, MOE)  # MLP and MoE blocks hold no state
+# Layer kinds the CUDA verification route runs (every kind the CPU path verifies).
+GPU_VERIFIABLE_LAYER_KINDS = (ATTENTION, MAMBA, GATED_DELTA_NET, MLP, MOE)  # MLP and MoE blocks hold no state
 
 
 def check_verifiable_on_gpu(layer_types: Sequence[str]) -> None:
@@ -71,7 +77,7 @@ def check_verifiable_on_gpu(layer_types: Sequence[str]) -> None:
     if unsupported:
         raise ValueError(
             f"num_speculative_tokens > 0 on cuda: this model's {unsupported} layers cannot verify "
-            "drafts on the GPU yet (Mamba2 and attention can); set num_speculative_tokens to 0 "
+            "drafts on the GPU yet (Mamba2, gated delta-net and attention can); set num_speculative_tokens to 0 "
             "or run on the CPU")
 
 
@@ -128,14 +134,16 @@ def verification_index(
 
 @dataclass(frozen=True)
 class VerificationPlan:
-    """The Mamba2 mixers' view of a step with verification chunks (GpuBatchPlan.verification),
+    """The recurrent mixers' view of a step with verification chunks (GpuBatchPlan.verification),
     device tensors of a VerificationIndex.
 
     rest: the plan of the step's other chunks, rows [0, num_rest_rows) (None when there are
     none); rows (n, V) and scratch_slots (n, V); source_slots (V,); for each position i,
     position_rows[i], position_slots[i] (scratch slot i) and position_sources[i] (the slot
     holding the state before position i: the request's for i = 0, scratch slot i - 1 after),
-    each (active[i],) and 16-byte aligned (to_device); no_reset (V,) zeros."""
+    each (active[i],) and 16-byte aligned (to_device); no_reset (V,) zeros; chunk_bounds
+    (V + 1,) 0, 1, .., V: its first a + 1 are the cu_seqlens, its first a the token_chunk,
+    of a one-token chunks (the varlen conv's arguments for one position)."""
 
     rest: GpuBatchPlan | None
     num_rest_rows: int
@@ -146,6 +154,7 @@ class VerificationPlan:
     position_slots: tuple[torch.Tensor, ...]
     position_sources: tuple[torch.Tensor, ...]
     no_reset: torch.Tensor
+    chunk_bounds: torch.Tensor
 
 
 def build_verification_plan(index: VerificationIndex, rest: GpuBatchPlan | None, num_rest_rows: int,
@@ -156,14 +165,14 @@ def build_verification_plan(index: VerificationIndex, rest: GpuBatchPlan | None,
     for i, active in enumerate(index.active):
         source = index.source_slots if i == 0 else index.scratch_slots[i - 1]
         per_position += [index.rows[i, :active], index.scratch_slots[i, :active], source[:active]]
-    rows, scratch, sources, no_reset, *positions = to_device(
+    rows, scratch, sources, no_reset, bounds, *positions = to_device(
         [index.rows.ravel(), index.scratch_slots.ravel(), index.source_slots,
-         np.zeros(num_chunks, dtype=np.int64), *per_position], device)
+         np.zeros(num_chunks, dtype=np.int64), np.arange(num_chunks + 1, dtype=np.int64), *per_position], device)
     return VerificationPlan(
         rest=rest, num_rest_rows=num_rest_rows, rows=rows.view(n, num_chunks),
         scratch_slots=scratch.view(n, num_chunks), source_slots=sources,
         position_rows=tuple(positions[0::3]), position_slots=tuple(positions[1::3]),
-        position_sources=tuple(positions[2::3]), no_reset=no_reset,
+        position_sources=tuple(positions[2::3]), no_reset=no_reset, chunk_bounds=bounds,
     )
 
 
@@ -223,9 +232,54 @@ def mix_verification_gpu(
     return y, x.view(T, H * P)
 
 
+def mix_delta_rule_verification_gpu(
+    mixer,  # engine.layers.gated_delta_net.GatedDeltaNet
+    qkv: torch.Tensor,  # (T, C) pre-conv, unit channel stride
+    b: torch.Tensor,  # (T, Hv)
+    a: torch.Tensor,  # (T, Hv)
+    conv_state: torch.Tensor,  # (num_slots, C, K-1): rest slots and scratch slots written
+    recurrent_state: torch.Tensor,  # (num_slots, Hv, dk, dv) fp32: rest slots and scratch slots written
+    plan: VerificationPlan,
+    conv_step: Callable[..., torch.Tensor] | None = None,  # causal_conv1d_varlen's signature; None: it
+    rule_step: Callable[..., torch.Tensor] | None = None,  # gated_delta_rule_decode's; None: it
+    mix_rest: Callable[..., torch.Tensor] | None = None,  # mixer.mix_chunks_gpu's; None: it
+) -> torch.Tensor:
+    """GatedDeltaNet.mix_chunks_gpu for a step with verification chunks (module docstring):
+    rows [0, num_rest_rows) through mix_rest over plan.rest; then for each position i, scratch
+    slot i gets the conv window and the recurrent state before position i (index_copy_ from
+    position_sources[i]: the request's slot, only read, or scratch slot i - 1), and plain
+    decoding's two kernels run over position i of every chunk still that long, as one-token
+    chunks on scratch slot i, never reset: conv_step (which leaves the window after position i
+    in the slot) and rule_step (the state after position i). Returns y (T, Hv, dv) in qkv's
+    dtype, as mix_chunks_gpu; a scratch slot past a chunk's length is not touched."""
+    if conv_step is None:
+        from engine.kernels.gpu.conv import causal_conv1d_varlen as conv_step
+    if rule_step is None:
+        from engine.kernels.gpu.gated_delta_rule import gated_delta_rule_decode as rule_step
+    if mix_rest is None:
+        mix_rest = mixer.mix_chunks_gpu
+    T = qkv.shape[0]
+    y = qkv.new_zeros(T, mixer.num_value_heads, mixer.value_head_dim)
+    rest_rows = plan.num_rest_rows
+    if plan.rest is not None:
+        y[:rest_rows] = mix_rest(qkv[:rest_rows], b[:rest_rows], a[:rest_rows], conv_state, recurrent_state, plan.rest)
+    weight = mixer.conv1d.weight[:, 0, :]  # (C, K)
+    for rows, slots, sources in zip(plan.position_rows, plan.position_slots, plan.position_sources):
+        active = rows.shape[0]
+        bounds, no_reset = plan.chunk_bounds[: active + 1], plan.no_reset[:active]
+        # scratch slot i: the states before position i
+        conv_state.index_copy_(0, slots, conv_state.index_select(0, sources))
+        recurrent_state.index_copy_(0, slots, recurrent_state.index_select(0, sources))
+        conv_out = conv_step(qkv.index_select(0, rows), conv_state, weight, None, bounds, slots, no_reset,
+                             bounds[:-1], apply_silu=True)  # (active, C)
+        q, k, v, g, beta = mixer.kernel_inputs(conv_out, b.index_select(0, rows), a.index_select(0, rows))
+        y.index_copy_(0, rows, rule_step(q, k, v, g, beta, mixer.scale, recurrent_state, slots, no_reset))
+    return y
+
+
 class GpuVerifyPass(EagerPass):
     """A step with verification chunks (num_draft_tokens > 0) on one CUDA device: the eager
-    pass over the chunks reordered (verification_order), its plan extended with the Mamba2
+    pass over the chunks reordered (verification_order), its plan extended with the recurrent
     mixers' VerificationPlan (module docstring). Takes any such step without in-pass captures
     (ValueError with one: speculation turns them off)."""
 

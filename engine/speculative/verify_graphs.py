@@ -1,17 +1,19 @@
 """CUDA graphs of verification steps (issue 25, point 4): a step whose every chunk is a
 verification chunk replays a captured forward pass instead of launching the eager route's
 kernels one by one (engine/speculative/verify_gpu.py: about three launches per position and
-Mamba2 layer, plus attention's and the MLPs').
+Mamba2 layer, about six per position and gated delta-net layer, plus attention's and the
+MLPs').
 
 One graph per batch size b (VERIFY_GRAPH_BATCH_SIZES up to the step's sequences), each over
 b chunks of n = k + 1 rows: chunk v owns rows v n .. v n + n - 1. A chunk with fewer drafts is
 padded to n rows, and the step to b chunks; padding reads and writes only what no request
 owns or what its own chunk owns and never commits:
 - a padded row of a real chunk writes its K/V into the graph scratch block (its kv slot), and
-  its Mamba2 states into its own scratch slots past its length (the chunk's n are allocated);
+  its recurrent states into its own scratch slots past its length (the chunk's n are allocated);
   no real row attends to it (attention is causal, and its key is not in the chunk's table);
 - a padding chunk (v >= the step's chunks) has the graph scratch slot as its state slot and
-  as every scratch slot, the scratch block as every block, position 0 on.
+  as every scratch slot, the scratch block as every block, position 0 on (several padding
+  chunks then share that slot: what they leave there is junk no request reads).
 The graphs' plan (batch_plan.verification_only_plan) is built once over static device
 buffers; each step's inputs are packed on the host (VerifyInputStaging, pure numpy) and copied
 into them from pageable memory, which the driver has read when the copy returns, so the host
@@ -182,6 +184,7 @@ class VerifyGraphRunner:
             rest=None, num_rest_rows=0, rows=rows, scratch_slots=scratch, source_slots=slots,
             position_rows=tuple(rows[i] for i in range(n)), position_slots=tuple(scratch[i] for i in range(n)),
             position_sources=(slots, *(scratch[i] for i in range(n - 1))), no_reset=no_reset,
+            chunk_bounds=torch.arange(size + 1, dtype=torch.int64, device=device),
         )
         plan = verification_only_plan(cu, slots, no_reset, torch.full_like(slots, n), starts, table, n, verification)
         batch = ForwardBatch(input_ids=ids, positions=positions, slot_mapping=kv, chunks=(),

@@ -74,10 +74,14 @@ def test_position_conv_windows_are_the_windows_after_each_token():
         assert torch.equal(windows[j + 1], state)
 
 
-def test_gated_delta_net_models_are_refused_on_cuda():
+def test_every_kind_the_cpu_verifies_verifies_on_cuda():
+    from engine.speculative.verify import VERIFIABLE_LAYER_KINDS
+
     check_verifiable_on_gpu(("mamba", "attention", "mlp"))
+    check_verifiable_on_gpu(("gated_delta_net", "attention", "moe"))
+    check_verifiable_on_gpu(VERIFIABLE_LAYER_KINDS)
     with pytest.raises(ValueError, match="num_speculative_tokens"):
-        check_verifiable_on_gpu(("gated_delta_net", "attention"))
+        check_verifiable_on_gpu(("hybrid", "attention"))
 
 
 def _decode_step_reference(xBC, dt_raw, conv_state, weight, bias, dt_bias, A_log, limit, ssm_state,
@@ -182,7 +186,7 @@ def test_the_route_plans_the_other_chunks_apart_and_maps_rows_back():
     only_verifying = route.verification_plan(build_forward_batch([chunks[0]], 16, torch.device("cpu")), 0)
     assert only_verifying.rest is None and only_verifying.num_rest_rows == 0
     with pytest.raises(ValueError, match="num_speculative_tokens"):
-        GpuVerifyPass(SimpleNamespace(config=SimpleNamespace(layer_types=("gated_delta_net",))), caches,
+        GpuVerifyPass(SimpleNamespace(config=SimpleNamespace(layer_types=("hybrid",))), caches,
                       torch.device("cpu"), scratch)
 
 

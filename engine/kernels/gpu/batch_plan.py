@@ -118,7 +118,7 @@ class GpuBatchPlan:
     prefill_valid: torch.Tensor | None = None
     # In-pass captures of this step (engine/kernels/gpu/in_pass_capture.py); None: none.
     in_pass: InPassCapturePlan | None = None
-    # Speculative verification chunks of this step, for the Mamba2 mixers
+    # Speculative verification chunks of this step, for the recurrent mixers
     # (engine/speculative/verify_gpu.py); None: none. The other fields describe every chunk.
     verification: VerificationPlan | None = None
     first_key: int = 0
@@ -310,7 +310,7 @@ def verification_only_plan(
     """The plan of b speculative verification chunks of n rows each (row v n + i: position i of
     chunk v), over tensors the caller owns and refills in place (CUDA graph inputs,
     engine/speculative/verify_graphs.py): attention serves every chunk through the paged
-    prefill kernel (each continues from its cached KV), the Mamba2 mixers through
+    prefill kernel (each continues from its cached KV), the recurrent mixers through
     `verification`; no decode chunk, no scan."""
     num_chunks = chunk_slot.shape[0]
     num_rows = num_chunks * max_length
