@@ -28,19 +28,13 @@ pytestmark = [
 
 
 def test_qwen3_next_mtp_head_drafts_on_cuda_as_speculation_off(tmp_path):
-    from tests.gpu.test_speculative_gpu import _repeating_prompts, compare_chat_rounds_on_cuda
+    from tests.gpu.test_speculative_gpu import compare_with_repeating_prompts_on_cuda
 
     config = save_speculating_model(tmp_path / "qwen3_next_mtp")
     add_random_mtp_tensors(Path(config.model_dir), seed=7)
     config = replace(config, device="cuda", dtype="float32", speculative_drafter="mtp")
     off = LLMEngine(config)
     on = LLMEngine(replace(config, num_speculative_tokens=K))
-    repeating = _repeating_prompts(off, 3)
-    compare_chat_rounds_on_cuda(
-        off, on, 5, "float32", "qwen3_next mtp",
-        extra_jobs=lambda round_index: [(f"rep-{round_index}-{i}", p, None, "") for i, p in enumerate(repeating)])
-    stats = on.stats().speculation
-    assert stats.verification_chunks > 0 and stats.draft_tokens_accepted > 0
-    assert on.pool_usage().idle and off.pool_usage().idle
+    compare_with_repeating_prompts_on_cuda(off, on, 5, "float32", "qwen3_next mtp")
     off.shutdown()
     on.shutdown()

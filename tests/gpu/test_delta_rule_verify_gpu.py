@@ -73,18 +73,11 @@ def test_qwen3_next_greedy_outputs_equal_speculation_off_on_cuda(tmp_path):
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
     from tests.gpu.test_gated_delta_rule import random_model_dir
-    from tests.gpu.test_speculative_gpu import _repeating_prompts, compare_chat_rounds_on_cuda
+    from tests.gpu.test_speculative_gpu import compare_with_repeating_prompts_on_cuda
 
     model_dir = random_model_dir(tmp_path / "qwen3_next")
     config = EngineConfig(model_dir=str(model_dir), device="cuda", dtype="float32", max_model_len=512,
                           max_num_batched_tokens=128, kv_cache_bytes=32 << 20, state_cache_bytes=32 << 20)
     off = LLMEngine(config)
     on = LLMEngine(replace(config, num_speculative_tokens=3, speculative_drafter="ngram"))
-    repeating = _repeating_prompts(off, 3)
-    compare_chat_rounds_on_cuda(
-        off, on, 3, "float32", "qwen3_next",
-        extra_jobs=lambda round_index: [(f"rep-{round_index}-{i}", p, None, "") for i, p in enumerate(repeating)])
-    stats = on.stats().speculation
-    assert stats.verification_chunks > 0 and stats.draft_tokens_accepted > 0
-    assert sum(stats.acceptance_lengths) == stats.verification_chunks
-    assert on.pool_usage().idle and off.pool_usage().idle
+    compare_with_repeating_prompts_on_cuda(off, on, 3, "float32", "qwen3_next")

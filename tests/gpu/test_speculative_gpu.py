@@ -320,6 +320,20 @@ def compare_chat_rounds_on_cuda(
     return tally
 
 
+def compare_with_repeating_prompts_on_cuda(off: LLMEngine, on: LLMEngine, seed: int, dtype: str, label: str) -> None:
+    """compare_chat_rounds_on_cuda with three span-repeating prompts added to every round
+    (_repeating_prompts), then: drafts were verified and accepted, one acceptance length per
+    verification chunk, both engines' pools idle."""
+    repeating = _repeating_prompts(off, 3)
+    compare_chat_rounds_on_cuda(
+        off, on, seed, dtype, label,
+        extra_jobs=lambda round_index: [(f"rep-{round_index}-{i}", p, None, "") for i, p in enumerate(repeating)])
+    stats = on.stats().speculation
+    assert stats.verification_chunks > 0 and stats.draft_tokens_accepted > 0
+    assert sum(stats.acceptance_lengths) == stats.verification_chunks
+    assert on.pool_usage().idle and off.pool_usage().idle
+
+
 def _repeating_prompts(engine: LLMEngine, count: int) -> list[list[int]]:
     """P + C + P for random spans P, C the engine's greedy continuation of P (which the
     n-gram drafter then proposes after the second P)."""
@@ -340,14 +354,7 @@ def test_greedy_outputs_equal_speculation_off_on_cuda(dtype, label):
                               max_model_len=512, kv_cache_bytes=32 << 20, state_cache_bytes=32 << 20)
     off, on = LLMEngine(config), LLMEngine(replace(config, num_speculative_tokens=K))
     assert not on.scheduler.checkpoints.in_pass_capture  # speculation turns in-pass capture off
-    repeating = _repeating_prompts(off, 3)
-    compare_chat_rounds_on_cuda(
-        off, on, len(label), dtype, label,
-        extra_jobs=lambda round_index: [(f"rep-{round_index}-{i}", p, None, "") for i, p in enumerate(repeating)])
-    stats = on.stats().speculation
-    assert stats.verification_chunks > 0 and stats.draft_tokens_accepted > 0
-    assert sum(stats.acceptance_lengths) == stats.verification_chunks
-    assert on.pool_usage().idle and off.pool_usage().idle
+    compare_with_repeating_prompts_on_cuda(off, on, len(label), dtype, label)
 
 
 def test_repeating_prompts_accept_drafts_on_cuda():
