@@ -24,6 +24,7 @@ from deployments.ingress import OpenAIIngress
 from deployments.llm_server import LLMServer
 from deployments.renderer import Renderer
 from engine.cache_capacity import check_cache_budgets
+from engine.loader import check_cuda_shapes
 from engine.models.registry import load_model_config
 from engine.speculative.checks import check_speculation
 
@@ -38,13 +39,16 @@ def check_engine_config(config: AppConfig) -> None:
     when they start: a model_dir without config.json, a model family this engine does not
     run (engine/models/registry.py), a config key it refuses, head counts that cannot be split (or
     replicated) tensor_parallel_size ways, max_model_len beyond the model's context, cache
-    budgets that cannot hold one request (engine/cache_capacity.py), or speculative decoding
-    the model cannot run (engine/speculative/checks.py). Without this check Serve
+    budgets that cannot hold one request (engine/cache_capacity.py), speculative decoding
+    the model cannot run (engine/speculative/checks.py), or on CUDA shapes its kernels cannot
+    serve (engine/loader.py check_cuda_shapes). Without this check Serve
     would restart the failing replica again and again and the deploy would never finish."""
     try:
         model_config = load_model_config(config.engine.model_dir)
         check_cache_budgets(config.engine, model_config)
         check_speculation(config.engine, model_config)
+        if config.engine.device.startswith("cuda"):
+            check_cuda_shapes(model_config)
     except FileNotFoundError as exc:
         raise ValueError(f"invalid hybrid-serve app args: engine.model_dir: {exc}") from None
     except ValueError as exc:

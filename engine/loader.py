@@ -47,6 +47,8 @@ def load_model(
     """
     model_dir = Path(model_dir)
     config = load_model_config(model_dir)
+    if torch.device(device).type == "cuda":
+        check_cuda_shapes(config)
     family = model_family(config.model_type)
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
@@ -106,6 +108,16 @@ def load_model(
 # Bytes per element of the safetensors dtypes (for the progress bar's byte count).
 _DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2,
                 "I16": 2, "U16": 2}
+
+
+def check_cuda_shapes(config: HybridModelConfig) -> None:
+    """ValueError naming the key when the CUDA path's kernels cannot serve the model's shapes:
+    the paged attention kernels hold a whole head in one power-of-two tile, so an attention
+    head_dim must be a power of two (every published hybrid checkpoint's is: 64, 128, 256)."""
+    head_dim = config.head_dim
+    if config.attention_layers and head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim {head_dim}: the CUDA attention kernels need a power of two "
+                         "(this model runs on the CPU only)")
 
 
 def _checkpoint_bytes(source: SliceSource) -> int:

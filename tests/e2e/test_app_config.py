@@ -118,3 +118,22 @@ def test_speculation_the_model_cannot_run_fails_the_build_naming_the_key():
         build_app({"engine": {"num_speculative_tokens": 3, "speculative_drafter": "mtp"}})
     build_app({"engine": {"num_speculative_tokens": 3, "speculative_drafter": "mtp", "random_mtp_head_seed": 1}})
     build_app({"engine": {"num_speculative_tokens": 3, "speculative_drafter": "ngram"}})
+
+
+def test_a_head_dim_the_cuda_kernels_cannot_serve_fails_a_cuda_build_naming_the_key(tmp_path):
+    """The paged attention kernels need a power-of-two head_dim (engine/loader.py
+    check_cuda_shapes): a CUDA deploy of a model with head_dim 24 is refused naming the key,
+    before any replica starts; the same model deploys on the CPU, whose path has no such limit."""
+    import json
+    import shutil
+
+    from engine.config import DEFAULT_MODEL_DIR
+
+    model_dir = tmp_path / "head_dim_24"
+    shutil.copytree(DEFAULT_MODEL_DIR, model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "head_dim": 24}))
+    with pytest.raises(ValueError, match="head_dim 24: the CUDA attention kernels need a power of two"):
+        build_app({"engine": {"model_dir": str(model_dir), "device": "cuda"}})
+    build_app({"engine": {"model_dir": str(model_dir)}})
+    build_app({"engine": {"device": "cuda"}})  # the embedded model: a power of two

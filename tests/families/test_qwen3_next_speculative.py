@@ -49,10 +49,12 @@ def favour_four_tokens(reference: Qwen3NextForCausalLM, seed: int) -> None:
     reference.lm_head.weight[others] *= 0.05
 
 
-def save_speculating_model(directory: Path) -> EngineConfig:
-    """BASE with its LM head favouring four tokens (favour_four_tokens) saved in `directory`
-    with the embedded model's tokenizer: the engine configuration of it, speculation off."""
-    save_engine_model(Qwen3NextConfig, Qwen3NextForCausalLM, BASE, directory, perturb=favour_four_tokens)
+def save_speculating_model(directory: Path, **overrides) -> EngineConfig:
+    """BASE (with `overrides`) with its LM head favouring four tokens (favour_four_tokens)
+    saved in `directory` with the embedded model's tokenizer: the engine configuration of it,
+    speculation off."""
+    save_engine_model(Qwen3NextConfig, Qwen3NextForCausalLM, dict(BASE, **overrides), directory,
+                      perturb=favour_four_tokens)
     return EngineConfig(model_dir=str(directory), max_num_batched_tokens=40, max_num_seqs=8)
 
 
