@@ -35,7 +35,9 @@ def test_qwen3_next_drafts_on_cuda_as_speculation_off(tmp_path, drafter):
 
     config = save_speculating_model(tmp_path / "qwen3_next", head_dim=32)
     add_random_mtp_tensors(Path(config.model_dir), seed=7)
-    config = replace(config, device="cuda", dtype="float32", speculative_drafter=drafter)
+    # a budget of 128 (test_qwen3_next_speculative's 40 cuts the prompts into three times as many
+    # steps; at 40 neither drafter's run finished in 260 s on a fresh H100)
+    config = replace(config, device="cuda", dtype="float32", speculative_drafter=drafter, max_num_batched_tokens=128)
     off = LLMEngine(config)
     on = LLMEngine(replace(config, num_speculative_tokens=K))
     compare_with_repeating_prompts_on_cuda(off, on, 5, "float32", f"qwen3_next {drafter}")
