@@ -16,7 +16,9 @@ tokenizer, vocabulary cut as bench_gpu.py cuts it), in one process (no Ray).
     (B chunks of one token) at --context tokens of context, through engine.worker.Worker, each
     through its CUDA graph (engine/speculative/verify_graphs.py, engine/cuda_graphs.py) and
     eagerly (graphs detached; engine/speculative/verify_gpu.py), each the median wall time of
-    worker.execute (which waits for the step's tokens) over --repeats steps after warm-up.
+    worker.execute (which waits for the step's tokens) over --repeats steps after warm-up; the
+    same steps again with the MTP drafter (the random head), each chunk asking for drafts, which
+    prices the head's passes a step (the n-gram drafter's run in the scheduler, outside them).
 
 Prints a table and writes JSON to --out (rewritten after each row, "partial": true until the
 end, so a run cut short keeps its rows).
@@ -144,13 +146,21 @@ def engine_rows(model_dir: Path, args: argparse.Namespace, save) -> list[dict]:
     return rows
 
 
-def step_cost_rows(model_dir: Path, args: argparse.Namespace) -> list[dict]:
-    """The wall time of a verification step against a plain decode step, at each batch."""
+def step_cost_rows(model_dir: Path, args: argparse.Namespace, drafter: str) -> list[dict]:
+    """The wall time of a verification step against a plain decode step, at each batch. With
+    drafter "mtp" the worker drafts with the random head and every chunk asks for drafts
+    (propose_drafts), so each step also runs the head over its positions and k draft depths:
+    against the "ngram" rows (whose drafts come from the scheduler, not the worker) that is
+    what MTP drafting adds to a step."""
     from roofline.model import BLOCK_SIZE, chunk, sized_config
 
     k = args.k
     blocks_per_seq = -(-(args.context + k + 2) // BLOCK_SIZE)
     config = replace(engine_config(model_dir, args.quick), num_speculative_tokens=k)
+    proposing = {}
+    if drafter == "mtp":
+        config = replace(config, speculative_drafter="mtp", random_mtp_head_seed=MTP_HEAD_SEED)
+        proposing = {"propose_drafts": k, "sample": True}
     if not args.quick:
         config = sized_config(config, max(BATCHES), blocks_per_seq)
     worker = Worker(config)
@@ -165,13 +175,13 @@ def step_cost_rows(model_dir: Path, args: argparse.Namespace) -> list[dict]:
         drafts = {r: [rng.randrange(100, vocab) for _ in range(k)] for r in requests}
         last = {r: prompts[r][-1] for r in requests}
         steps = {
-            "decode_graph": SchedulerOutput(tuple(chunk(r, [last[r]], args.context, blocks_per_seq, False)
-                                                  for r in requests)),
+            "decode_graph": SchedulerOutput(tuple(replace(chunk(r, [last[r]], args.context, blocks_per_seq, False),
+                                                          **proposing) for r in requests)),
             "verify_graph": SchedulerOutput(tuple(replace(chunk(r, [last[r], *drafts[r]], args.context, blocks_per_seq, False),
-                                                    num_draft_tokens=k) for r in requests)),
+                                                          num_draft_tokens=k, **proposing) for r in requests)),
         }
         steps["decode_eager"], steps["verify_eager"] = steps["decode_graph"], steps["verify_graph"]
-        row = {"kind": "step_cost", "batch": batch, "k": k, "context": args.context}
+        row = {"kind": "step_cost", "drafter": drafter, "batch": batch, "k": k, "context": args.context}
         for name, step in steps.items():
             worker.decode_graphs = None if name == "decode_eager" else graphs
             worker.verify_graphs = None if name == "verify_eager" else verify_graphs
@@ -188,9 +198,10 @@ def step_cost_rows(model_dir: Path, args: argparse.Namespace) -> list[dict]:
         for verify in ("verify_graph", "verify_eager"):
             for decode in ("decode_graph", "decode_eager"):
                 row[f"{verify}_over_{decode}"] = row[f"{verify}_ms"] / row[f"{decode}_ms"]
-        print(f"batch {batch}: verify graph {row['verify_graph_ms']:.2f} ms, eager {row['verify_eager_ms']:.2f} ms; "
+        print(f"{drafter} batch {batch}: verify graph {row['verify_graph_ms']:.2f} ms, eager {row['verify_eager_ms']:.2f} ms; "
               f"decode graph {row['decode_graph_ms']:.2f} ms, eager {row['decode_eager_ms']:.2f} ms", flush=True)
         rows.append(row)
+    del worker
     return rows
 
 
@@ -204,9 +215,9 @@ def print_table(rows: list[dict], k: int) -> None:
     if cost:
         print()
         print(markdown_table(
-            ["batch", "verify ms (graph)", "verify ms (eager)", "decode ms (graph)", "decode ms (eager)",
+            ["drafter", "batch", "verify ms (graph)", "verify ms (eager)", "decode ms (graph)", "decode ms (eager)",
              "verify / decode (graphs)", "verify / decode (eager)"],
-            [[str(r["batch"]), f"{r['verify_graph_ms']:.3f}", f"{r['verify_eager_ms']:.3f}",
+            [[r.get("drafter", "ngram"), str(r["batch"]), f"{r['verify_graph_ms']:.3f}", f"{r['verify_eager_ms']:.3f}",
               f"{r['decode_graph_ms']:.3f}", f"{r['decode_eager_ms']:.3f}",
               f"{r['verify_graph_over_decode_graph']:.2f}", f"{r['verify_eager_over_decode_eager']:.2f}"]
              for r in cost]))
@@ -229,7 +240,8 @@ def main() -> None:
         model_dir = model_dir_of(argparse.Namespace(quick=args.quick), Path(tmp))
         print(f"model {model_dir} ({time.perf_counter() - t_start:.0f}s)", flush=True)
         for stage in (lambda: engine_rows(model_dir, args, lambda r: save(rows + r)),
-                      lambda: step_cost_rows(model_dir, args)):
+                      lambda: step_cost_rows(model_dir, args, "ngram"),
+                      lambda: step_cost_rows(model_dir, args, "mtp")):
             try:
                 rows += stage()
             except Exception:  # keep the rows of the stages that ran
