@@ -87,6 +87,19 @@ class DraftStart:
     hidden: torch.Tensor
 
 
+def _read_together(rows: Mapping[str, torch.Tensor]) -> dict[str, list[int]]:
+    """`rows` (1-D device tensors, by key) as lists on the host, copied in one transfer (one
+    wait on the device, not one per row)."""
+    if not rows:
+        return {}
+    flat = torch.cat(list(rows.values())).tolist()
+    lists, start = {}, 0
+    for key, row in rows.items():
+        lists[key] = flat[start : start + row.shape[0]]
+        start += row.shape[0]
+    return lists
+
+
 class MtpDrafter:
     """The head's passes over a step (module docstring). Request state slot s owns scratch
     blocks first_scratch_block + s * blocks_per_slot .. + blocks_per_slot - 1."""
@@ -157,16 +170,17 @@ class MtpDrafter:
         it sampled (tokens (n,): the step's, row sampled_rows[request id]; the hidden row before
         it last_hidden's), or after a verification chunk's bonus token (verified: its argmax at
         each position (k + 1,), on the device), which follows the drafts the greedy rule
-        accepts (the scheduler keeps those too, unless a stop ends the request). computed:
+        accepts (the scheduler keeps those too, unless a stop ends the request; the argmax of
+        all verification chunks reach the host in one copy, one wait on the device). computed:
         the step's chunks in forward's row order."""
         computed_row = {chunk.request_id: i for i, chunk in enumerate(computed)}
+        drafting = [chunk for chunk in chunks if chunk.propose_drafts and chunk.sample]
+        on_host = _read_together({c.request_id: verified[c.request_id] for c in drafting if c.num_draft_tokens})
         starts = []
-        for chunk in chunks:
-            if not (chunk.propose_drafts and chunk.sample):
-                continue
+        for chunk in drafting:
             if chunk.num_draft_tokens:
                 argmax = verified[chunk.request_id]  # (k + 1,)
-                accepted = greedy_accept(chunk.token_ids[1:], argmax.tolist())
+                accepted = greedy_accept(chunk.token_ids[1:], on_host[chunk.request_id])
                 last = forward.last_rows[computed_row[chunk.request_id]]
                 hidden = forward.hidden[last + 1 - len(chunk.token_ids) + accepted]  # the bonus token's h_{e-1}
                 starts.append(DraftStart(chunk, chunk.start_position + accepted + 1, argmax[accepted], hidden))
