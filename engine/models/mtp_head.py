@@ -68,6 +68,19 @@ class MultiTokenPredictionHead(nn.Module):
         return self.norm(self.layers[0](hidden, batch, caches, rope, gpu_plan))
 
 
+def run_head(
+    model, head: MultiTokenPredictionHead, caches: ModelCaches, batch: ForwardBatch,
+    previous_hidden: torch.Tensor, gpu_plan: GpuBatchPlan | None,
+) -> torch.Tensor:
+    """`head` over batch's rows with the hidden rows before them (T, D): each row's token
+    embedded with the model's embedding, RoPE at each row's position - 1 (the position of its
+    hidden row; engine/speculative/mtp.py). Returns h' (T, D); writes the head layer's K/V at
+    batch.slot_mapping. gpu_plan: the batch's plan with first_key 1 on CUDA, None: the PyTorch
+    path (batch.chunks with first_key 1)."""
+    rope = model.rotary(batch.positions - 1) if model.rotary is not None else None
+    return head(model.embed_tokens(batch.input_ids), previous_hidden, batch, caches, rope, gpu_plan)
+
+
 def randomize(head: MultiTokenPredictionHead, seed: int) -> None:
     """Fill `head` from torch.Generator(seed), on CPU then copied to each parameter's device:
     every norm weight the identity scale (1, or 0 stored zero-centred), every other vector

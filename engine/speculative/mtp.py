@@ -25,6 +25,8 @@ attention in the paged kernels with first_key 1; the drafts stay on the device u
    each depth one row per request. Draft rows write their K/V into the request's scratch
    blocks (allocated past the scheduler's, per state slot), which hold a copy of the partial
    block before e: the paged cache past the kept positions is never written by drafting.
+   Where the worker replays CUDA graphs, all k depths are one replay of the draft graphs
+   (engine/speculative/draft_graphs.py) instead of a batch and a plan per depth.
 """
 
 from __future__ import annotations
@@ -38,12 +40,13 @@ import torch
 from engine.config import EngineConfig
 from engine.forward_batch import ForwardBatch, ModelCaches, build_forward_batch
 from engine.forward_routes import EagerPass, RouteOutput, SampledTokens
-from engine.models.mtp_head import MultiTokenPredictionHead
+from engine.models.mtp_head import MultiTokenPredictionHead, run_head
 from engine.speculative.checks import check_mtp_head
 from engine.speculative.scheduling import greedy_accept
 from engine.step_io import DraftProposal, ScheduledChunk
 
 if TYPE_CHECKING:
+    from engine.speculative.draft_graphs import DraftGraphRunner
     from engine.worker import RowRef
 
 
@@ -102,16 +105,19 @@ def _read_together(rows: Mapping[str, torch.Tensor]) -> dict[str, list[int]]:
 
 class MtpDrafter:
     """The head's passes over a step (module docstring). Request state slot s owns scratch
-    blocks first_scratch_block + s * blocks_per_slot .. + blocks_per_slot - 1."""
+    blocks first_scratch_block + s * blocks_per_slot .. + blocks_per_slot - 1. graphs: the
+    CUDA graphs of the draft depths (engine/speculative/draft_graphs.py), which propose
+    replays when they accept the step's starts; None: every depth eagerly."""
 
     def __init__(
         self, model, head: MultiTokenPredictionHead, caches: ModelCaches, eager: EagerPass,
-        first_scratch_block: int, num_speculative_tokens: int,
+        first_scratch_block: int, num_speculative_tokens: int, graphs: DraftGraphRunner | None = None,
     ) -> None:
         self.model = model
         self.head = head
         self.caches = caches
         self.eager = eager  # builds the head's batches: positions, KV slots, pending tokens fed
+        self.graphs = graphs
         self.first_scratch_block = first_scratch_block
         self.num_drafts = num_speculative_tokens
         self.blocks_per_slot = self.scratch_blocks_per_slot(caches.block_size, num_speculative_tokens)
@@ -192,38 +198,49 @@ class MtpDrafter:
 
     def propose(self, starts: Sequence[DraftStart]) -> PendingDrafts | None:
         """num_drafts draft tokens for each start (step 2 of the module doc), one depth at a
-        time for all of them; writes only the head's layer of their scratch blocks. The drafts
-        stay on the device (PendingDrafts.read takes them to the host once the step is done);
-        None without starts."""
+        time for all of them, in one replay of the draft graphs where they accept the starts;
+        writes only the head's layer of their scratch blocks. The drafts stay on the device
+        (PendingDrafts.read takes them to the host once the step is done); None without
+        starts."""
         if not starts:
             return None
         block_size = self.caches.block_size
-        tables = [self._scratch_table(start, block_size) for start in starts]
+        tables = [self.scratch_table(start, block_size) for start in starts]
+        positions = [start.position for start in starts]
         tokens = torch.stack([start.token for start in starts])  # (n,)
         hidden = torch.stack([start.hidden for start in starts])  # (n, D)
+        if self.graphs is not None and self.graphs.accepts(positions, tables):
+            drafts = self.graphs.draft(tokens, hidden, positions, tables)
+        else:
+            drafts = self._draft_eagerly(starts, tables, tokens, hidden)
+        return PendingDrafts(tuple(start.chunk.request_id for start in starts),
+                             tuple(position + 1 for position in positions), drafts)
+
+    def _draft_eagerly(
+        self, starts: Sequence[DraftStart], tables: Sequence[tuple[int, ...]], tokens: torch.Tensor,
+        hidden: torch.Tensor,
+    ) -> torch.Tensor:
+        """propose's depths without graphs: a batch (and on CUDA a plan) per depth. (n, k)."""
         drafts = []
         for depth in range(self.num_drafts):
             rows = [replace(start.chunk, token_ids=(0,), start_position=start.position + depth,
                             block_table=table, num_draft_tokens=0)
                     for start, table in zip(starts, tables)]
-            batch = build_forward_batch(rows, block_size, tokens.device)
+            batch = build_forward_batch(rows, self.caches.block_size, tokens.device)
             hidden = self._run(replace(batch, input_ids=tokens), hidden)  # (n, D)
             tokens = torch.argmax(self.model.compute_logits(hidden), dim=-1)  # (n,)
             drafts.append(tokens)
-        return PendingDrafts(tuple(start.chunk.request_id for start in starts),
-                             tuple(start.position + 1 for start in starts), torch.stack(drafts, dim=1))
+        return torch.stack(drafts, dim=1)
 
     def _run(self, batch: ForwardBatch, previous_hidden: torch.Tensor) -> torch.Tensor:
         """The head over `batch` (its rows' tokens, positions and KV slots) with the hidden rows
-        before them (T, D): keys from position 1 on, RoPE at each row's position - 1; on CUDA
-        through the batch's plan (the attention kernels' first_key). Returns h' (T, D); writes
-        the head layer's K/V."""
+        before them (T, D): keys from position 1 on (first_key 1), on CUDA through the batch's
+        plan (engine/models/mtp_head.py run_head). Returns h' (T, D); writes the head layer's
+        K/V."""
         batch = replace(batch, chunks=tuple(replace(chunk, first_key=1) for chunk in batch.chunks))
-        rope = self.model.rotary(batch.positions - 1) if self.model.rotary is not None else None
-        embedded = self.model.embed_tokens(batch.input_ids)
-        return self.head(embedded, previous_hidden, batch, self.caches, rope, self.eager.plan(batch))
+        return run_head(self.model, self.head, self.caches, batch, previous_hidden, self.eager.plan(batch))
 
-    def _scratch_table(self, start: DraftStart, block_size: int) -> tuple[int, ...]:
+    def scratch_table(self, start: DraftStart, block_size: int) -> tuple[int, ...]:
         """The block table of start's draft rows: its own blocks before the one holding its
         position, then its scratch blocks, the first holding a copy of the head layer's K/V of
         the positions before start.position in that block."""

@@ -7,7 +7,8 @@ caches impose:
    (engine/speculative/mtp.py); each count past the slots and blocks the scheduler is told of;
 2. after, its routes and drafter over those caches (`build`): the verification scratch, the
    verification pass (PyTorch off CUDA, engine/speculative/verify_gpu.py on it), the
-   verification CUDA graphs where the decode steps replay graphs, and the MTP drafter.
+   verification CUDA graphs where the decode steps replay graphs, and the MTP drafter (with
+   the CUDA graphs of its draft depths there too, engine/speculative/draft_graphs.py).
 
 With num_speculative_tokens 0 every count is 0 and every part None (the scratch holds none).
 """
@@ -25,6 +26,7 @@ from engine.forward_routes import EagerPass, GraphScratch
 from engine.model_config import HybridModelConfig
 from engine.models.mtp_head import MultiTokenPredictionHead
 from engine.speculative.checks import check_speculation
+from engine.speculative.draft_graphs import DraftGraphRunner
 from engine.speculative.mtp import MtpDrafter, attach_head
 from engine.speculative.verify import VerificationScratch, VerifyPass
 from engine.speculative.verify_gpu import GpuVerifyPass
@@ -75,7 +77,7 @@ def build(
     """Phase 2, over the allocated caches: the scratch slots from first_scratch_slot and the
     draft blocks from first_draft_block are the ones cache_needs counted; graph_scratch: the
     decode graphs' padding slot and block where the worker captures graphs (None: no graphs,
-    so no verification graphs either)."""
+    so no verification or draft graphs either)."""
     k = config.num_speculative_tokens
     device = torch.device(config.device)
     verification = VerificationScratch(caches, first_scratch_slot, k)
@@ -88,5 +90,10 @@ def build(
         verify_graphs.capture()
     drafter = None
     if needs.head is not None:
-        drafter = MtpDrafter(model, needs.head, caches, eager, first_draft_block, k)
+        draft_graphs = None
+        if graph_scratch is not None:
+            draft_graphs = DraftGraphRunner(model, needs.head, caches, graph_scratch, k,
+                                            verify_graph_sizes(config.max_num_seqs))
+            draft_graphs.capture()
+        drafter = MtpDrafter(model, needs.head, caches, eager, first_draft_block, k, draft_graphs)
     return WorkerSpeculation(verification, verify_pass, verify_graphs, drafter)

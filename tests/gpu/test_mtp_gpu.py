@@ -4,7 +4,8 @@ of the embedded model (random_mtp_head_seed).
 - The worker: the same scripted steps (a prompt, plain decode steps, then verification chunks,
   one partly rejected) on the CPU's PyTorch path and on CUDA give the same sampled and verified
   tokens and the same proposals, and the head's K/V at the kept positions agree (fp32). On CUDA
-  the head runs through its batch's plan: its attention in the Triton kernels with first_key 1.
+  the head runs through its batch's plan: its attention in the Triton kernels with first_key 1;
+  its draft depths replay the draft graphs (engine/speculative/draft_graphs.py).
 - Drafting after a plain decode step submits without a host synchronisation (the drafts reach
   the host at collect); after a verification chunk the drafter reads how many drafts were
   accepted, the one wait it has.
@@ -77,6 +78,9 @@ def test_cuda_drafts_equal_the_pytorch_path():
         assert got.sampled_token_ids == want.sampled_token_ids, f"step {step}"
         assert got.verified_token_ids == want.verified_token_ids, f"step {step}"
         assert got.draft_proposals == want.draft_proposals, f"step {step}"
+    # on CUDA every step's proposal came from one replay of the draft graphs
+    # (engine/speculative/draft_graphs.py); the CPU drafts eagerly
+    assert cpu.drafter.graphs is None and cuda.drafter.graphs.replays == step + 1
     layer = cpu.drafter.head.layer_index
     for name in ("key_cache", "value_cache"):
         want = getattr(cpu.caches, name)[layer][0, 1:16]  # positions 1..15: kept, written once
