@@ -73,6 +73,23 @@ def capture_by_size(
     return graphs, outputs
 
 
+def capture_staged(
+    sizes: Iterable[int], stagings: dict, inputs: dict[int, torch.Tensor], forward_static: Callable[[int], Output],
+) -> tuple[dict[int, torch.cuda.CUDAGraph], dict[int, Output]]:
+    """capture_by_size, largest first, for a runner whose static inputs of each size are the
+    device tensor inputs[size], copied from a numpy staging's buffer (stagings[size], with
+    stage(starts) and buffer): each size's warm-up stages padding only (stage(())), copies it
+    and runs forward_static(size), which writes only what padding may write. The
+    verification and the MTP draft graph runners capture through it."""
+
+    def warm_up(size: int) -> None:
+        stagings[size].stage(())
+        inputs[size].copy_(torch.from_numpy(stagings[size].buffer))
+        forward_static(size)
+
+    return capture_by_size(sorted(sizes, reverse=True), warm_up, forward_static)
+
+
 def decode_batch_sizes(max_batch: int) -> tuple[int, ...]:
     """1, 2, 4, 8, then every multiple of 16 up to max_batch, and max_batch itself."""
     sizes = {s for s in (1, 2, 4, 8) if s <= max_batch} | set(range(16, max_batch + 1, 16))

@@ -36,7 +36,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from engine.cuda_graphs import capture_by_size
+from engine.cuda_graphs import capture_staged
 from engine.forward_batch import ForwardBatch, ModelCaches
 from engine.forward_routes import GraphScratch, RouteOutput, SampledTokens
 from engine.kernels.gpu.batch_plan import verification_only_plan
@@ -161,14 +161,7 @@ class VerifyGraphRunner:
         """Capture every size, largest first, into one pool; each runs once eagerly first
         (Triton JIT) over padding only, which writes only the graph scratch slot and block."""
         started = time.perf_counter()
-
-        def warm_up(size: int) -> None:
-            staging = self._stagings[size]
-            staging.stage(())
-            self._inputs[size].copy_(torch.from_numpy(staging.buffer))
-            self.forward_static(size)
-
-        self._graphs, self._outputs = capture_by_size(reversed(self.batch_sizes), warm_up, self.forward_static)
+        self._graphs, self._outputs = capture_staged(self.batch_sizes, self._stagings, self._inputs, self.forward_static)
         self.capture_seconds = time.perf_counter() - started
 
     def forward_static(self, size: int) -> torch.Tensor:
