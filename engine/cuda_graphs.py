@@ -57,7 +57,8 @@ def capture_by_size(
     (Triton JIT and autotuning, cuBLAS handles; it stages its own inputs), the device is
     synchronised, then captured(size) is recorded. Returns the graphs and what captured(size)
     returned (its outputs, in the pool), by size; inference mode throughout. The decode,
-    prefill and verification graph runners capture through it."""
+    prefill, verification and MTP draft graph runners capture through it (the last two by
+    capture_staged)."""
     pool = torch.cuda.graph_pool_handle()
     graphs: dict[int, torch.cuda.CUDAGraph] = {}
     outputs: dict[int, Output] = {}

@@ -17,11 +17,20 @@ before the step that asked is collected.
 
 The block tables are the drafter's scratch tables (MtpDrafter.scratch_table, which also copies
 the partial block before e, eagerly, before the replay), so the draft rows write only the
-request's scratch blocks. A padding row (rows n..b-1) sits at position 1 + d in the graph
-scratch block (every entry of its table), so it reads and writes only that block. A start
-whose k positions or table do not fit the graphs' table width drafts eagerly (accepts).
+request's scratch blocks; a row's table is staged up to the block of its last draft position.
+A padding row (rows n..b-1) sits at position 1 + d in the graph scratch block (every entry of
+its table), so it reads and writes only that block. A step drafts eagerly instead when it has
+more starts than the largest size (16, the verification graphs' sizes) or a start whose last
+draft position lies past the graphs' table width (accepts).
 
-Shapes: b rows, k depths, M block-table width, D hidden size.
+The tokens and hidden buffers are allocated at the largest size; rows n.. keep an earlier
+step's values (valid token ids, finite rows), which only padding rows read. The host buffer is
+copied from pageable memory, as the verification graphs' is: the copy is small (3 k b + b M
+int64), and it may wait for the stream where the driver stages it. Memory: each size keeps its
+k depths' (b, V) fp32 logits in the graph pool, outside the cache budgets (k = 4, V = 49,152,
+sizes 1..16: 24 MB).
+
+Shapes: b rows, k depths, M block-table width, D hidden size, V vocabulary.
 """
 
 from __future__ import annotations
@@ -46,6 +55,7 @@ class DraftInputStaging:
     attend (k, b), block tables (b, M)."""
 
     def __init__(self, size: int, depths: int, max_blocks: int, block_size: int, graph_scratch: GraphScratch) -> None:
+        assert depths < max_blocks * block_size, "padding rows sit at positions 1..k of the table width"
         self.size, self.depths, self.max_blocks, self.block_size = size, depths, max_blocks, block_size
         self.scratch_block = graph_scratch.scratch_block
         self.buffer = np.zeros(self.width(size, depths, max_blocks), dtype=np.int64)
@@ -61,11 +71,16 @@ class DraftInputStaging:
         fields = buffer[: 3 * k * b].reshape(3, k, b)
         return fields[0], fields[1], fields[2], buffer[3 * k * b :].reshape(b, m)
 
+    def blocks_needed(self, position: int) -> int:
+        """Blocks of a table that hold keys up to the last draft position of a start at
+        `position` (the ones stage writes)."""
+        return (position + self.depths - 1) // self.block_size + 1
+
     def fits(self, position: int, table: Sequence[int]) -> bool:
-        """Whether a start at `position` with block table `table` fits: the table within the
-        width and covering the k draft positions."""
-        last = position + self.depths - 1
-        return len(table) <= self.max_blocks and last // self.block_size < len(table)
+        """Whether a start at `position` with block table `table` fits: the blocks up to its
+        last draft position exist and are within the graphs' table width."""
+        needed = self.blocks_needed(position)
+        return needed <= len(table) and needed <= self.max_blocks
 
     def stage(self, starts: Sequence[tuple[int, Sequence[int]]]) -> None:
         """Row v from starts[v] = (its first draft position e >= 1, its block table), each
@@ -80,7 +95,7 @@ class DraftInputStaging:
         for v, (position, blocks) in enumerate(starts):
             assert position >= 1 and self.fits(position, blocks)
             rows = position + np.arange(self.depths)
-            blocks = np.asarray(blocks, dtype=np.int64)
+            blocks = np.asarray(blocks[: self.blocks_needed(position)], dtype=np.int64)
             positions[:, v] = rows
             kv[:, v] = blocks[rows // bs] * bs + rows % bs
             seq_lens[:, v] = rows + 1
@@ -89,7 +104,9 @@ class DraftInputStaging:
 
 class DraftGraphRunner:
     """Captured draft depths of `head` over `caches`, one CUDA graph per batch size (module
-    docstring). graph_scratch: the block no request owns, and the block-table width."""
+    docstring). graph_scratch: the block no request owns (padding rows' K/V), the slot no
+    request owns (every row's state slot in the plan, never read: the head has no recurrent
+    layer), and the block-table width."""
 
     def __init__(
         self, model, head: MultiTokenPredictionHead, caches: ModelCaches, graph_scratch: GraphScratch,
@@ -106,7 +123,6 @@ class DraftGraphRunner:
                         for b, s in self._stagings.items()}
         self._tokens = torch.zeros(largest, dtype=torch.int64, device=weight.device)
         self._hidden = torch.zeros(largest, weight.shape[1], dtype=weight.dtype, device=weight.device)
-        # the head has no recurrent layer: its plan's state slots are never read
         self._slots = torch.full((largest,), graph_scratch.scratch_slot, dtype=torch.int64, device=weight.device)
         self._no_reset = torch.zeros(largest, dtype=torch.int64, device=weight.device)
         self._arange = torch.arange(largest + 1, dtype=torch.int64, device=weight.device)

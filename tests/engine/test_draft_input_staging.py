@@ -23,7 +23,7 @@ def test_a_start_and_a_padding_row():
     assert positions[:, 0].tolist() == [5, 6, 7]
     assert kv[:, 0].tolist() == [9, 10, 11]  # block 2, offsets 1..3
     assert seq_lens[:, 0].tolist() == [6, 7, 8]
-    assert table[0].tolist() == [7, 2, 9, 20]  # past its blocks: the scratch block
+    assert table[0].tolist() == [7, 2, 20, 20]  # up to the block of position 7, then the scratch block
     # padding: positions 1, 2, 3 in the scratch block (slots 81..83), every table entry it
     assert positions[:, 1].tolist() == [1, 2, 3]
     assert kv[:, 1].tolist() == [81, 82, 83]
@@ -52,4 +52,13 @@ def test_fits_needs_the_table_to_cover_every_draft_and_the_width():
     staging = _staging()
     assert staging.fits(5, (7, 2))  # positions 5..7: blocks 0 and 1
     assert not staging.fits(6, (7, 2))  # position 8 needs a third block
-    assert not staging.fits(1, (1, 2, 3, 4, 5))  # wider than the graphs' tables
+    assert not staging.fits(14, (1, 2, 3, 4, 5))  # position 16 needs a fifth: past the width
+    assert staging.fits(13, (1, 2, 3, 4, 5, 6))  # positions 13..15: four blocks, the rest unused
+
+
+def test_a_table_longer_than_the_width_is_staged_up_to_its_last_draft():
+    staging = _staging(size=1)
+    staging.stage([(13, (1, 2, 3, 4, 5, 6))])
+    _, kv, _, table = staging.views(staging.buffer)
+    assert table[0].tolist() == [1, 2, 3, 4]
+    assert kv[:, 0].tolist() == [17, 18, 19]  # block 4, offsets 1..3
