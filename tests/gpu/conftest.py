@@ -2,6 +2,10 @@
 
 With TRITON_INTERPRET=1 (and triton installed) our own Triton kernels also run on the CPU
 through Triton's interpreter, for debugging without a GPU; fla-core's kernels are skipped there.
+The interpreter (Triton 3.3 to 3.6) needs numpy below 2.4, which refuses int() of the
+one-element arrays it keeps scalars in; for example, beside .venv's packages:
+  pip install --target /tmp/trsite --no-deps triton==3.5.1 numpy==2.2.6
+  PYTHONPATH=/tmp/trsite TRITON_INTERPRET=1 .venv/bin/python -m pytest tests/gpu/test_draft_graphs.py
 """
 
 from __future__ import annotations
