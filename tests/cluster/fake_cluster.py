@@ -34,8 +34,10 @@ from pathlib import Path
 
 HEAD_NODE_TYPE = "ray.head.default"
 # For the cluster and for every process that connects to it: token authentication (Ray's
-# default for a local cluster when ~/.ray/auth_token exists; `ray start` creates the token if
-# it is missing), set explicitly so the head and its clients cannot disagree.
+# default for a local cluster when ~/.ray/auth_token exists), set explicitly so the head and
+# its clients cannot disagree. `ray start` with it refuses to run without a token, so start()
+# has `ray get-auth-token --generate` create ~/.ray/auth_token first where none exists (on a
+# fresh machine nothing else has made one before these tests).
 CLIENT_ENV = {"RAY_AUTH_MODE": "token"}
 MARKER_ENV = "HYBRID_SERVE_FAKE_CLUSTER"  # its value: the cluster's temp dir
 
@@ -129,6 +131,8 @@ class FakeAutoscalingCluster:
         with open(config_path, "w") as f:
             json.dump(config, f)
         ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
+        subprocess.run([ray_cli, "get-auth-token", "--generate"], check=True, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL, timeout=60)
         cmd = [ray_cli, "start", "--head", f"--port={self.gcs_port}",
                f"--autoscaling-config={config_path}", f"--temp-dir={self.temp_dir}",
                f"--num-cpus={self.head_cpus}", f"--object-store-memory={self.object_store_bytes}",
