@@ -74,6 +74,13 @@ class EngineConfig:
                                        "num_speculative_tokens > 0: ngram (prompt lookup, no "
                                        "extra weights) or mtp (the model's multi-token-"
                                        "prediction head, e.g. Qwen3-Next's mtp.* weights).")
+    speculative_max_batch_size: int | None = _option(None, "Draft only in steps that start "
+                                                     "with at most this many running requests; "
+                                                     "above it every request decodes plainly "
+                                                     "(a verification step costs several "
+                                                     "decode steps at large batches: README.md, "
+                                                     "Speculative decoding). Unset: at any "
+                                                     "batch size.")
     random_mtp_head_seed: int | None = _option(None, "Benchmarks and tests only: attach a random "
                                                "MTP head drawn from this seed to a model whose "
                                                "checkpoint has none (GraniteMoeHybrid), for "
@@ -122,6 +129,9 @@ class EngineConfig:
         if self.speculative_drafter not in SPECULATIVE_DRAFTERS:
             raise ValueError(f"speculative_drafter must be one of {list(SPECULATIVE_DRAFTERS)}, "
                              f"got {self.speculative_drafter!r}")
+        cap = self.speculative_max_batch_size
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+            raise ValueError(f"speculative_max_batch_size must be an integer >= 1 or unset, got {cap!r}")
         seed = self.random_mtp_head_seed
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
             raise ValueError(f"random_mtp_head_seed must be an integer >= 0 or unset, got {seed!r}")

@@ -382,7 +382,8 @@ def _speculation(config: EngineConfig) -> SpeculativeDecoding:
     if not config.num_speculative_tokens:
         return SpeculativeDecoding()
     drafters = {"ngram": NgramDrafter, "mtp": lambda: WorkerProposals("mtp")}
-    return SpeculativeDecoding(config.num_speculative_tokens, drafters[config.speculative_drafter]())
+    return SpeculativeDecoding(config.num_speculative_tokens, drafters[config.speculative_drafter](),
+                               config.speculative_max_batch_size)
 
 
 def _import_expectations(config: EngineConfig, model_config, capacity) -> ImportExpectations:

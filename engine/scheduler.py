@@ -140,6 +140,7 @@ class Scheduler:
         # reserved before this step: taken at its start (this step's chunks reserve for the next)
         captures = self.checkpoints.take_reserved()
         commits = self.speculation.take_commits()  # likewise: what the last update kept
+        self.speculation.begin_step(len(self.running))
 
         restores: list[RestoreOp] = []
         suspect_chunk = self._schedule_suspect(budget, restores) if self.suspects else None
@@ -222,7 +223,7 @@ class Scheduler:
                 self.waiting.remove(request)
             request.num_computed_tokens = 0
             request.num_pending_tokens = 0
-            self.speculation.forget(request.request_id)
+            self.speculation.forget(request.request_id, in_flight_lost=True)
             request.status = RequestStatus.WAITING
             self.waiting.appendleft(request)
             self.suspects.add(request.request_id)

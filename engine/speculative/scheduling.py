@@ -13,10 +13,13 @@ freed, and the worker is told (CommitOp) to keep the state after the last kept c
 position; the request's own state slot is not written before that.
 
 Which requests speculate: greedy ones that do not ask for logits, once they have an output
-token and min_tokens is met (the sampler's min_tokens masking would change the argmax).
-Drafting needs every token known, so such a request waits while a token of its is pending
-(`waits`): with async_scheduling it has one step in flight at a time; the others keep the
-overlap.
+token and min_tokens is met (the sampler's min_tokens masking would change the argmax), in
+steps that start with at most max_batch_size running requests (`begin_step`; above it a
+verification step costs more than the plain decode steps it saves, and every request decodes
+plainly). Drafting needs every token known, so such a request waits while a token of its is
+pending (`waits`): with async_scheduling it has one step in flight at a time; the others keep
+the overlap. A request whose verification chunk is in flight waits in any step, since where
+its next token goes depends on how many drafts are accepted.
 
 Drafters, one interface (Drafter.draft) for both kinds: the n-gram drafter computes its drafts
 here from the request's tokens; the MTP drafter runs on the worker, which needs the hidden rows
@@ -101,13 +104,19 @@ def greedy_accept(drafts: Sequence[int], verified: Sequence[int]) -> int:
 
 class SpeculativeDecoding:
     """num_speculative_tokens: the most drafts a verification chunk carries (0: off, and then
-    every method is a no-op). Holds the commits not yet handed to a step and the counters."""
+    every method is a no-op). max_batch_size: the most running requests a step may start with
+    and still draft (None: no limit). Holds the commits not yet handed to a step, the requests
+    whose verification chunk is in flight, and the counters."""
 
-    def __init__(self, num_speculative_tokens: int = 0, drafter: Drafter | None = None) -> None:
+    def __init__(self, num_speculative_tokens: int = 0, drafter: Drafter | None = None,
+                 max_batch_size: int | None = None) -> None:
         if num_speculative_tokens and drafter is None:
             raise ValueError("num_speculative_tokens > 0 needs a drafter")
         self.num_speculative_tokens = num_speculative_tokens
         self.drafter = drafter
+        self.max_batch_size = max_batch_size
+        self._drafting = bool(num_speculative_tokens)  # this step's, set by begin_step
+        self._verifying: set[str] = set()  # request ids whose verification chunk is in flight
         self.stats = SpeculationStats(
             drafter=drafter.name if drafter is not None else "",
             acceptance_lengths=[0] * (num_speculative_tokens + 1),
@@ -115,15 +124,23 @@ class SpeculativeDecoding:
         self._commits: dict[str, CommitOp] = {}  # request id -> position to keep, for the next step
         self._proposals: dict[str, DraftProposal] = {}  # request id -> the worker's last proposal
 
+    def begin_step(self, num_running: int) -> None:
+        """Call at the start of each schedule(), with the number of running requests: the
+        step drafts only if it is at most max_batch_size."""
+        within = self.max_batch_size is None or num_running <= self.max_batch_size
+        self._drafting = bool(self.num_speculative_tokens) and within
+
     def speculates(self, request: Request) -> bool:
-        """Whether `request` is one that drafts (module docstring)."""
+        """Whether `request` drafts in this step (module docstring)."""
         params = request.sampling
-        return bool(self.num_speculative_tokens) and params.greedy and not params.return_logits
+        return self._drafting and params.greedy and not params.return_logits
 
     def waits(self, request: Request) -> bool:
-        """A speculating request with a token pending is not scheduled (nor admitted) until
-        that token is known."""
-        return request.num_pending_tokens > 0 and self.speculates(request)
+        """A request with a token pending is not scheduled (nor admitted) until that token is
+        known if its verification chunk is in flight, or if it speculates in this step."""
+        if not request.num_pending_tokens:
+            return False
+        return request.request_id in self._verifying or self.speculates(request)
 
     def proposals_wanted(self, request: Request) -> int:
         """ScheduledChunk.propose_drafts of a chunk of `request` that samples: how many drafts
@@ -143,7 +160,8 @@ class SpeculativeDecoding:
         """The drafts of `request`'s next chunk, when it is a decode (every token but the last
         computed, none pending) of a speculating request: at most num_speculative_tokens,
         budget - 1, and as many as leave room for the bonus token under max_tokens and
-        max_model_len. () otherwise. Uses up the worker's proposal for the request."""
+        max_model_len. () otherwise. Uses up the worker's proposal for the request; with drafts,
+        the request counts as verifying (`waits`) until `accept` or `forget`."""
         proposal = self._proposals.pop(request.request_id, None)
         if proposal is not None and proposal.follows != request.num_tokens:
             proposal = None  # it follows other tokens: a stale one
@@ -161,7 +179,10 @@ class SpeculativeDecoding:
         )
         if limit <= 0:
             return ()
-        return self.drafter.draft(request, proposal, limit)
+        drafts = self.drafter.draft(request, proposal, limit)
+        if drafts:
+            self._verifying.add(request.request_id)
+        return drafts
 
     def accept(self, request: Request, chunk: ScheduledChunk, verified: Sequence[int], max_model_len: int) -> int:
         """The verification `chunk` of `request` came back with the argmax `verified` at each
@@ -171,6 +192,7 @@ class SpeculativeDecoding:
         its last token, and the commit of the last computed position kept is recorded for the
         next step. Returns the number of tokens kept (>= 1). Mutates the request and the
         counters; the caller ends the request if token_stop_reason says so."""
+        self._verifying.discard(request.request_id)
         drafts = chunk.token_ids[1:]
         accepted = greedy_accept(drafts, verified)
         self.stats.verification_chunks += 1
@@ -206,15 +228,20 @@ class SpeculativeDecoding:
         self._commits[request.request_id] = CommitOp(commit.request_id, commit.state_slot, commit.index - dropped)
         self.stats.draft_tokens_trimmed += dropped
 
-    def forget(self, request_id: str) -> None:
+    def forget(self, request_id: str, *, in_flight_lost: bool = False) -> None:
         """`request_id` lost its state slot (preempted, requeued) before its commit was
-        handed to a step: nothing to keep, and its proposal is dropped (it is computed again)."""
+        handed to a step: nothing to keep, and its proposal is dropped (it is computed again).
+        A verification chunk of it in flight still counts (`waits`) until `accept` settles it,
+        unless in_flight_lost (its steps were abandoned: no output of theirs will come)."""
         self._commits.pop(request_id, None)
         self._proposals.pop(request_id, None)
+        if in_flight_lost:
+            self._verifying.discard(request_id)
 
     def finished(self, request_id: str) -> None:
         """`request_id` ended: its proposal is dropped (its commit is still handed out)."""
         self._proposals.pop(request_id, None)
+        self._verifying.discard(request_id)
 
     def take_commits(self) -> tuple[CommitOp, ...]:
         """The commits recorded since the last call, for the step being scheduled (applied at

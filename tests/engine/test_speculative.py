@@ -221,9 +221,16 @@ def compare_chat_rounds(
 @pytest.mark.parametrize("label, config", [
     ("tight: eviction + preemption, budget 64", "tight"),
     ("roomy, budget 61, sync", EngineConfig(max_num_batched_tokens=61, async_scheduling=False)),
+    # requests move between drafting and plain decoding as the batch crosses 3, verifications
+    # in flight among them
+    ("tight, drafting at most 3 running", "tight, capped"),
 ])
 def test_greedy_outputs_equal_speculation_off_over_the_exactness_workload(label, config, repeating_prompts):
-    check_speculation_equals_off(tight_config() if config == "tight" else config, K, repeating_prompts, label)
+    if config == "tight":
+        config = tight_config()
+    elif config == "tight, capped":
+        config = replace(tight_config(), speculative_max_batch_size=3)
+    check_speculation_equals_off(config, K, repeating_prompts, label)
 
 
 def check_speculation_equals_off(config: EngineConfig, k: int, repeating_prompts, label: str) -> None:
