@@ -2,7 +2,8 @@
 the 1.5B random-weight configuration (benchmarks/roofline/model.py, bf16, the tiny model's
 tokenizer, vocabulary cut as bench_gpu.py cuts it), in one process (no Ray).
 
-  * decode tokens/s at batch 1 and 16, speculation off, with the n-gram drafter and with the
+  * decode tokens/s at batch 1 and 16, speculation off, with the n-gram drafter (also with
+    drafting capped at --cap running requests, speculative_max_batch_size) and with the
     MTP drafter (a random head, random_mtp_head_seed: it drafts at chance, so its rows show
     what drafting and verifying cost), K drafts a step, through LLMEngine, on a workload that
     copies spans of its prompt: each prompt is P + C + P, P a random span and C the spec-off
@@ -65,6 +66,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--output-tokens", type=int, default=128, help="max_tokens of every request")
     parser.add_argument("--context", type=int, default=1024, help="context of the step-cost rows")
     parser.add_argument("--repeats", type=int, default=30, help="timed steps of each step-cost row")
+    parser.add_argument("--cap", type=int, default=8,
+                        help="speculative_max_batch_size of the capped n-gram rows")
     return parser.parse_args()
 
 
@@ -117,12 +120,14 @@ def span_copying_prompts(engine: LLMEngine, count: int, span: int, vocab: int, p
 
 
 def engine_rows(model_dir: Path, args: argparse.Namespace, save) -> list[dict]:
-    """Decode tokens/s at each batch, speculation off, with n-gram drafts and with MTP drafts
-    (the random head: drafts at chance, so its rows price the drafting), on span-copying
-    prompts."""
+    """Decode tokens/s at each batch, speculation off, with n-gram drafts (also with drafting
+    capped at --cap running requests, speculative_max_batch_size) and with MTP drafts (the
+    random head: drafts at chance, so its rows price the drafting), on span-copying prompts."""
     config = engine_config(model_dir, args.quick)
     off = LLMEngine(config)
-    engines = {"off": off, "ngram": LLMEngine(replace(config, num_speculative_tokens=args.k)),
+    ngram = replace(config, num_speculative_tokens=args.k)
+    engines = {"off": off, "ngram": LLMEngine(ngram),
+               f"ngram, cap {args.cap}": LLMEngine(replace(ngram, speculative_max_batch_size=args.cap)),
                "mtp": LLMEngine(replace(config, num_speculative_tokens=args.k, speculative_drafter="mtp",
                                         random_mtp_head_seed=MTP_HEAD_SEED))}
     params = SamplingParams(max_tokens=args.output_tokens, temperature=0, ignore_eos=True)

@@ -119,16 +119,20 @@ def test_drafts_follow_from_the_tokens_whatever_computed_them():
 # ----------------------------------------------------------------- engines
 
 
-def test_greedy_outputs_equal_speculation_off_over_the_exactness_workload():
+@pytest.mark.parametrize("cap", [None, 1])
+def test_greedy_outputs_equal_speculation_off_over_the_exactness_workload(cap):
     """The tight configuration (eviction, preemption, async scheduling): the same rounds of chat
-    requests (each also from scratch) with speculation off and with MTP drafts."""
+    requests (each also from scratch) with speculation off and with MTP drafts; with drafting
+    capped at one running request (speculative_max_batch_size) too, so that requests move
+    between drafting and plain decoding, which asks the head for no proposal."""
     config = tight_config()
     # as many blocks with the head's KV layer (2 attention layers + 1) as without it
-    off, on = LLMEngine(config), LLMEngine(replace(config, kv_cache_bytes=config.kv_cache_bytes * 3 // 2, **MTP))
+    off = LLMEngine(config)
+    on = LLMEngine(replace(config, kv_cache_bytes=config.kv_cache_bytes * 3 // 2, speculative_max_batch_size=cap, **MTP))
     assert on.executor.capacity.num_blocks == off.executor.capacity.num_blocks
-    tally = compare_chat_rounds(off, on, seed=25, label="mtp")
+    tally = compare_chat_rounds(off, on, seed=25, label=f"mtp, cap {cap}")
     stats = on.stats().speculation
-    print(f"\n[mtp] requests={tally.requests} near_ties={tally.near_ties} proposed={stats.draft_tokens_proposed} "
+    print(f"\n[mtp, cap {cap}] requests={tally.requests} near_ties={tally.near_ties} proposed={stats.draft_tokens_proposed} "
           f"accepted={stats.draft_tokens_accepted} preemptions={on.stats().scheduler.preemptions}")
     assert stats.drafter == "mtp" and stats.verification_chunks > 0
     assert stats.draft_tokens_proposed > 2 * stats.verification_chunks  # k drafts, less near max_tokens
