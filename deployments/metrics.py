@@ -166,6 +166,10 @@ SPECULATIVE_DRAFTS_TRIMMED = MetricSpec(
     "hybrid_serve_speculative_draft_tokens_trimmed", "counter",
     "Tokens of accepted draft runs dropped by a stop inside the run (EOS, a stop token or "
     "string, max_model_len), by drafter; per chunk at most its accepted drafts.", ("drafter",))
+SPECULATIVE_STEPS_OVER_BATCH_CAP = MetricSpec(
+    "hybrid_serve_speculative_steps_over_batch_cap", "counter",
+    "Engine steps that started with more running requests than speculative_max_batch_size, in "
+    "which no request drafted, by drafter.", ("drafter",))
 # A counter per acceptance length rather than a histogram: the engine counts chunks by length
 # exactly (0..k, a handful of integers), and a counter exports those counts as they are, through
 # the same deltas as every engine counter. A Ray histogram would replay each chunk as an
@@ -241,7 +245,7 @@ METRICS = (REQUESTS, OUTPUT_TOKENS, TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY, RE
            KV_BLOCKS, STATE_SLOTS, CHECKPOINTS, CHECKPOINT_BYTES,
            SPECULATIVE_VERIFICATION_CHUNKS, SPECULATIVE_DRAFTS_PROPOSED,
            SPECULATIVE_DRAFTS_ACCEPTED, SPECULATIVE_DRAFTS_TRIMMED,
-           SPECULATIVE_ACCEPTANCE_LENGTHS, ROUTED_TO_HOLDER,
+           SPECULATIVE_STEPS_OVER_BATCH_CAP, SPECULATIVE_ACCEPTANCE_LENGTHS, ROUTED_TO_HOLDER,
            ROUTING_FALLBACKS, INDEX_RECORDS, INDEX_BYTES, INDEX_STORED_COPIES, INDEX_STORED_BYTES,
            TRANSFERS, TRANSFER_BYTES, IMPORT_REJECTIONS, TRANSFER_SECONDS, FETCH_DECISIONS,
            FETCH_FAILURES)
@@ -312,7 +316,7 @@ class EngineMetricsExporter:
             FAILED_STEPS, REQUESTS_FAILED, TRANSFERS, TRANSFER_BYTES, IMPORT_REJECTIONS,
             SPECULATIVE_VERIFICATION_CHUNKS, SPECULATIVE_DRAFTS_PROPOSED,
             SPECULATIVE_DRAFTS_ACCEPTED, SPECULATIVE_DRAFTS_TRIMMED,
-            SPECULATIVE_ACCEPTANCE_LENGTHS)}
+            SPECULATIVE_STEPS_OVER_BATCH_CAP, SPECULATIVE_ACCEPTANCE_LENGTHS)}
         self._gauges = {spec.name: create(spec) for spec in (
             ENGINE_REQUESTS, KV_BLOCKS, STATE_SLOTS, CHECKPOINTS, CHECKPOINT_BYTES)}
 
@@ -377,6 +381,7 @@ class EngineMetricsExporter:
         self._count(SPECULATIVE_DRAFTS_PROPOSED, speculation.draft_tokens_proposed, drafter)
         self._count(SPECULATIVE_DRAFTS_ACCEPTED, speculation.draft_tokens_accepted, drafter)
         self._count(SPECULATIVE_DRAFTS_TRIMMED, speculation.draft_tokens_trimmed, drafter)
+        self._count(SPECULATIVE_STEPS_OVER_BATCH_CAP, speculation.steps_over_batch_cap, drafter)
         for accepted, chunks in enumerate(speculation.acceptance_lengths):
             self._count(SPECULATIVE_ACCEPTANCE_LENGTHS, chunks,
                         {**drafter, "accepted": str(accepted)})

@@ -73,7 +73,8 @@ class SpeculationStats:
 
     acceptance_lengths[a]: verification chunks in which a drafts were accepted (a = 0..k).
     draft_tokens_accepted counts by the greedy rule; those dropped after at a stop are also
-    in draft_tokens_trimmed."""
+    in draft_tokens_trimmed. steps_over_batch_cap: steps that started with more running
+    requests than max_batch_size, in which no request drafted."""
 
     drafter: str = ""
     verification_chunks: int = 0
@@ -81,11 +82,12 @@ class SpeculationStats:
     draft_tokens_accepted: int = 0
     draft_tokens_trimmed: int = 0
     acceptance_lengths: list[int] = field(default_factory=list)
+    steps_over_batch_cap: int = 0
 
     def copy(self) -> SpeculationStats:
         return SpeculationStats(self.drafter, self.verification_chunks, self.draft_tokens_proposed,
                                 self.draft_tokens_accepted, self.draft_tokens_trimmed,
-                                list(self.acceptance_lengths))
+                                list(self.acceptance_lengths), self.steps_over_batch_cap)
 
     @property
     def acceptance_rate(self) -> float:
@@ -126,9 +128,12 @@ class SpeculativeDecoding:
 
     def begin_step(self, num_running: int) -> None:
         """Call at the start of each schedule(), with the number of running requests: the
-        step drafts only if it is at most max_batch_size."""
+        step drafts only if it is at most max_batch_size (else it counts in
+        steps_over_batch_cap)."""
         within = self.max_batch_size is None or num_running <= self.max_batch_size
         self._drafting = bool(self.num_speculative_tokens) and within
+        if self.num_speculative_tokens and not within:
+            self.stats.steps_over_batch_cap += 1
 
     def speculates(self, request: Request) -> bool:
         """Whether `request` drafts in this step (module docstring)."""

@@ -72,6 +72,8 @@ def test_a_step_over_the_cap_drafts_for_no_request(cap, drafts_at_two):
     settle(scheduler, two_running)
     scheduler.finish_request("b", FinishReason.ABORT)
     assert drafts_by_request(scheduler.schedule()) == {"a": K}  # one running: within every cap
+    # the steps that started over the cap: the one with two running
+    assert scheduler.speculation.stats.steps_over_batch_cap == int(drafts_at_two == 0)
 
 
 def test_over_the_cap_requests_keep_the_async_overlap():

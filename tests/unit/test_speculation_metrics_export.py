@@ -15,7 +15,8 @@ import pytest
 from cache.cache_manager import PoolUsage
 from deployments.metrics import (SPECULATIVE_ACCEPTANCE_LENGTHS, SPECULATIVE_DRAFTS_ACCEPTED,
                                  SPECULATIVE_DRAFTS_PROPOSED, SPECULATIVE_DRAFTS_TRIMMED,
-                                 SPECULATIVE_VERIFICATION_CHUNKS, EngineMetricsExporter)
+                                 SPECULATIVE_STEPS_OVER_BATCH_CAP, SPECULATIVE_VERIFICATION_CHUNKS,
+                                 EngineMetricsExporter)
 from engine.llm_engine import EngineStats
 from engine.scheduler import SchedulerStats
 from engine.speculative.scheduling import SpeculationStats
@@ -45,7 +46,8 @@ def exported_speculation(recorded: RecordingMetrics) -> dict[str, dict]:
     for field, spec in (("verification_chunks", SPECULATIVE_VERIFICATION_CHUNKS),
                         ("draft_tokens_proposed", SPECULATIVE_DRAFTS_PROPOSED),
                         ("draft_tokens_accepted", SPECULATIVE_DRAFTS_ACCEPTED),
-                        ("draft_tokens_trimmed", SPECULATIVE_DRAFTS_TRIMMED)):
+                        ("draft_tokens_trimmed", SPECULATIVE_DRAFTS_TRIMMED),
+                        ("steps_over_batch_cap", SPECULATIVE_STEPS_OVER_BATCH_CAP)):
         for tags, total in recorded.series(spec).items():
             by_drafter.setdefault(dict(tags)["drafter"], {})[field] = total
     for tags, total in recorded.series(SPECULATIVE_ACCEPTANCE_LENGTHS).items():
@@ -58,13 +60,13 @@ def as_exported(stats: SpeculationStats) -> dict:
     """What the series of `stats` should add up to (zero counters have no series)."""
     fields = {name: getattr(stats, name) for name in (
         "verification_chunks", "draft_tokens_proposed", "draft_tokens_accepted",
-        "draft_tokens_trimmed") if getattr(stats, name)}
+        "draft_tokens_trimmed", "steps_over_batch_cap") if getattr(stats, name)}
     lengths = {a: n for a, n in enumerate(stats.acceptance_lengths) if n}
     return {**fields, "lengths": lengths} if lengths else fields
 
 
-def ngram(chunks, proposed, accepted, trimmed, lengths) -> SpeculationStats:
-    return SpeculationStats("ngram", chunks, proposed, accepted, trimmed, list(lengths))
+def ngram(chunks, proposed, accepted, trimmed, lengths, over_cap=0) -> SpeculationStats:
+    return SpeculationStats("ngram", chunks, proposed, accepted, trimmed, list(lengths), over_cap)
 
 
 SEQUENCE = [  # k = 3; cumulative, as LLMEngine.stats() returns them
@@ -72,7 +74,8 @@ SEQUENCE = [  # k = 3; cumulative, as LLMEngine.stats() returns them
     ngram(2, 5, 3, 0, [1, 0, 0, 1]),  # one chunk rejected its 2 drafts, one accepted all 3
     ngram(2, 5, 3, 0, [1, 0, 0, 1]),  # idle: nothing grows
     ngram(5, 12, 6, 2, [2, 1, 1, 1]),  # three more chunks; a stop dropped 2 accepted drafts
-    ngram(9, 24, 15, 2, [2, 2, 2, 3]),
+    ngram(5, 12, 6, 2, [2, 1, 1, 1], over_cap=4),  # four steps over speculative_max_batch_size
+    ngram(9, 24, 15, 2, [2, 2, 2, 3], over_cap=6),
 ]
 
 
@@ -89,7 +92,7 @@ def test_each_export_records_the_growth_so_the_series_equal_the_engine_counters(
 
 def test_an_export_that_fails_is_caught_up_by_the_next():
     """A failed read (the replica retries at the next period) loses no increment."""
-    engine = StatsSequence([SEQUENCE[1], SEQUENCE[3], SEQUENCE[4]])
+    engine = StatsSequence([SEQUENCE[1], SEQUENCE[3], SEQUENCE[5]])
     recorded = RecordingMetrics()
     exporter = EngineMetricsExporter(engine, create=recorded)
     exporter.export()
@@ -99,7 +102,7 @@ def test_an_export_that_fails_is_caught_up_by_the_next():
     del engine.pool_usage  # the class's again
     assert exported_speculation(recorded) == {"ngram": as_exported(SEQUENCE[1])}
     exporter.export()
-    assert exported_speculation(recorded) == {"ngram": as_exported(SEQUENCE[4])}
+    assert exported_speculation(recorded) == {"ngram": as_exported(SEQUENCE[5])}
 
 
 def test_speculation_off_records_no_series():
