@@ -26,12 +26,13 @@ import torch
 
 from engine.forward_batch import ModelCaches, SequenceChunk
 from engine.forward_routes import EagerPass, RouteOutput, SampledTokens
-from engine.model_config import ATTENTION, GATED_DELTA_NET, MAMBA, MLP, MOE
+from engine.model_config import ATTENTION, GATED_DELTA_NET, HYBRID, MAMBA, MLP, MOE
 from engine.step_io import CaptureOp, CommitOp, ScheduledChunk
 
 # Layer kinds whose mixers verify k + 1 tokens exactly: attention (KV past the kept tokens is
-# overwritten), Mamba2 and the gated delta-net (mix_verification), MLP and MoE blocks (no state).
-VERIFIABLE_LAYER_KINDS = (ATTENTION, MAMBA, GATED_DELTA_NET, MLP, MOE)
+# overwritten), Mamba2 and the gated delta-net (mix_verification), Falcon-H1's HYBRID layers
+# (both side by side), MLP and MoE blocks (no state).
+VERIFIABLE_LAYER_KINDS = (ATTENTION, MAMBA, GATED_DELTA_NET, HYBRID, MLP, MOE)
 
 
 def check_verifiable(layer_types: Sequence[str]) -> None:

@@ -67,7 +67,8 @@ from engine.model_config import ATTENTION, GATED_DELTA_NET, MAMBA, MLP, MOE
 from engine.speculative.verify import VerificationScratch
 from engine.step_io import CaptureOp, ScheduledChunk
 
-# Layer kinds the CUDA verification route runs (every kind the CPU path verifies).
+# Layer kinds the CUDA verification route runs: the CPU path's but HYBRID (Falcon-H1), whose
+# layers would take the same Mamba2 and attention routes but have not run them on a device yet.
 GPU_VERIFIABLE_LAYER_KINDS = (ATTENTION, MAMBA, GATED_DELTA_NET, MLP, MOE)  # MLP and MoE blocks hold no state
 
 

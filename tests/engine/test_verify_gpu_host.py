@@ -74,13 +74,14 @@ def test_position_conv_windows_are_the_windows_after_each_token():
         assert torch.equal(windows[j + 1], state)
 
 
-def test_every_kind_the_cpu_verifies_verifies_on_cuda():
+def test_every_kind_the_cpu_verifies_but_hybrid_verifies_on_cuda():
     from engine.speculative.verify import VERIFIABLE_LAYER_KINDS
 
     check_verifiable_on_gpu(("mamba", "attention", "mlp"))
     check_verifiable_on_gpu(("gated_delta_net", "attention", "moe"))
-    check_verifiable_on_gpu(VERIFIABLE_LAYER_KINDS)
-    with pytest.raises(ValueError, match="num_speculative_tokens"):
+    check_verifiable_on_gpu(tuple(kind for kind in VERIFIABLE_LAYER_KINDS if kind != "hybrid"))
+    # Falcon-H1's layers verify on the CPU; their CUDA route has not run on a device yet
+    with pytest.raises(ValueError, match="num_speculative_tokens > 0 on cuda"):
         check_verifiable_on_gpu(("hybrid", "attention"))
 
 
