@@ -80,7 +80,8 @@ class EngineConfig:
                                                      "(a verification step costs several "
                                                      "decode steps at large batches: README.md, "
                                                      "Speculative decoding). Unset: at any "
-                                                     "batch size.")
+                                                     "batch size. No effect with "
+                                                     "num_speculative_tokens 0.")
     random_mtp_head_seed: int | None = _option(None, "Benchmarks and tests only: attach a random "
                                                "MTP head drawn from this seed to a model whose "
                                                "checkpoint has none (GraniteMoeHybrid), for "

@@ -172,6 +172,7 @@ class Scheduler:
             chunks.append(chunk)
             budget -= len(chunk.token_ids)
 
+        self.speculation.end_step(bool(chunks))
         finished, self._finished_since_last_step = self._finished_since_last_step, []
         captures += self.checkpoints.in_pass_captures(chunks, self.requests)
         return SchedulerOutput(
@@ -300,6 +301,8 @@ class Scheduler:
         )
         if chunk.sample:  # the worker drafts after it when the drafter runs there (MTP)
             chunk = replace(chunk, propose_drafts=self.speculation.proposals_wanted(request))
+        if drafts:
+            self.speculation.verification_scheduled(request.request_id)
         request.num_computed_tokens = end
         request.num_pending_tokens += int(chunk.sample)
         self.checkpoints.reserve_after_chunk(request, chunk)

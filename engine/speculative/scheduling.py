@@ -127,13 +127,24 @@ class SpeculativeDecoding:
         self._proposals: dict[str, DraftProposal] = {}  # request id -> the worker's last proposal
 
     def begin_step(self, num_running: int) -> None:
-        """Call at the start of each schedule(), with the number of running requests: the
-        step drafts only if it is at most max_batch_size (else it counts in
-        steps_over_batch_cap)."""
+        """Call at the start of each schedule(), with the number of running requests (those
+        that cannot run in it counted too): the step drafts only if it is at most
+        max_batch_size. Requests it admits do not change that."""
         within = self.max_batch_size is None or num_running <= self.max_batch_size
         self._drafting = bool(self.num_speculative_tokens) and within
-        if self.num_speculative_tokens and not within:
+
+    def end_step(self, has_chunks: bool) -> None:
+        """Call at the end of each schedule(): a step with chunks that began over
+        max_batch_size counts in steps_over_batch_cap (a schedule with nothing to run is no
+        step)."""
+        if has_chunks and self.num_speculative_tokens and not self._drafting:
             self.stats.steps_over_batch_cap += 1
+
+    def verification_scheduled(self, request_id: str) -> None:
+        """A verification chunk of `request_id` was made: it counts as verifying (`waits`)
+        until `accept` settles it (a preempted request's chunk still comes back), `finished`,
+        or `forget` with in_flight_lost."""
+        self._verifying.add(request_id)
 
     def speculates(self, request: Request) -> bool:
         """Whether `request` drafts in this step (module docstring)."""
@@ -165,8 +176,7 @@ class SpeculativeDecoding:
         """The drafts of `request`'s next chunk, when it is a decode (every token but the last
         computed, none pending) of a speculating request: at most num_speculative_tokens,
         budget - 1, and as many as leave room for the bonus token under max_tokens and
-        max_model_len. () otherwise. Uses up the worker's proposal for the request; with drafts,
-        the request counts as verifying (`waits`) until `accept` or `forget`."""
+        max_model_len. () otherwise. Uses up the worker's proposal for the request."""
         proposal = self._proposals.pop(request.request_id, None)
         if proposal is not None and proposal.follows != request.num_tokens:
             proposal = None  # it follows other tokens: a stale one
@@ -184,10 +194,7 @@ class SpeculativeDecoding:
         )
         if limit <= 0:
             return ()
-        drafts = self.drafter.draft(request, proposal, limit)
-        if drafts:
-            self._verifying.add(request.request_id)
-        return drafts
+        return self.drafter.draft(request, proposal, limit)
 
     def accept(self, request: Request, chunk: ScheduledChunk, verified: Sequence[int], max_model_len: int) -> int:
         """The verification `chunk` of `request` came back with the argmax `verified` at each

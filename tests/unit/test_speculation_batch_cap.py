@@ -111,6 +111,72 @@ def test_a_verification_in_flight_waits_when_the_step_goes_over_the_cap(accept_a
     assert next_step["a"].start_position == a.num_prompt_tokens + kept
 
 
+def test_a_request_preempted_by_its_own_drafts_does_not_count_as_verifying():
+    """b drafts, finds no block for them and is preempted (by its own growth): no verification
+    chunk was made, so once re-admitted it keeps the overlap over the cap like everyone else."""
+    speculation = SpeculativeDecoding(K, SameTokenDrafter(), 3)
+    scheduler = Scheduler(CacheManager(8, 8, 8), max_num_batched_tokens=128, max_num_seqs=8,
+                          max_model_len=4096, speculation=speculation)
+
+    def request(request_id, prompt_len, temperature=0.0):
+        return Request(request_id, tuple(range(10, 10 + prompt_len)),
+                       SamplingParams(max_tokens=40, temperature=temperature))
+
+    # 1 + 5 + 1 of the 8 blocks; n samples, so it never drafts
+    for queued in (request("a", 7), request("n", 33, temperature=1.0), request("b", 7)):
+        scheduler.add_request(queued)
+    settle(scheduler, scheduler.schedule())
+    # a takes the last block for its drafts; b finds none and is preempted, then re-admitted
+    # in the same step to recompute its tokens (no drafts)
+    within_the_cap = scheduler.schedule()
+    assert drafts_by_request(within_the_cap) == {"a": K, "n": 0, "b": 0} and scheduler.stats.preemptions == 1
+    scheduler.finish_request("n", FinishReason.ABORT)
+    for request_id in ("c1", "c2", "c3"):
+        scheduler.add_request(request(request_id, 1))
+    admitting = scheduler.schedule()
+    settle(scheduler, within_the_cap)
+    over_the_cap = scheduler.schedule()  # five running
+    settle(scheduler, admitting)
+    again_over_the_cap = scheduler.schedule()  # b's token from the step before is still pending
+    assert "b" in drafts_by_request(over_the_cap) and "b" in drafts_by_request(again_over_the_cap)
+    assert set(drafts_by_request(again_over_the_cap).values()) == {0}
+
+
+def test_a_failed_step_leaves_no_request_verifying():
+    """The steps in flight are abandoned and their requests requeued: the verification chunk
+    among them will never come back, so its request does not wait for it afterwards."""
+    scheduler = make_scheduler(1)
+    scheduler.add_request(make_request("a"))
+    settle(scheduler, scheduler.schedule())
+    verification = scheduler.schedule()  # a alone: within the cap, it drafts
+    assert drafts_by_request(verification) == {"a": K}
+    scheduler.add_request(make_request("b"))
+    admit_b = scheduler.schedule()
+    for step in (verification, admit_b):  # the runner failed the first; both are abandoned
+        scheduler.abandon_step(step)
+    assert scheduler.requeue_failed([verification, admit_b]) == []
+    for request_id in ("a", "b"):  # each recomputes alone until it samples again
+        step = scheduler.schedule()
+        assert drafts_by_request(step) == {request_id: 0}
+        settle(scheduler, step)
+    scheduler.schedule()  # two running, over the cap: both decode, tokens in flight
+    assert drafts_by_request(scheduler.schedule()) == {"a": 0, "b": 0}  # the overlap, a too
+
+
+def test_only_steps_with_chunks_count_over_the_cap():
+    scheduler = make_scheduler(1)
+    for request_id in ("a", "b"):
+        scheduler.add_request(make_request(request_id))
+    settle(scheduler, scheduler.schedule())  # began with none running: within the cap
+    first = scheduler.schedule()  # two running, both decode
+    assert scheduler.speculation.stats.steps_over_batch_cap == 1
+    for request_id in ("a", "b"):
+        scheduler.requests[request_id].sampling = SamplingParams(max_tokens=2, temperature=0)
+    nothing = scheduler.schedule()  # both have sampled all they may: nothing to run
+    assert not nothing.chunks and scheduler.speculation.stats.steps_over_batch_cap == 1
+    settle(scheduler, first)
+
+
 @pytest.mark.parametrize("cap", [0, -1, True, 2.5])
 def test_the_cap_is_refused_unless_a_positive_integer(cap):
     with pytest.raises(ValueError, match="speculative_max_batch_size must be an integer >= 1"):
