@@ -11,7 +11,6 @@ from engine.config import EngineConfig
 from engine.model_config import HybridModelConfig
 from engine.models import bamba, granite_moe_hybrid
 from engine.speculative.verify import check_verifiable
-from engine.speculative.verify_gpu import check_verifiable_on_gpu
 
 # The families random_mtp_head_seed builds a random MTP head for: those whose model is
 # GraniteMoeHybridModel (its random_mtp_head).
@@ -20,13 +19,11 @@ RANDOM_MTP_HEAD_FAMILIES = (granite_moe_hybrid.MODEL_TYPE, bamba.MODEL_TYPE)
 
 def check_speculation(config: EngineConfig, model_config: HybridModelConfig) -> None:
     """ValueError naming the key when config's speculative decoding cannot run on this model:
-    a layer kind that cannot verify drafts (on CUDA: that the CUDA route cannot), or the mtp
+    a layer kind that cannot verify drafts (the same kinds on the CPU and on CUDA), or the mtp
     drafter without exactly one MTP layer to run. Nothing to check with speculation off."""
     if not config.num_speculative_tokens:
         return
     check_verifiable(model_config.layer_types)
-    if config.device.startswith("cuda"):
-        check_verifiable_on_gpu(model_config.layer_types)
     if config.speculative_drafter == "mtp":
         check_mtp_head(config, model_config)
 

@@ -63,24 +63,8 @@ from engine.forward_batch import ForwardBatch, ModelCaches
 from engine.forward_routes import EagerPass, RouteOutput, SampledTokens
 from engine.host_index import int64_array, to_device
 from engine.kernels.gpu.batch_plan import GpuBatchPlan, build_gpu_batch_plan
-from engine.model_config import ATTENTION, GATED_DELTA_NET, MAMBA, MLP, MOE
 from engine.speculative.verify import VerificationScratch
 from engine.step_io import CaptureOp, ScheduledChunk
-
-# Layer kinds the CUDA verification route runs: the CPU path's but HYBRID (Falcon-H1), whose
-# layers would take the same Mamba2 and attention routes but have not run them on a device yet.
-GPU_VERIFIABLE_LAYER_KINDS = (ATTENTION, MAMBA, GATED_DELTA_NET, MLP, MOE)  # MLP and MoE blocks hold no state
-
-
-def check_verifiable_on_gpu(layer_types: Sequence[str]) -> None:
-    """ValueError naming num_speculative_tokens when a layer kind has no CUDA verification."""
-    unsupported = sorted(set(layer_types) - set(GPU_VERIFIABLE_LAYER_KINDS))
-    if unsupported:
-        raise ValueError(
-            f"num_speculative_tokens > 0 on cuda: this model's {unsupported} layers cannot verify "
-            "drafts on the GPU yet (Mamba2, gated delta-net and attention can); set num_speculative_tokens to 0 "
-            "or run on the CPU")
-
 
 def verification_order(chunks: Sequence[ScheduledChunk]) -> tuple[list[int], int]:
     """(order, num_rest): the step's chunk indices with the chunks that are not verification
@@ -285,7 +269,6 @@ class GpuVerifyPass(EagerPass):
     (ValueError with one: speculation turns them off)."""
 
     def __init__(self, model, caches: ModelCaches, device: torch.device, scratch: VerificationScratch) -> None:
-        check_verifiable_on_gpu(model.config.layer_types)
         super().__init__(model, caches, device)
         self.scratch = scratch
 

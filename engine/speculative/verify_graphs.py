@@ -42,7 +42,7 @@ from engine.forward_routes import GraphScratch, RouteOutput, SampledTokens
 from engine.kernels.gpu.batch_plan import verification_only_plan
 from engine.request import PENDING_TOKEN
 from engine.speculative.verify import VerificationScratch
-from engine.speculative.verify_gpu import VerificationPlan, check_verifiable_on_gpu
+from engine.speculative.verify_gpu import VerificationPlan
 from engine.step_io import CaptureOp, ScheduledChunk
 
 VERIFY_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16)
@@ -118,7 +118,6 @@ class VerifyGraphRunner:
         self, model, caches: ModelCaches, scratch: VerificationScratch, graph_scratch: GraphScratch,
         batch_sizes: Sequence[int] = VERIFY_GRAPH_BATCH_SIZES,
     ) -> None:
-        check_verifiable_on_gpu(model.config.layer_types)
         self.model, self.caches = model, caches
         self.batch_sizes = tuple(sorted(batch_sizes))
         self.positions = scratch.positions
