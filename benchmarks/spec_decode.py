@@ -26,6 +26,7 @@ end, so a run cut short keeps its rows).
 
     python benchmarks/spec_decode.py --out $OUT/spec_decode.json            # on the H200
     python benchmarks/spec_decode.py --out /tmp/spec.json --quick           # tiny model, CPU
+    python benchmarks/spec_decode.py --out $OUT/mtp_cost.json --stages mtp_cost   # one part
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from engine.worker import Worker  # noqa: E402
 from harness import markdown_table, write_result  # noqa: E402
 
 BATCHES = (1, 16)
+STAGES = ("decode", "ngram_cost", "mtp_cost")
 MTP_HEAD_SEED = 7  # random_mtp_head_seed of the MTP rows
 
 
@@ -68,6 +70,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=30, help="timed steps of each step-cost row")
     parser.add_argument("--cap", type=int, default=8,
                         help="speculative_max_batch_size of the capped n-gram rows")
+    parser.add_argument("--stages", nargs="+", choices=STAGES, default=list(STAGES),
+                        help="the parts to run (default: all): decode tokens/s, the step costs with each drafter")
     return parser.parse_args()
 
 
@@ -244,11 +248,12 @@ def main() -> None:
 
         model_dir = model_dir_of(argparse.Namespace(quick=args.quick), Path(tmp))
         print(f"model {model_dir} ({time.perf_counter() - t_start:.0f}s)", flush=True)
-        for stage in (lambda: engine_rows(model_dir, args, lambda r: save(rows + r)),
-                      lambda: step_cost_rows(model_dir, args, "ngram"),
-                      lambda: step_cost_rows(model_dir, args, "mtp")):
+        stages = {"decode": lambda: engine_rows(model_dir, args, lambda r: save(rows + r)),
+                  "ngram_cost": lambda: step_cost_rows(model_dir, args, "ngram"),
+                  "mtp_cost": lambda: step_cost_rows(model_dir, args, "mtp")}
+        for name in args.stages:
             try:
-                rows += stage()
+                rows += stages[name]()
             except Exception:  # keep the rows of the stages that ran
                 report.setdefault("errors", []).append(traceback.format_exc())
                 traceback.print_exc()

@@ -74,17 +74,23 @@ def parameter_counts(model: torch.nn.Module) -> dict[str, int]:
 
 def sized_config(config: EngineConfig, num_requests: int, blocks_per_seq: int) -> EngineConfig:
     """The engine config with KV and state budgets for num_requests sequences of
-    blocks_per_seq blocks each, and 8,192 tokens a step."""
-    from engine.models.registry import build_model, load_model_config
+    blocks_per_seq blocks each (counted as the worker counts them, engine/cache_capacity.py
+    size_caches: the MTP drafter's KV layer included), and 8,192 tokens a step."""
+    from engine import cache_capacity
+    from engine.models.registry import load_model_config
+    from engine.tensor_parallel import TensorParallel
 
-    with torch.device("meta"):
-        model = build_model(load_model_config(config.model_dir), dtype=torch.bfloat16)
+    model_config = load_model_config(config.model_dir)
+    layout = cache_capacity.rank_shard_layout(model_config, TensorParallel.single())
+    dtype = getattr(torch, config.dtype)
+    block_bytes = cache_capacity.kv_bytes_per_block(
+        model_config, layout, dtype, config.block_size, len(cache_capacity.drafter_kv_layers(config, model_config)))
     return replace(
         config,
         max_num_seqs=num_requests,
         max_num_batched_tokens=8192,
-        kv_cache_bytes=model.kv_bytes_per_block(BLOCK_SIZE) * blocks_per_seq * num_requests,
-        state_cache_bytes=model.state_bytes_per_slot() * num_requests,
+        kv_cache_bytes=block_bytes * blocks_per_seq * num_requests,
+        state_cache_bytes=cache_capacity.state_bytes_per_slot(model_config, layout, dtype) * num_requests,
     )
 
 
