@@ -69,7 +69,7 @@ class EngineConfig:
                                           "requests (speculative decoding, exact: the output "
                                           "is the same as without; README.md, Speculative "
                                           "decoding); 0 turns it off, at most 16. One rank "
-                                          "only for now; refused for Falcon-H1 on cuda.")
+                                          "only for now.")
     speculative_drafter: str = _option("ngram", "Where draft tokens come from when "
                                        "num_speculative_tokens > 0: ngram (prompt lookup, no "
                                        "extra weights) or mtp (the model's multi-token-"
