@@ -1,5 +1,6 @@
 """The cluster's checkpoint index: which replica holds a checkpoint of which token prefix.
 
+The records, reports, deltas and digests it exchanges are in cache/index_messages.py.
 Pure bookkeeping, no Ray: deployments/checkpoint_index.py wraps one SharedIndex in a named
 actor per application, LLM server replicas report their published and dropped bundles to it
 (ReplicaReport), and each request router keeps a local mirror of it (`snapshot`, `delta`) to
@@ -39,165 +40,30 @@ miss). Not thread-safe: one owner (an actor's event loop, a router's event loop)
 from __future__ import annotations
 
 import sys
-from array import array
 from collections import OrderedDict, deque
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from hashlib import blake2b
 from typing import Literal
 
-Namespace = tuple[str, str]  # the engine's namespace: (model_dir, cache_salt or "")
-RecordKey = tuple[str, int]  # (replica id, bundle id)
+from cache.index_messages import (
+    Change,
+    CheckpointRecord,
+    HotCopy,
+    IndexDelta,
+    IndexSnapshot,
+    IndexStats,
+    LookupResult,
+    Namespace,
+    RecordKey,
+    ReplicaReport,
+    ReportAck,
+    StoredCopy,
+    prefix_digests,
+    token_digest,
+)
 
-DIGEST_BYTES = 16
 DEFAULT_MAX_RECORDS = 65_536
 DEFAULT_MAX_CHANGES = 16_384
-
-
-def _token_bytes(token_ids: Sequence[int]) -> bytes:
-    """Token ids as little-endian int64s, the same bytes on every host."""
-    data = array("q", token_ids)
-    if sys.byteorder != "little":
-        data.byteswap()
-    return data.tobytes()
-
-
-def token_digest(token_ids: Sequence[int]) -> bytes:
-    """The digest of a whole token sequence (what a record carries)."""
-    return blake2b(_token_bytes(token_ids), digest_size=DIGEST_BYTES).digest()
-
-
-def prefix_digests(token_ids: Sequence[int], lengths: Iterable[int]) -> dict[int, bytes]:
-    """{L: token_digest(token_ids[:L])} for every L in `lengths` with 0 < L <= len(token_ids),
-    in one pass over the tokens (the hash state is copied at each length)."""
-    wanted = sorted({n for n in lengths if 0 < n <= len(token_ids)})
-    hasher = blake2b(digest_size=DIGEST_BYTES)
-    digests: dict[int, bytes] = {}
-    done = 0
-    for n in wanted:
-        hasher.update(_token_bytes(token_ids[done:n]))
-        done = n
-        digests[n] = hasher.copy().digest()
-    return digests
-
-
-@dataclass(frozen=True)
-class StoredCopy:
-    """Where an exported copy of a bundle lies in the object-store tier (issue 20, point 2).
-
-    `locator` is whatever the import side needs to fetch it (e.g. per-rank object refs); the
-    index stores and returns it, never looks inside. `num_bytes`: the copy's size."""
-
-    locator: object
-    num_bytes: int
-
-
-@dataclass(frozen=True)
-class CheckpointRecord:
-    """One published bundle of one replica, as the index knows it.
-
-    on_replica: False once the replica dropped the bundle (or went away) while a stored copy
-    of it remains; such a record serves lookups that accept stored copies only."""
-
-    namespace: Namespace
-    digest: bytes  # token_digest of the covered token ids
-    length: int  # number of covered tokens
-    kind: str  # "prompt" | "response" | "instruction"
-    num_bytes: int
-    replica_id: str
-    bundle_id: int
-    stored_copy: StoredCopy | None = None
-    on_replica: bool = True
-
-    @property
-    def key(self) -> RecordKey:
-        return (self.replica_id, self.bundle_id)
-
-
-@dataclass(frozen=True)
-class ReplicaReport:
-    """What one replica tells the index, in one call.
-
-    full: `published` is everything the replica holds now (its records not in it go);
-    otherwise `published` and `dropped` (bundle ids) are the changes since its last accepted
-    report, against index incarnation `incarnation`."""
-
-    replica_id: str
-    incarnation: str | None
-    published: tuple[CheckpointRecord, ...] = ()
-    dropped: tuple[int, ...] = ()
-    full: bool = False
-    hits: tuple[tuple[int, int], ...] = ()  # (bundle id, restores since the last report)
-
-
-@dataclass(frozen=True)
-class ReportAck:
-    """The index's answer: accepted False means "send a full report" (the index restarted, or
-    forgot the replica); `incarnation` is the index's current one."""
-
-    incarnation: str
-    accepted: bool
-
-
-@dataclass(frozen=True)
-class LookupResult:
-    """The longest checkpoint prefix of a prompt: `length` tokens (0: none), the replicas that
-    hold it and its stored copies."""
-
-    length: int = 0
-    replica_ids: frozenset[str] = frozenset()
-    stored_copies: tuple[StoredCopy, ...] = ()
-
-
-@dataclass(frozen=True)
-class Change:
-    """One versioned change: `record` put (added or replaced), or the record `key` removed."""
-
-    version: int
-    op: Literal["put", "remove"]
-    record: CheckpointRecord | None = None
-    key: RecordKey | None = None
-
-
-@dataclass(frozen=True)
-class IndexDelta:
-    """The changes after `from_version` up to `to_version`, oldest first."""
-
-    incarnation: str
-    from_version: int
-    to_version: int
-    changes: tuple[Change, ...]
-
-
-@dataclass(frozen=True)
-class IndexSnapshot:
-    """Every record at `version`."""
-
-    incarnation: str
-    version: int
-    records: tuple[CheckpointRecord, ...]
-
-
-@dataclass(frozen=True)
-class IndexStats:
-    records: int
-    num_bytes: int  # bytes of the bundles the records describe (on replicas or stored)
-    replicas: int
-    namespaces: int
-    version: int
-    stored_copies: int = 0
-    stored_bytes: int = 0  # the object-store tier's size (StoredCopy.num_bytes summed)
-
-
-@dataclass(frozen=True)
-class HotCopy:
-    """A stored copy ranked for a warm start: the checkpoint it holds and its hits."""
-
-    namespace: Namespace
-    length: int
-    kind: str
-    hits: int
-    copy: StoredCopy
 
 
 @dataclass

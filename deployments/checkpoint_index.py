@@ -31,8 +31,7 @@ import uuid
 import ray
 from ray.actor import ActorHandle
 
-from cache.shared_index import (
-    DEFAULT_MAX_RECORDS,
+from cache.index_messages import (
     CheckpointRecord,
     HotCopy,
     IndexDelta,
@@ -43,9 +42,9 @@ from cache.shared_index import (
     RecordKey,
     ReplicaReport,
     ReportAck,
-    SharedIndex,
     StoredCopy,
 )
+from cache.shared_index import DEFAULT_MAX_RECORDS, SharedIndex
 from deployments.checkpoint_store import put_stored
 from deployments.metrics import IndexMetrics
 

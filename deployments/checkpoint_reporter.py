@@ -30,7 +30,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
-from cache.shared_index import CheckpointRecord, ReplicaReport, ReportAck, token_digest
+from cache.index_messages import CheckpointRecord, ReplicaReport, ReportAck, token_digest
 from engine.checkpoint_events import CheckpointEvent
 
 logger = logging.getLogger("ray.serve")

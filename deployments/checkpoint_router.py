@@ -59,7 +59,7 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
-from cache.shared_index import LookupResult, token_digest
+from cache.index_messages import LookupResult, token_digest
 from deployments.checkpoint_index import get_index
 from deployments.index_mirror import ActorIndexSource, IndexMirror
 from deployments.metrics import RoutingMetrics

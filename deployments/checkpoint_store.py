@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import ray
 
-from cache.shared_index import RecordKey
+from cache.index_messages import RecordKey
 from engine.checkpoint_transfer import CheckpointShard, ExportedCheckpoint, RemoteShard
 
 

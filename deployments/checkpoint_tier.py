@@ -26,7 +26,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from cache.shared_index import token_digest
+from cache.index_messages import token_digest
 from deployments.checkpoint_store import FetchFailed, fetch_stored, store_exported
 from deployments.fetch_policy import FetchPolicy
 from deployments.index_mirror import IndexMirror

@@ -264,7 +264,7 @@ def test_tp2_shards_go_from_rank_to_object_store_to_rank_never_through_the_repli
 
     import ray
 
-    from cache.shared_index import CheckpointRecord, ReplicaReport, token_digest
+    from cache.index_messages import CheckpointRecord, ReplicaReport, token_digest
     from deployments.checkpoint_index import get_or_create_index
     from deployments.checkpoint_store import fetch_stored, store_exported
     from deployments.worker_group import RayWorkerExecutor, WorkerGroup

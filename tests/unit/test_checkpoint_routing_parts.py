@@ -11,7 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from cache.shared_index import LookupResult, ReplicaReport, SharedIndex, token_digest
+from cache.index_messages import LookupResult, ReplicaReport, token_digest
+from cache.shared_index import SharedIndex
 from deployments.checkpoint_reporter import CheckpointReporter
 from deployments.checkpoint_router import (
     PLACEMENT_TTL_S,

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from cache.shared_index import CheckpointRecord, ReplicaReport, SharedIndex, StoredCopy, token_digest
+from cache.index_messages import CheckpointRecord, ReplicaReport, StoredCopy, token_digest
+from cache.shared_index import SharedIndex
 from deployments.fetch_policy import MIB, FetchPolicy
 
 NS = ("model", "")

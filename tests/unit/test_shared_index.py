@@ -13,15 +13,15 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from cache.shared_index import (
+from cache.index_messages import (
     CheckpointRecord,
     LookupResult,
     ReplicaReport,
-    SharedIndex,
     StoredCopy,
     prefix_digests,
     token_digest,
 )
+from cache.shared_index import SharedIndex
 
 NS = ("tiny", "")
 SALTED = ("tiny", "salt")
