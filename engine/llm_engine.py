@@ -324,9 +324,10 @@ class LLMEngine:
         self.last_step = StepTrace(scheduler_output, runner_output)
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
         outputs = self.output_processor.process(updated, runner_output)
-        for output in outputs:
-            if output.finished and output.request_id in self.scheduler.requests:  # stop string
-                self.scheduler.finish_request(output.request_id, FinishReason.STOP, output.num_output_tokens)
+        for output in outputs:  # finished by a stop string, or held by update_from_output
+            if output.finished and output.request_id in self.scheduler.requests:
+                self.scheduler.finish_request(
+                    output.request_id, FinishReason(output.finish_reason), output.num_output_tokens)
         return outputs
 
     def _abandon_in_flight(self, unsubmitted: SchedulerOutput | None) -> list[SchedulerOutput]:

@@ -62,19 +62,21 @@ class OutputProcessor:
         """One output per request that received tokens (one, or several from a verification),
         taken token by token. An output whose text hit a stop string is marked finished with
         reason "stop" and keeps the tokens up to the one that completed it (its
-        num_output_tokens says how many the request keeps); the caller ends that request."""
+        num_output_tokens says how many the request keeps); the caller ends that request, and
+        one with held_finish the same way (finished by it where no stop string came first)."""
         outputs = []
         for request in updated:
             state = self._states[request.request_id]
             new_tokens = request.output_token_ids[state.num_tokens_seen :]
             state.num_tokens_seen = request.num_output_tokens
-            finished = request.status is RequestStatus.FINISHED
-            reason = request.finish_reason.value if finished else None
+            finish = request.finish_reason if request.status is RequestStatus.FINISHED else request.held_finish
+            finished = finish is not None
+            reason = finish.value if finished else None
             text, kept = "", 0
             for i, token in enumerate(new_tokens):
                 last = i == len(new_tokens) - 1
                 kept += 1
-                delta = "" if last and _is_stop_token(request, token) else state.detokenizer.add_token(token)
+                delta = "" if last and _is_stop_token(request, token, finish) else state.detokenizer.add_token(token)
                 if finished and last:
                     delta += state.detokenizer.flush()
                 piece, hit_stop_string = state.stop_matcher.feed(delta)
@@ -118,9 +120,9 @@ class OutputProcessor:
         )
 
 
-def _is_stop_token(request: Request, token: int) -> bool:
-    """A finishing EOS or stop token id produces no text."""
-    if request.finish_reason is not FinishReason.STOP:
+def _is_stop_token(request: Request, token: int, finish: FinishReason | None) -> bool:
+    """A finishing EOS or stop token id (the request ends by `finish`) produces no text."""
+    if finish is not FinishReason.STOP:
         return False
     params = request.sampling
     return token in params.stop_token_ids or (not params.ignore_eos and token in params.eos_token_ids)

@@ -68,6 +68,10 @@ class Request:
     num_preemptions: int = 0
     num_failed_steps: int = 0  # failed steps it was in (Scheduler.requeue_failed)
     num_pending_tokens: int = 0
+    # A token-level rule ended it inside the tokens a verification kept, and a stop string
+    # may end its text at an earlier one: the engine finishes it (by the earlier stop, else
+    # by this reason) once the output processor has judged them (Scheduler.update_from_output).
+    held_finish: FinishReason | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -239,7 +239,11 @@ class Scheduler:
         scheduled.
 
         Returns the requests that received a new token this step (finished ones included,
-        with status FINISHED and their finish_reason set).
+        with status FINISHED and their finish_reason set). One exception: a verification
+        chunk's request with stop strings that a token-level rule ends stays running, with
+        held_finish set, since a stop string may end its text at an earlier kept token; the
+        caller finishes it (finish_request with that earlier point, else held_finish) before
+        the next schedule().
         """
         self.checkpoints.settle(scheduler_output, runner_output.confirmed_captures)
 
@@ -256,7 +260,9 @@ class Scheduler:
                 request.resolve_pending_token(runner_output.sampled_token_ids[chunk.request_id])
             self.suspects.discard(request.request_id)  # it ran alone and sampled: cleared
             reason = token_stop_reason(request, self.max_model_len)
-            if reason is not None:
+            if reason is not None and chunk.num_draft_tokens and request.sampling.stop:
+                request.held_finish = reason
+            elif reason is not None:
                 self.finish_request(request.request_id, reason)
             elif chunk.propose_drafts and request.status is RequestStatus.RUNNING:
                 self.speculation.receive(request, runner_output.draft_proposals.get(chunk.request_id))

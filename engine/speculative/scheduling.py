@@ -228,9 +228,15 @@ class SpeculativeDecoding:
         """Drop `request`'s output tokens past the first num_output_tokens (a stop string
         ended its text there, inside the tokens its last verification kept), with the computed
         positions and the commit that went with them. Call before the request finishes, so
-        its response checkpoint covers exactly the tokens kept. Mutates the request."""
+        its response checkpoint covers exactly the tokens kept. A request preempted while that
+        verification ran (`accept` recorded no commit; it computes from 0 again) loses the
+        tokens alone. Mutates the request."""
         dropped = request.num_output_tokens - num_output_tokens
         if dropped <= 0:
+            return
+        self.stats.draft_tokens_trimmed += dropped
+        if request.status is not RequestStatus.RUNNING:
+            del request.output_token_ids[num_output_tokens:]
             return
         commit = self._commits.get(request.request_id)
         assert commit is not None and commit.index >= dropped and not request.num_pending_tokens, (
@@ -238,7 +244,6 @@ class SpeculativeDecoding:
         del request.output_token_ids[num_output_tokens:]
         request.num_computed_tokens -= dropped
         self._commits[request.request_id] = CommitOp(commit.request_id, commit.state_slot, commit.index - dropped)
-        self.stats.draft_tokens_trimmed += dropped
 
     def forget(self, request_id: str, *, in_flight_lost: bool = False) -> None:
         """`request_id` lost its state slot (preempted, requeued) before its commit was

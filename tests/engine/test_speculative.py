@@ -366,15 +366,22 @@ def free_run(engine_on, repeating_prompts) -> tuple[list[int], list]:
     return prompt, _run(engine_on, [("free", prompt, "free")], GREEDY)["free"]
 
 
-def test_stop_string_inside_an_accepted_draft_run(engine_on, engine_off, free_run):
+@pytest.mark.parametrize("later_stop", [None, "stop_token_ids", "max_tokens"])
+def test_stop_string_inside_an_accepted_draft_run(later_stop, engine_on, engine_off, free_run):
     """The output ends at the stop string's first character, its tokens end with the one that
     completed it (the rest of the run is dropped), as with speculation off; the response
     checkpoint covers exactly the kept tokens, and a follow-up turn that restores it gives
-    what the follow-up computed from scratch gives."""
+    what the follow-up computed from scratch gives. later_stop: a token-level rule that also
+    ends the request, two tokens later in the same verification; the stop string, judged on
+    text after the token rules, still decides what is kept and checkpointed."""
     prompt, outputs = free_run
     tokens, text = _tokens(outputs), _text(outputs)
-    # inside a run with two more after it: the detokenizer may hold a token's text until the next
-    index = next(i for i, start in _inside_runs(outputs, after=2) if i > start)
+    # inside a run with two more after it: the detokenizer may hold a token's text until the
+    # next; with a stop token id, one first seen two tokens later
+    index = next((i for i, start in _inside_runs(outputs, after=2)
+                  if i > start and (later_stop != "stop_token_ids" or tokens[i + 2] not in tokens[: i + 2])), None)
+    if index is None:
+        pytest.skip("no verification in this free run kept a token first seen two after a stop-string token")
     tokenizer = engine_on.tokenizer
     # a stop string that ends inside token `index`'s text and occurs nowhere before it
     before = tokenizer.decode(tokens[:index])
@@ -383,7 +390,11 @@ def test_stop_string_inside_an_accepted_draft_run(engine_on, engine_off, free_ru
     stop = through[max(0, len(before) - 3) : len(before) + 1]
     assert text.find(stop) == len(through[: len(before) + 1]) - len(stop)
     params = replace(GREEDY, stop=(stop,))
-    salt = "stop-string"
+    if later_stop == "stop_token_ids":
+        params = replace(params, stop_token_ids=(tokens[index + 2],))
+    elif later_stop == "max_tokens":
+        params = replace(params, max_tokens=index + 3)
+    salt = f"stop-string-{later_stop}"
     trimmed = engine_on.stats().speculation.draft_tokens_trimmed
     got = _run(engine_on, [("stop", prompt, salt)], params)["stop"]
     want = _run(engine_off, [("stop", prompt, salt)], params)["stop"]
@@ -399,11 +410,11 @@ def test_stop_string_inside_an_accepted_draft_run(engine_on, engine_off, free_ru
     assert engine_on.longest_checkpoint(namespace, list(prompt) + tokens) == len(kept) - 1
     # follow-up turn: restores it and matches a from-scratch run, and the spec-off engine
     follow_up = kept + [321, 654, 987, 123]
-    jobs = [("turn2", follow_up, salt), ("turn2-scratch", follow_up, "stop-scratch")]
+    jobs = [("turn2", follow_up, salt), ("turn2-scratch", follow_up, f"stop-scratch-{later_stop}")]
     second = _run(engine_on, jobs, GREEDY)
     assert second["turn2"][-1].num_cached_tokens == len(kept) - 1
     assert second["turn2-scratch"][-1].num_cached_tokens == 0
-    reference = _tokens(_run(engine_off, [("turn2", follow_up, "off-scratch")], GREEDY)["turn2"])
+    reference = _tokens(_run(engine_off, [("turn2", follow_up, f"off-scratch-{later_stop}")], GREEDY)["turn2"])
     assert _tokens(second["turn2"]) == _tokens(second["turn2-scratch"]) == reference
 
 

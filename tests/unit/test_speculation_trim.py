@@ -1,0 +1,78 @@
+"""Ending a request inside the tokens one verification kept (engine/speculative/scheduling.py
+trim, Scheduler.update_from_output's held finish). Pure Python: the scheduler with a drafter
+that always proposes the same tokens (tests/unit/test_speculation_batch_cap.py)."""
+
+from __future__ import annotations
+
+from cache.cache_manager import CacheManager
+from cache.checkpoint_ledger import CheckpointKind
+from engine.checkpoint_policy import CheckpointPolicy
+from engine.request import FinishReason, Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.speculative.scheduling import SpeculativeDecoding
+from tests.unit.test_speculation_batch_cap import DRAFT, K, SameTokenDrafter, settle
+
+BLOCK = 4
+
+
+def make_scheduler(num_blocks: int) -> Scheduler:
+    cache = CacheManager(num_blocks, 4, BLOCK, checkpoint_bytes=1 << 30)
+    return Scheduler(cache, max_num_batched_tokens=64, max_num_seqs=4, max_model_len=4096,
+                     checkpoints=CheckpointPolicy(cache, kinds=frozenset({CheckpointKind.RESPONSE})),
+                     speculation=SpeculativeDecoding(K, SameTokenDrafter()))
+
+
+def greedy(request_id: str, prompt_len: int, **sampling) -> Request:
+    return Request(request_id, tuple(range(10, 10 + prompt_len)),
+                   SamplingParams(**{"max_tokens": 20, "temperature": 0, **sampling}))
+
+
+def test_a_stop_string_in_the_verification_of_a_request_preempted_meanwhile():
+    """a's verification is in flight when the next step preempts it (x needs its block): the
+    verification's tokens still arrive, and a stop string among them ends a there. Its kept
+    tokens are cut with no commit to move (a computes from 0 again), nothing raises, and
+    the cut tokens are counted as trimmed."""
+    scheduler = make_scheduler(num_blocks=3)
+    scheduler.add_request(Request("x", (1, 2, 3), SamplingParams(max_tokens=20, temperature=1.0)))
+    scheduler.add_request(greedy("a", 4))
+    settle(scheduler, scheduler.schedule())
+    verification = scheduler.schedule()
+    assert {c.request_id: c.num_draft_tokens for c in verification.chunks} == {"x": 0, "a": K}
+    scheduler.schedule()  # x grows into a's block: a is preempted, its verification in flight
+    a = scheduler.requests["a"]
+    assert a.status is RequestStatus.WAITING and scheduler.stats.preemptions == 1
+    settle(scheduler, verification)
+    assert a.output_token_ids == [5] + [DRAFT] * (K + 1)
+    trimmed = scheduler.speculation.stats.draft_tokens_trimmed
+    finished = scheduler.finish_request("a", FinishReason.STOP, 2)
+    assert finished.output_token_ids == [5, DRAFT] and finished.status is RequestStatus.FINISHED
+    assert finished.num_computed_tokens == 0
+    assert scheduler.speculation.stats.draft_tokens_trimmed == trimmed + K
+    assert "a" not in scheduler.requests and a not in scheduler.waiting
+
+
+def test_a_token_stop_in_a_verification_waits_for_the_stop_strings():
+    """The verification keeps 5, DRAFT, DRAFT and reaches max_tokens at the last: a request
+    with stop strings stays running with the finish held (a stop string may end its text at
+    an earlier token), and finishing it at the second token takes the response checkpoint
+    there; without stop strings it finishes at once, its checkpoint over all it kept."""
+    for stop, keep in (((".",), 2), ((), None)):
+        scheduler = make_scheduler(num_blocks=16)
+        scheduler.add_request(greedy("a", 4, max_tokens=1 + K + 1, stop=stop))
+        settle(scheduler, scheduler.schedule())
+        verification = scheduler.schedule()
+        settle(scheduler, verification)
+        a = verification.chunks[0]
+        assert a.num_draft_tokens == K
+        request = scheduler.requests.get("a")
+        if keep is None:
+            assert request is None  # finished by length
+            kept = 1 + K + 1
+        else:
+            assert request.status is RequestStatus.RUNNING and request.held_finish is FinishReason.LENGTH
+            scheduler.finish_request("a", FinishReason.STOP, keep)
+            kept = keep
+        [capture] = scheduler.schedule().captures
+        # the response checkpoint: prompt + kept tokens but the last (never fed)
+        assert capture.num_tokens == 4 + kept - 1
