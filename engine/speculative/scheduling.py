@@ -17,8 +17,8 @@ token and min_tokens is met (the sampler's min_tokens masking would change the a
 steps that start with at most max_batch_size running requests (`begin_step`; above it a
 verification step costs more than the plain decode steps it saves, and every request decodes
 plainly). Drafting needs every token known, so such a request waits while a token of its is
-pending (`waits`): with async_scheduling it has one step in flight at a time; the others keep
-the overlap. A request whose verification chunk is in flight waits in any step, since where
+pending (`waits`) once its next chunk may draft: with async_scheduling it has one step in
+flight at a time; the others keep the overlap, and so does it below min_tokens. A request whose verification chunk is in flight waits in any step, since where
 its next token goes depends on how many drafts are accepted.
 
 Drafters, one interface (Drafter.draft) for both kinds: the n-gram drafter computes its drafts
@@ -153,10 +153,15 @@ class SpeculativeDecoding:
 
     def waits(self, request: Request) -> bool:
         """A request with a token pending is not scheduled (nor admitted) until that token is
-        known if its verification chunk is in flight, or if it speculates in this step."""
+        known if its verification chunk is in flight, or if it speculates in this step and
+        its next chunk may draft (min_tokens met once the pending tokens are known: below it,
+        `drafts` gives none, and the request keeps async scheduling's overlap)."""
         if not request.num_pending_tokens:
             return False
-        return request.request_id in self._verifying or self.speculates(request)
+        if request.request_id in self._verifying:
+            return True
+        may_draft = request.num_output_tokens + request.num_pending_tokens >= request.sampling.min_tokens
+        return may_draft and self.speculates(request)
 
     def proposals_wanted(self, request: Request) -> int:
         """ScheduledChunk.propose_drafts of a chunk of `request` that samples: how many drafts

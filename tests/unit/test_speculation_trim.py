@@ -76,3 +76,22 @@ def test_a_token_stop_in_a_verification_waits_for_the_stop_strings():
         [capture] = scheduler.schedule().captures
         # the response checkpoint: prompt + kept tokens but the last (never fed)
         assert capture.num_tokens == 4 + kept - 1
+
+
+def test_a_request_below_min_tokens_keeps_the_async_overlap():
+    """A speculating request drafts only once min_tokens are generated, so below that it does
+    not wait for its pending token: it is scheduled again with the token in flight, as
+    without speculation (one step ahead of the one settled, as the engine runs), until its
+    next chunk may draft; then it waits, and that chunk drafts."""
+    scheduler = make_scheduler(num_blocks=16)
+    scheduler.add_request(greedy("a", 4, min_tokens=3))
+    steps = [scheduler.schedule()]  # the prefill samples output token 1
+    for _ in range(3):
+        steps.append(scheduler.schedule())
+        settle(scheduler, steps[-2])
+    # tokens 2 and 3 sampled with the one before pending; then 3 tokens are sampled, so the
+    # next chunk may draft and the request waits for them
+    assert [len(step.chunks) for step in steps] == [1, 1, 1, 0]
+    settle(scheduler, steps[-1])
+    [verification] = scheduler.schedule().chunks
+    assert verification.num_draft_tokens == K
