@@ -14,7 +14,11 @@ the two cores (several of them time Serve's behaviour under load).
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+from tests.ray_env import SERVE_ON_TWO_CORES_ENV
 
 # The Serve session (one Serve instance and app per pytest session) for every Serve test
 # directory; only where Ray Serve is installed (the GPU machine runs tests/gpu without it).
@@ -46,6 +50,7 @@ def ray_session():
 
     started_here = not ray.is_initialized()
     if started_here:
+        os.environ.update(SERVE_ON_TWO_CORES_ENV)
         ray.init(
             num_cpus=RAY_NUM_CPUS,
             object_store_memory=RAY_OBJECT_STORE_BYTES,

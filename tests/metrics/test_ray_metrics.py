@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.ray_env import SERVE_ON_TWO_CORES_ENV
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from test_dashboard import dashboard_metric_names  # noqa: E402
 
@@ -37,7 +39,7 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def scenario(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("ray_metrics") / "result.json"
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | SERVE_ON_TWO_CORES_ENV
     proc = subprocess.run(
         [sys.executable, str(SCENARIO), str(out), str(free_port()), str(free_port())],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.ray_env import SERVE_ON_TWO_CORES_ENV
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DURATION_S = float(os.environ.get("HYBRID_SERVE_SOAK_S", "90"))  # 12 windows of 7.5 s
 
@@ -22,6 +24,7 @@ DURATION_S = float(os.environ.get("HYBRID_SERVE_SOAK_S", "90"))  # 12 windows of
 def test_soak_serves_mixed_traffic_without_errors_or_growth(tmp_path):
     out = tmp_path / "soak.json"
     env = {key: value for key, value in os.environ.items() if not key.startswith("RAY_")}
+    env.update(SERVE_ON_TWO_CORES_ENV)
     run = subprocess.run(
         [sys.executable, "benchmarks/soak.py", "--duration-s", str(DURATION_S), "--port", "8232",
          "--out", str(out)],
