@@ -18,8 +18,9 @@ steps that start with at most max_batch_size running requests (`begin_step`; abo
 verification step costs more than the plain decode steps it saves, and every request decodes
 plainly). Drafting needs every token known, so such a request waits while a token of its is
 pending (`waits`) once its next chunk may draft: with async_scheduling it has one step in
-flight at a time; the others keep the overlap, and so does it below min_tokens. A request whose verification chunk is in flight waits in any step, since where
-its next token goes depends on how many drafts are accepted.
+flight at a time; the others keep the overlap, and so does it below min_tokens. A request
+whose verification chunk is in flight waits in any step, since where its next token goes
+depends on how many drafts are accepted.
 
 Drafters, one interface (Drafter.draft) for both kinds: the n-gram drafter computes its drafts
 here from the request's tokens; the MTP drafter runs on the worker, which needs the hidden rows
@@ -164,10 +165,14 @@ class SpeculativeDecoding:
         return may_draft and self.speculates(request)
 
     def proposals_wanted(self, request: Request) -> int:
-        """ScheduledChunk.propose_drafts of a chunk of `request` that samples: how many drafts
-        the worker should propose after it (0: none, or a drafter of the scheduler's)."""
+        """ScheduledChunk.propose_drafts of a chunk of `request` that samples (call before the
+        chunk counts its token pending): how many drafts the worker should propose after it.
+        0: none, a drafter of the scheduler's, or the token it samples leaves the request below
+        min_tokens (its next chunk drafts nothing)."""
         on_worker = self.drafter is not None and self.drafter.on_worker
-        return self.num_speculative_tokens if on_worker and self.speculates(request) else 0
+        sampled = request.num_output_tokens + request.num_pending_tokens + 1
+        wanted = on_worker and sampled >= request.sampling.min_tokens and self.speculates(request)
+        return self.num_speculative_tokens if wanted else 0
 
     def receive(self, request: Request, proposal: DraftProposal | None) -> None:
         """Keep the worker's `proposal` for `request` (after the step that asked for it settled

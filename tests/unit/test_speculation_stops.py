@@ -1,6 +1,8 @@
-"""Ending a request inside the tokens one verification kept (engine/speculative/scheduling.py
-trim, Scheduler.update_from_output's held finish). Pure Python: the scheduler with a drafter
-that always proposes the same tokens (tests/unit/test_speculation_batch_cap.py)."""
+"""Speculation and the stop rules (engine/speculative/scheduling.py): ending a request inside
+the tokens one verification kept (trim, Scheduler.update_from_output's held finish), and
+min_tokens, below which a request drafts nothing (waits, proposals_wanted). Pure Python: the
+scheduler with a drafter that always proposes the same tokens
+(tests/unit/test_speculation_batch_cap.py), or the worker's proposals' drafter."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from engine.checkpoint_policy import CheckpointPolicy
 from engine.request import FinishReason, Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.speculative.scheduling import SpeculativeDecoding
+from engine.speculative.scheduling import SpeculativeDecoding, WorkerProposals
 from tests.unit.test_speculation_batch_cap import DRAFT, K, SameTokenDrafter, settle
 
 BLOCK = 4
@@ -95,3 +97,19 @@ def test_a_request_below_min_tokens_keeps_the_async_overlap():
     settle(scheduler, steps[-1])
     [verification] = scheduler.schedule().chunks
     assert verification.num_draft_tokens == K
+
+
+def test_the_worker_is_asked_for_drafts_once_min_tokens_are_sampled():
+    """With the drafter on the worker (MTP), a chunk asks it to propose drafts only if the
+    token the chunk samples brings the request to min_tokens: the proposal is for the next
+    chunk, which drafts nothing below it."""
+    cache = CacheManager(16, 4, BLOCK)
+    scheduler = Scheduler(cache, max_num_batched_tokens=64, max_num_seqs=4, max_model_len=4096,
+                          speculation=SpeculativeDecoding(K, WorkerProposals("mtp")))
+    scheduler.add_request(greedy("a", 4, min_tokens=3))
+    steps = [scheduler.schedule()]
+    for _ in range(2):
+        steps.append(scheduler.schedule())
+        settle(scheduler, steps[-2])
+    # the chunks sample output tokens 1, 2 and 3
+    assert [step.chunks[0].propose_drafts for step in steps] == [0, 0, K]
