@@ -1,5 +1,6 @@
 """Environment for the Ray instances the tests start (the session's, tests/conftest.py, and
-those of the scenarios run as subprocesses: tests/metrics, tests/soak).
+those of the scenarios run as subprocesses: tests/metrics, tests/soak, tests/cluster's fake
+autoscaling cluster).
 
 Serve gives a starting HTTP proxy PROXY_READY_CHECK_TIMEOUT_S (5 s) to answer its first ready
 check, then kills it, and serve.start fails on the dead proxy (ActorDiedError). On a 2-core CI

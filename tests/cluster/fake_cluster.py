@@ -32,6 +32,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the scenario runs as a script
+from tests.ray_env import SERVE_ON_TWO_CORES_ENV  # noqa: E402
+
 HEAD_NODE_TYPE = "ray.head.default"
 # For the cluster and for every process that connects to it: token authentication (Ray's
 # default for a local cluster when ~/.ray/auth_token exists), set explicitly so the head and
@@ -140,7 +143,7 @@ class FakeAutoscalingCluster:
                f"--ray-client-server-port={free_port(9990)}",
                f"--dashboard-agent-listen-port={free_port(52390)}"]
         env = {**os.environ, "AUTOSCALER_UPDATE_INTERVAL_S": "1", "RAY_FAKE_CLUSTER": "1",
-               **CLIENT_ENV, MARKER_ENV: self.temp_dir}
+               **CLIENT_ENV, **SERVE_ON_TWO_CORES_ENV, MARKER_ENV: self.temp_dir}
         env.pop("RAY_ADDRESS", None)
         # a session of its own: every process of this cluster (head, the worker nodes the
         # autoscaler starts, their workers) stays in it, so shutdown() can find them all
