@@ -96,6 +96,13 @@ class SpeculationStats:
         return self.draft_tokens_accepted / self.draft_tokens_proposed if self.draft_tokens_proposed else 0.0
 
 
+def _min_tokens_met(request: Request, sampling: int = 0) -> bool:
+    """Whether `request` has min_tokens output tokens once its pending ones and `sampling`
+    more are known: only then may a chunk of it draft (the sampler's min_tokens masking would
+    change the argmax the drafts are checked against)."""
+    return request.num_output_tokens + request.num_pending_tokens + sampling >= request.sampling.min_tokens
+
+
 def greedy_accept(drafts: Sequence[int], verified: Sequence[int]) -> int:
     """How many drafts the greedy rule accepts: drafts[i] is accepted while it equals
     verified[i], the argmax at the position before it (len(verified) = len(drafts) + 1)."""
@@ -161,8 +168,7 @@ class SpeculativeDecoding:
             return False
         if request.request_id in self._verifying:
             return True
-        may_draft = request.num_output_tokens + request.num_pending_tokens >= request.sampling.min_tokens
-        return may_draft and self.speculates(request)
+        return _min_tokens_met(request) and self.speculates(request)
 
     def proposals_wanted(self, request: Request) -> int:
         """ScheduledChunk.propose_drafts of a chunk of `request` that samples (call before the
@@ -170,8 +176,7 @@ class SpeculativeDecoding:
         0: none, a drafter of the scheduler's, or the token it samples leaves the request below
         min_tokens (its next chunk drafts nothing)."""
         on_worker = self.drafter is not None and self.drafter.on_worker
-        sampled = request.num_output_tokens + request.num_pending_tokens + 1
-        wanted = on_worker and sampled >= request.sampling.min_tokens and self.speculates(request)
+        wanted = on_worker and _min_tokens_met(request, sampling=1) and self.speculates(request)
         return self.num_speculative_tokens if wanted else 0
 
     def receive(self, request: Request, proposal: DraftProposal | None) -> None:
@@ -192,7 +197,7 @@ class SpeculativeDecoding:
             proposal = None  # it follows other tokens: a stale one
         if not self.speculates(request) or request.num_pending_tokens:
             return ()
-        if request.num_output_tokens == 0 or request.num_output_tokens < request.sampling.min_tokens:
+        if request.num_output_tokens == 0 or not _min_tokens_met(request):
             return ()
         if request.num_computed_tokens != request.num_tokens - 1:
             return ()
