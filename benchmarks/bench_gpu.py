@@ -91,7 +91,7 @@ def passes(quick: bool, concurrency: list[int]) -> list[tuple[str, list[tuple[st
 def model_dir_of(args: argparse.Namespace, tmp: Path) -> Path:
     """The tiny model (--quick), or the 1.5B random checkpoint written under tmp with the tiny
     model's tokenizer beside it."""
-    from engine.config import DEFAULT_MODEL_DIR
+    from engine.engine_config import DEFAULT_MODEL_DIR
 
     if args.quick:
         return DEFAULT_MODEL_DIR

@@ -33,12 +33,12 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from deployments.protocol import ChatMessage
+from deployments.http.protocol import ChatMessage
 from deployments.renderer import RenderedPrompt, render_chat
-from engine.config import DEFAULT_MODEL_DIR, EngineConfig
-from engine.generation_request import GenerationRequest
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from engine.engine_config import DEFAULT_MODEL_DIR, EngineConfig
+from engine.interfaces.generation_request import GenerationRequest
+from engine.core.llm_engine import LLMEngine
+from engine.interfaces.sampling_params import SamplingParams
 from harness import add_out_argument, write_result
 
 SETTINGS: list[tuple[str, ...]] = [(), ("prompt",), ("prompt", "response"),

@@ -365,7 +365,7 @@ def read_routing(metrics_port: int, app_name: str) -> dict:
 
 def app_config(mode: Mode, args: argparse.Namespace):
     from deployments.config import AppConfig
-    from engine.config import EngineConfig
+    from engine.engine_config import EngineConfig
 
     mib = 1024 * 1024
     engine = EngineConfig(max_model_len=args.max_model_len, max_num_seqs=16,
@@ -582,7 +582,7 @@ def affinity_router_source() -> str:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     from deployments.config import AppConfig
-    from engine.config import DEFAULT_MODEL_DIR
+    from engine.engine_config import DEFAULT_MODEL_DIR
     from hybrid_serve_bench.tokens import TokenizerCounter
     from hybrid_serve_bench.workloads import Sizes, shared_instructions
 

@@ -30,9 +30,9 @@ from pathlib import Path
 
 import torch
 
-from engine.config import EngineConfig
-from engine.step_io import SchedulerOutput
-from engine.worker import Worker
+from engine.engine_config import EngineConfig
+from engine.interfaces.step_io import SchedulerOutput
+from engine.execution.worker import Worker
 from gpu_timing import keep_gpu_busy
 from harness import add_out_argument, middle, write_result
 from roofline.model import chunk, sized_config, write_random_checkpoint

@@ -31,8 +31,8 @@ from pathlib import Path
 
 import torch
 
-from engine.config import EngineConfig
-from engine.worker import Worker
+from engine.engine_config import EngineConfig
+from engine.execution.worker import Worker
 from harness import add_out_argument, write_result
 from roofline.decode_rows import decode_row
 from roofline.floors import measure_copy_bandwidth, measure_matmul_rate

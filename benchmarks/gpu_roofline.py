@@ -35,8 +35,8 @@ from pathlib import Path
 
 import torch
 
-from engine.config import EngineConfig
-from engine.worker import Worker
+from engine.engine_config import EngineConfig
+from engine.execution.worker import Worker
 from harness import add_out_argument, write_result
 from roofline.decode_anatomy import decode_step_anatomy
 from roofline.decode_rows import DECODE_STEPS_RUN, HOST_PROFILE_STEPS, decode_row

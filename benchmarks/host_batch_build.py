@@ -5,7 +5,7 @@
 
 Times, on the CPU, the three functions a CUDA step calls before its first kernel:
 
-  forward batch   engine/forward_batch.py build_forward_batch (token ids, positions, KV write slots)
+  forward batch   engine/interfaces/forward_batch.py build_forward_batch (token ids, positions, KV write slots)
   gpu plan        engine/kernels/gpu/batch_plan.py build_gpu_batch_plan, with device cpu (on
                   CUDA the same packing plus one host-to-device copy)
   in-pass plan    engine/kernels/gpu/in_pass_capture.py build_in_pass_plan (prefill cases with
@@ -32,11 +32,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's engine, not an installed one
-from engine.forward_batch import build_forward_batch  # noqa: E402
+from engine.interfaces.forward_batch import build_forward_batch  # noqa: E402
 from engine.kernels.gpu.batch_plan import build_gpu_batch_plan  # noqa: E402
 from engine.kernels.gpu.in_pass_capture import CaptureSplit, build_in_pass_plan  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from engine.step_io import ScheduledChunk  # noqa: E402
+from engine.interfaces.sampling_params import SamplingParams  # noqa: E402
+from engine.interfaces.step_io import ScheduledChunk  # noqa: E402
 from harness import add_out_argument, markdown_table, write_result  # noqa: E402
 
 BLOCK_SIZE = 16

@@ -28,7 +28,7 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest
 from transformers import AutoTokenizer
 
-from engine.generation_request import GenerationRequest
+from engine.interfaces.generation_request import GenerationRequest
 
 try:
     from ray.serve.llm.request_router import PrefixCacheAffinityRouter

@@ -28,10 +28,10 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 from transformers import AutoTokenizer  # noqa: E402
 
-from deployments.instruction_boundary import InstructionPrefixes  # noqa: E402
-from deployments.protocol import ChatMessage  # noqa: E402
+from deployments.prompts.instruction_boundary import InstructionPrefixes  # noqa: E402
+from deployments.http.protocol import ChatMessage  # noqa: E402
 from deployments.renderer import render_chat  # noqa: E402
-from engine.config import DEFAULT_MODEL_DIR  # noqa: E402
+from engine.engine_config import DEFAULT_MODEL_DIR  # noqa: E402
 from harness import add_out_argument, markdown_table, write_result  # noqa: E402
 from hybrid_serve_bench.tokens import TokenizerCounter  # noqa: E402
 from hybrid_serve_bench.workloads import Sizes, shared_instructions  # noqa: E402

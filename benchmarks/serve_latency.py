@@ -99,8 +99,8 @@ def summarize(path: str, concurrency: int, timings: list[RequestTiming], wall_s:
 
 
 async def time_in_process(engine, prompt_ids: list[int], max_tokens: int) -> RequestTiming:
-    from engine.generation_request import GenerationRequest
-    from engine.sampling_params import SamplingParams
+    from engine.interfaces.generation_request import GenerationRequest
+    from engine.interfaces.sampling_params import SamplingParams
 
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     start = time.perf_counter()
@@ -204,8 +204,8 @@ async def measure(config, prompt_ids: list[int], args) -> tuple[list[LevelResult
     import httpx
 
     from deployments.worker_group import RayWorkerExecutor, WorkerGroup
-    from engine.async_engine import AsyncLLMEngine
-    from engine.llm_engine import LLMEngine
+    from engine.core.async_engine import AsyncLLMEngine
+    from engine.core.llm_engine import LLMEngine
 
     in_process = AsyncLLMEngine(LLMEngine(config.engine))
     group = await WorkerGroup.start(config.engine, config.worker_num_cpus)
@@ -302,7 +302,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from deployments.config import AppConfig
-    from engine.config import EngineConfig
+    from engine.engine_config import EngineConfig
 
     # Every request sends the same prompt: with checkpoints on, all but the first would restore
     # it and skip prefill, so this benchmark (the cost of the serving path) turns them off;

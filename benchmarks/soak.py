@@ -207,7 +207,7 @@ def main() -> int:
 
     from deployments.app import build_app
     from deployments.config import AppConfig
-    from engine.config import EngineConfig
+    from engine.engine_config import EngineConfig
 
     config = AppConfig(
         served_model_name=MODEL_NAME, worker_num_cpus=1.0,

@@ -15,7 +15,7 @@ tokenizer, vocabulary cut as bench_gpu.py cuts it), in one process (no Ray).
     repeats itself is what it is, and the acceptance is reported, not assumed);
   * the cost of one verification step (B chunks of K + 1 tokens) against one plain decode step
     (B chunks of one token) at --context tokens of context, through engine.worker.Worker, each
-    through its CUDA graph (engine/speculative/verify_graphs.py, engine/cuda_graphs.py) and
+    through its CUDA graph (engine/speculative/verify_graphs.py, engine/routes/decode_graphs.py) and
     eagerly (graphs detached; engine/speculative/verify_gpu.py), each the median wall time of
     worker.execute (which waits for the step's tokens) over --repeats steps after warm-up; the
     same steps again with the MTP drafter (the random head), each chunk asking for drafts, which
@@ -46,12 +46,12 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 import torch  # noqa: E402
 
-from engine.config import EngineConfig  # noqa: E402
-from engine.generation_request import GenerationRequest  # noqa: E402
-from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from engine.step_io import CommitOp, SchedulerOutput  # noqa: E402
-from engine.worker import Worker  # noqa: E402
+from engine.engine_config import EngineConfig  # noqa: E402
+from engine.interfaces.generation_request import GenerationRequest  # noqa: E402
+from engine.core.llm_engine import LLMEngine  # noqa: E402
+from engine.interfaces.sampling_params import SamplingParams  # noqa: E402
+from engine.interfaces.step_io import CommitOp, SchedulerOutput  # noqa: E402
+from engine.execution.worker import Worker  # noqa: E402
 from harness import markdown_table, write_result  # noqa: E402
 
 BATCHES = (1, 16)

@@ -39,12 +39,12 @@ from pathlib import Path
 
 import torch
 
-from engine.config import DEFAULT_MODEL_DIR, EngineConfig
-from engine.generation_request import GenerationRequest
-from engine.llm_engine import LLMEngine
-from engine.multiprocess_executor import MultiprocessExecutor
-from engine.sampling_params import SamplingParams
-from engine.worker import Worker
+from engine.engine_config import DEFAULT_MODEL_DIR, EngineConfig
+from engine.interfaces.generation_request import GenerationRequest
+from engine.core.llm_engine import LLMEngine
+from engine.execution.multiprocess_executor import MultiprocessExecutor
+from engine.interfaces.sampling_params import SamplingParams
+from engine.execution.worker import Worker
 from harness import add_out_argument, markdown_table, write_result
 from roofline.model import CONFIG_1P5B, write_random_checkpoint
 
@@ -190,7 +190,7 @@ def all_reduce_bandwidth(world_size: int) -> float | None:
         return None
     import torch.multiprocessing as mp
 
-    from engine.rank_worker import Rendezvous
+    from engine.execution.rank_worker import Rendezvous
 
     rendezvous = Rendezvous.on_free_port("127.0.0.1", world_size)
     queue = mp.get_context("spawn").SimpleQueue()

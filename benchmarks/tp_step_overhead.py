@@ -86,11 +86,11 @@ class TimedExecutor:
 
 def make_executor(kind: str, config):
     if kind == "inprocess":
-        from engine.worker import Worker
+        from engine.execution.worker import Worker
 
         return Worker(config), None
     if kind == "processes":
-        from engine.multiprocess_executor import MultiprocessExecutor
+        from engine.execution.multiprocess_executor import MultiprocessExecutor
 
         return MultiprocessExecutor(config), None
     from deployments.worker_group import RayWorkerExecutor, WorkerGroup
@@ -100,9 +100,9 @@ def make_executor(kind: str, config):
 
 
 def measure(kind: str, config, batch: int, prompt_ids: list[int], max_tokens: int) -> Row:
-    from engine.generation_request import GenerationRequest
-    from engine.llm_engine import LLMEngine
-    from engine.sampling_params import SamplingParams
+    from engine.interfaces.generation_request import GenerationRequest
+    from engine.core.llm_engine import LLMEngine
+    from engine.interfaces.sampling_params import SamplingParams
 
     inner, group = make_executor(kind, config)
     executor = TimedExecutor(inner)
@@ -168,7 +168,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads_per_rank)
-    from engine.config import EngineConfig
+    from engine.engine_config import EngineConfig
 
     # async_scheduling off: the columns split one step's wall time, which overlapping the
     # next step's submission with this one's would blur

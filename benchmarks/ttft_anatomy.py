@@ -46,7 +46,7 @@ LOW_ID, HIGH_ID = 10, 2000  # token ids the tiny tokenizer knows
 
 
 def engine_config(model_dir: Path, quick: bool):
-    from engine.config import EngineConfig
+    from engine.engine_config import EngineConfig
 
     mib = 1024 * 1024
     if quick:
@@ -63,8 +63,8 @@ def ids(rng: random.Random, n: int) -> tuple[int, ...]:
 
 
 def request(prompt: tuple[int, ...], boundary: int | None, salt: str | None = None):
-    from engine.generation_request import GenerationRequest
-    from engine.sampling_params import SamplingParams
+    from engine.interfaces.generation_request import GenerationRequest
+    from engine.interfaces.sampling_params import SamplingParams
 
     return GenerationRequest(uuid.uuid4().hex, prompt, SamplingParams(max_tokens=2, temperature=0.0,
                                                                       ignore_eos=True),
@@ -170,7 +170,7 @@ def async_pass(engine, rng, quick: bool, switch_interval_s: float | None = None)
     the step thread ran add_request), the engine (until the step thread handed the first token
     to the event loop) and the hand-off out (until the caller saw it). switch_interval_s: the
     interpreter's thread switch interval during the pass (sys.setswitchinterval; None: as is)."""
-    from engine.async_engine import AsyncLLMEngine
+    from engine.core.async_engine import AsyncLLMEngine
 
     aengine = AsyncLLMEngine(engine)
     clock = HandOffClock(engine, aengine)
@@ -220,7 +220,7 @@ def bench_path_pass(engine, quick: bool) -> list[dict]:
     system's first request captures and the others restore, as in the pass), on the engine
     alone (ttft(): no AsyncLLMEngine, no event loop): sync_ttft_ms, the same request's TTFT
     without the async face, from the same run."""
-    from engine.async_engine import AsyncLLMEngine
+    from engine.core.async_engine import AsyncLLMEngine
     from hybrid_serve_bench.client import ChatRequest
     from hybrid_serve_bench.engine_target import EngineChat
     from hybrid_serve_bench.tokens import TokenizerCounter
@@ -308,8 +308,8 @@ def burst_pass(engine, rng, quick: bool, restore: bool, num: int, compiles: Comp
     instructions, salt = ids(rng, length), uuid.uuid4().hex
     if restore:
         ttft(engine, request(instructions + ids(rng, 100), length, salt))
-    from engine.generation_request import GenerationRequest
-    from engine.sampling_params import SamplingParams
+    from engine.interfaces.generation_request import GenerationRequest
+    from engine.interfaces.sampling_params import SamplingParams
 
     reqs = [GenerationRequest(uuid.uuid4().hex, instructions + ids(rng, rng.randint(50, 500)),
                               SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
@@ -371,7 +371,7 @@ def main() -> None:
                         help="run only the bench-path pass (after the warm-up)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    from engine.llm_engine import LLMEngine
+    from engine.core.llm_engine import LLMEngine
 
     t0 = time.perf_counter()
     result: dict = {"command": " ".join(sys.argv)}

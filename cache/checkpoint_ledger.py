@@ -13,7 +13,7 @@ Life of a bundle:
   lookup pins a published bundle until unpin; evict_lru / evict_until drop unpinned published ones,
   each tenant (owner) keeping its fair share of the budget against other tenants (evict_until).
 A BundleListener given to the ledger hears of every bundle that becomes visible and of every
-visible one that goes (engine/checkpoint_events.py turns that into the engine's event feed);
+visible one that goes (engine/checkpoints/capture_events.py turns that into the engine's event feed);
 pending bundles that never publish are not reported.
 Dropping a bundle releases its block references and its bytes; the workers may then free its
 tensors. The block references are taken at reserve, not at publish: the capturing request may

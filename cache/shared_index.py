@@ -1,10 +1,10 @@
 """The cluster's checkpoint index: which replica holds a checkpoint of which token prefix.
 
 The records, reports, deltas and digests it exchanges are in cache/index_messages.py.
-Pure bookkeeping, no Ray: deployments/checkpoint_index.py wraps one SharedIndex in a named
+Pure bookkeeping, no Ray: deployments/cluster/index.py wraps one SharedIndex in a named
 actor per application, LLM server replicas report their published and dropped bundles to it
 (ReplicaReport), and each request router keeps a local mirror of it (`snapshot`, `delta`) to
-pick the replica holding a prompt's longest checkpoint (deployments/checkpoint_router.py).
+pick the replica holding a prompt's longest checkpoint (deployments/cluster/router.py).
 
 A record says "replica R holds bundle B: namespace N, covering `length` tokens whose digest is
 D". The index keeps digests, never token ids: a lookup digests the prompt's prefixes only at the
@@ -23,7 +23,7 @@ refused (`ReportAck.accepted` False) and the replica answers with a full report,
 call `remove_replica` (a replica shutting down, a router that saw it go) without losing a live
 replica's records for long.
 
-Stored copies (the object-store tier, deployments/checkpoint_store.py): a record may carry a
+Stored copies (the object-store tier, deployments/cluster/object_copies.py): a record may carry a
 StoredCopy, an exported copy of its bundle that outlives the replica. Their bytes are kept
 within `store_budget_bytes`: attaching one beyond it detaches the least recently used copies
 first (recency: attached, or hit on any replica), and a record left with neither a replica

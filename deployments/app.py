@@ -5,7 +5,7 @@
       -> LLMServer  (the engine's step loop; the model itself with one rank, one worker actor
                      per rank with tensor_parallel_size > 1); with checkpoint_routing, routed
                      by CheckpointAwareRouter, and its replicas report their checkpoints to
-                     the application's CheckpointIndex actor (deployments/checkpoint_index.py)
+                     the application's CheckpointIndex actor (deployments/cluster/index.py)
 
 `build_app(args)` validates the args (unknown keys rejected, see deployments.config) and
 returns the bound Application; `serve.run(build_app({...}))` runs it from Python.
@@ -16,15 +16,15 @@ from __future__ import annotations
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
-from deployments.api_keys import ApiKeys
-from deployments.checkpoint_router import CheckpointAwareRouter
+from deployments.http.api_keys import ApiKeys
+from deployments.cluster.router import CheckpointAwareRouter
 from deployments.config import AppConfig, parse_app_config
-from deployments.http_limits import RequestLimits
+from deployments.http.limits import RequestLimits
 from deployments.ingress import OpenAIIngress
 from deployments.llm_server import LLMServer
 from deployments.renderer import Renderer
-from engine.cache_capacity import check_cache_budgets
-from engine.loader import check_cuda_shapes
+from engine.parallel.cache_capacity import check_cache_budgets
+from engine.execution.loader import check_cuda_shapes
 from engine.models.registry import load_model_config
 from engine.speculative.checks import check_speculation
 
@@ -39,9 +39,9 @@ def check_engine_config(config: AppConfig) -> None:
     when they start: a model_dir without config.json, a model family this engine does not
     run (engine/models/registry.py), a config key it refuses, head counts that cannot be split (or
     replicated) tensor_parallel_size ways, max_model_len beyond the model's context, cache
-    budgets that cannot hold one request (engine/cache_capacity.py), speculative decoding
+    budgets that cannot hold one request (engine/parallel/cache_capacity.py), speculative decoding
     the model cannot run (engine/speculative/checks.py), or on CUDA shapes its kernels cannot
-    serve (engine/loader.py check_cuda_shapes). Without this check Serve
+    serve (engine/execution/loader.py check_cuda_shapes). Without this check Serve
     would restart the failing replica again and again and the deploy would never finish."""
     try:
         model_config = load_model_config(config.engine.model_dir)
@@ -68,7 +68,7 @@ def llm_server_resources(config: AppConfig) -> dict:
 
 def llm_server_routing(config: AppConfig) -> dict:
     """The LLM server's Serve options for checkpoint-aware routing (none when it is off):
-    the router and its kwargs (deployments/checkpoint_router.py)."""
+    the router and its kwargs (deployments/cluster/router.py)."""
     if not config.checkpoint_routing:
         return {}
     threshold = config.routing_queue_threshold or config.engine.max_num_seqs

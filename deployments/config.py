@@ -10,7 +10,7 @@ import dataclasses
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from engine.config import EngineConfig
+from engine.engine_config import EngineConfig
 
 ENGINE_KEYS = frozenset(field.name for field in dataclasses.fields(EngineConfig))
 
@@ -19,7 +19,7 @@ class AppConfig(BaseModel):
     """Everything `build_app` needs: the engine's configuration and the Serve/Ray settings of
     each process.
 
-    `engine` is the engine's own EngineConfig (engine/config.py), validated field by field with
+    `engine` is the engine's own EngineConfig (engine/engine_config.py), validated field by field with
     the engine's checks; serve_config.yaml gives it as a nested block. CPU fields are Ray
     logical CPUs; the defaults add up to 1.3 so the whole application fits a 2-core machine,
     with one full CPU for the process that runs the model: the LLM server replica itself with
@@ -45,7 +45,7 @@ class AppConfig(BaseModel):
         None,
         description="File of API keys, one a line; with it (or HYBRID_SERVE_API_KEYS set in the "
                     "ingress's environment) every route but /health needs a key, and each key's "
-                    "checkpoints are its own (deployments/api_keys.py).")
+                    "checkpoints are its own (deployments/http/api_keys.py).")
 
     max_body_bytes: int = Field(
         8 * 1024 * 1024, ge=1024,
@@ -79,7 +79,7 @@ class AppConfig(BaseModel):
     checkpoint_routing: bool = Field(
         False,
         description="Send each generation to the LLM server replica that holds its prompt's "
-                    "longest checkpoint (deployments/checkpoint_router.py), through a cluster "
+                    "longest checkpoint (deployments/cluster/router.py), through a cluster "
                     "index actor the replicas report to (README.md, Checkpoints across "
                     "replicas). Off by default: with one replica it gains nothing; turn it on "
                     "with several.")

@@ -15,11 +15,11 @@ import dataclasses
 from pydantic.fields import FieldInfo
 
 from deployments.config import AppConfig
-from engine.config import DEFAULT_MODEL_DIR, EngineConfig
+from engine.engine_config import DEFAULT_MODEL_DIR, EngineConfig
 
 HEADER = """# Configuration reference
 
-Generated from `deployments/config.py` (`AppConfig`) and `engine/config.py` (`EngineConfig`) by
+Generated from `deployments/config.py` (`AppConfig`) and `engine/engine_config.py` (`EngineConfig`) by
 `python -m deployments.config_reference > docs/configuration.md`; do not edit by hand. These are
 the keys of `args:` in serve_config.yaml (`deployments.app:build_app`). Unknown keys, at the top
 level or under `engine:`, fail the deploy naming the key, as do values the workers would refuse

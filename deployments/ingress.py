@@ -11,7 +11,7 @@ Handle: `serve.get_app_handle(name)` returns a handle to this deployment; call t
     (likewise completions / completions_stream, models, pool_usage, engine_stats)
 
 Each request: check the model name -> render (renderer deployment) -> one GenerationRequest
-(engine/generation_request.py) -> stream RequestOutputs from the LLM server -> OpenAI objects. Streams are cancelled when the
+(engine/interfaces/generation_request.py) -> stream RequestOutputs from the LLM server -> OpenAI objects. Streams are cancelled when the
 consumer goes away, which aborts the request in the engine.
 """
 
@@ -23,16 +23,16 @@ from fastapi.responses import JSONResponse, Response
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from deployments.api_keys import TENANT_SCOPE, ApiKeyMiddleware, ApiKeys, scoped_cache_salt
-from deployments.errors import APIError, as_api_error, error_json, install_error_handlers, validated
-from deployments.http_limits import (
+from deployments.http.api_keys import TENANT_SCOPE, ApiKeyMiddleware, ApiKeys, scoped_cache_salt
+from deployments.http.errors import APIError, as_api_error, error_json, install_error_handlers, validated
+from deployments.http.limits import (
     RequestLimits,
     RequestLimitsMiddleware,
     check_stop_limits,
     output_token_budget,
 )
-from deployments.http_stream import first_output_ready, json_response, sse_response
-from deployments.openai_format import (
+from deployments.http.streaming import first_output_ready, json_response, sse_response
+from deployments.http.openai_format import (
     ResponseMeta,
     chat_chunks,
     chat_response,
@@ -42,7 +42,7 @@ from deployments.openai_format import (
     raise_if_failed,
     to_sampling_params,
 )
-from deployments.protocol import (
+from deployments.http.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -58,9 +58,9 @@ from deployments.protocol import (
 from deployments.llm_server import ModelInfo
 from deployments.metrics import METRICS_CONTENT_TYPE, METRICS_ELSEWHERE, RequestMetrics
 from deployments.renderer import RenderedPrompt
-from deployments.request_log import RequestRecord, log_request
-from engine.generation_request import GenerationRequest
-from engine.llm_engine import EngineStats, PoolUsage, RequestOutput
+from deployments.http.request_log import RequestRecord, log_request
+from engine.interfaces.generation_request import GenerationRequest
+from engine.core.llm_engine import EngineStats, PoolUsage, RequestOutput
 
 _Started = tuple[ResponseMeta, AsyncGenerator[RequestOutput, None]]
 
@@ -192,7 +192,7 @@ class OpenAIIngress:
     # ----- one code path for both APIs
 
     async def _respond(self, body, tenant: str, start, full_response, chunks):
-        """The HTTP answer to `body` from `tenant` (deployments/api_keys.py; "" without keys):
+        """The HTTP answer to `body` from `tenant` (deployments/http/api_keys.py; "" without keys):
         started with `start`, then one JSON body built by `full_response`, or server-sent
         events from `chunks`; errors before the first output as an OpenAI error body with its
         status."""
@@ -253,7 +253,7 @@ class OpenAIIngress:
     async def _generate(self, request: GenerationRequest) -> AsyncGenerator[RequestOutput, None]:
         """The LLM server's stream; cancelled (request aborted) if not drained to the end.
         Measures the time to first token from request.arrival_time; when the request ends,
-        logs its RequestRecord and records it as metrics (deployments/request_log.py,
+        logs its RequestRecord and records it as metrics (deployments/http/request_log.py,
         deployments/metrics.py)."""
         stream = self._llm.options(stream=True).generate.remote(request)
         record = RequestRecord(request.request_id)

@@ -9,7 +9,7 @@
                                 its caches)
 
 With rank actors the engine reaches them through RayWorkerExecutor: one actor call to rank 0
-per step, which broadcasts the step to the other ranks (engine/rank_worker.py). Why the step
+per step, which broadcasts the step to the other ranks (engine/execution/rank_worker.py). Why the step
 loop, and with one rank the model, live in the replica: docs/design.md section 6.
 
 With checkpoint_routing a background task reports the engine's published and dropped
@@ -18,7 +18,7 @@ checkpoint_reporter.py), in one batched actor call every REPORT_PERIOD_S; withou
 engine records none (LLMEngine.record_checkpoint_events is never called).
 
 With checkpoint_transfer the replica also runs its side of the object-store tier
-(deployments/checkpoint_tier.py): the reporter's task exports instruction and hit checkpoints
+(deployments/cluster/tier.py): the reporter's task exports instruction and hit checkpoints
 after each report, a local IndexMirror tells `generate` when a stored copy covers more of a
 prompt than the engine holds (fetched and imported first when FetchPolicy says it pays), the
 constructor imports the application's hottest stored instruction checkpoints (warm start), and
@@ -37,18 +37,18 @@ import torch
 from ray import serve
 from ray.actor import ActorHandle
 
-from deployments.checkpoint_index import get_or_create_index
-from deployments.checkpoint_reporter import ActorIndexClient, CheckpointReporter
-from deployments.checkpoint_tier import CheckpointTier, TierCounters, TierSettings
+from deployments.cluster.index import get_or_create_index
+from deployments.cluster.reporter import ActorIndexClient, CheckpointReporter
+from deployments.cluster.tier import CheckpointTier, TierCounters, TierSettings
 from deployments.config import AppConfig
-from deployments.errors import as_api_error
-from deployments.fetch_policy import FetchPolicy
-from deployments.index_mirror import ActorIndexSource, IndexMirror
+from deployments.http.errors import as_api_error
+from deployments.cluster.fetch_policy import FetchPolicy
+from deployments.cluster.index_mirror import ActorIndexSource, IndexMirror
 from deployments.metrics import EngineMetricsExporter, TierMetrics
 from deployments.worker_group import RayWorkerExecutor, WorkerGroup
-from engine.async_engine import AsyncLLMEngine
-from engine.generation_request import GenerationRequest
-from engine.llm_engine import EngineStats, LLMEngine, PoolUsage, RequestOutput
+from engine.core.async_engine import AsyncLLMEngine
+from engine.interfaces.generation_request import GenerationRequest
+from engine.core.llm_engine import EngineStats, LLMEngine, PoolUsage, RequestOutput
 
 # A step running longer than this makes the replica unhealthy (a hang that no collective
 # timeout catches, e.g. outside the model's collectives).

@@ -37,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from deployments.request_log import RequestRecord
+from deployments.http.request_log import RequestRecord
 from engine.speculative.scheduling import SpeculationStats
 
 logger = logging.getLogger("ray.serve")
@@ -182,7 +182,7 @@ SPECULATIVE_ACCEPTANCE_LENGTHS = MetricSpec(
     "Verification chunks by the number of their drafts accepted (accepted = 0..k), by drafter.",
     ("drafter", "accepted"))
 
-# ----- checkpoint-aware routing (deployments/checkpoint_router.py) and the cluster index
+# ----- checkpoint-aware routing (deployments/cluster/router.py) and the cluster index
 ROUTED_TO_HOLDER = MetricSpec(
     "hybrid_serve_routed_to_checkpoint_holder", "counter",
     "Generation requests the checkpoint-aware router sent to a replica holding the prompt's "
@@ -212,7 +212,7 @@ INDEX_STORED_BYTES = MetricSpec(
     "Bytes of the checkpoint copies in the object-store tier (within checkpoint_store_bytes).",
     ("application",))
 
-# ----- the object-store tier, per LLM server replica (deployments/checkpoint_tier.py)
+# ----- the object-store tier, per LLM server replica (deployments/cluster/tier.py)
 TRANSFERS = MetricSpec(
     "hybrid_serve_checkpoint_transfers", "counter",
     "Checkpoints exported from or imported into this replica's engine, by direction (export, "
@@ -222,7 +222,7 @@ TRANSFER_BYTES = MetricSpec(
     "Shard bytes of the checkpoints exported or imported, by direction.", ("direction",))
 IMPORT_REJECTIONS = MetricSpec(
     "hybrid_serve_checkpoint_import_rejections", "counter",
-    "Checkpoint imports the engine refused, by reason (engine/checkpoint_import_checks.py).",
+    "Checkpoint imports the engine refused, by reason (engine/checkpoints/import_checks.py).",
     ("reason",))
 TRANSFER_SECONDS = MetricSpec(
     "hybrid_serve_checkpoint_transfer_seconds", "histogram",
@@ -275,7 +275,7 @@ class RequestMetrics:
             self._boundary_rejections.inc(tags={"reason": str(reason)})
 
     def record_request(self, record: RequestRecord) -> None:
-        """Record an ended request from its RequestRecord (deployments/request_log.py):
+        """Record an ended request from its RequestRecord (deployments/http/request_log.py):
         refused ones count by status only; ones that reached the engine also observe their
         latencies and output tokens."""
         if record.status == "cancelled":

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from ray import serve
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from deployments.errors import APIError
-from deployments.instruction_boundary import InstructionPrefixes, find_instruction_boundary
-from deployments.protocol import ChatMessage
+from deployments.http.errors import APIError
+from deployments.prompts.instruction_boundary import InstructionPrefixes, find_instruction_boundary
+from deployments.http.protocol import ChatMessage
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@
     RayWorkerExecutor(ranks)         the engine's ModelExecutor inside the LLM server replica: one
                                      actor call to rank 0 per step; health pings every rank;
                                      checkpoint shards by reference, one call per rank (each rank
-                                     puts and takes its own shard: deployments/rank_shards.py)
+                                     puts and takes its own shard: deployments/cluster/rank_shards.py)
 
 The replica (LLMServer) owns the group, so the actors and the placement group go with it.
 """
@@ -29,15 +29,15 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from deployments.rank_shards import TRANSFER_GROUP, TRANSFER_THREADS, ObjectStoreShards
-from engine.checkpoint_import_checks import ImportRejection, Rejected
-from engine.checkpoint_shards import ExportShardOp, ImportShardOp, ShardVerdict, StageShardOp
-from engine.checkpoint_transfer import CheckpointShard, RemoteShard
-from engine.config import EngineConfig
-from engine.executor import ExecutorDiedError, ShardsByReference
-from engine.rank_worker import RankWorker, Rendezvous
-from engine.step_io import RunnerOutput, SchedulerOutput
-from engine.cache_capacity import CacheCapacity
+from deployments.cluster.rank_shards import TRANSFER_GROUP, TRANSFER_THREADS, ObjectStoreShards
+from engine.checkpoints.import_checks import ImportRejection, Rejected
+from engine.checkpoints.shards import ExportShardOp, ImportShardOp, ShardVerdict, StageShardOp
+from engine.checkpoints.transfer import CheckpointShard, RemoteShard
+from engine.engine_config import EngineConfig
+from engine.execution.executor import ExecutorDiedError, ShardsByReference
+from engine.execution.rank_worker import RankWorker, Rendezvous
+from engine.interfaces.step_io import RunnerOutput, SchedulerOutput
+from engine.parallel.cache_capacity import CacheCapacity
 
 logger = logging.getLogger(__name__)
 

@@ -160,7 +160,7 @@ def _model_of(identity: dict, given: str | None, base_url: str) -> str:
 def in_process_config(args: argparse.Namespace):
     """The engine config every --in-process policy starts from (engine_target.engine_targets
     sets checkpoint_slots)."""
-    from engine.config import EngineConfig
+    from engine.engine_config import EngineConfig
 
     mib = 1024 * 1024
     fields = dict(max_model_len=args.max_model_len, device=args.device, dtype=args.dtype,
@@ -198,7 +198,7 @@ def prepare(args: argparse.Namespace) -> tuple[TokenCounter, list[Workload]]:
     """The token counter (compare-policies counts with its model's tokenizer) and the
     workloads; gives the run a fresh cache salt unless one was passed or salts are off."""
     if args.mode == "compare-policies" and not args.tokenizer:
-        from engine.config import DEFAULT_MODEL_DIR
+        from engine.engine_config import DEFAULT_MODEL_DIR
 
         args.tokenizer = args.model_dir or str(DEFAULT_MODEL_DIR)
     if not args.no_cache_salt and not args.cache_salt:

@@ -5,7 +5,7 @@ stack do not travel to the device machine; torch, transformers, httpx and tqdm d
 EngineChat does what the ingress and renderer do for one chat request, then streams
 AsyncLLMEngine.generate into the StreamResult the HTTP client returns:
   render     the model's chat template with the generation prompt, and the verified
-             instruction boundary (deployments/instruction_boundary.py, as the renderer,
+             instruction boundary (deployments/prompts/instruction_boundary.py, as the renderer,
              with the instruction renderings remembered as the renderer remembers them);
   request    extra_body's cache_salt and ignore_eos become GenerationRequest.cache_salt and
              SamplingParams.ignore_eos; temperature and max_tokens pass as they are;
@@ -44,7 +44,7 @@ class EngineChat:
     def __init__(self, engine, ttft_at_first_token: bool = False) -> None:  # engine: AsyncLLMEngine
         self.engine = engine
         self.ttft_at_first_token = ttft_at_first_token
-        from deployments.instruction_boundary import InstructionPrefixes
+        from deployments.prompts.instruction_boundary import InstructionPrefixes
 
         self.tokenizer = engine.engine.tokenizer
         self.instruction_prefixes = InstructionPrefixes()  # as the renderer deployment keeps them
@@ -52,7 +52,7 @@ class EngineChat:
 
     def render(self, messages: list[dict]) -> tuple[tuple[int, ...], int | None]:
         """(prompt ids, instruction boundary or None), as deployments/renderer.py renders."""
-        from deployments.instruction_boundary import find_instruction_boundary
+        from deployments.prompts.instruction_boundary import find_instruction_boundary
 
         ids = tuple(map(int, self.tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=True, return_dict=False)))
@@ -60,8 +60,8 @@ class EngineChat:
 
     async def __call__(self, request: ChatRequest) -> StreamResult:
         """One request to its end. Never raises: failures come back as StreamResult.error."""
-        from engine.generation_request import GenerationRequest
-        from engine.sampling_params import SamplingParams
+        from engine.interfaces.generation_request import GenerationRequest
+        from engine.interfaces.sampling_params import SamplingParams
 
         extra = request.extra_body or {}
         rendered = time.perf_counter()
@@ -115,8 +115,8 @@ def engine_targets(policies: list[tuple[str, ...]], base_config, served_model_na
     """Yield (targets, configs): per policy, a Target whose chat is an EngineChat over its own
     LLMEngine (base_config, an engine.config.EngineConfig, with the policy's checkpoint_slots),
     and that config as a dict. Every engine is shut down when the block ends."""
-    from engine.async_engine import AsyncLLMEngine
-    from engine.llm_engine import LLMEngine
+    from engine.core.async_engine import AsyncLLMEngine
+    from engine.core.llm_engine import LLMEngine
 
     engines: list[AsyncLLMEngine] = []
     try:

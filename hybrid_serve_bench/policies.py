@@ -32,7 +32,7 @@ def parse_policy(text: str) -> tuple[str, ...]:
 def engine_config(model_dir: str | None, max_model_len: int, slots: tuple[str, ...]):
     """The engine settings of every policy app: the defaults, with max_model_len (the embedded
     tiny model's context is 4,096 tokens) and the policy's checkpoint_slots."""
-    from engine.config import EngineConfig
+    from engine.engine_config import EngineConfig
 
     config = EngineConfig(max_model_len=max_model_len, checkpoint_slots=slots)
     return dataclasses.replace(config, model_dir=model_dir) if model_dir else config

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.forward_batch import ForwardBatch, SequenceChunk
+from engine.interfaces.forward_batch import ForwardBatch, SequenceChunk
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The decode rows of the GPU roofline: decode tokens/s of `batch` sequences with `context`
 tokens of context against the bytes a step must move at the copy rate, through the worker's
-CUDA graphs (engine/cuda_graphs.py) or eagerly.
+CUDA graphs (engine/routes/decode_graphs.py) or eagerly.
 
 A row's time is a step of the engine's default async scheduling (each step submitted before
 the one before is collected, its token read on the device). Each row also reports the step
@@ -15,9 +15,9 @@ import time
 
 import torch
 
-from engine.request import PENDING_TOKEN
-from engine.step_io import SchedulerOutput
-from engine.worker import Worker
+from engine.interfaces.request import PENDING_TOKEN
+from engine.interfaces.step_io import SchedulerOutput
+from engine.execution.worker import Worker
 from gpu_timing import keep_gpu_busy
 from harness import middle
 from roofline.floors import decode_bytes, decode_target

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
-from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
-from engine.step_io import ScheduledChunk
+from engine.engine_config import EngineConfig
+from engine.interfaces.sampling_params import SamplingParams
+from engine.interfaces.step_io import ScheduledChunk
 
 BLOCK_SIZE = 16
 CONFIG_1P5B = {
@@ -74,11 +74,11 @@ def parameter_counts(model: torch.nn.Module) -> dict[str, int]:
 
 def sized_config(config: EngineConfig, num_requests: int, blocks_per_seq: int) -> EngineConfig:
     """The engine config with KV and state budgets for num_requests sequences of
-    blocks_per_seq blocks each (counted as the worker counts them, engine/cache_capacity.py
+    blocks_per_seq blocks each (counted as the worker counts them, engine/parallel/cache_capacity.py
     size_caches: the MTP drafter's KV layer included), and 8,192 tokens a step."""
-    from engine import cache_capacity
+    from engine.parallel import cache_capacity
     from engine.models.registry import load_model_config
-    from engine.tensor_parallel import TensorParallel
+    from engine.parallel.tensor_parallel import TensorParallel
 
     model_config = load_model_config(config.model_dir)
     layout = cache_capacity.rank_shard_layout(model_config, TensorParallel.single())

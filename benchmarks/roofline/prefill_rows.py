@@ -7,7 +7,7 @@ hand-built SchedulerOutputs, the way the scheduler would:
     `prefix` tokens it replaces;
   * restore of that instruction checkpoint + prefill of a `suffix`-token user message (time to
     first token) vs the cold prefill of all prefix + suffix tokens: the speed-up, with the two
-    first tokens' logits compared; with the prefill CUDA graphs (engine/prefill_graphs.py) and
+    first tokens' logits compared; with the prefill CUDA graphs (engine/routes/prefill_graphs.py) and
     the same step eagerly;
   * the cold prefix + suffix prefill that also captures the checkpoint at `prefix`, as a ratio
     to the same prefill without capture: the split path (the chunk cut at the boundary, two
@@ -38,9 +38,9 @@ import time
 
 import torch
 
-from engine.sampling_params import SamplingParams
-from engine.step_io import CaptureOp, RestoreOp, ScheduledChunk, SchedulerOutput
-from engine.worker import Worker
+from engine.interfaces.sampling_params import SamplingParams
+from engine.interfaces.step_io import CaptureOp, RestoreOp, ScheduledChunk, SchedulerOutput
+from engine.execution.worker import Worker
 from roofline.floors import (CAPTURE_OVERHEAD_TARGET, COLD_PREFILL_TARGET, RESTORE_SPEEDUP_TARGET,
                              prefill_flops)
 from roofline.instruments import (host_synchronisations, profile_step, step_timeline, submit_profile,

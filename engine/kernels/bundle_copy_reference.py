@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.forward_batch import ModelCaches
+from engine.interfaces.forward_batch import ModelCaches
 
 
 def gather_bundle_reference(

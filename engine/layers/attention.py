@@ -5,15 +5,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.forward_batch import ForwardBatch
+from engine.interfaces.forward_batch import ForwardBatch
 from engine.kernels.gpu.batch_plan import GpuBatchPlan
 from engine.kernels.attention_reference import paged_attention, write_kv
 from engine.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear, linear, routes_to_skinny
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import apply_rotary
 from engine.model_config import HybridModelConfig
-from engine.shard_layout import RankShardLayout, width
-from engine.tensor_parallel import TensorParallel, scaled
+from engine.parallel.shard_layout import RankShardLayout, width
+from engine.parallel.tensor_parallel import TensorParallel, scaled
 
 
 class PagedAttention(nn.Module):
@@ -76,7 +76,7 @@ class PagedAttention(nn.Module):
         layer instead of three); q_proj, k_proj and v_proj keep views of their rows, so
         parameter names, shapes and counts stay the checkpoint's and writing a parameter
         writes the stacked weight.
-        engine/loader.py calls this once the weights are on their device. A module conversion
+        engine/execution/loader.py calls this once the weights are on their device. A module conversion
         afterwards (.to(), .half()) stacks again (_apply); a parameter replaced by assignment
         is not seen until project_qkv, which then raises RuntimeError."""
         projections = (self.q_proj, self.k_proj, self.v_proj)

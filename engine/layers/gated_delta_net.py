@@ -1,6 +1,6 @@
 """Qwen3-Next's gated delta-net mixer: projections, causal conv and the gated delta rule with
 per-request state slots (the same two slot tensors as a Mamba2 layer's, with its own shapes:
-engine/cache_capacity.py gated_delta_net_state_shape)."""
+engine/parallel/cache_capacity.py gated_delta_net_state_shape)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.forward_batch import ForwardBatch
+from engine.interfaces.forward_batch import ForwardBatch
 from engine.kernels.conv_reference import causal_conv1d, causal_conv1d_step
 from engine.kernels.gated_delta_rule_reference import (
     chunk_gated_delta_rule, gated_delta_rule_step, l2_normalize,
@@ -18,8 +18,8 @@ from engine.kernels.norm_reference import rms_norm_then_gate
 from engine.layers.mamba2 import DepthwiseConv1dWeights
 from engine.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from engine.model_config import HybridModelConfig
-from engine.shard_layout import RankShardLayout, width
-from engine.tensor_parallel import ShardedModule, TensorParallel, TensorShard, scaled
+from engine.parallel.shard_layout import RankShardLayout, width
+from engine.parallel.tensor_parallel import ShardedModule, TensorParallel, TensorShard, scaled
 
 # The chunk length of the reference's chunked scan (fla-core's kernels use 64 too).
 SCAN_CHUNK = 64
@@ -162,7 +162,7 @@ class GatedDeltaNet(ShardedModule):
         decode_rows, decode_slots, decode_resets = [], [], []
         for chunk, start, end in zip(batch.chunks, batch.cu_seqlens[:-1], batch.cu_seqlens[1:]):
             if chunk.position_state_slots:  # speculative verification: chunk.state_slot only read
-                from engine.speculative.verify import mix_verification
+                from engine.layers.verification import mix_verification
 
                 y[start:end] = mix_verification(
                     self.mix_decode, (qkv[start:end], b[start:end], a[start:end]), conv_state,
@@ -267,7 +267,7 @@ class GatedDeltaNet(ShardedModule):
         position with plain decoding's kernels, their own slots only read and the states after
         their positions left in their scratch slots."""
         if plan.verification is not None:
-            from engine.speculative.verify_gpu import mix_delta_rule_verification_gpu
+            from engine.layers.verification import mix_delta_rule_verification_gpu
 
             return mix_delta_rule_verification_gpu(self, qkv, b, a, conv_state, recurrent_state, plan.verification)
         from engine.kernels.gpu.conv import causal_conv1d_varlen

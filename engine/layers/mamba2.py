@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.forward_batch import ForwardBatch
+from engine.interfaces.forward_batch import ForwardBatch
 from engine.kernels.gpu.batch_plan import GpuBatchPlan
 from engine.kernels.conv_reference import causal_conv1d, causal_conv1d_step
 from engine.kernels.ssd_reference import ssd_chunk_scan, ssd_step_batched
@@ -18,8 +18,8 @@ from engine.model_config import (
     MAMBA_NORM_GATE_FIRST,
     HybridModelConfig,
 )
-from engine.shard_layout import RankShardLayout, width
-from engine.tensor_parallel import IndexRange, ShardedModule, TensorParallel, TensorShard, scaled
+from engine.parallel.shard_layout import RankShardLayout, width
+from engine.parallel.tensor_parallel import IndexRange, ShardedModule, TensorParallel, TensorShard, scaled
 
 
 class DepthwiseConv1dWeights(ShardedModule):
@@ -182,7 +182,7 @@ class Mamba2Mixer(ShardedModule):
         decode_rows, decode_slots, decode_resets = [], [], []
         for chunk, start, end in zip(batch.chunks, batch.cu_seqlens[:-1], batch.cu_seqlens[1:]):
             if chunk.position_state_slots:  # speculative verification: chunk.state_slot only read
-                from engine.speculative.verify import mix_verification
+                from engine.layers.verification import mix_verification
 
                 y[start:end] = mix_verification(
                     self.mix_decode, (xBC[start:end], dt_raw[start:end]), conv_state, ssm_state, chunk
@@ -271,11 +271,11 @@ class Mamba2Mixer(ShardedModule):
         mix_chunks_gpu. Both mutate the chunks' state slots in place. Returns (y (T, H, P) fp32 without the D skip, x
         (T, I) the scan's input: the conv output's x columns), so the caller adds D * x (the
         gated norm does, as it reads y). A plan with speculative verification chunks
-        (plan.verification) takes mix_verification_gpu (engine/speculative/verify_gpu.py): the
+        (plan.verification) takes mix_verification_gpu (engine/layers/verification.py): the
         other chunks as here, the verification chunks' own slots only read, the states after
         their positions left in scratch slots."""
         if plan.verification is not None:
-            from engine.speculative.verify_gpu import mix_verification_gpu
+            from engine.layers.verification import mix_verification_gpu
 
             return mix_verification_gpu(self, xBC, dt_raw, conv_state, ssm_state, plan.verification)
         if plan.fused_mamba_decode:

@@ -11,7 +11,7 @@ from engine.kernels.norm_reference import silu_and_mul
 from engine.kernels.relu_squared_reference import relu_squared
 from engine.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from engine.model_config import MLP_FUSED, MLP_SPLIT, HybridModelConfig
-from engine.tensor_parallel import IndexRange, TensorParallel
+from engine.parallel.tensor_parallel import IndexRange, TensorParallel
 
 
 class GatedMLP(nn.Module):

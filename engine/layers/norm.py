@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.kernels.norm_reference import gated_rms_norm, rms_norm, rms_norm_zero_centered
-from engine.tensor_parallel import IndexRange, ShardedModule, TensorParallel, TensorShard
+from engine.parallel.tensor_parallel import IndexRange, ShardedModule, TensorParallel, TensorShard
 
 
 class RMSNorm(nn.Module):

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.tensor_parallel import IndexRange, ShardedModule, TensorParallel, TensorShard
+from engine.parallel.tensor_parallel import IndexRange, ShardedModule, TensorParallel, TensorShard
 
 
 def _total(ranges: tuple[IndexRange, ...]) -> int:
@@ -54,7 +54,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     """F.linear(x, weight, bias); operands that routes_to_skinny accepts run
     engine/kernels/gpu/skinny_gemm.py instead (same result within fp32-accumulation rounding).
     Its first call per weight shape autotunes, so CUDA graphs are captured after an eager
-    warm-up (engine/cuda_graphs.py does this)."""
+    warm-up (engine/routes/decode_graphs.py does this)."""
     if routes_to_skinny(x, weight, bias):
         from engine.kernels.gpu.skinny_gemm import skinny_linear_unchecked
 

@@ -56,7 +56,7 @@ from torch import nn
 
 from engine.kernels.grouped_experts_reference import ExpertActivation, grouped_experts
 from engine.layers.parallel_linear import linear
-from engine.tensor_parallel import IndexRange, ShardedModule, TensorParallel, TensorShard
+from engine.parallel.tensor_parallel import IndexRange, ShardedModule, TensorParallel, TensorShard
 
 
 class RoutingRule(enum.Enum):

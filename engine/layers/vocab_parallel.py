@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.shard_layout import RankShardLayout, width
-from engine.tensor_parallel import ShardedModule, TensorParallel, TensorShard
+from engine.parallel.shard_layout import RankShardLayout, width
+from engine.parallel.tensor_parallel import ShardedModule, TensorParallel, TensorShard
 
 
 class VocabParallelEmbedding(ShardedModule):
@@ -67,7 +67,7 @@ def vocab_parallel_logits(
     even for one row: the single-row GEMM would gain 3.5 us of kernel time
     (benchmarks/skinny_gemm.py), but eager callers (the sampled row of a prefill step) would
     pay for its launch through Triton's autotuner; on one device the decode graphs capture
-    this call (engine/cuda_graphs.py)."""
+    this call (engine/routes/decode_graphs.py)."""
     local = F.linear(hidden, weight)  # (n, local rows)
     if tp.world_size == 1:
         return local

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.forward_batch import ForwardBatch, ModelCaches
+from engine.interfaces.forward_batch import ForwardBatch, ModelCaches
 from engine.kernels.gpu.batch_plan import GpuBatchPlan
 from engine.layers.attention import PagedAttention
 from engine.layers.mamba2 import Mamba2Mixer
@@ -50,8 +50,8 @@ from engine.model_config import (
 )
 from engine.models.config_fields import attention_fields, mamba_fields, token_fields
 from engine.models.granite_moe_hybrid import GraniteMoeHybridModel
-from engine.shard_layout import RankShardLayout
-from engine.tensor_parallel import TensorParallel
+from engine.parallel.shard_layout import RankShardLayout
+from engine.parallel.tensor_parallel import TensorParallel
 
 MODEL_TYPE = "falcon_h1"
 MAMBA_D_SSM_DEFAULT = 1024  # transformers' FalconH1Config.mamba_d_ssm

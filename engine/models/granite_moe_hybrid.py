@@ -4,13 +4,13 @@ engine/layers/routed_experts.py: top-k of the router logits, softmax over those 
 
 Numerically the same model as transformers' GraniteMoeHybridForCausalLM, dense or with
 experts, run over a ForwardBatch of chunks from many requests, with KV in paged
-blocks and recurrent state in per-request slots (engine/forward_batch.py).
+blocks and recurrent state in per-request slots (engine/interfaces/forward_batch.py).
 
 Parameter names equal the checkpoint's with the leading "model." removed (lm_head.weight
-stays as it is); engine/loader.py relies on that.
+stays as it is); engine/execution/loader.py relies on that.
 
 Tensor parallel: the model is built for one rank of a TensorParallel context; every layer
-holds that rank's shard (engine/shard_layout.py says which heads, groups and channels) and
+holds that rank's shard (engine/parallel/shard_layout.py says which heads, groups and channels) and
 calls the context's collectives. Hidden states (T, D) are whole on every rank between layers.
 With TensorParallel.single() it is the unsharded model and calls no collective. The experts
 split each expert's channels like the shared MLP's; both partial sums are added before the
@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine import cache_capacity
-from engine.forward_batch import ForwardBatch, ModelCaches
+from engine.parallel import cache_capacity
+from engine.interfaces.forward_batch import ForwardBatch, ModelCaches
 from engine.kernels.gpu.batch_plan import GpuBatchPlan
 from engine.layers.attention import PagedAttention
 from engine.layers.mamba2 import Mamba2Mixer
@@ -49,8 +49,8 @@ from engine.model_config import (
 from engine.models.config_fields import attention_fields, mamba_fields, token_fields
 from engine.models.model_caches import RankCaches
 from engine.models.mtp_head import MultiTokenPredictionHead, randomize
-from engine.shard_layout import RankShardLayout, rank_shard_layout
-from engine.tensor_parallel import TensorParallel, TensorShard, parameter_shards
+from engine.parallel.shard_layout import RankShardLayout, rank_shard_layout
+from engine.parallel.tensor_parallel import TensorParallel, TensorShard, parameter_shards
 
 
 MODEL_TYPE = "granitemoehybrid"
@@ -287,13 +287,13 @@ class GraniteMoeHybridModel(RankCaches, nn.Module):
         reset_state starts from zeros).
 
         gpu_plan: the step's chunk metadata on the device and its kernel choices, built by the
-        step's forward route (engine/forward_routes.py, or a CUDA graph runner over its static
+        step's forward route (engine/routes/forward_routes.py, or a CUDA graph runner over its static
         buffers): every layer then runs its Triton kernels as the plan says, and the batch's
         chunks are not read. None: the layers run their pure-PyTorch path, which CUDA weights
         do not take (ValueError).
         """
         if gpu_plan is None and self.embed_tokens.weight.is_cuda:
-            raise ValueError("a forward pass on CUDA takes the step's GpuBatchPlan (engine/forward_routes.py)")
+            raise ValueError("a forward pass on CUDA takes the step's GpuBatchPlan (engine/routes/forward_routes.py)")
         hidden = self.embed_tokens(batch.input_ids) * self.config.embedding_multiplier  # (T, D)
         rope = self.rotary(batch.positions) if self.rotary is not None else None
         if gpu_plan is not None:
@@ -329,7 +329,7 @@ class GraniteMoeHybridModel(RankCaches, nn.Module):
 
     def stack_projections(self) -> None:
         """Stack each attention layer's q, k and v weights for its one GEMM
-        (PagedAttention.stack_projections); engine/loader.py calls it after loading."""
+        (PagedAttention.stack_projections); engine/execution/loader.py calls it after loading."""
         for layer in self.layers:
             if layer.self_attn is not None:
                 layer.self_attn.stack_projections()

@@ -1,5 +1,5 @@
 """The cache methods every model family shares: sizes of this rank's KV blocks and recurrent
-state slots (engine/cache_capacity.py) and allocate_caches (engine/models/registry.py
+state slots (engine/parallel/cache_capacity.py) and allocate_caches (engine/models/registry.py
 HybridModel), written once for GraniteMoeHybrid (and Bamba, Falcon-H1), Nemotron-H and
 Qwen3-Next.
 
@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from engine import cache_capacity
-from engine.forward_batch import ModelCaches
-from engine.shard_layout import width
+from engine.parallel import cache_capacity
+from engine.interfaces.forward_batch import ModelCaches
+from engine.parallel.shard_layout import width
 
 
 class RankCaches:
@@ -31,24 +31,24 @@ class RankCaches:
         return cache_capacity.recurrent_state_shape(self.config, self.layout)
 
     def kv_bytes_per_block(self, block_size: int) -> int:
-        """Bytes of one KV block on this rank (engine/cache_capacity.py)."""
+        """Bytes of one KV block on this rank (engine/parallel/cache_capacity.py)."""
         return cache_capacity.kv_bytes_per_block(self.config, self.layout, self.dtype, block_size)
 
     def state_bytes_per_slot(self) -> int:
-        """Bytes of one recurrent state slot on this rank (engine/cache_capacity.py)."""
+        """Bytes of one recurrent state slot on this rank (engine/parallel/cache_capacity.py)."""
         return cache_capacity.state_bytes_per_slot(self.config, self.layout, self.dtype)
 
     def allocate_caches(
         self, num_blocks: int, block_size: int, num_state_slots: int, device=None,
         drafter_layers: tuple[int, ...] = (),
     ) -> ModelCaches:
-        """Zeroed KV blocks and state slots of this rank (layouts in engine/forward_batch.py;
+        """Zeroed KV blocks and state slots of this rank (layouts in engine/interfaces/forward_batch.py;
         the KV heads, recurrent heads and conv channels are the rank's own), on `device`, or
         the embedding's device when None. One tensor per kind, stacked over its layers (K/V
         in the model dtype, conv state in the model dtype, recurrent state fp32); each
         layer's cache is a view of it. Layers without a mixer cache (MLP blocks) get none.
         drafter_layers: layer indices past the model's own whose KV the blocks also hold, after
-        the attention layers' (the MTP drafter's layer, engine/cache_capacity.py
+        the attention layers' (the MTP drafter's layer, engine/parallel/cache_capacity.py
         drafter_kv_layers), so checkpoints and transfers carry it with the rest."""
         c = self.config
         if device is None:

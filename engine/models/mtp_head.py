@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from engine.forward_batch import ForwardBatch, ModelCaches
+from engine.interfaces.forward_batch import ForwardBatch, ModelCaches
 from engine.kernels.gpu.batch_plan import GpuBatchPlan
 from engine.layers.norm import RMSNorm
 from engine.layers.parallel_linear import linear

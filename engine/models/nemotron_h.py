@@ -14,7 +14,7 @@ The embedding is `embeddings`, the final norm `norm_f`, block i's `layers.i.norm
 `layers.i.mixer`; a MoE block's router and experts are renamed or stacked while loading
 (nemotron_h_moe.parameter_name, nemotron_h_moe.stacked_piece).
 
-Tensor parallel: as GraniteMoeHybridModel (engine/shard_layout.py): attention heads, Mamba
+Tensor parallel: as GraniteMoeHybridModel (engine/parallel/shard_layout.py): attention heads, Mamba
 heads and groups, MLP channels and each expert's channels split; hidden states (T, D) whole
 between blocks.
 """
@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine import cache_capacity
-from engine.forward_batch import ForwardBatch, ModelCaches
+from engine.parallel import cache_capacity
+from engine.interfaces.forward_batch import ForwardBatch, ModelCaches
 from engine.kernels.gpu.batch_plan import GpuBatchPlan
 from engine.layers.attention import PagedAttention
 from engine.layers.mamba2 import Mamba2Mixer
@@ -52,8 +52,8 @@ from engine.model_config import (
 from engine.models import nemotron_h_moe
 from engine.models.model_caches import RankCaches
 from engine.models.nemotron_h_moe import NemotronHMoE
-from engine.shard_layout import RankShardLayout, rank_shard_layout
-from engine.tensor_parallel import TensorParallel, TensorShard, parameter_shards
+from engine.parallel.shard_layout import RankShardLayout, rank_shard_layout
+from engine.parallel.tensor_parallel import TensorParallel, TensorShard, parameter_shards
 
 MODEL_TYPE = "nemotron_h"
 
@@ -162,7 +162,7 @@ def parse_config(raw: dict[str, Any]) -> HybridModelConfig:
         num_key_value_heads=num_kv_heads,
         head_dim=head_dim,
         attention_bias=False,
-        # the MLP blocks' width, which engine/shard_layout.py splits as mlp_channels
+        # the MLP blocks' width, which engine/parallel/shard_layout.py splits as mlp_channels
         shared_intermediate_size=required(raw, "intermediate_size"),
         hidden_act="relu2",
         mamba_n_heads=mamba_n_heads,
@@ -279,7 +279,7 @@ class NemotronHModel(RankCaches, nn.Module):
     @property
     def embed_tokens(self) -> VocabParallelEmbedding:
         """The embedding under the name the CUDA graph runners read its device from
-        (engine/cuda_graphs.py, engine/prefill_graphs.py)."""
+        (engine/routes/decode_graphs.py, engine/routes/prefill_graphs.py)."""
         return self.embeddings
 
     def forward(
@@ -288,7 +288,7 @@ class NemotronHModel(RankCaches, nn.Module):
         """Hidden states (T, D) after the final norm; the caches and gpu_plan contracts of
         GraniteMoeHybridModel.forward (MLP and MoE blocks touch no cache)."""
         if gpu_plan is None and self.embeddings.weight.is_cuda:
-            raise ValueError("a forward pass on CUDA takes the step's GpuBatchPlan (engine/forward_routes.py)")
+            raise ValueError("a forward pass on CUDA takes the step's GpuBatchPlan (engine/routes/forward_routes.py)")
         hidden = self.embeddings(batch.input_ids)  # (T, D)
         if gpu_plan is not None:
             return self._forward_layers_gpu(hidden, batch, caches, gpu_plan)

@@ -26,7 +26,7 @@ Checkpoint names (under "backbone.layers.{i}.mixer."), mapped by `parameter_name
   experts.up_proj / experts.down_proj (fused 3-D, transformers' in-memory names) map whole;
 - shared_experts.{up,down}_proj.weight, fc1_latent_proj.weight, fc2_latent_proj.weight as is.
 
-Tensor parallel (engine/shard_layout.py): each expert's I channels split across ranks
+Tensor parallel (engine/parallel/shard_layout.py): each expert's I channels split across ranks
 (layout.expert_channels: rows of up_proj, columns of down_proj, every rank holds every
 expert) as the other families' experts; the shared expert's channels split
 (layout.shared_expert_channels); the router, the selection bias and both latent projections
@@ -54,8 +54,8 @@ from engine.layers.mlp import SquaredReluMLP
 from engine.layers.parallel_linear import linear
 from engine.layers.routed_experts import RoutedExperts, Routing, RoutingRule
 from engine.model_config import HybridModelConfig
-from engine.shard_layout import RankShardLayout
-from engine.tensor_parallel import StackedPiece, TensorParallel
+from engine.parallel.shard_layout import RankShardLayout
+from engine.parallel.tensor_parallel import StackedPiece, TensorParallel
 
 _ROUTER_TENSOR = re.compile(r"^(layers\.\d+\.mixer)\.gate\.(weight|e_score_correction_bias)$")
 _FUSED_EXPERTS_TENSOR = re.compile(r"^(layers\.\d+\.mixer\.experts)\.(up_proj|down_proj)$")

@@ -2,14 +2,14 @@
 by an MLP, with zero-centred RMSNorms and multi-token-prediction weights.
 
 Numerically the same model as transformers' Qwen3NextForCausalLM, run over a ForwardBatch
-like every family (engine/forward_batch.py). Each layer's MLP is the one transformers chooses:
+like every family (engine/interfaces/forward_batch.py). Each layer's MLP is the one transformers chooses:
 a sparse MoE block (SparseMoeBlock: routed experts, engine/layers/routed_experts.py, plus a
 gated shared expert) when num_experts > 0, the layer is not in mlp_only_layers and (layer + 1)
 divides by decoder_sparse_step; otherwise a dense MLP (SplitGatedMLP of intermediate_size
 channels), so one model may mix the two (HybridModelConfig.dense_mlp_layers). A gated
 delta-net's per-request state lives in the same state slot tensors as a Mamba2 layer's, with
 its own shapes (conv (2 Hk dk + Hv dv, K-1), recurrent (Hv, dk, dv) fp32;
-engine/cache_capacity.py recurrent_state_shape), so checkpoints, import checks and transfer
+engine/parallel/cache_capacity.py recurrent_state_shape), so checkpoints, import checks and transfer
 move it unchanged.
 
 Parameter names equal the checkpoint's with the leading "model." removed (lm_head.weight and
@@ -17,7 +17,7 @@ mtp.* stay as they are), except the experts': the router `mlp.gate.weight` is
 `mlp.experts.router.layer.weight`, and each expert's `mlp.experts.{e}.gate_proj / up_proj /
 down_proj.weight` is a piece (stacked_piece) of the stacked `mlp.experts.input_linear.weight`
 (E, 2I, D) = [gate | up] and `mlp.experts.output_linear.weight` (E, D, I), written there by the
-loader (engine/loader.py load_piece), each rank its channels of every expert.
+loader (engine/execution/loader.py load_piece), each rank its channels of every expert.
 
 MTP: with num_mtp_layers > 0 (config.json's num_nextn_predict_layers or
 mtp_num_hidden_layers; the published releases name neither, so complete_config counts the
@@ -25,7 +25,7 @@ checkpoint's mtp.layers.{j}) the checkpoint's mtp.* tensors load into `self.mtp`
 (engine/models/mtp_head.py MultiTokenPredictionHead), which the forward does not use: the MTP
 drafter runs it (speculative_drafter mtp, engine/speculative/mtp.py).
 
-Tensor parallel: as GraniteMoeHybrid (engine/shard_layout.py: attention heads, KV heads,
+Tensor parallel: as GraniteMoeHybrid (engine/parallel/shard_layout.py: attention heads, KV heads,
 gated delta-net key and value heads, MLP channels, vocabulary rows); hidden states (T, D) are
 whole on every rank between layers.
 """
@@ -39,7 +39,7 @@ import re
 import torch
 from torch import nn
 
-from engine.forward_batch import ForwardBatch, ModelCaches
+from engine.interfaces.forward_batch import ForwardBatch, ModelCaches
 from engine.kernels.gpu.batch_plan import GpuBatchPlan
 from engine.layers.attention import PagedAttention
 from engine.layers.gated_delta_net import GatedDeltaNet
@@ -67,8 +67,8 @@ from engine.model_config import (
 )
 from engine.models.model_caches import RankCaches
 from engine.models.mtp_head import MultiTokenPredictionHead
-from engine.shard_layout import RankShardLayout, rank_shard_layout
-from engine.tensor_parallel import StackedPiece, TensorParallel, TensorShard, parameter_shards
+from engine.parallel.shard_layout import RankShardLayout, rank_shard_layout
+from engine.parallel.tensor_parallel import StackedPiece, TensorParallel, TensorShard, parameter_shards
 
 MODEL_TYPE = "qwen3_next"
 
@@ -423,7 +423,7 @@ class Qwen3NextModel(RankCaches, nn.Module):
         captures (gpu_plan.in_pass) each gated delta-net layer writes its states at the capture
         positions into the plan's buffers."""
         if gpu_plan is None and self.embed_tokens.weight.is_cuda:
-            raise ValueError("a forward pass on CUDA takes the step's GpuBatchPlan (engine/forward_routes.py)")
+            raise ValueError("a forward pass on CUDA takes the step's GpuBatchPlan (engine/routes/forward_routes.py)")
         hidden = self.embed_tokens(batch.input_ids)  # (T, D)
         rope = self.rotary(batch.positions)  # (cos, sin), each (T, rotary_dim)
         if gpu_plan is not None:

@@ -17,17 +17,17 @@ from typing import Any, Protocol
 
 import torch
 
-from engine.forward_batch import ForwardBatch, ModelCaches
+from engine.interfaces.forward_batch import ForwardBatch, ModelCaches
 from engine.model_config import HybridModelConfig
 from engine.models import bamba, falcon_h1
 from engine.models import granite_moe_hybrid
 from engine.models import nemotron_h, nemotron_h_moe
 from engine.models import qwen3_next
-from engine.tensor_parallel import StackedPiece, TensorParallel, TensorShard
+from engine.parallel.tensor_parallel import StackedPiece, TensorParallel, TensorShard
 
 
 class HybridModel(Protocol):
-    """What the engine calls on a model (engine/worker.py, forward_routes.py, cuda_graphs.py,
+    """What the engine calls on a model (engine/execution/worker.py, forward_routes.py, cuda_graphs.py,
     loader.py). GraniteMoeHybridModel documents each method's contract."""
 
     config: HybridModelConfig

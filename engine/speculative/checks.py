@@ -1,5 +1,5 @@
 """Whether a configuration's speculative decoding can run on a model, decided from the parsed
-config.json alone: what the worker refuses when it starts (engine/worker.py), callable at deploy
+config.json alone: what the worker refuses when it starts (engine/execution/worker.py), callable at deploy
 time (deployments/app.py check_engine_config), so that Serve never restarts a replica that can
 only fail. Config-only refusals (k out of range, tensor_parallel_size > 1, a random head
 without the mtp drafter) are EngineConfig's own.
@@ -7,7 +7,7 @@ without the mtp drafter) are EngineConfig's own.
 
 from __future__ import annotations
 
-from engine.config import EngineConfig
+from engine.engine_config import EngineConfig
 from engine.model_config import HybridModelConfig
 from engine.models import bamba, granite_moe_hybrid
 from engine.speculative.verify import check_verifiable

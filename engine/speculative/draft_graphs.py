@@ -42,9 +42,9 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from engine.cuda_graphs import capture_staged
-from engine.forward_batch import ForwardBatch, ModelCaches
-from engine.forward_routes import GraphScratch
+from engine.routes.decode_graphs import capture_staged
+from engine.interfaces.forward_batch import ForwardBatch, ModelCaches
+from engine.routes.forward_routes import GraphScratch
 from engine.kernels.gpu.batch_plan import decode_only_plan
 from engine.models.mtp_head import MultiTokenPredictionHead, run_head
 

@@ -3,7 +3,7 @@ run over every computed position, and k draft tokens proposed after each chunk t
 
 Positions. The head's row for position q takes the pair (t_q, h_{q-1}): the token at q and the
 target's hidden row before it, and predicts t_{q+1}. Its K/V goes to position q of the head's
-own layer in the model's paged KV cache (layer index num_hidden_layers, engine/cache_capacity.py
+own layer in the model's paged KV cache (layer index num_hidden_layers, engine/parallel/cache_capacity.py
 drafter_kv_layers): the positions a chunk computes are the positions whose head K/V it writes,
 so checkpoints (full blocks, attention tail) and transfers carry the head's K/V with the rest,
 a restore brings it back, and a rejected draft's K/V is overwritten as the main layers' is.
@@ -37,17 +37,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.config import EngineConfig
-from engine.forward_batch import ForwardBatch, ModelCaches, build_forward_batch
-from engine.forward_routes import EagerPass, RouteOutput, SampledTokens
+from engine.engine_config import EngineConfig
+from engine.interfaces.forward_batch import ForwardBatch, ModelCaches, build_forward_batch
+from engine.routes.forward_routes import EagerPass, RouteOutput, SampledTokens
 from engine.models.mtp_head import MultiTokenPredictionHead, run_head
 from engine.speculative.checks import check_mtp_head
 from engine.speculative.scheduling import greedy_accept
-from engine.step_io import DraftProposal, ScheduledChunk
+from engine.interfaces.step_io import DraftProposal, ScheduledChunk
 
 if TYPE_CHECKING:
     from engine.speculative.draft_graphs import DraftGraphRunner
-    from engine.worker import RowRef
+    from engine.interfaces.output_rows import RowRef
 
 
 def attach_head(model, config: EngineConfig) -> MultiTokenPredictionHead | None:

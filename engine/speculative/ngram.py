@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from engine.request import Request
-    from engine.step_io import DraftProposal
+    from engine.interfaces.request import Request
+    from engine.interfaces.step_io import DraftProposal
 
 NAME = "ngram"
 

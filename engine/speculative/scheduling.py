@@ -38,8 +38,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from engine.request import Request, RequestStatus, token_stop_reason
-from engine.step_io import CommitOp, DraftProposal, ScheduledChunk
+from engine.interfaces.request import Request, RequestStatus, token_stop_reason
+from engine.interfaces.step_io import CommitOp, DraftProposal, ScheduledChunk
 
 
 class Drafter(Protocol):

@@ -19,15 +19,15 @@ instead. The Worker refuses a model with a layer kind outside VERIFIABLE_LAYER_K
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
 
-from engine.forward_batch import ModelCaches, SequenceChunk
-from engine.forward_routes import EagerPass, RouteOutput, SampledTokens
+from engine.interfaces.forward_batch import ModelCaches
+from engine.routes.forward_routes import EagerPass, RouteOutput, SampledTokens
 from engine.model_config import ATTENTION, GATED_DELTA_NET, HYBRID, MAMBA, MLP, MOE
-from engine.step_io import CaptureOp, CommitOp, ScheduledChunk
+from engine.interfaces.step_io import CaptureOp, CommitOp, ScheduledChunk
 
 # Layer kinds whose mixers verify k + 1 tokens exactly: attention (KV past the kept tokens is
 # overwritten), Mamba2 and the gated delta-net (mix_verification), Falcon-H1's HYBRID layers
@@ -42,34 +42,6 @@ def check_verifiable(layer_types: Sequence[str]) -> None:
         raise ValueError(
             f"num_speculative_tokens > 0: this model's {unsupported} layers cannot verify drafts "
             "yet (Mamba2, gated delta-net and attention can); set num_speculative_tokens to 0")
-
-
-def mix_verification(
-    decode_step: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-    token_inputs: Sequence[torch.Tensor],  # each (n, ...): the chunk's n = k + 1 tokens, pre-conv
-    conv_state: torch.Tensor,  # (num_slots, C, K-1): the chunk's scratch slots written
-    recurrent_state: torch.Tensor,  # (num_slots, ...) fp32: the chunk's scratch slots written
-    chunk: SequenceChunk,  # a verification chunk (position_state_slots, one per token)
-) -> torch.Tensor:
-    """A verification chunk through one recurrent mixer: token i continues from the state
-    after token i - 1 (token 0 from chunk.state_slot, which is only read) with decode_step,
-    the mixer's one-token decode step, and leaves its state in position_state_slots[i]; each
-    step reads its state back from the slot the step before wrote, as plain decoding does.
-
-    decode_step(*(t[i : i + 1] for t in token_inputs), conv (1, C, K-1), state (1, ...)) ->
-    (y (1, ...), new conv, new state), its inputs not modified: Mamba2Mixer.mix_decode over
-    (xBC, dt_raw), GatedDeltaNet.mix_decode over (qkv, b, a). Returns the steps' y
-    concatenated, (n, ...) fp32 (the mixer's output before its gated norm)."""
-    slot = chunk.state_slot
-    conv, state = conv_state[slot : slot + 1], recurrent_state[slot : slot + 1]
-    outputs = []
-    for i, scratch in enumerate(chunk.position_state_slots):
-        y, conv_out, state_out = decode_step(*(t[i : i + 1] for t in token_inputs), conv, state)
-        conv_state[scratch].copy_(conv_out[0])
-        recurrent_state[scratch].copy_(state_out[0])
-        conv, state = conv_state[scratch : scratch + 1], recurrent_state[scratch : scratch + 1]
-        outputs.append(y)
-    return torch.cat(outputs)
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""What speculative decoding adds to a Worker (engine/worker.py), built in the two phases its
+"""What speculative decoding adds to a Worker (engine/execution/worker.py), built in the two phases its
 caches impose:
 
 1. before the caches are allocated, what it needs of them (`cache_needs`): the scratch state
@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.cache_capacity import CacheCapacity, drafter_kv_layers
-from engine.config import EngineConfig
-from engine.forward_batch import ModelCaches
-from engine.forward_routes import EagerPass, GraphScratch
+from engine.parallel.cache_capacity import CacheCapacity, drafter_kv_layers
+from engine.engine_config import EngineConfig
+from engine.interfaces.forward_batch import ModelCaches
+from engine.routes.forward_routes import EagerPass, GraphScratch
 from engine.model_config import HybridModelConfig
 from engine.models.mtp_head import MultiTokenPredictionHead
 from engine.speculative.checks import check_speculation

@@ -208,8 +208,8 @@ def _affinity():
 
 
 def generation_request(ids=(5, 6, 7)):
-    from engine.generation_request import GenerationRequest
-    from engine.sampling_params import SamplingParams
+    from engine.interfaces.generation_request import GenerationRequest
+    from engine.interfaces.sampling_params import SamplingParams
 
     return GenerationRequest(request_id="r", prompt_token_ids=ids, sampling=SamplingParams())
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.output_processor import RequestOutput
+from engine.engine_config import EngineConfig
+from engine.core.output_processor import RequestOutput
 from hybrid_serve_bench.client import RECORD_FIELDS, ChatRequest
 from hybrid_serve_bench.engine_target import EngineChat, engine_targets, warm_up
 from hybrid_serve_bench.runner import RunSettings, run_workloads

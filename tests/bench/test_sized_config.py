@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from engine.cache_capacity import size_caches
-from engine.config import DEFAULT_MODEL_DIR, EngineConfig
+from engine.parallel.cache_capacity import size_caches
+from engine.engine_config import DEFAULT_MODEL_DIR, EngineConfig
 from engine.models.registry import load_model_config
-from engine.tensor_parallel import TensorParallel
+from engine.parallel.tensor_parallel import TensorParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import pytest
 
 import deployments.app
-from deployments.checkpoint_index import get_index
+from deployments.cluster.index import get_index
 from tests.e2e.serve_fixtures import E2E_CONFIG, MODEL_NAME
 
 pytestmark = pytest.mark.e2e

@@ -28,8 +28,8 @@ import time
 import pytest
 
 import deployments.app
-from deployments.checkpoint_index import get_index
-from deployments.checkpoint_store import StoredLocator
+from deployments.cluster.index import get_index
+from deployments.cluster.object_copies import StoredLocator
 from tests.cluster_checkpoints.test_routing import INSTRUCTIONS, SMALL, wait_for
 from tests.e2e.in_flight import until_it_answers
 from tests.e2e.serve_fixtures import E2E_CONFIG, MODEL_NAME
@@ -238,7 +238,7 @@ TP2_CONFIG = dict(max_num_batched_tokens=40, max_num_seqs=4, kv_cache_bytes=8 * 
 def shards_seen_here(monkeypatch):
     """How many CheckpointShards this process (the replica's side: engine, executor, store
     and fetch code) has unpickled: a shard whose bytes came through it."""
-    from engine.checkpoint_transfer import CheckpointShard
+    from engine.checkpoints.transfer import CheckpointShard
 
     seen = []
 
@@ -265,13 +265,13 @@ def test_tp2_shards_go_from_rank_to_object_store_to_rank_never_through_the_repli
     import ray
 
     from cache.index_messages import CheckpointRecord, ReplicaReport, token_digest
-    from deployments.checkpoint_index import get_or_create_index
-    from deployments.checkpoint_store import fetch_stored, store_exported
+    from deployments.cluster.index import get_or_create_index
+    from deployments.cluster.object_copies import fetch_stored, store_exported
     from deployments.worker_group import RayWorkerExecutor, WorkerGroup
-    from engine.checkpoint_import_checks import ImportRejection
-    from engine.checkpoint_transfer import RemoteShard
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from engine.checkpoints.import_checks import ImportRejection
+    from engine.checkpoints.transfer import RemoteShard
+    from engine.engine_config import EngineConfig
+    from engine.core.llm_engine import LLMEngine
     from tests.engine.reuse_cases import SYSTEM, chat, run
     from tests.engine.test_checkpoint_transfer import snapshot
 

@@ -18,7 +18,7 @@ import uuid
 import pytest
 
 from deployments.config import AppConfig
-from engine.config import EngineConfig
+from engine.engine_config import EngineConfig
 
 APP_NAME = "hybrid-serve-e2e"
 MODEL_NAME = "hybrid-serve-tiny"

@@ -121,13 +121,13 @@ def test_speculation_the_model_cannot_run_fails_the_build_naming_the_key():
 
 
 def test_a_head_dim_the_cuda_kernels_cannot_serve_fails_a_cuda_build_naming_the_key(tmp_path):
-    """The paged attention kernels need a power-of-two head_dim (engine/loader.py
+    """The paged attention kernels need a power-of-two head_dim (engine/execution/loader.py
     check_cuda_shapes): a CUDA deploy of a model with head_dim 24 is refused naming the key,
     before any replica starts; the same model deploys on the CPU, whose path has no such limit."""
     import json
     import shutil
 
-    from engine.config import DEFAULT_MODEL_DIR
+    from engine.engine_config import DEFAULT_MODEL_DIR
 
     model_dir = tmp_path / "head_dim_24"
     shutil.copytree(DEFAULT_MODEL_DIR, model_dir)

@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from deployments.llm_server import coalesce, merge_outputs
-from engine.llm_engine import RequestOutput
+from engine.core.llm_engine import RequestOutput
 
 
 def output(i: int, finished: bool = False) -> RequestOutput:

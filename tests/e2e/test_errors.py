@@ -151,8 +151,8 @@ def test_extreme_sampling_values_sample_the_top_token(http, extreme):
 def test_handle_validates_requests_built_without_validation(app_handle):
     """The handle API validates what model_construct built (nothing) and plain dicts, with the
     400 an HTTP body gets: a NaN temperature reached the engine's step before."""
-    from deployments.errors import APIError
-    from deployments.protocol import ChatCompletionRequest, ChatCompletionResponse
+    from deployments.http.errors import APIError
+    from deployments.http.protocol import ChatCompletionRequest, ChatCompletionResponse
 
     unchecked = ChatCompletionRequest.model_construct(messages=USER, max_tokens=2,
                                                       temperature=float("nan"), min_tokens=1)

@@ -36,8 +36,8 @@ from hypothesis import HealthCheck, given, note, seed, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from deployments.errors import APIError
-from deployments.protocol import (
+from deployments.http.errors import APIError
+from deployments.http.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,

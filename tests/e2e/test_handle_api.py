@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from deployments.errors import APIError
-from deployments.protocol import (
+from deployments.http.errors import APIError
+from deployments.http.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,

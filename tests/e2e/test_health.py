@@ -14,9 +14,9 @@ import ray
 
 from deployments.llm_server import replica_health
 from deployments.worker_group import RayWorkerExecutor, WorkerGroup
-from engine.async_engine import AsyncLLMEngine
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
+from engine.core.async_engine import AsyncLLMEngine
+from engine.engine_config import EngineConfig
+from engine.core.llm_engine import LLMEngine
 
 
 @pytest.mark.parametrize("world_size, killed_rank", [(1, 0), (2, 1)])

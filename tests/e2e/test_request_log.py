@@ -1,5 +1,5 @@
 """Every request ends with one structured line in the ingress replica's log: its id, status,
-token counts and timings, and never its text (deployments/request_log.py)."""
+token counts and timings, and never its text (deployments/http/request_log.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from deployments.request_log import PREFIX, RequestRecord
+from deployments.http.request_log import PREFIX, RequestRecord
 
 MODEL_NAME = "hybrid-serve-tiny"
 SECRET_TEXT = "zebra-violet-8842"  # in the prompt; must never reach the log

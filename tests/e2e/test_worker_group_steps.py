@@ -12,11 +12,11 @@ import asyncio
 import pytest
 
 from deployments.worker_group import RayWorkerExecutor, WorkerGroup
-from engine.config import EngineConfig
-from engine.generation_request import GenerationRequest
-from engine.request import PENDING_TOKEN
-from engine.sampling_params import SamplingParams
-from engine.step_io import ScheduledChunk, SchedulerOutput
+from engine.engine_config import EngineConfig
+from engine.interfaces.generation_request import GenerationRequest
+from engine.interfaces.request import PENDING_TOKEN
+from engine.interfaces.sampling_params import SamplingParams
+from engine.interfaces.step_io import ScheduledChunk, SchedulerOutput
 
 BLOCKS = 4
 PROMPT = (5, 17, 29, 41, 53, 65, 77)
@@ -66,8 +66,8 @@ def test_after_a_failed_step_later_steps_run(ray_session):
     import ray
 
     from deployments.worker_group import STEP_GROUP, STEP_THREADS, StepsInOrder
-    from engine.llm_engine import LLMEngine
-    from engine.worker import Worker
+    from engine.core.llm_engine import LLMEngine
+    from engine.execution.worker import Worker
 
     config = EngineConfig(max_num_seqs=4, kv_cache_bytes=8 * 1024 * 1024, state_cache_bytes=8 * 1024 * 1024)
 

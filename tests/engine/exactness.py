@@ -18,13 +18,13 @@ from dataclasses import dataclass
 
 import torch
 
-from deployments.instruction_boundary import find_instruction_boundary
-from engine.config import EngineConfig
-from engine.generation_request import GenerationRequest
-from engine.llm_engine import LLMEngine
-from engine.loader import load_model
-from engine.sampling_params import SamplingParams
-from engine.tensor_parallel import TensorParallel
+from deployments.prompts.instruction_boundary import find_instruction_boundary
+from engine.engine_config import EngineConfig
+from engine.interfaces.generation_request import GenerationRequest
+from engine.core.llm_engine import LLMEngine
+from engine.execution.loader import load_model
+from engine.interfaces.sampling_params import SamplingParams
+from engine.parallel.tensor_parallel import TensorParallel
 from tests.engine.conversations import random_text, render, system_prompts
 
 NEAR_TIE = 1e-4  # top-2 gap of the from-scratch logits below which a different token is a near-tie

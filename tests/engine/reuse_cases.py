@@ -7,10 +7,10 @@ from dataclasses import dataclass
 
 import torch
 
-from deployments.instruction_boundary import find_instruction_boundary
-from engine.generation_request import GenerationRequest
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from deployments.prompts.instruction_boundary import find_instruction_boundary
+from engine.interfaces.generation_request import GenerationRequest
+from engine.core.llm_engine import LLMEngine
+from engine.interfaces.sampling_params import SamplingParams
 from tests.engine.conversations import render
 from tests.engine.exactness import LOGITS_RTOL
 

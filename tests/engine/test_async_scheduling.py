@@ -12,13 +12,13 @@ import dataclasses
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.generation_request import GenerationRequest
-from engine.llm_engine import LLMEngine
-from engine.request import PENDING_TOKEN
-from engine.sampling_params import InvalidRequestError, SamplingParams
-from engine.step_io import RunnerOutput, ScheduledChunk, SchedulerOutput
-from engine.worker import Worker
+from engine.engine_config import EngineConfig
+from engine.interfaces.generation_request import GenerationRequest
+from engine.core.llm_engine import LLMEngine
+from engine.interfaces.request import PENDING_TOKEN
+from engine.interfaces.sampling_params import InvalidRequestError, SamplingParams
+from engine.interfaces.step_io import RunnerOutput, ScheduledChunk, SchedulerOutput
+from engine.execution.worker import Worker
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, return_logits=True)
 BLOCKS = 8

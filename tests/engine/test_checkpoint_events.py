@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import asyncio
 
-from engine.async_engine import AsyncLLMEngine
-from engine.config import EngineConfig
-from engine.generation_request import GenerationRequest
-from engine.llm_engine import LLMEngine
+from engine.core.async_engine import AsyncLLMEngine
+from engine.engine_config import EngineConfig
+from engine.interfaces.generation_request import GenerationRequest
+from engine.core.llm_engine import LLMEngine
 from tests.engine.conversations import render
 from tests.engine.reuse_cases import GREEDY, SYSTEM, chat, run
 

@@ -26,8 +26,8 @@ from dataclasses import replace
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
+from engine.engine_config import EngineConfig
+from engine.core.llm_engine import LLMEngine
 from tests.engine.exactness import Tally, run_workload, tight_config
 
 

@@ -3,8 +3,8 @@ query (what a replica compares with a stored copy before fetching), on the embed
 
 from __future__ import annotations
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
+from engine.engine_config import EngineConfig
+from engine.core.llm_engine import LLMEngine
 from tests.engine.conversations import render
 from tests.engine.reuse_cases import SYSTEM, chat, run
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from deployments.instruction_boundary import BoundaryRejection, find_instruction_boundary
-from engine.config import EngineConfig
-from engine.generation_request import GenerationRequest
-from engine.llm_engine import LLMEngine
-from engine.scheduler import MAX_FAILED_STEPS
-from engine.step_io import RunnerOutput
+from deployments.prompts.instruction_boundary import BoundaryRejection, find_instruction_boundary
+from engine.engine_config import EngineConfig
+from engine.interfaces.generation_request import GenerationRequest
+from engine.core.llm_engine import LLMEngine
+from engine.core.scheduler import MAX_FAILED_STEPS
+from engine.interfaces.step_io import RunnerOutput
 from tests.engine.conversations import render
 from tests.engine.reuse_cases import GREEDY, SYSTEM, chat, instruction_reuse, multi_turn, run
 

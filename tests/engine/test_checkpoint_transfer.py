@@ -19,15 +19,15 @@ import pickle
 import pytest
 import torch
 
-from engine.async_engine import AsyncLLMEngine
-from engine.checkpoint_import_checks import ImportRejection
-from engine.checkpoint_shards import ShardStage
-from engine.checkpoint_transfer import ExportedCheckpoint, RemoteShard
-from engine.config import EngineConfig
-from engine.executor import ShardsByReference
-from engine.generation_request import GenerationRequest
-from engine.llm_engine import LLMEngine
-from engine.worker import Worker
+from engine.core.async_engine import AsyncLLMEngine
+from engine.checkpoints.import_checks import ImportRejection
+from engine.checkpoints.shards import ShardStage
+from engine.checkpoints.transfer import ExportedCheckpoint, RemoteShard
+from engine.engine_config import EngineConfig
+from engine.execution.executor import ShardsByReference
+from engine.interfaces.generation_request import GenerationRequest
+from engine.core.llm_engine import LLMEngine
+from engine.execution.worker import Worker
 from tests.engine.exactness import Outcome, Tally, check_near_ties, compare
 from tests.engine.reuse_cases import GREEDY, SYSTEM, Alone, chat, run
 
@@ -310,7 +310,7 @@ def test_the_async_engine_exports_and_imports_between_steps():
 class DictStoreWorker(ShardsByReference, Worker):
     """The in-process Worker with its shards by reference: `store` (a dict) stands in for the
     object store, and this rank resolves, checks and holds its own shard (ShardStage), as a Ray
-    rank actor does (deployments/rank_shards.py)."""
+    rank actor does (deployments/cluster/rank_shards.py)."""
 
     def __init__(self, config: EngineConfig, store: dict) -> None:
         super().__init__(config)

@@ -14,18 +14,18 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.forward_batch import SequenceChunk, build_forward_batch
+from engine.interfaces.forward_batch import SequenceChunk, build_forward_batch
 from engine.kernels.conv_reference import causal_conv1d_step
 from engine.kernels.gated_delta_rule_reference import gated_delta_rule_step, l2_normalize
 from engine.kernels.gpu.batch_plan import GpuBatchPlan, build_gpu_batch_plan
 from engine.models.qwen3_next import Qwen3NextModel
 from engine.models.registry import parse_model_config
-from engine.sampling_params import SamplingParams
-from engine.speculative.verify import VerificationScratch, mix_verification
-from engine.speculative.verify_gpu import (
-    VerificationPlan, build_verification_plan, mix_delta_rule_verification_gpu, verification_index,
-)
-from engine.step_io import ScheduledChunk
+from engine.interfaces.sampling_params import SamplingParams
+from engine.kernels.gpu.batch_plan import VerificationPlan, build_verification_plan
+from engine.layers.verification import mix_delta_rule_verification_gpu, mix_verification
+from engine.speculative.verify import VerificationScratch
+from engine.speculative.verify_gpu import verification_index
+from engine.interfaces.step_io import ScheduledChunk
 
 K = 3  # drafts: n = 4 positions at most
 BLOCK_SIZE = 16

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.forward_routes import GraphScratch
+from engine.routes.forward_routes import GraphScratch
 from engine.speculative.draft_graphs import DraftInputStaging
 
 SCRATCH = GraphScratch(max_blocks_per_seq=4, scratch_slot=9, scratch_block=20)

@@ -9,12 +9,12 @@ import dataclasses
 import pytest
 import torch
 
-from engine.async_engine import AsyncLLMEngine
-from engine.config import EngineConfig
-from engine.generation_request import GenerationRequest
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import InvalidRequestError, SamplingParams
-from engine.cache_capacity import CacheBudgetError
+from engine.core.async_engine import AsyncLLMEngine
+from engine.engine_config import EngineConfig
+from engine.interfaces.generation_request import GenerationRequest
+from engine.core.llm_engine import LLMEngine
+from engine.interfaces.sampling_params import InvalidRequestError, SamplingParams
+from engine.parallel.cache_capacity import CacheBudgetError
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, return_logits=True)
 

@@ -16,19 +16,19 @@ from dataclasses import replace
 import pytest
 import torch
 
-from deployments.instruction_boundary import find_instruction_boundary
+from deployments.prompts.instruction_boundary import find_instruction_boundary
 from deployments.metrics import (SPECULATIVE_ACCEPTANCE_LENGTHS, SPECULATIVE_DRAFTS_ACCEPTED,
                                  SPECULATIVE_DRAFTS_PROPOSED, SPECULATIVE_DRAFTS_TRIMMED,
                                  SPECULATIVE_VERIFICATION_CHUNKS, EngineMetricsExporter)
-from engine.config import EngineConfig
-from engine.generation_request import GenerationRequest
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from engine.engine_config import EngineConfig
+from engine.interfaces.generation_request import GenerationRequest
+from engine.core.llm_engine import LLMEngine
+from engine.interfaces.sampling_params import SamplingParams
 from engine.speculative.ngram import NgramDrafter
 from engine.speculative.scheduling import greedy_accept
 from engine.speculative.verify import check_verifiable
-from engine.step_io import CommitOp, ScheduledChunk, SchedulerOutput
-from engine.worker import Worker
+from engine.interfaces.step_io import CommitOp, ScheduledChunk, SchedulerOutput
+from engine.execution.worker import Worker
 from tests.engine.conversations import random_text, render, system_prompts
 from tests.engine.exactness import NEAR_TIE, Outcome, Tally, check_near_ties, run_round, tight_config
 from tests.unit.recording_metrics import RecordingMetrics

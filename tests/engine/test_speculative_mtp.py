@@ -16,14 +16,14 @@ from dataclasses import replace
 import pytest
 import torch
 
-from deployments.instruction_boundary import find_instruction_boundary
-from engine.config import EngineConfig
-from engine.generation_request import GenerationRequest
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from deployments.prompts.instruction_boundary import find_instruction_boundary
+from engine.engine_config import EngineConfig
+from engine.interfaces.generation_request import GenerationRequest
+from engine.core.llm_engine import LLMEngine
+from engine.interfaces.sampling_params import SamplingParams
 from engine.speculative.scheduling import SpeculationStats
-from engine.step_io import CommitOp, ScheduledChunk, SchedulerOutput
-from engine.worker import Worker
+from engine.interfaces.step_io import CommitOp, ScheduledChunk, SchedulerOutput
+from engine.execution.worker import Worker
 from tests.engine.conversations import random_text, render, system_prompts
 from tests.engine.exactness import tight_config
 from tests.engine.test_speculative import compare_chat_rounds

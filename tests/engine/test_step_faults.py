@@ -14,13 +14,13 @@ import dataclasses
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.generation_request import GenerationRequest
-from engine.llm_engine import FAILED_REQUEST_MESSAGE, LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.scheduler import MAX_FAILED_STEPS
-from engine.step_io import RunnerOutput, SchedulerOutput
-from engine.worker import Worker
+from engine.engine_config import EngineConfig
+from engine.interfaces.generation_request import GenerationRequest
+from engine.core.llm_engine import FAILED_REQUEST_MESSAGE, LLMEngine
+from engine.interfaces.sampling_params import SamplingParams
+from engine.core.scheduler import MAX_FAILED_STEPS
+from engine.interfaces.step_io import RunnerOutput, SchedulerOutput
+from engine.execution.worker import Worker
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 

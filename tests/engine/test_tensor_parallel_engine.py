@@ -18,15 +18,15 @@ import pytest
 
 from cache.cache_manager import BundleSizing, CacheManager
 from cache.checkpoint_ledger import CheckpointKind
-from engine.checkpoint_policy import CheckpointPolicy
-from engine.config import EngineConfig
-from engine.executor import ExecutorDiedError
-from engine.generation_request import GenerationRequest
-from engine.llm_engine import LLMEngine
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.step_io import RunnerOutput
+from engine.checkpoints.policy import CheckpointPolicy
+from engine.engine_config import EngineConfig
+from engine.execution.executor import ExecutorDiedError
+from engine.interfaces.generation_request import GenerationRequest
+from engine.core.llm_engine import LLMEngine
+from engine.interfaces.request import Request
+from engine.interfaces.sampling_params import SamplingParams
+from engine.core.scheduler import Scheduler
+from engine.interfaces.step_io import RunnerOutput
 from tests.engine.exactness import Outcome, Tally, check_near_ties, compare, run_workload, tight_config
 from tests.engine.reuse_cases import SYSTEM, assert_same_as_reference, chat, instruction_reuse, multi_turn, run
 

@@ -10,17 +10,16 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine.config import DEFAULT_MODEL_DIR
+from engine.engine_config import DEFAULT_MODEL_DIR
 from engine.kernels.conv_reference import causal_conv1d_step
 from engine.kernels.ssd_reference import ssd_step_batched
-from engine.loader import load_model
-from engine.sampling_params import SamplingParams
+from engine.execution.loader import load_model
+from engine.interfaces.sampling_params import SamplingParams
 from engine.speculative.verify import VerificationScratch
-from engine.speculative.verify_gpu import (
-    build_verification_plan, mix_verification_gpu, position_conv_windows,
-    verification_index, verification_order,
-)
-from engine.step_io import ScheduledChunk
+from engine.kernels.gpu.batch_plan import build_verification_plan
+from engine.layers.verification import mix_verification_gpu, position_conv_windows
+from engine.speculative.verify_gpu import verification_index, verification_order
+from engine.interfaces.step_io import ScheduledChunk
 
 K = 3  # drafts: n = 4 positions at most
 
@@ -142,7 +141,7 @@ def test_the_route_plans_the_other_chunks_apart_and_maps_rows_back():
     order."""
     from types import SimpleNamespace
 
-    from engine.forward_batch import build_forward_batch
+    from engine.interfaces.forward_batch import build_forward_batch
     from engine.kernels.gpu.batch_plan import build_gpu_batch_plan
     from engine.speculative.verify_gpu import GpuVerifyPass, last_rows_in_order
 
@@ -183,7 +182,7 @@ def test_verify_graph_staging_pads_chunks_and_the_batch():
     chunk's own."""
     from dataclasses import replace
 
-    from engine.forward_routes import GraphScratch
+    from engine.routes.forward_routes import GraphScratch
     from engine.speculative.verify_graphs import VerifyInputStaging, verify_graph_sizes
 
     assert verify_graph_sizes(64) == (1, 2, 4, 8, 16) and verify_graph_sizes(6) == (1, 2, 4, 6)

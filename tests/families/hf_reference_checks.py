@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from engine.config import DEFAULT_MODEL_DIR
-from engine.loader import load_model
-from engine.tensor_parallel import TensorParallel
+from engine.engine_config import DEFAULT_MODEL_DIR
+from engine.execution.loader import load_model
+from engine.parallel.tensor_parallel import TensorParallel
 from paged_runner import PagedRunner, Request
 from tests.engine.reuse_cases import GREEDY, SYSTEM, Alone, chat, instruction_reuse, multi_turn, run
 from tests.tp.tp_support import run_model, run_world

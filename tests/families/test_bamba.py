@@ -18,8 +18,8 @@ import math
 import pytest
 from transformers import BambaConfig, BambaForCausalLM
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
+from engine.engine_config import EngineConfig
+from engine.core.llm_engine import LLMEngine
 from engine.model_config import ATTENTION, MAMBA, MLP_SPLIT
 from engine.models.registry import parse_model_config
 from hf_reference_checks import (

@@ -2,7 +2,7 @@
 
 The family modules check tp=2 at the model level (gloo ranks running the model directly,
 hf_reference_checks.check_tp2_matches_tp1); here the engine serves each family over its
-spawned rank processes (engine/multiprocess_executor.py), with checkpoints captured, split
+spawned rank processes (engine/execution/multiprocess_executor.py), with checkpoints captured, split
 into per-rank shards and restored, against a tp=1 engine with the same configuration.
 
 For each family, a tiny random model of that family built as its own module builds its engine
@@ -34,8 +34,8 @@ from transformers import (
     Qwen3NextForCausalLM,
 )
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
+from engine.engine_config import EngineConfig
+from engine.core.llm_engine import LLMEngine
 from hf_reference_checks import (
     check_instruction_reuse,
     check_multi_turn,

@@ -21,9 +21,9 @@ import math
 import pytest
 from transformers import FalconH1Config, FalconH1ForCausalLM
 
-from engine.checkpoint_import_checks import expected_shard_layout
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
+from engine.checkpoints.import_checks import expected_shard_layout
+from engine.engine_config import EngineConfig
+from engine.core.llm_engine import LLMEngine
 from engine.model_config import (
     HYBRID,
     MAMBA_GATE_ONLY,
@@ -31,7 +31,7 @@ from engine.model_config import (
     MAMBA_NORM_GATE_FIRST,
 )
 from engine.models.registry import parse_model_config
-from engine.tensor_parallel import TensorParallel
+from engine.parallel.tensor_parallel import TensorParallel
 from hf_reference_checks import (
     check_instruction_reuse,
     check_multi_turn,

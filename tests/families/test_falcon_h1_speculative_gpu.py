@@ -1,10 +1,10 @@
 """Speculative decoding on Falcon-H1 on one CUDA device (issue 25): every layer runs attention
 and Mamba2 side by side on one normed input (HYBRID), so a verification chunk takes both CUDA
-routes in the same layer: the Mamba2 half mix_verification_gpu (engine/speculative/verify_gpu.py),
+routes in the same layer: the Mamba2 half mix_verification_gpu (engine/layers/verification.py),
 leaving each position's state in a scratch slot, the attention half writing the K/V of every
 position. The model is test_speculation_families' Falcon-H1 (test_falcon_h1's one Mamba group
 normed after the gate, so the gated norm folds at one row) at head_dim 32, since the CUDA
-attention kernels need a power of two (engine/loader.py check_cuda_shapes). With 3 n-gram draft
+attention kernels need a power of two (engine/execution/loader.py check_cuda_shapes). With 3 n-gram draft
 tokens, greedy outputs equal speculation off's over tests/gpu/test_speculative_gpu.py's chat
 rounds with span-repeating prompts added, drafts are accepted and the steps of verification
 chunks alone replay verify_graphs.py's CUDA graphs, in fp32 and in bf16 (near-ties by dtype).
@@ -20,8 +20,8 @@ import pytest
 import torch
 from transformers import FalconH1Config, FalconH1ForCausalLM
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
+from engine.engine_config import EngineConfig
+from engine.core.llm_engine import LLMEngine
 from hf_reference_checks import save_engine_model
 from test_falcon_h1 import CASES
 

@@ -19,11 +19,11 @@ import pytest
 import torch
 from transformers import GraniteMoeHybridConfig
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
+from engine.engine_config import EngineConfig
+from engine.core.llm_engine import LLMEngine
 from engine.models.granite_moe_hybrid import GraniteMoeHybridModel, parse_config
 from engine.models.registry import load_model_config
-from engine.tensor_parallel import TensorParallel
+from engine.parallel.tensor_parallel import TensorParallel
 from tests.engine.exactness import Tally, run_workload
 from tests.engine.reuse_cases import GREEDY, SYSTEM, chat, instruction_reuse, multi_turn, run
 from tests.numerics.numerics_support import (

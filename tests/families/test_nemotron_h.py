@@ -23,12 +23,12 @@ import pytest
 import torch
 from transformers import NemotronHConfig, NemotronHForCausalLM
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
+from engine.engine_config import EngineConfig
+from engine.core.llm_engine import LLMEngine
 from engine.model_config import ATTENTION, MAMBA, MLP
 from engine.models.nemotron_h import NemotronHModel
 from engine.models.registry import parse_model_config
-from engine.tensor_parallel import TensorParallel
+from engine.parallel.tensor_parallel import TensorParallel
 from hf_reference_checks import (
     check_instruction_reuse,
     check_multi_turn,

@@ -28,11 +28,11 @@ from safetensors.torch import load_file, save_file
 from transformers import NemotronHConfig, NemotronHForCausalLM
 from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHTopkRouter
 
-from engine.config import EngineConfig
+from engine.engine_config import EngineConfig
 from engine.kernels.grouped_experts_reference import ExpertActivation
 from engine.layers.routed_experts import Routing, RoutingRule, route
-from engine.llm_engine import LLMEngine
-from engine.loader import load_model
+from engine.core.llm_engine import LLMEngine
+from engine.execution.loader import load_model
 from engine.model_config import ATTENTION, MAMBA, MLP, MOE
 from engine.models.nemotron_h_moe import NemotronHMoE
 from engine.models.registry import parse_model_config

@@ -15,8 +15,8 @@ import torch
 
 from engine.model_config import ATTENTION, MAMBA, MOE
 from engine.models.registry import build_model, parse_model_config
-from engine.shard_layout import rank_shard_layout
-from engine.tensor_parallel import TensorParallel
+from engine.parallel.shard_layout import rank_shard_layout
+from engine.parallel.tensor_parallel import TensorParallel
 
 CONFIGS = Path(__file__).parent / "published_configs"
 

@@ -31,20 +31,20 @@ from safetensors.torch import load_file, save_file
 from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextSparseMoeBlock
 
-from engine.cache_capacity import recurrent_state_shape
-from engine.checkpoint_import_checks import expected_shard_layout
-from engine.config import EngineConfig
+from engine.parallel.cache_capacity import recurrent_state_shape
+from engine.checkpoints.import_checks import expected_shard_layout
+from engine.engine_config import EngineConfig
 from engine.kernels.gated_delta_rule_reference import (
     chunk_gated_delta_rule, gated_delta_rule_step, l2_normalize,
 )
-from engine.llm_engine import LLMEngine
-from engine.loader import load_model
+from engine.core.llm_engine import LLMEngine
+from engine.execution.loader import load_model
 from engine.model_config import ATTENTION, GATED_DELTA_NET
 from engine.layers.mlp import SplitGatedMLP
 from engine.models.qwen3_next import Qwen3NextModel, SparseMoeBlock
 from engine.models.registry import load_model_config, parse_model_config
-from engine.shard_layout import rank_shard_layout
-from engine.tensor_parallel import TensorParallel
+from engine.parallel.shard_layout import rank_shard_layout
+from engine.parallel.tensor_parallel import TensorParallel
 from hf_reference_checks import (
     check_instruction_reuse,
     check_multi_turn,

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from engine.config import EngineConfig
+from engine.engine_config import EngineConfig
 from engine.models.mtp_head import randomize
 from engine.models.qwen3_next import Qwen3NextModel
 from engine.models.registry import parse_model_config

@@ -20,8 +20,8 @@ import pytest
 import torch
 from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
+from engine.engine_config import EngineConfig
+from engine.core.llm_engine import LLMEngine
 from engine.model_config import GATED_DELTA_NET
 from engine.speculative.verify import check_verifiable
 from hf_reference_checks import save_engine_model

@@ -1,10 +1,10 @@
 """Speculative decoding on Qwen3-Next on one CUDA device (issue 25): test_qwen3_next_speculative's
 model (the tiny random Qwen3-Next whose LM head favours four tokens, so its outputs repeat and
 drafts are accepted), with test_qwen3_next_mtp's random mtp.* tensors, at head_dim 32 (the CUDA
-attention kernels need a power of two; BASE's 24 is refused there, engine/loader.py
+attention kernels need a power of two; BASE's 24 is refused there, engine/execution/loader.py
 check_cuda_shapes), in fp32: speculation off against the n-gram drafter and against the
 checkpoint's own MTP head. Verification goes through the gated delta-net's CUDA route
-(engine/speculative/verify_gpu.py mix_delta_rule_verification_gpu), the head's passes through
+(engine/layers/verification.py mix_delta_rule_verification_gpu), the head's passes through
 their batch plans. Greedy outputs equal over tests/gpu/test_speculative_gpu.py's chat rounds
 with repeating prompts added, and drafts are accepted.
 
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.llm_engine import LLMEngine
+from engine.core.llm_engine import LLMEngine
 from test_qwen3_next_mtp import add_random_mtp_tensors
 from test_qwen3_next_speculative import K, save_speculating_model
 

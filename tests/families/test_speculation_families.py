@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
+from engine.engine_config import EngineConfig
+from engine.core.llm_engine import LLMEngine
 from test_engine_tp2 import ENGINE, FAMILIES
 from tests.engine.test_speculative import (  # noqa: F401 (repeating_prompts: a fixture, built with engine_off)
     check_rejected_draft_leaves_no_trace,

@@ -36,7 +36,7 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def eager_forward(model, batch, caches):
-    """model(batch, caches) as the eager forward route runs it (engine/forward_routes.py
+    """model(batch, caches) as the eager forward route runs it (engine/routes/forward_routes.py
     EagerPass): on CUDA with the batch's GpuBatchPlan and the model's gated-norm fold, on the
     CPU (Triton's interpreter) the PyTorch path."""
     from engine.kernels.gpu.batch_plan import build_gpu_batch_plan

@@ -16,11 +16,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.forward_batch import build_forward_batch
+from engine.interfaces.forward_batch import build_forward_batch
 from engine.layers.mlp import SplitGatedMLP
-from engine.loader import load_model
-from engine.step_io import SchedulerOutput
-from engine.tensor_parallel import TensorParallel
+from engine.execution.loader import load_model
+from engine.interfaces.step_io import SchedulerOutput
+from engine.parallel.tensor_parallel import TensorParallel
 from tests.gpu.conftest import eager_forward, needs_device, relative_error
 from tests.gpu.test_model_gpu import (
     BLOCK_SIZE,

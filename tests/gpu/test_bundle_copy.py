@@ -11,10 +11,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from engine.config import DEFAULT_MODEL_DIR
+from engine.engine_config import DEFAULT_MODEL_DIR
 from engine.kernels.bundle_copy import gather_bundle, scatter_bundle
 from engine.kernels.bundle_copy_reference import gather_bundle_reference, scatter_bundle_reference
-from engine.loader import load_model
+from engine.execution.loader import load_model
 from tests.gpu.conftest import needs_device
 
 pytestmark = [pytest.mark.gpu, needs_device]

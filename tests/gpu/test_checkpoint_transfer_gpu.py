@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.checkpoint_import_checks import ImportRejection
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
+from engine.checkpoints.import_checks import ImportRejection
+from engine.engine_config import EngineConfig
+from engine.core.llm_engine import LLMEngine
 from tests.engine.exactness import Outcome, Tally, check_near_ties, compare
 from tests.engine.reuse_cases import SYSTEM, chat, run
 

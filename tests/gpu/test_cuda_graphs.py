@@ -1,4 +1,4 @@
-"""Graph-replayed decode (engine/cuda_graphs.py) against the eager CUDA decode pass.
+"""Graph-replayed decode (engine/routes/decode_graphs.py) against the eager CUDA decode pass.
 
 Two copies of the same caches, filled by the same eager prefill: one then decodes eagerly, the
 other through DecodeGraphRunner, for batch sizes on and between the captured sizes. Hidden
@@ -13,13 +13,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import DEFAULT_MODEL_DIR
-from engine.cuda_graphs import DecodeGraphRunner, decode_batch_sizes
-from engine.loader import load_model
-from engine.sampling_params import SamplingParams
-from engine.step_io import ScheduledChunk
-from engine.forward_batch import build_forward_batch
-from engine.forward_routes import GraphScratch
+from engine.engine_config import DEFAULT_MODEL_DIR
+from engine.routes.decode_graphs import DecodeGraphRunner, decode_batch_sizes
+from engine.execution.loader import load_model
+from engine.interfaces.sampling_params import SamplingParams
+from engine.interfaces.step_io import ScheduledChunk
+from engine.interfaces.forward_batch import build_forward_batch
+from engine.routes.forward_routes import GraphScratch
 from tests.gpu.conftest import INTERPRETED, eager_forward, relative_error
 
 pytestmark = [
@@ -128,9 +128,9 @@ def test_graph_decode_matches_eager(dtype, tol):
 def test_worker_uses_graphs_for_decode(tmp_path):
     """Worker on CUDA: prefill eagerly, decode through the graphs, greedy tokens equal to an
     eager model run of the same steps."""
-    from engine.config import EngineConfig
-    from engine.step_io import SchedulerOutput
-    from engine.worker import Worker
+    from engine.engine_config import EngineConfig
+    from engine.interfaces.step_io import SchedulerOutput
+    from engine.execution.worker import Worker
 
     config = EngineConfig(model_dir=str(DEFAULT_MODEL_DIR), device="cuda", dtype="float32", max_num_seqs=6)
     worker = Worker(config)
@@ -169,10 +169,10 @@ def test_pipelined_graph_steps_read_the_pending_token_on_the_device():
     given PENDING_TOKEN: the graphs read the token the previous step sampled (its argmax, or
     a drawn row's token) from the token pool, so the tokens and logits equal those of a worker
     that is given every token."""
-    from engine.config import EngineConfig
-    from engine.request import PENDING_TOKEN
-    from engine.step_io import SchedulerOutput
-    from engine.worker import Worker
+    from engine.engine_config import EngineConfig
+    from engine.interfaces.request import PENDING_TOKEN
+    from engine.interfaces.step_io import SchedulerOutput
+    from engine.execution.worker import Worker
 
     # steps of at most 18 tokens: a budget below 64 captures no prefill graphs, whose warm-up
     # would compile and autotune fla's single-sequence scan in fp32 for nothing here

@@ -26,10 +26,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from engine.forward_batch import build_forward_batch
+from engine.interfaces.forward_batch import build_forward_batch
 from engine.kernels.gated_delta_rule_reference import chunk_gated_delta_rule, l2_normalize
 from engine.kernels.gpu.batch_plan import build_gpu_batch_plan
-from engine.kernels.gpu.in_pass_capture import CaptureSplit, build_in_pass_plan, with_in_pass_captures
+from engine.kernels.gpu.batch_plan import with_in_pass_captures
+from engine.kernels.gpu.in_pass_capture import CaptureSplit, build_in_pass_plan
 from tests.gpu.conftest import relative_error
 from tests.gpu.test_gated_delta_rule import (
     BLOCK_SIZE, HK, HV, K, RAW, TOLERANCES, V, _chunk, _inputs, _on, _random_model, random_model_dir,
@@ -197,7 +198,7 @@ def test_worker_in_pass_equals_split(qwen3_next_dir, dtype, tol):
     """The Worker's in-pass capture on a random Qwen3-Next against its split
     path: bundles (every gated delta-net layer's conv and recurrent state, attention tail,
     hidden row), state slots, KV blocks, logits (tests/gpu/test_in_pass_capture.py)."""
-    from engine.config import EngineConfig
+    from engine.engine_config import EngineConfig
     from tests.gpu.test_in_pass_capture import check_in_pass_equals_split
 
     check_in_pass_equals_split(EngineConfig(model_dir=str(qwen3_next_dir), device="cuda", dtype=dtype,
@@ -208,8 +209,8 @@ def test_engine_in_pass_serves_what_the_split_engine_serves(qwen3_next_dir):
     """LLMEngine on a random Qwen3-Next, in-pass on and off (tests/gpu/test_engine_in_pass.py's
     checks): the same tokens and cached_tokens, instruction reuse equal to scratch, the first
     prompt not cut at the instruction boundary."""
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from engine.engine_config import EngineConfig
+    from engine.core.llm_engine import LLMEngine
     from tests.gpu.test_engine_in_pass import check_in_pass_engine_serves_what_the_split_engine_serves
 
     config = EngineConfig(model_dir=str(qwen3_next_dir), device="cuda", dtype="float32", max_model_len=512,
@@ -224,9 +225,9 @@ def test_in_pass_step_does_not_wait(qwen3_next_dir, beside):
     alone or beside another prefill chunk, submitted under torch's sync debug mode "error"
     (tests/gpu/test_host_sync.py): the two calls' indices come with the plan, nothing is read
     back."""
-    from engine.config import EngineConfig
-    from engine.step_io import CaptureOp, SchedulerOutput
-    from engine.worker import Worker
+    from engine.engine_config import EngineConfig
+    from engine.interfaces.step_io import CaptureOp, SchedulerOutput
+    from engine.execution.worker import Worker
     from tests.gpu.test_host_sync import _chunk as host_sync_chunk, _submit_without_waiting
 
     worker = Worker(EngineConfig(

@@ -1,5 +1,5 @@
 """Speculative verification of Qwen3-Next's gated delta-net on one CUDA device
-(engine/speculative/verify_gpu.py mix_delta_rule_verification_gpu).
+(engine/layers/verification.py mix_delta_rule_verification_gpu).
 
 - The mixer: tests/engine/test_delta_rule_verify_gpu_host.py's step (two other chunks, then
   verification chunks of 4, 2 and 3 tokens) through the real kernels (the varlen conv and
@@ -36,7 +36,7 @@ REST_TOL = {torch.float32: 5e-3, torch.bfloat16: 3e-2}
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_mixer_verification_equals_the_chained_decode_step(dtype):
-    from engine.speculative.verify_gpu import mix_delta_rule_verification_gpu
+    from engine.layers.verification import mix_delta_rule_verification_gpu
 
     device = torch.device("cuda")
     mixer, shapes = random_mixer(dtype, device)

@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import DEFAULT_MODEL_DIR
-from engine.sampling_params import SamplingParams
-from engine.step_io import ScheduledChunk
+from engine.engine_config import DEFAULT_MODEL_DIR
+from engine.interfaces.sampling_params import SamplingParams
+from engine.interfaces.step_io import ScheduledChunk
 from tests.gpu.conftest import INTERPRETED, needs_device, relative_error
 
 pytestmark = [pytest.mark.gpu, needs_device]
@@ -30,8 +30,8 @@ GRAPH_SCRATCH_BLOCK = 12
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
     INTERPRETED, reason="Triton's interpreter does not emulate the kernels' bf16 dots faithfully"))])
 def test_draft_graphs_draft_as_the_eager_depths(device, dtype):
-    from engine.forward_routes import EagerPass, GraphScratch
-    from engine.loader import load_model
+    from engine.routes.forward_routes import EagerPass, GraphScratch
+    from engine.execution.loader import load_model
     from engine.speculative.draft_graphs import DraftGraphRunner
     from engine.speculative.mtp import DraftStart, MtpDrafter
 

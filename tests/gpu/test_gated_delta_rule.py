@@ -13,15 +13,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.forward_batch import build_forward_batch
+from engine.interfaces.forward_batch import build_forward_batch
 from engine.kernels.gated_delta_rule_reference import (
     chunk_gated_delta_rule, gated_delta_rule_step, l2_normalize,
 )
 from engine.kernels.gpu.batch_plan import build_gpu_batch_plan
 from engine.models.qwen3_next import Qwen3NextModel
 from engine.models.registry import parse_model_config
-from engine.sampling_params import SamplingParams
-from engine.step_io import ScheduledChunk, SchedulerOutput
+from engine.interfaces.sampling_params import SamplingParams
+from engine.interfaces.step_io import ScheduledChunk, SchedulerOutput
 from tests.gpu.conftest import eager_forward, relative_error
 
 pytestmark = [
@@ -259,7 +259,7 @@ def random_model_dir(directory, raw: dict = RAW_EXPERTS, **changes):
     import json
     import shutil
 
-    from engine.config import DEFAULT_MODEL_DIR
+    from engine.engine_config import DEFAULT_MODEL_DIR
     from tests.tp.tp_support import write_random_checkpoint
 
     embedded = json.loads((DEFAULT_MODEL_DIR / "config.json").read_text())
@@ -277,8 +277,8 @@ def test_engine_on_cuda_serves_checkpoints_exactly(tmp_path):
     grouped GEMM) with a random Qwen3-Next with experts: a restored instruction checkpoint and
     a continued conversation give the from-scratch outputs (tokens, logits within 1e-4). The
     instruction checkpoint is taken in-pass (tests/gpu/test_delta_rule_in_pass.py)."""
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from engine.engine_config import EngineConfig
+    from engine.core.llm_engine import LLMEngine
     from tests.engine.exactness import Outcome, Tally, check_near_ties, compare
     from tests.engine.reuse_cases import instruction_reuse, multi_turn
 

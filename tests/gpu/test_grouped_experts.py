@@ -152,8 +152,8 @@ def moe_dir(tmp_path_factory):
 
 
 def _moe_chunk(request: int, tokens: list[int], start: int, reset: bool):
-    from engine.sampling_params import SamplingParams
-    from engine.step_io import ScheduledChunk
+    from engine.interfaces.sampling_params import SamplingParams
+    from engine.interfaces.step_io import ScheduledChunk
 
     blocks = tuple(range(request * 8, request * 8 + 8))
     return ScheduledChunk(
@@ -163,8 +163,8 @@ def _moe_chunk(request: int, tokens: list[int], start: int, reset: bool):
 
 
 def _moe_hiddens(model_dir, device: str, dtype) -> list[torch.Tensor]:
-    from engine.forward_batch import build_forward_batch
-    from engine.loader import load_model
+    from engine.interfaces.forward_batch import build_forward_batch
+    from engine.execution.loader import load_model
     from tests.gpu.conftest import eager_forward
 
     model, config = load_model(model_dir, dtype=dtype, device=device)
@@ -201,10 +201,10 @@ def test_moe_decode_graph_matches_eager(moe_dir):
     its replays give the eager pass's hidden states."""
     from dataclasses import replace
 
-    from engine.cuda_graphs import DecodeGraphRunner
-    from engine.forward_batch import build_forward_batch
-    from engine.forward_routes import GraphScratch
-    from engine.loader import load_model
+    from engine.routes.decode_graphs import DecodeGraphRunner
+    from engine.interfaces.forward_batch import build_forward_batch
+    from engine.routes.forward_routes import GraphScratch
+    from engine.execution.loader import load_model
     from tests.gpu.conftest import eager_forward
 
     device = torch.device("cuda")

@@ -12,9 +12,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
-from engine.step_io import CaptureOp, RestoreOp, ScheduledChunk, SchedulerOutput
+from engine.engine_config import EngineConfig
+from engine.interfaces.sampling_params import SamplingParams
+from engine.interfaces.step_io import CaptureOp, RestoreOp, ScheduledChunk, SchedulerOutput
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -25,7 +25,7 @@ BLOCKS_PER_REQUEST = 64  # 1,024 positions at the default block size of 16
 
 @pytest.fixture(scope="module")
 def worker():
-    from engine.worker import Worker
+    from engine.execution.worker import Worker
 
     worker = Worker(CONFIG)
     assert worker.capacity.block_size * BLOCKS_PER_REQUEST >= CONFIG.max_model_len

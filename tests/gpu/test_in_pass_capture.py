@@ -14,10 +14,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
-from engine.step_io import CaptureOp, ScheduledChunk, SchedulerOutput
-from engine.worker import Worker
+from engine.engine_config import EngineConfig
+from engine.interfaces.sampling_params import SamplingParams
+from engine.interfaces.step_io import CaptureOp, ScheduledChunk, SchedulerOutput
+from engine.execution.worker import Worker
 from tests.gpu.conftest import INTERPRETED, relative_error
 
 pytestmark = [

@@ -78,7 +78,7 @@ def test_ssd_prefill_scan(device, dtype, lengths):
     the reference chunked scan per sequence, every other row a decode row it must skip; y
     without the D skip (the gated norm adds it), so the reference runs with D None."""
     pytest.importorskip("fla", reason="fla-core is not installed")
-    from engine.host_index import int64_array, to_device
+    from engine.interfaces.host_index import int64_array, to_device
     from engine.kernels.gpu.in_pass_capture import ScanChunks, scan_chunk_arrays
     from engine.kernels.gpu.ssd import ssd_prefill_scan
 

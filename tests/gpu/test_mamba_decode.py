@@ -217,12 +217,12 @@ def test_mixer_decode_only_path(device, dtype, monkeypatch):
     the fused path; it must match the general GPU path (mix_chunks_gpu) on the same plan: y,
     x, the real rows' state slots, the unused slots unchanged. In fp32 the whole mixer also
     matches its PyTorch path (no plan)."""
-    from engine.config import DEFAULT_MODEL_DIR
+    from engine.engine_config import DEFAULT_MODEL_DIR
     from engine.kernels.gpu.batch_plan import decode_only_plan
-    from engine.loader import load_model
-    from engine.sampling_params import SamplingParams
-    from engine.step_io import ScheduledChunk
-    from engine.forward_batch import build_forward_batch
+    from engine.execution.loader import load_model
+    from engine.interfaces.sampling_params import SamplingParams
+    from engine.interfaces.step_io import ScheduledChunk
+    from engine.interfaces.forward_batch import build_forward_batch
 
     model, config = load_model(DEFAULT_MODEL_DIR, dtype=dtype, device=device)
     mixer = next(layer.mamba for layer in model.layers if layer.mamba is not None)
@@ -304,13 +304,13 @@ def test_one_row_folds_the_gated_norm(device, dtype, reset, monkeypatch):
     the row's conv and SSM states must agree (the same operations, up to fused multiply-adds);
     other slots stay untouched. A one-token chunk that resets (a new sequence's first token)
     too."""
-    from engine.config import DEFAULT_MODEL_DIR
-    from engine.forward_batch import build_forward_batch
+    from engine.engine_config import DEFAULT_MODEL_DIR
+    from engine.interfaces.forward_batch import build_forward_batch
     from engine.kernels.gpu import fused_norm
     from engine.kernels.gpu.batch_plan import decode_only_plan
-    from engine.loader import load_model
-    from engine.sampling_params import SamplingParams
-    from engine.step_io import ScheduledChunk
+    from engine.execution.loader import load_model
+    from engine.interfaces.sampling_params import SamplingParams
+    from engine.interfaces.step_io import ScheduledChunk
 
     model, config = load_model(DEFAULT_MODEL_DIR, dtype=dtype, device=device)
     mixer = next(layer.mamba for layer in model.layers if layer.mamba is not None)

@@ -19,16 +19,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import DEFAULT_MODEL_DIR
+from engine.engine_config import DEFAULT_MODEL_DIR
 from engine.kernels.gpu.batch_plan import build_gpu_batch_plan
 from engine.layers import parallel_linear
 from engine.layers.mlp import GatedMLP
 from engine.layers.parallel_linear import RowParallelLinear
-from engine.loader import load_model
-from engine.sampling_params import SamplingParams
-from engine.step_io import ScheduledChunk, SchedulerOutput
-from engine.tensor_parallel import TensorParallel
-from engine.forward_batch import build_forward_batch
+from engine.execution.loader import load_model
+from engine.interfaces.sampling_params import SamplingParams
+from engine.interfaces.step_io import ScheduledChunk, SchedulerOutput
+from engine.parallel.tensor_parallel import TensorParallel
+from engine.interfaces.forward_batch import build_forward_batch
 from tests.gpu.conftest import INTERPRETED, eager_forward, needs_device, needs_log1p, relative_error
 
 pytestmark = [pytest.mark.gpu, needs_device]

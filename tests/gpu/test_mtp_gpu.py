@@ -26,10 +26,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.step_io import CommitOp, ScheduledChunk, SchedulerOutput
+from engine.engine_config import EngineConfig
+from engine.core.llm_engine import LLMEngine
+from engine.interfaces.sampling_params import SamplingParams
+from engine.interfaces.step_io import CommitOp, ScheduledChunk, SchedulerOutput
 from tests.engine.exactness import tight_config
 from tests.gpu.conftest import relative_error
 
@@ -71,7 +71,7 @@ def _script(worker) -> list:
 
 
 def test_cuda_drafts_equal_the_pytorch_path():
-    from engine.worker import Worker
+    from engine.execution.worker import Worker
 
     cpu, cuda = Worker(EngineConfig(**MTP)), Worker(EngineConfig(device="cuda", **MTP))
     for step, (want, got) in enumerate(zip(_script(cpu), _script(cuda))):
@@ -89,7 +89,7 @@ def test_cuda_drafts_equal_the_pytorch_path():
 
 
 def test_drafting_after_a_decode_step_does_not_wait():
-    from engine.worker import Worker
+    from engine.execution.worker import Worker
     from tests.gpu.test_host_sync import sync_is_an_error
 
     worker = Worker(EngineConfig(device="cuda", **MTP))

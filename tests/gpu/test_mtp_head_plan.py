@@ -14,10 +14,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from engine.config import DEFAULT_MODEL_DIR
-from engine.forward_batch import build_forward_batch
-from engine.sampling_params import SamplingParams
-from engine.step_io import ScheduledChunk
+from engine.engine_config import DEFAULT_MODEL_DIR
+from engine.interfaces.forward_batch import build_forward_batch
+from engine.interfaces.sampling_params import SamplingParams
+from engine.interfaces.step_io import ScheduledChunk
 from tests.gpu.conftest import INTERPRETED, needs_device, relative_error
 
 pytestmark = [pytest.mark.gpu, needs_device]
@@ -40,7 +40,7 @@ def test_head_through_its_plan_equals_its_pytorch_path(device, dtype):
     and 17 (the decode kernel, one with a single key past first_key), over head K/V of random
     earlier positions; h' and the K/V written equal the PyTorch path's."""
     from engine.kernels.gpu.batch_plan import build_gpu_batch_plan
-    from engine.loader import load_model
+    from engine.execution.loader import load_model
 
     model, _ = load_model(DEFAULT_MODEL_DIR, dtype=dtype, device=device)
     head = model.random_mtp_head(11)

@@ -22,9 +22,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from engine.forward_batch import build_forward_batch
-from engine.loader import load_model
-from engine.step_io import SchedulerOutput
+from engine.interfaces.forward_batch import build_forward_batch
+from engine.execution.loader import load_model
+from engine.interfaces.step_io import SchedulerOutput
 from tests.gpu.conftest import eager_forward, relative_error
 from tests.gpu.test_model_gpu import BLOCK_SIZE, _chunk, _steps
 from tests.tp.tp_support import write_random_checkpoint

@@ -21,11 +21,11 @@ import re
 import pytest
 import torch
 
-from engine.config import DEFAULT_MODEL_DIR
-from engine.loader import load_model
-from engine.sampling_params import SamplingParams
-from engine.step_io import ScheduledChunk
-from engine.forward_batch import build_forward_batch
+from engine.engine_config import DEFAULT_MODEL_DIR
+from engine.execution.loader import load_model
+from engine.interfaces.sampling_params import SamplingParams
+from engine.interfaces.step_io import ScheduledChunk
+from engine.interfaces.forward_batch import build_forward_batch
 from tests.gpu.conftest import INTERPRETED, eager_forward
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs a CUDA device")

@@ -1,4 +1,4 @@
-"""Graph-replayed short prefill (engine/prefill_graphs.py) against the eager CUDA pass.
+"""Graph-replayed short prefill (engine/routes/prefill_graphs.py) against the eager CUDA pass.
 
 Two copies of the same caches: one runs each single-chunk prefill step eagerly, the other
 through PrefillGraphRunner (chunks shorter than, equal to and between the captured sizes; fresh
@@ -13,13 +13,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import DEFAULT_MODEL_DIR
-from engine.loader import load_model
-from engine.prefill_graphs import PrefillGraphRunner
-from engine.sampling_params import SamplingParams
-from engine.step_io import ScheduledChunk
-from engine.forward_batch import build_forward_batch
-from engine.forward_routes import GraphScratch
+from engine.engine_config import DEFAULT_MODEL_DIR
+from engine.execution.loader import load_model
+from engine.routes.prefill_graphs import PrefillGraphRunner
+from engine.interfaces.sampling_params import SamplingParams
+from engine.interfaces.step_io import ScheduledChunk
+from engine.interfaces.forward_batch import build_forward_batch
+from engine.routes.forward_routes import GraphScratch
 from tests.gpu.conftest import INTERPRETED, eager_forward, relative_error
 from tests.gpu.test_cuda_graphs import _clone, _real
 
@@ -94,9 +94,9 @@ def test_graph_prefill_matches_eager(dtype, tol):
 def test_worker_prefill_graph_tokens(tmp_path):
     """Worker on CUDA: a single-chunk prefill step replays a graph and samples the token the
     eager model pass gives; a two-chunk step runs eagerly."""
-    from engine.config import EngineConfig
-    from engine.step_io import SchedulerOutput
-    from engine.worker import Worker
+    from engine.engine_config import EngineConfig
+    from engine.interfaces.step_io import SchedulerOutput
+    from engine.execution.worker import Worker
 
     config = EngineConfig(model_dir=str(DEFAULT_MODEL_DIR), device="cuda", dtype="float32", max_num_seqs=4)
     worker = Worker(config)

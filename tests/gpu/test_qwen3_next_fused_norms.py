@@ -16,12 +16,12 @@ import copy
 import pytest
 import torch
 
-from engine.forward_batch import ModelCaches, build_forward_batch
+from engine.interfaces.forward_batch import ModelCaches, build_forward_batch
 from engine.kernels.gpu.batch_plan import build_gpu_batch_plan
 from engine.models.qwen3_next import Qwen3NextModel
 from engine.models.registry import parse_model_config
-from engine.sampling_params import SamplingParams
-from engine.step_io import ScheduledChunk
+from engine.interfaces.sampling_params import SamplingParams
+from engine.interfaces.step_io import ScheduledChunk
 from tests.gpu.conftest import INTERPRETED, needs_device, relative_error
 
 pytestmark = [pytest.mark.gpu, needs_device]

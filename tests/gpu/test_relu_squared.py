@@ -10,7 +10,7 @@ import torch
 
 from engine.kernels.relu_squared_reference import relu_squared as relu_squared_reference
 from engine.layers.mlp import SquaredReluMLP
-from engine.tensor_parallel import TensorParallel
+from engine.parallel.tensor_parallel import TensorParallel
 from tests.gpu.conftest import INTERPRETED, needs_device, relative_error
 
 pytestmark = [pytest.mark.gpu, needs_device]

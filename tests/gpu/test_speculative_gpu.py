@@ -34,10 +34,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from engine.config import DEFAULT_MODEL_DIR, EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.step_io import CommitOp, ScheduledChunk, SchedulerOutput
+from engine.engine_config import DEFAULT_MODEL_DIR, EngineConfig
+from engine.core.llm_engine import LLMEngine
+from engine.interfaces.sampling_params import SamplingParams
+from engine.interfaces.step_io import CommitOp, ScheduledChunk, SchedulerOutput
 from tests.engine.exactness import NEAR_TIE, Tally, check_near_ties, run_round, tight_config
 from tests.gpu.conftest import relative_error
 
@@ -61,9 +61,11 @@ TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}  # kernel vs PyTorch, over 5 c
 def test_mixer_verification_equals_the_chained_decode_step(dtype):
     """Chunks of 5, 2 and 4 tokens (k = 4): y + D x at every position and the scratch slots'
     states match mix_decode chained in PyTorch; every slot but the scratch slots unchanged."""
-    from engine.loader import load_model
+    from engine.execution.loader import load_model
     from engine.speculative.verify import VerificationScratch
-    from engine.speculative.verify_gpu import build_verification_plan, mix_verification_gpu, verification_index
+    from engine.kernels.gpu.batch_plan import build_verification_plan
+    from engine.layers.verification import mix_verification_gpu
+    from engine.speculative.verify_gpu import verification_index
 
     device = torch.device("cuda")
     model, _ = load_model(DEFAULT_MODEL_DIR, dtype=dtype, device=device)
@@ -129,7 +131,7 @@ def test_worker_verifies_beside_decode_and_prefill_chunks():
     (fresh): r's argmax is plain decoding's up to the wrong draft, q's and p's sampled tokens
     are plain decoding's, r's slot is untouched until the commit of position 1, which gives
     plain decoding's state and KV; q's and p's slots match too."""
-    from engine.worker import Worker
+    from engine.execution.worker import Worker
 
     spec = Worker(EngineConfig(device="cuda", num_speculative_tokens=3))
     plain = Worker(EngineConfig(device="cuda"))
@@ -178,7 +180,7 @@ def test_verification_graphs_equal_the_eager_route():
     and a padding chunk) through the worker's verification graphs, then the same step through
     the eager route (graphs detached): the same argmax at every position, scratch states and
     K/V within rounding, the requests' own slots untouched by either."""
-    from engine.worker import Worker
+    from engine.execution.worker import Worker
 
     worker = Worker(EngineConfig(device="cuda", num_speculative_tokens=K))
     assert worker.verify_graphs is not None and worker.verify_graphs.batch_sizes == (1, 2, 4, 8, 16)
@@ -225,7 +227,7 @@ def test_verification_steps_do_not_wait(route):
     """A step of verification chunks (graph) and one that mixes a verification chunk with a
     decode chunk (eager route) submit without a host synchronisation (tests/gpu/test_host_sync.py's
     check: the second submit under sync debug mode "error"), and the commit of the step after."""
-    from engine.worker import Worker
+    from engine.execution.worker import Worker
     from tests.gpu.test_host_sync import sync_is_an_error
 
     worker = Worker(EngineConfig(device="cuda", num_speculative_tokens=K))

@@ -32,7 +32,7 @@ import httpx  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from deployments.config import AppConfig  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
+from engine.engine_config import EngineConfig  # noqa: E402
 
 APP_NAME = "hybrid-serve-metrics"
 MODEL_NAME = "hybrid-serve-tiny"
@@ -125,9 +125,9 @@ def repeating_prompt() -> list[int]:
     """P + C + P, P a random span of token ids and C the model's greedy continuation of it
     (computed here with an engine of the same model): after the second P the model mostly
     says C again, which the n-gram drafter proposes (tests/engine/test_speculative.py)."""
-    from engine.generation_request import GenerationRequest
-    from engine.llm_engine import LLMEngine
-    from engine.sampling_params import SamplingParams
+    from engine.interfaces.generation_request import GenerationRequest
+    from engine.core.llm_engine import LLMEngine
+    from engine.interfaces.sampling_params import SamplingParams
 
     rng = random.Random(25)
     span = [rng.randrange(100, 2000) for _ in range(rng.randint(12, 24))]

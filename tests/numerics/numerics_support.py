@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
 
-from engine.loader import load_model
+from engine.execution.loader import load_model
 from paged_runner import PagedRunner, Request  # noqa: F401  (re-exported for the tests)
 from engine.model_config import HybridModelConfig
 from engine.models.granite_moe_hybrid import GraniteMoeHybridModel

@@ -149,11 +149,11 @@ def test_split_prefill_builds_the_calls_from_the_arrays():
                                                         ("cuda", 2, False), ("cpu", 1, False)])
 def test_size_caches_offers_in_pass_capture_for_the_gated_delta_net(device, world_size, expected):
     """The worker reports in-pass capture for a Qwen3-Next on one CUDA rank, as for Mamba2."""
-    from engine.cache_capacity import size_caches
-    from engine.config import EngineConfig
+    from engine.parallel.cache_capacity import size_caches
+    from engine.engine_config import EngineConfig
     from engine.model_config import GATED_DELTA_NET
     from engine.models.registry import parse_model_config
-    from engine.tensor_parallel import TensorParallel
+    from engine.parallel.tensor_parallel import TensorParallel
 
     raw = dict(
         model_type="qwen3_next", vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,

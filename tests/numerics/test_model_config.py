@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.loader import load_model
+from engine.execution.loader import load_model
 from engine.models.registry import load_model_config
 from numerics_support import TINY_CONFIGS, PagedRunner, Request, build_random_case, rel_err
 

@@ -6,7 +6,7 @@ import torch
 
 from engine.kernels.norm_reference import gated_rms_norm
 from engine.layers.norm import GroupParallelGatedRMSNorm
-from engine.tensor_parallel import TensorParallel
+from engine.parallel.tensor_parallel import TensorParallel
 
 
 def test_split_group_path_adds_the_D_skip_first():

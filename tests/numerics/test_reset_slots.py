@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from engine.config import DEFAULT_MODEL_DIR
-from engine.loader import load_model
-from engine.sampling_params import SamplingParams
-from engine.step_io import ScheduledChunk
-from engine.forward_batch import build_forward_batch
+from engine.engine_config import DEFAULT_MODEL_DIR
+from engine.execution.loader import load_model
+from engine.interfaces.sampling_params import SamplingParams
+from engine.interfaces.step_io import ScheduledChunk
+from engine.interfaces.forward_batch import build_forward_batch
 
 
 def _chunk(slot: int, tokens: list[int], first_block: int) -> ScheduledChunk:

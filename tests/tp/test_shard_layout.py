@@ -1,4 +1,4 @@
-"""The splitting rules (engine/shard_layout.py) and TensorShard.cut, without torch.distributed."""
+"""The splitting rules (engine/parallel/shard_layout.py) and TensorShard.cut, without torch.distributed."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from engine.models.registry import parse_model_config
-from engine.shard_layout import rank_shard_layout
-from engine.tensor_parallel import TensorParallel, TensorShard
+from engine.parallel.shard_layout import rank_shard_layout
+from engine.parallel.tensor_parallel import TensorParallel, TensorShard
 from tp_support import RANDOM_CONFIG
 
 

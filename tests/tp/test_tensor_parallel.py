@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.loader import load_model
+from engine.execution.loader import load_model
 from engine.models.registry import load_model_config
-from engine.tensor_parallel import TensorParallel
+from engine.parallel.tensor_parallel import TensorParallel
 from tp_support import (
     EMBEDDED_MODEL_DIR,
     NUM_PROMPTS,

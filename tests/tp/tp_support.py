@@ -138,7 +138,7 @@ def stop_and_continue(model, vocab_size: int, stop: int = 13) -> dict:
 
 def run_model(model_dir: Path, tp) -> dict:
     """Everything one rank reports for one model."""
-    from engine.loader import load_model
+    from engine.execution.loader import load_model
 
     model, config = load_model(model_dir, tp=tp)
     tokens, logits = greedy(model, config.vocab_size)
@@ -156,7 +156,7 @@ def run_rank(rank: int, world_size: int, port: int, model_dirs: dict[str, str], 
     """Entry point of one spawned rank: join the gloo group, run every model, save results."""
     import torch.distributed as dist
 
-    from engine.tensor_parallel import TensorParallel
+    from engine.parallel.tensor_parallel import TensorParallel
 
     torch.set_num_threads(1)
     dist.init_process_group(

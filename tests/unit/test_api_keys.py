@@ -1,4 +1,4 @@
-"""API keys and tenants (deployments/api_keys.py), without Serve: loading, the 401s, the
+"""API keys and tenants (deployments/http/api_keys.py), without Serve: loading, the 401s, the
 tenant scoping of cache salts, and the middleware in front of a small FastAPI app."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 
-from deployments.api_keys import (
+from deployments.http.api_keys import (
     API_KEYS_ENV, TENANT_SCOPE, ApiKeyMiddleware, ApiKeys, scoped_cache_salt, tenant_id,
 )
-from deployments.errors import APIError
+from deployments.http.errors import APIError
 
 
 def test_no_key_configured_leaves_the_api_open():

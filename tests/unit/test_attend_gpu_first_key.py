@@ -10,15 +10,15 @@ from dataclasses import replace
 import pytest
 import torch
 
-from engine.config import DEFAULT_MODEL_DIR
-from engine.forward_batch import build_forward_batch
+from engine.engine_config import DEFAULT_MODEL_DIR
+from engine.interfaces.forward_batch import build_forward_batch
 from engine.kernels.gpu.batch_plan import build_gpu_batch_plan
 from engine.layers.attention import PagedAttention
 from engine.models.registry import load_model_config
-from engine.sampling_params import SamplingParams
-from engine.shard_layout import rank_shard_layout
-from engine.step_io import ScheduledChunk
-from engine.tensor_parallel import TensorParallel
+from engine.interfaces.sampling_params import SamplingParams
+from engine.parallel.shard_layout import rank_shard_layout
+from engine.interfaces.step_io import ScheduledChunk
+from engine.parallel.tensor_parallel import TensorParallel
 
 
 def test_a_fresh_chunk_with_first_key_is_refused():

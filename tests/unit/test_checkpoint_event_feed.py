@@ -1,4 +1,4 @@
-"""The checkpoint event feed (engine/checkpoint_events.py) as the ledger's listener: published
+"""The checkpoint event feed (engine/checkpoints/capture_events.py) as the ledger's listener: published
 and evicted bundles are reported oldest first, bundles that never publish are not, and the
 buffer is bounded (pure Python)."""
 
@@ -8,7 +8,7 @@ import pytest
 
 from cache.block_pool import BlockPool
 from cache.checkpoint_ledger import CheckpointKind, CheckpointLedger
-from engine.checkpoint_events import CheckpointEvent, CheckpointEventFeed
+from engine.checkpoints.capture_events import CheckpointEvent, CheckpointEventFeed
 
 NS = ("tiny-model", "salt")
 BLOCK = 2

@@ -7,10 +7,10 @@ import pytest
 
 from cache.cache_manager import BundleSizing, CacheManager
 from cache.checkpoint_ledger import CheckpointKind
-from engine.checkpoint_policy import CheckpointPolicy
-from engine.request import FinishReason, Request
-from engine.sampling_params import SamplingParams
-from engine.step_io import ScheduledChunk, SchedulerOutput
+from engine.checkpoints.policy import CheckpointPolicy
+from engine.interfaces.request import FinishReason, Request
+from engine.interfaces.sampling_params import SamplingParams
+from engine.interfaces.step_io import ScheduledChunk, SchedulerOutput
 
 ALL_KINDS = frozenset(CheckpointKind)
 BLOCK = 16

@@ -13,18 +13,18 @@ import pytest
 
 from cache.index_messages import LookupResult, ReplicaReport, token_digest
 from cache.shared_index import SharedIndex
-from deployments.checkpoint_reporter import CheckpointReporter
-from deployments.checkpoint_router import (
+from deployments.cluster.reporter import CheckpointReporter
+from deployments.cluster.router import (
     PLACEMENT_TTL_S,
     HolderChoice,
     RecentPlacements,
     choose_holders,
     generation_request,
 )
-from deployments.index_mirror import IndexMirror
-from engine.checkpoint_events import CheckpointEvent
-from engine.generation_request import GenerationRequest
-from engine.sampling_params import SamplingParams
+from deployments.cluster.index_mirror import IndexMirror
+from engine.checkpoints.capture_events import CheckpointEvent
+from engine.interfaces.generation_request import GenerationRequest
+from engine.interfaces.sampling_params import SamplingParams
 
 NS = ("models/tiny", "")
 SYSTEM = tuple(range(200, 240))
@@ -216,7 +216,7 @@ def test_recent_placements_key_on_namespace_and_instructions_and_expire():
 
 
 def test_recent_placements_are_bounded_least_recent_first(monkeypatch):
-    monkeypatch.setattr("deployments.checkpoint_router.MAX_PLACEMENTS", 3)
+    monkeypatch.setattr("deployments.cluster.router.MAX_PLACEMENTS", 3)
     placements = RecentPlacements(clock=lambda: 0.0)
     for key in (b"k1", b"k2", b"k3"):
         placements.record(key, key.decode())

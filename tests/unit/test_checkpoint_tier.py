@@ -1,6 +1,6 @@
 """The object-store tier's pure parts: the index's stored-copy budget and LRU eviction, hits
 and warm-start ranking (cache/shared_index.py), and the fetch-or-recompute decision
-(deployments/fetch_policy.py)."""
+(deployments/cluster/fetch_policy.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from cache.index_messages import CheckpointRecord, ReplicaReport, StoredCopy, token_digest
 from cache.shared_index import SharedIndex
-from deployments.fetch_policy import MIB, FetchPolicy
+from deployments.cluster.fetch_policy import MIB, FetchPolicy
 
 NS = ("model", "")
 

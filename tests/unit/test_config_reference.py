@@ -8,7 +8,7 @@ from pathlib import Path
 
 from deployments.config import AppConfig
 from deployments.config_reference import render
-from engine.config import EngineConfig
+from engine.engine_config import EngineConfig
 
 REFERENCE = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 

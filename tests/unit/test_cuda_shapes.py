@@ -1,4 +1,4 @@
-"""engine/loader.py check_cuda_shapes: a model the CUDA kernels cannot serve is refused by
+"""engine/execution/loader.py check_cuda_shapes: a model the CUDA kernels cannot serve is refused by
 name when it is loaded for CUDA, before any weight is read or any CUDA call is made (so this
 runs without a GPU); loaded for the CPU it is served."""
 
@@ -9,8 +9,8 @@ import shutil
 
 import pytest
 
-from engine.config import DEFAULT_MODEL_DIR
-from engine.loader import load_model
+from engine.engine_config import DEFAULT_MODEL_DIR
+from engine.execution.loader import load_model
 
 
 def test_a_non_power_of_two_head_dim_is_refused_for_cuda_only(tmp_path):

@@ -1,4 +1,4 @@
-"""The host packing of decode graph inputs (engine/cuda_graphs.py:DecodeInputStaging) against the
+"""The host packing of decode graph inputs (engine/routes/decode_graphs.py:DecodeInputStaging) against the
 obvious per-row oracle, over steps whose batches grow, shrink, keep requests in their rows
 across block boundaries and hand rows to other requests, some rows fed a pending token (read
 from the previous step's sampled row); and the graph's copy of the buffer, which receives only
@@ -11,10 +11,10 @@ import random
 import numpy as np
 import pytest
 
-from engine.cuda_graphs import DecodeInputStaging
-from engine.request import PENDING_TOKEN
-from engine.sampling_params import SamplingParams
-from engine.step_io import ScheduledChunk
+from engine.routes.decode_graphs import DecodeInputStaging
+from engine.interfaces.request import PENDING_TOKEN
+from engine.interfaces.sampling_params import SamplingParams
+from engine.interfaces.step_io import ScheduledChunk
 
 BLOCK_SIZE, MAX_BATCH, MAX_BLOCKS = 4, 8, 12
 SCRATCH_SLOT, SCRATCH_BLOCK = 99, 77

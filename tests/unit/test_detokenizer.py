@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.detokenizer import (
+from engine.core.detokenizer import (
     REPLACEMENT_CHAR,
     IncrementalDetokenizer,
     StopStringMatcher,

@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from deployments.errors import APIError, as_api_error, error_json
-from deployments.openai_format import raise_if_failed
-from engine.llm_engine import FAILED_REQUEST_MESSAGE
-from engine.output_processor import RequestOutput
+from deployments.http.errors import APIError, as_api_error, error_json
+from deployments.http.openai_format import raise_if_failed
+from engine.core.llm_engine import FAILED_REQUEST_MESSAGE
+from engine.core.output_processor import RequestOutput
 
 INTERNALS = ("RuntimeError", "Traceback", "worker.py", "injected", "CUDA")
 

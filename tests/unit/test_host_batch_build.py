@@ -11,11 +11,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from engine.forward_batch import ForwardBatch, SequenceChunk, build_forward_batch
+from engine.interfaces.forward_batch import ForwardBatch, SequenceChunk, build_forward_batch
 from engine.kernels.gpu.batch_plan import FUSED_DECODE_MAX_ROWS, FreshChunkView, GpuBatchPlan, build_gpu_batch_plan
 from engine.kernels.gpu.in_pass_capture import SCAN_CHUNK, CaptureSplit, ScanChunks, build_in_pass_plan
-from engine.sampling_params import SamplingParams
-from engine.step_io import ScheduledChunk
+from engine.interfaces.sampling_params import SamplingParams
+from engine.interfaces.step_io import ScheduledChunk
 
 CPU = torch.device("cpu")
 BLOCK_SIZES = (1, 3, 16, 64)

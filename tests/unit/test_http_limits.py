@@ -1,4 +1,4 @@
-"""Request limits at the HTTP edge (deployments/http_limits.py), in front of a small FastAPI
+"""Request limits at the HTTP edge (deployments/http/limits.py), in front of a small FastAPI
 app with the ingress's error handlers: 413 for large bodies, declared or streamed, 429 with
 Retry-After beyond the requests in flight, and nothing held after requests end."""
 
@@ -10,8 +10,8 @@ import dataclasses
 import httpx
 from fastapi import FastAPI
 
-from deployments.errors import install_error_handlers
-from deployments.http_limits import RequestLimits, RequestLimitsMiddleware
+from deployments.http.errors import install_error_handlers
+from deployments.http.limits import RequestLimits, RequestLimitsMiddleware
 
 LIMITS = RequestLimits(max_body_bytes=1000, max_requests_in_flight=1, retry_after_s=2.5,
                        max_stop_strings=16, max_stop_string_chars=256, max_prompt_tokens=None,
@@ -88,9 +88,9 @@ def test_requests_beyond_the_limit_in_flight_get_429_with_retry_after():
 def test_stop_limits_accept_up_to_the_limit_and_refuse_beyond():
     import pytest
 
-    from deployments.errors import APIError
-    from deployments.http_limits import check_stop_limits
-    from deployments.protocol import CompletionRequest
+    from deployments.http.errors import APIError
+    from deployments.http.limits import check_stop_limits
+    from deployments.http.protocol import CompletionRequest
 
     limits = dataclasses.replace(LIMITS, max_stop_strings=3, max_stop_string_chars=5)
 
@@ -107,8 +107,8 @@ def test_stop_limits_accept_up_to_the_limit_and_refuse_beyond():
 
 
 def test_prompt_and_output_token_limits():
-    from deployments.errors import APIError
-    from deployments.http_limits import output_token_budget
+    from deployments.http.errors import APIError
+    from deployments.http.limits import output_token_budget
 
     limits = dataclasses.replace(LIMITS, max_prompt_tokens=100, max_output_tokens=50)
     assert output_token_budget(100, 50, 1000, limits) == 50
@@ -132,7 +132,7 @@ def test_a_full_queue_is_a_503_with_retry_after():
 
     from ray.serve.exceptions import BackPressureError
 
-    from deployments.errors import as_api_error, error_json
+    from deployments.http.errors import as_api_error, error_json
 
     error = as_api_error(BackPressureError(num_queued_requests=9, max_queued_requests=8))
     response = error_json(error)

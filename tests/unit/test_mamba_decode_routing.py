@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.config import DEFAULT_MODEL_DIR
+from engine.engine_config import DEFAULT_MODEL_DIR
 from engine.kernels.gpu.batch_plan import FUSED_DECODE_MAX_ROWS, kernel_choices
-from engine.loader import load_model
+from engine.execution.loader import load_model
 
 
 @pytest.fixture(scope="module")

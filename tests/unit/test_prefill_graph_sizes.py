@@ -1,6 +1,6 @@
-"""The prefill CUDA graphs' padded sizes (engine/prefill_graphs.py): pure Python, on the CPU."""
+"""The prefill CUDA graphs' padded sizes (engine/routes/prefill_graphs.py): pure Python, on the CPU."""
 
-from engine.prefill_graphs import prefill_graph_sizes
+from engine.routes.prefill_graphs import prefill_graph_sizes
 
 
 def test_prefill_sizes():

@@ -11,13 +11,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.config import DEFAULT_MODEL_DIR
+from engine.engine_config import DEFAULT_MODEL_DIR
 from engine.layers.attention import PagedAttention
-from engine.loader import load_model
+from engine.execution.loader import load_model
 from engine.models.registry import load_model_config
 from engine.models.granite_moe_hybrid import GraniteMoeHybridModel
-from engine.tensor_parallel import TensorParallel
-from engine.shard_layout import rank_shard_layout
+from engine.parallel.tensor_parallel import TensorParallel
+from engine.parallel.shard_layout import rank_shard_layout
 
 
 ATTENTION_LAYER = load_model_config(DEFAULT_MODEL_DIR).layer_types.index("attention")

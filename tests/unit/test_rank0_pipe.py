@@ -1,4 +1,4 @@
-"""engine/multiprocess_executor.py's rank-0 loop under async scheduling: the engine sends step
+"""engine/execution/multiprocess_executor.py's rank-0 loop under async scheduling: the engine sends step
 k+1 while step k runs, before it reads step k's answer. When that message and the answer
 both outgrow the pipe's buffer, the loop must still take the message while it works, or each
 end blocks in send() on the other."""
@@ -9,7 +9,7 @@ import multiprocessing
 import threading
 import time
 
-from engine.multiprocess_executor import lead
+from engine.execution.multiprocess_executor import lead
 
 BIG = 4_000_000  # bytes: far beyond a socket pair's buffer
 

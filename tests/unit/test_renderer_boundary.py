@@ -15,14 +15,14 @@ import copy
 import pytest
 from transformers import AutoTokenizer
 
-from deployments.errors import APIError
-from deployments.instruction_boundary import BoundaryRejection, InstructionPrefixes, find_instruction_boundary
-from deployments.protocol import ChatMessage
+from deployments.http.errors import APIError
+from deployments.prompts.instruction_boundary import BoundaryRejection, InstructionPrefixes, find_instruction_boundary
+from deployments.http.protocol import ChatMessage
 from deployments.renderer import render_chat, tokenize_prompt
-from engine.config import DEFAULT_MODEL_DIR, EngineConfig
-from engine.generation_request import GenerationRequest
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from engine.engine_config import DEFAULT_MODEL_DIR, EngineConfig
+from engine.interfaces.generation_request import GenerationRequest
+from engine.core.llm_engine import LLMEngine
+from engine.interfaces.sampling_params import SamplingParams
 
 GEN_PROMPT = "{%- if add_generation_prompt -%}<|start_of_role|>assistant<|end_of_role|>{%- endif -%}"
 

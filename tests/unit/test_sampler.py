@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.sampler import Sampler
-from engine.sampling_params import SamplingParams
+from engine.execution.sampler import Sampler
+from engine.interfaces.sampling_params import SamplingParams
 
 
 def random_logits(rows=4, vocab=50, seed=0):
@@ -100,7 +100,7 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached():
 def test_a_top_p_that_rounds_to_zero_in_fp32_still_keeps_the_top_token():
     """top_p 5e-324 (found by tests/e2e/test_fuzz.py) is 0 in the logits' fp32: without the
     first token kept explicitly every probability was zeroed and torch.multinomial raised."""
-    from engine.sampler import sample_row
+    from engine.execution.sampler import sample_row
 
     logits = random_logits(rows=1)[0]
     for top_p in (5e-324, 1e-300, 1e-9):

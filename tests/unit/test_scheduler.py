@@ -6,10 +6,10 @@ import pytest
 
 from cache.block_pool import BlockPool
 from cache.cache_manager import CacheManager
-from engine.request import FinishReason, Request, RequestStatus
-from engine.sampling_params import InvalidRequestError, SamplingParams
-from engine.scheduler import Scheduler
-from engine.step_io import RunnerOutput, SchedulerOutput
+from engine.interfaces.request import FinishReason, Request, RequestStatus
+from engine.interfaces.sampling_params import InvalidRequestError, SamplingParams
+from engine.core.scheduler import Scheduler
+from engine.interfaces.step_io import RunnerOutput, SchedulerOutput
 
 EOS = 2
 

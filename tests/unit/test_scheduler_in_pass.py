@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from cache.cache_manager import BundleSizing, CacheManager
 from cache.checkpoint_ledger import CheckpointKind
-from engine.checkpoint_policy import CheckpointPolicy
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.step_io import RunnerOutput
+from engine.checkpoints.policy import CheckpointPolicy
+from engine.interfaces.request import Request
+from engine.interfaces.sampling_params import SamplingParams
+from engine.core.scheduler import Scheduler
+from engine.interfaces.step_io import RunnerOutput
 
 KINDS = frozenset({CheckpointKind.INSTRUCTION, CheckpointKind.PROMPT})
 

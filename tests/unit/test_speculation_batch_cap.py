@@ -11,12 +11,12 @@ from dataclasses import dataclass
 import pytest
 
 from cache.cache_manager import CacheManager
-from engine.config import EngineConfig
-from engine.request import FinishReason, Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.engine_config import EngineConfig
+from engine.interfaces.request import FinishReason, Request
+from engine.interfaces.sampling_params import SamplingParams
+from engine.core.scheduler import Scheduler
 from engine.speculative.scheduling import SpeculativeDecoding
-from engine.step_io import RunnerOutput, SchedulerOutput
+from engine.interfaces.step_io import RunnerOutput, SchedulerOutput
 
 K = 2
 DRAFT = 7  # the token the drafter always proposes

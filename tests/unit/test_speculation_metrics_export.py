@@ -17,8 +17,8 @@ from deployments.metrics import (SPECULATIVE_ACCEPTANCE_LENGTHS, SPECULATIVE_DRA
                                  SPECULATIVE_DRAFTS_PROPOSED, SPECULATIVE_DRAFTS_TRIMMED,
                                  SPECULATIVE_STEPS_OVER_BATCH_CAP, SPECULATIVE_VERIFICATION_CHUNKS,
                                  EngineMetricsExporter)
-from engine.llm_engine import EngineStats
-from engine.scheduler import SchedulerStats
+from engine.core.llm_engine import EngineStats
+from engine.core.scheduler import SchedulerStats
 from engine.speculative.scheduling import SpeculationStats
 from tests.unit.recording_metrics import RecordingMetrics
 

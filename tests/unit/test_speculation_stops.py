@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from cache.cache_manager import CacheManager
 from cache.checkpoint_ledger import CheckpointKind
-from engine.checkpoint_policy import CheckpointPolicy
-from engine.request import FinishReason, Request, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.checkpoints.policy import CheckpointPolicy
+from engine.interfaces.request import FinishReason, Request, RequestStatus
+from engine.interfaces.sampling_params import SamplingParams
+from engine.core.scheduler import Scheduler
 from engine.speculative.scheduling import SpeculativeDecoding, WorkerProposals
 from tests.unit.test_speculation_batch_cap import DRAFT, K, SameTokenDrafter, settle
 

@@ -12,12 +12,12 @@ import pytest
 
 from deployments import llm_server
 from deployments.llm_server import replica_health
-from engine.async_engine import AsyncLLMEngine
-from engine.config import EngineConfig
-from engine.generation_request import GenerationRequest
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.worker import Worker
+from engine.core.async_engine import AsyncLLMEngine
+from engine.engine_config import EngineConfig
+from engine.interfaces.generation_request import GenerationRequest
+from engine.core.llm_engine import LLMEngine
+from engine.interfaces.sampling_params import SamplingParams
+from engine.execution.worker import Worker
 
 CONFIG = EngineConfig(max_model_len=128, max_num_seqs=2, kv_cache_bytes=4 << 20,
                       state_cache_bytes=4 << 20, checkpoint_slots=())

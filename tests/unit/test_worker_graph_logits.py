@@ -1,4 +1,4 @@
-"""engine/worker.py samples a decode-graph step from the logits the graph computed, and falls
+"""engine/execution/worker.py samples a decode-graph step from the logits the graph computed, and falls
 back to the eager LM head for the whole step when a sampled request was not in the graph's
 step (a request restored from a checkpoint that samples from the bundle's hidden row).
 
@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import torch
 
-from engine.config import EngineConfig
-from engine.cuda_graphs import DecodeGraphRunner
-from engine.forward_batch import build_forward_batch
-from engine.sampling_params import SamplingParams
-from engine.step_io import CaptureOp, RestoreOp, ScheduledChunk, SchedulerOutput
-from engine.worker import Worker
+from engine.engine_config import EngineConfig
+from engine.routes.decode_graphs import DecodeGraphRunner
+from engine.interfaces.forward_batch import build_forward_batch
+from engine.interfaces.sampling_params import SamplingParams
+from engine.interfaces.step_io import CaptureOp, RestoreOp, ScheduledChunk, SchedulerOutput
+from engine.execution.worker import Worker
 
 BLOCKS = 4
 

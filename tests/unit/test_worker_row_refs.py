@@ -1,10 +1,11 @@
-"""engine/worker.py's row references (RowRef): what a step samples from and what a capture saves."""
+"""engine/execution/worker.py's row references (RowRef): what a step samples from and what a capture saves."""
 
 from __future__ import annotations
 
 import torch
 
-from engine.worker import RowRef, gather_rows, store_sampled
+from engine.execution.worker import store_sampled
+from engine.interfaces.output_rows import RowRef, gather_rows
 
 
 def test_all_rows_in_order_are_the_step_output_itself():

@@ -13,18 +13,16 @@ Shapes: T tokens, S chunks, Bd decode chunks, Sp prefill chunks, Tp prefill toke
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
-from engine.forward_batch import ForwardBatch
-from engine.host_index import concat_ranges, cumulative_bounds, int64_array, padded_rows, range_index, to_device
-from engine.kernels.gpu.in_pass_capture import InPassCapturePlan, ScanChunks, scan_chunk_arrays
-
-if TYPE_CHECKING:
-    from engine.speculative.verify_gpu import VerificationPlan
+from engine.interfaces.forward_batch import ForwardBatch
+from engine.interfaces.host_index import concat_ranges, cumulative_bounds, int64_array, padded_rows, range_index, to_device
+from engine.kernels.gpu.in_pass_capture import (
+    CaptureSplit, InPassCapturePlan, ScanChunks, build_in_pass_plan, scan_chunk_arrays,
+)
 
 
 # Decode-only steps of at most this many sequences take the Mamba mixers' fused conv + SSD
@@ -326,3 +324,80 @@ def verification_only_plan(
         **kernel_choices(num_rows, 0, num_chunks, in_pass=False, fold_gated_norm=False),
         verification=verification,
     )
+
+
+@dataclass(frozen=True)
+class VerificationIndex:
+    """Where the verification chunks' positions are, on the host. V chunks sorted by length,
+    longest first (stable); n = the longest length.
+
+    rows (n, V): the flat row of position i of chunk v (a chunk shorter than n repeats its
+    last row there: read, never written back); scratch_slots (n, V): the scratch slot of
+    position i (all n of the chunk's own: one past its length is written but never committed);
+    source_slots (V,): the chunks' own state slots; active (n,): how many chunks (a prefix)
+    have a position i."""
+
+    rows: np.ndarray
+    scratch_slots: np.ndarray
+    source_slots: np.ndarray
+    active: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class VerificationPlan:
+    """The recurrent mixers' view of a step with verification chunks (GpuBatchPlan.verification),
+    device tensors of a VerificationIndex.
+
+    rest: the plan of the step's other chunks, rows [0, num_rest_rows) (None when there are
+    none); rows (n, V) and scratch_slots (n, V); source_slots (V,); for each position i,
+    position_rows[i], position_slots[i] (scratch slot i) and position_sources[i] (the slot
+    holding the state before position i: the request's for i = 0, scratch slot i - 1 after),
+    each (active[i],) and 16-byte aligned (to_device); no_reset (V,) zeros; chunk_bounds
+    (V + 1,) 0, 1, .., V: its first a + 1 are the cu_seqlens, its first a the token_chunk,
+    of a one-token chunks (the varlen conv's arguments for one position)."""
+
+    rest: GpuBatchPlan | None
+    num_rest_rows: int
+    rows: torch.Tensor
+    scratch_slots: torch.Tensor
+    source_slots: torch.Tensor
+    position_rows: tuple[torch.Tensor, ...]
+    position_slots: tuple[torch.Tensor, ...]
+    position_sources: tuple[torch.Tensor, ...]
+    no_reset: torch.Tensor
+    chunk_bounds: torch.Tensor
+
+
+def build_verification_plan(index: VerificationIndex, rest: GpuBatchPlan | None, num_rest_rows: int,
+                            device: torch.device) -> VerificationPlan:
+    """VerificationPlan of `index`, its tensors in one host-to-device copy."""
+    n, num_chunks = index.rows.shape
+    per_position = []
+    for i, active in enumerate(index.active):
+        source = index.source_slots if i == 0 else index.scratch_slots[i - 1]
+        per_position += [index.rows[i, :active], index.scratch_slots[i, :active], source[:active]]
+    rows, scratch, sources, no_reset, bounds, *positions = to_device(
+        [index.rows.ravel(), index.scratch_slots.ravel(), index.source_slots,
+         np.zeros(num_chunks, dtype=np.int64), np.arange(num_chunks + 1, dtype=np.int64), *per_position], device)
+    return VerificationPlan(
+        rest=rest, num_rest_rows=num_rest_rows, rows=rows.view(n, num_chunks),
+        scratch_slots=scratch.view(n, num_chunks), source_slots=sources,
+        position_rows=tuple(positions[0::3]), position_slots=tuple(positions[1::3]),
+        position_sources=tuple(positions[2::3]), no_reset=no_reset, chunk_bounds=bounds,
+    )
+
+
+def with_in_pass_captures(plan, batch, splits: dict[int, int], conv_out, ssm_out):
+    """`plan` (a GpuBatchPlan of `batch`) with the in-pass captures `splits` (chunk index ->
+    tokens of the chunk before the capture position) and their output buffers attached, and
+    its kernel choices made again for a step with in-pass captures."""
+    cu = batch.cu_seqlens
+    prefill = [(i, cu[i], c.num_tokens) for i, c in enumerate(batch.chunks) if c.num_tokens > 1]
+    capture_splits = [
+        CaptureSplit(i, cu[i], splits[i], batch.chunks[i].state_slot, batch.chunks[i].reset_state)
+        for i, _, _ in prefill if i in splits
+    ]
+    device = plan.cu_seqlens.device
+    choices = kernel_choices(batch.num_tokens, plan.num_decode, plan.num_prefill, in_pass=True, fold_gated_norm=False)
+    in_pass = build_in_pass_plan(prefill, capture_splits, conv_out, ssm_out, device)
+    return replace(plan, in_pass=in_pass, **choices)

@@ -42,7 +42,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from engine.host_index import chunk_pairs, concat_ranges, cumulative_bounds, int64_array
+from engine.interfaces.host_index import chunk_pairs, concat_ranges, cumulative_bounds, int64_array
 
 RULE_CHUNK = 64  # rows per chunk of fla-core's chunked gated delta rule (its default chunk_size)
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.host_index import chunk_pairs, concat_ranges, cumulative_bounds, int64_array, to_device
+from engine.interfaces.host_index import chunk_pairs, concat_ranges, cumulative_bounds, int64_array, to_device
 from engine.kernels.gpu.delta_rule_capture import SplitPrefill, split_prefill, split_prefill_arrays
 
 
@@ -94,26 +94,6 @@ class InPassCapturePlan:
     split: SplitPrefill
     conv_out: dict[int, torch.Tensor]
     ssm_out: dict[int, torch.Tensor]
-
-
-def with_in_pass_captures(plan, batch, splits: dict[int, int], conv_out, ssm_out):
-    """`plan` (a GpuBatchPlan of `batch`) with the in-pass captures `splits` (chunk index ->
-    tokens of the chunk before the capture position) and their output buffers attached, and
-    its kernel choices made again for a step with in-pass captures."""
-    from dataclasses import replace
-
-    from engine.kernels.gpu.batch_plan import kernel_choices
-
-    cu = batch.cu_seqlens
-    prefill = [(i, cu[i], c.num_tokens) for i, c in enumerate(batch.chunks) if c.num_tokens > 1]
-    capture_splits = [
-        CaptureSplit(i, cu[i], splits[i], batch.chunks[i].state_slot, batch.chunks[i].reset_state)
-        for i, _, _ in prefill if i in splits
-    ]
-    device = plan.cu_seqlens.device
-    choices = kernel_choices(batch.num_tokens, plan.num_decode, plan.num_prefill, in_pass=True, fold_gated_norm=False)
-    in_pass = build_in_pass_plan(prefill, capture_splits, conv_out, ssm_out, device)
-    return replace(plan, in_pass=in_pass, **choices)
 
 
 def build_in_pass_plan(

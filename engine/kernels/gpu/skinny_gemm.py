@@ -71,7 +71,7 @@ Design (every weight byte is read exactly once, in wide loads along K):
 Contracts for callers: no host synchronisation and no allocation that depends on data (the
 output is allocated from the shapes, or passed in), so a call can be captured in a CUDA graph;
 but the first call for a new (N, K, gated, dtype) autotunes, which synchronises, so make it
-eagerly before capture (as engine/cuda_graphs.py does with its warm-up pass). Under Triton's
+eagerly before capture (as engine/routes/decode_graphs.py does with its warm-up pass). Under Triton's
 interpreter (TRITON_INTERPRET=1, no timing) a call without an explicit config uses CONFIGS[0].
 
 Shapes: K input features, N output features.

@@ -1,0 +1,13 @@
+"""Sharing checkpoints between replicas (docs/design.md section 9).
+
+    index.py          the cluster-wide CheckpointIndex actor: which replica holds what
+    index_mirror.py   a replica's local copy of the index, kept fresh by deltas
+    reporter.py       a replica's reports of its published and evicted checkpoints
+    router.py         checkpoint-aware routing of requests to replicas
+    tier.py           the object-store tier: copies of checkpoints any replica can import
+    object_copies.py  a stored checkpoint copy as separate Ray objects
+    fetch_policy.py   when fetching a copy beats recomputing its prefix
+    rank_shards.py    a Ray rank actor's side of moving shards through the object store
+
+May import engine/, cache/ and deployments/metrics.py; never the deployments themselves.
+"""

@@ -1,0 +1,127 @@
+"""Request limits at the HTTP edge, before a request costs anything.
+
+check_stop_limits: the stop conditions of one request (the ingress checks them first, for HTTP
+and handle calls alike); output_token_budget: its prompt length and max_tokens.
+
+RequestLimitsMiddleware (ASGI, in front of the ingress's routes; its limits are
+scope["app"].state.request_limits, set by the ingress replica):
+  - a body larger than max_body_bytes gets 413 (from Content-Length when the client sends it,
+    else while the body is read), with an OpenAI error body;
+  - a generation request (POST .../completions) beyond max_requests_in_flight, the requests
+    this ingress replica has accepted and not yet answered to the end, gets 429 with
+    Retry-After at once, instead of waiting in a queue with no bound.
+The ingress deployment's own Serve limit (max_ongoing_requests) is set above
+max_requests_in_flight (deployments/app.py), so excess requests reach this middleware and are
+answered, rather than waiting in Serve's proxy.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from starlette.exceptions import HTTPException
+
+from deployments.http.errors import APIError, send_error
+from deployments.http.protocol import SamplingFields
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    max_body_bytes: int
+    max_requests_in_flight: int
+    retry_after_s: float
+    max_stop_strings: int  # stop strings, and stop token ids, a request may give
+    max_stop_string_chars: int
+    max_prompt_tokens: int | None  # None: as many as the context leaves room for
+    max_output_tokens: int
+
+
+def check_stop_limits(fields: SamplingFields, limits: RequestLimits) -> None:
+    """Raise APIError 400 (param "stop" or "stop_token_ids") for more stop strings or stop token
+    ids than limits.max_stop_strings, or a stop string longer than max_stop_string_chars: every
+    stop string is matched against every step's new text."""
+    stops = fields.stop_strings()
+    if len(stops) > limits.max_stop_strings:
+        raise APIError.bad_request(
+            f"at most {limits.max_stop_strings} stop strings are accepted, got {len(stops)}", "stop")
+    if any(len(stop) > limits.max_stop_string_chars for stop in stops):
+        raise APIError.bad_request(
+            f"stop strings may have at most {limits.max_stop_string_chars} characters", "stop")
+    if len(fields.stop_token_ids or ()) > limits.max_stop_strings:
+        raise APIError.bad_request(
+            f"at most {limits.max_stop_strings} stop token ids are accepted", "stop_token_ids")
+
+
+def output_token_budget(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int,
+                        limits: RequestLimits, prompt_param: str = "messages") -> int | None:
+    """The max_tokens to build the request with: the client's, or for none given
+    limits.max_output_tokens capped by the room left in the context (None when there is no
+    room: to_sampling_params refuses that). Raises APIError 400 for a prompt longer than
+    limits.max_prompt_tokens (param `prompt_param`: "messages" or "prompt") or a max_tokens
+    above limits.max_output_tokens."""
+    if limits.max_prompt_tokens is not None and num_prompt_tokens > limits.max_prompt_tokens:
+        raise APIError.bad_request(
+            f"the prompt has {num_prompt_tokens} tokens; this server accepts at most "
+            f"{limits.max_prompt_tokens} (max_prompt_tokens)", prompt_param)
+    if max_tokens is not None:
+        if max_tokens > limits.max_output_tokens:
+            raise APIError.bad_request(
+                f"max_tokens is {max_tokens}; this server generates at most "
+                f"{limits.max_output_tokens} tokens a request (max_output_tokens)", "max_tokens")
+        return max_tokens
+    room = max_model_len - num_prompt_tokens
+    return min(limits.max_output_tokens, room) if room >= 1 else None
+
+
+class BodyTooLarge(HTTPException):
+    """Raised while the body is read; FastAPI passes HTTPExceptions through its body parsing
+    to the app's handler, which answers with an OpenAI error body."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"The request body exceeds {limit} bytes (max_body_bytes).")
+
+
+class RequestLimitsMiddleware:
+    def __init__(self, app) -> None:
+        self.app = app
+        self.in_flight = 0  # generation requests of this replica not yet answered to the end
+
+    async def __call__(self, scope, receive, send) -> None:
+        limits: RequestLimits | None = getattr(scope["app"].state, "request_limits", None)
+        if scope["type"] != "http" or limits is None:
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > limits.max_body_bytes:
+            await send_error(scope, receive, send, _too_large(limits))
+            return
+        generation = scope["method"] == "POST" and scope["path"].endswith("completions")
+        if generation and self.in_flight >= limits.max_requests_in_flight:
+            error = APIError(429, f"The server is at its limit of {limits.max_requests_in_flight} "
+                             "requests in flight; retry after the Retry-After delay.",
+                             "rate_limit_error", None, "rate_limit_exceeded")
+            await send_error(scope, receive, send, error,
+                             {"Retry-After": str(max(1, math.ceil(limits.retry_after_s)))})
+            return
+        received = 0
+
+        async def counted_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limits.max_body_bytes:
+                    raise BodyTooLarge(limits.max_body_bytes)
+            return message
+
+        self.in_flight += generation
+        try:
+            await self.app(scope, counted_receive, send)
+        finally:
+            self.in_flight -= generation
+
+
+def _too_large(limits: RequestLimits) -> APIError:
+    return APIError(413, BodyTooLarge(limits.max_body_bytes).detail, "invalid_request_error")
+

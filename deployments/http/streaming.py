@@ -1,0 +1,54 @@
+"""HTTP response helpers for the ingress: JSON bodies and OpenAI-style server-sent events.
+
+Kept out of ingress.py on purpose: Serve serializes the ingress class when it is decorated, so
+helpers it calls must live in an importable module.
+"""
+
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel
+
+from deployments.http.errors import APIError, as_api_error
+from engine.core.llm_engine import RequestOutput
+
+
+async def first_output_ready(
+    outputs: AsyncGenerator[RequestOutput, None],
+) -> AsyncGenerator[RequestOutput, None]:
+    """Wait for the first output so that engine refusals still become an HTTP error status
+    (and the response headers leave together with the first token)."""
+    try:
+        first = await anext(outputs)
+    except StopAsyncIteration:
+        raise APIError(500, "the engine produced no output", "server_error") from None
+
+    async def chained() -> AsyncGenerator[RequestOutput, None]:
+        async with aclosing(outputs):
+            yield first
+            async for out in outputs:
+                yield out
+
+    return chained()
+
+
+def json_response(model: BaseModel) -> JSONResponse:
+    return JSONResponse(model.model_dump(mode="json"))
+
+
+def sse_response(chunks: AsyncGenerator[BaseModel, None]) -> StreamingResponse:
+    """Server-sent events: one `data:` line per chunk, then `data: [DONE]`. An error after the
+    headers went out is reported in-band as an OpenAI error object before [DONE]."""
+
+    async def events() -> AsyncGenerator[str, None]:
+        async with aclosing(chunks):
+            try:
+                async for chunk in chunks:
+                    yield f"data: {chunk.model_dump_json()}\n\n"
+            except Exception as exc:
+                yield f"data: {as_api_error(exc).to_response().model_dump_json()}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})

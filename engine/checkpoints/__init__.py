@@ -1,0 +1,13 @@
+"""Request-boundary checkpoints inside one engine (docs/design.md sections 2 and 5).
+
+    policy.py          the scheduler's side: which checkpoint to restore at admission, where to
+                       capture, when a capture is published
+    capture_events.py  what was captured, published, restored and evicted, for metrics and the
+                       cluster index
+    bundle_store.py    the worker's side: gather a request's state into a bundle, scatter it back
+    shards.py          one rank's part of a bundle as a transferable shard
+    transfer.py        the exported format of a checkpoint (header, shards, digest)
+    import_checks.py   what an import is checked for before it touches any cache
+
+May import interfaces/, parallel/, kernels/ and cache/; never execution/, routes/ or core/.
+"""

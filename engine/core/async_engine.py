@@ -1,0 +1,231 @@
+"""An asyncio face for LLMEngine: a background thread runs the step loop.
+
+Callers on an event loop `generate()` and iterate outputs. Commands (add, abort) reach the
+step thread through a queue and are applied between steps, so the engine is only ever touched
+by one thread. Closing or cancelling a generate() iterator aborts its request, which frees its
+blocks and state slot.
+
+A step the executor fails is recovered inside LLMEngine.step: a request that breaks every
+step it is in ends with an error, the others go on. An exception of the engine's own fails every unfinished
+request (LLMEngine.fail_all: their state is unknown) and the loop goes on. When the executor
+died (ExecutorDiedError: a tensor-parallel rank is gone) every open stream raises that error,
+every later request is refused with it, and is_alive() turns False so the replica is replaced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from cache.cache_manager import PoolUsage
+from engine.checkpoints.capture_events import CheckpointEvent
+from engine.core.checkpoint_exchange import ImportResult
+from engine.checkpoints.transfer import ExportedCheckpoint
+from engine.execution.executor import ExecutorDiedError
+from engine.interfaces.generation_request import GenerationRequest
+from engine.core.llm_engine import FAILED_REQUEST_MESSAGE, LLMEngine
+from engine.core.output_processor import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._stopped = False
+        self._dead: ExecutorDiedError | None = None
+        self._step_started: float | None = None  # time.monotonic() when the running step() began
+        self._thread = threading.Thread(target=self._run_loop, name="engine-step-loop", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ public API
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        """Add `request` (LLMEngine.add_request) and yield its outputs until the finished one.
+
+        Raises InvalidRequestError (before yielding anything) if the engine refuses it, and
+        ExecutorDiedError (at any point) once the executor has died.
+        """
+        loop = asyncio.get_running_loop()
+        stream = _Stream(loop)
+        accepted: asyncio.Future[None] = loop.create_future()
+
+        def add() -> None:
+            try:
+                if self._dead is not None:
+                    raise ExecutorDiedError(str(self._dead))
+                self.engine.add_request(request)
+            except Exception as exc:  # handed back to the caller, who raises it
+                loop.call_soon_threadsafe(_settle, accepted, exc)
+                return
+            self._streams[request.request_id] = stream
+            loop.call_soon_threadsafe(_settle, accepted, None)
+
+        self._submit(add)
+        try:
+            await accepted  # a refused request raises here
+        except asyncio.CancelledError:
+            self.abort(request.request_id)  # the add may still have gone through
+            raise
+        finished = False
+        try:
+            while not finished:
+                output = await stream.outputs.get()
+                if isinstance(output, ExecutorDiedError):
+                    raise output
+                finished = output.finished
+                yield output
+        finally:
+            if not finished:
+                self.abort(request.request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request (no-op if unknown or already finished)."""
+        self._submit(lambda: self.engine.abort_request(request_id))
+
+    async def drain_checkpoint_events(self) -> list[CheckpointEvent]:
+        """LLMEngine.drain_checkpoint_events, run on the step thread between steps."""
+        return await self._on_step_thread(self.engine.drain_checkpoint_events)
+
+    async def drain_checkpoint_hits(self) -> dict[int, int]:
+        """LLMEngine.drain_checkpoint_hits, run on the step thread between steps."""
+        return await self._on_step_thread(self.engine.drain_checkpoint_hits)
+
+    async def longest_checkpoint(self, namespace: tuple[str, str], token_ids: tuple[int, ...]) -> int:
+        """LLMEngine.longest_checkpoint, run on the step thread between steps."""
+        return await self._on_step_thread(lambda: self.engine.longest_checkpoint(namespace, token_ids))
+
+    async def export_checkpoint(
+        self, namespace: tuple[str, str], token_ids: tuple[int, ...],
+    ) -> ExportedCheckpoint | None:
+        """LLMEngine.export_checkpoint, run on the step thread between steps."""
+        return await self._on_step_thread(lambda: self.engine.export_checkpoint(namespace, token_ids))
+
+    async def import_checkpoint(self, exported: ExportedCheckpoint) -> ImportResult:
+        """LLMEngine.import_checkpoint, run on the step thread between steps. Raises
+        ExecutorDiedError once the executor has died."""
+        def run() -> ImportResult:
+            if self._dead is not None:
+                raise ExecutorDiedError(str(self._dead))
+            return self.engine.import_checkpoint(exported)
+
+        return await self._on_step_thread(run)
+
+    def pool_usage(self) -> PoolUsage:
+        return self.engine.pool_usage()
+
+    def is_alive(self) -> bool:
+        """The step loop runs and its executor has not died."""
+        return self._thread.is_alive() and self._dead is None
+
+    def step_running_for(self) -> float:
+        """Seconds the step loop has been inside its current LLMEngine.step() (0.0 between
+        steps): a step that never returns (a hang no collective timeout catches) shows here."""
+        started = self._step_started
+        return 0.0 if started is None else time.monotonic() - started
+
+    def shutdown(self) -> None:
+        """Stop the step loop, then the engine's executor."""
+        self._stopped = True
+        self._wakeup.set()
+        self._thread.join(timeout=10)
+        self.engine.shutdown()
+
+    # ------------------------------------------------------------------ step thread
+
+    def _submit(self, command: Callable[[], None]) -> None:
+        self._commands.put(command)
+        self._wakeup.set()
+
+    async def _on_step_thread(self, function: Callable[[], T]) -> T:
+        """function() run on the step thread between steps; its result, or what it raised."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[T] = loop.create_future()
+
+        def command() -> None:
+            try:
+                result = function()
+            except Exception as exc:  # handed back to the caller, who raises it
+                loop.call_soon_threadsafe(_settle, done, exc)
+                return
+            loop.call_soon_threadsafe(_resolve, done, result)
+
+        self._submit(command)
+        return await done
+
+    def _run_loop(self) -> None:
+        while not self._stopped:
+            while not self._commands.empty():
+                self._commands.get()()
+            if self._dead is not None or not self.engine.has_unfinished_requests():
+                self._wakeup.wait()
+                self._wakeup.clear()
+                continue
+            self._step_started = time.monotonic()
+            try:
+                outputs = self.engine.step()
+            except ExecutorDiedError as exc:
+                logger.error("the executor died; failing every open request: %s", exc)
+                self._dead = exc
+                for stream in self._streams.values():
+                    stream.loop.call_soon_threadsafe(stream.outputs.put_nowait,
+                                                     ExecutorDiedError(str(exc)))
+                self._streams.clear()
+                continue
+            except Exception:  # fails the unfinished requests, never the loop
+                logger.exception("engine step failed; failing every unfinished request")
+                self.engine.fail_all(FAILED_REQUEST_MESSAGE)
+                continue
+            finally:
+                self._step_started = None
+            self._deliver(outputs)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs to their streams: one wake-up of each event loop per step,
+        however many of its streams got an output."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            if output.finished:
+                del self._streams[output.request_id]
+            by_loop.setdefault(stream.loop, []).append((stream.outputs, output))
+        for loop, deliveries in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, deliveries)
+
+
+def _put_all(deliveries: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for outputs, output in deliveries:
+        outputs.put_nowait(output)
+
+
+def _resolve(future: asyncio.Future, result) -> None:
+    if not future.done():
+        future.set_result(result)
+
+
+def _settle(future: asyncio.Future, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)
