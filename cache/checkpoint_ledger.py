@@ -33,13 +33,8 @@ from enum import Enum
 from typing import Protocol
 
 from cache.block_pool import BlockPool
-from cache.radix_index import BundleId, Namespace, RadixIndex
-
-
-class CheckpointKind(str, Enum):
-    PROMPT = "prompt"
-    RESPONSE = "response"
-    INSTRUCTION = "instruction"
+from cache.checkpoint_keys import CheckpointKind, Namespace
+from cache.radix_index import BundleId, RadixIndex
 
 
 class BundleState(Enum):

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from hashlib import blake2b
 from typing import Literal
 
-Namespace = tuple[str, str]  # the engine's namespace: (model_dir, cache_salt or "")
+from cache.checkpoint_keys import CheckpointKind, Namespace
+
 RecordKey = tuple[str, int]  # (replica id, bundle id)
 
 DIGEST_BYTES = 16
@@ -73,7 +74,7 @@ class CheckpointRecord:
     namespace: Namespace
     digest: bytes  # token_digest of the covered token ids
     length: int  # number of covered tokens
-    kind: str  # "prompt" | "response" | "instruction"
+    kind: CheckpointKind
     num_bytes: int
     replica_id: str
     bundle_id: int

@@ -16,11 +16,12 @@ pinning and eviction live in the checkpoint ledger.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from cache.checkpoint_keys import Namespace
+
 BundleId = int
-Namespace = Hashable
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,7 @@ from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from cache.checkpoint_keys import Namespace
 from cache.index_messages import (
     Change,
     CheckpointRecord,
@@ -53,7 +54,6 @@ from cache.index_messages import (
     IndexSnapshot,
     IndexStats,
     LookupResult,
-    Namespace,
     RecordKey,
     ReplicaReport,
     ReportAck,

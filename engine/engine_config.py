@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cache.checkpoint_keys import CheckpointKind
+
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "tiny-granite-hybrid"
-CHECKPOINT_SLOTS = ("prompt", "response", "instruction")
+CHECKPOINT_SLOTS = tuple(kind.value for kind in CheckpointKind)  # the order captures keep
 SPECULATIVE_DRAFTERS = ("ngram", "mtp")
 MAX_SPECULATIVE_TOKENS = 16
 

@@ -31,6 +31,7 @@ import uuid
 import ray
 from ray.actor import ActorHandle
 
+from cache.checkpoint_keys import Namespace
 from cache.index_messages import (
     CheckpointRecord,
     HotCopy,
@@ -38,7 +39,6 @@ from cache.index_messages import (
     IndexSnapshot,
     IndexStats,
     LookupResult,
-    Namespace,
     RecordKey,
     ReplicaReport,
     ReportAck,

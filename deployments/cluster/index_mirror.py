@@ -17,7 +17,8 @@ import time
 from collections.abc import Awaitable, Callable, Collection, Iterable, Sequence
 from typing import Protocol
 
-from cache.index_messages import IndexDelta, IndexSnapshot, LookupResult, Namespace
+from cache.checkpoint_keys import Namespace
+from cache.index_messages import IndexDelta, IndexSnapshot, LookupResult
 from cache.shared_index import SharedIndex
 
 logger = logging.getLogger("ray.serve")

@@ -59,6 +59,7 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
+from cache.checkpoint_keys import Namespace
 from cache.index_messages import LookupResult, token_digest
 from deployments.cluster.index import get_index
 from deployments.cluster.index_mirror import ActorIndexSource, IndexMirror
@@ -209,7 +210,7 @@ class CheckpointAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             return HolderChoice((), "no_tokens")
         self._mirror.start()
         by_id = {r.replica_id.unique_id: r for r in candidates}
-        namespace = (self._model_dir, request.cache_salt or "")
+        namespace = Namespace.of(self._model_dir, request.cache_salt)
         match = self._mirror.lookup(namespace, request.prompt_token_ids, among=by_id)
         queue_lens: dict[str, int | None] = {}
         if match is not None and match.replica_ids:

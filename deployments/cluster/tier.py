@@ -26,6 +26,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from cache.checkpoint_keys import CheckpointKind, Namespace
 from cache.index_messages import token_digest
 from deployments.cluster.object_copies import FetchFailed, fetch_stored, store_exported
 from deployments.cluster.fetch_policy import FetchPolicy
@@ -36,7 +37,7 @@ from engine.interfaces.generation_request import GenerationRequest
 
 logger = logging.getLogger("ray.serve")
 
-WORTH_EXPORTING_KINDS = frozenset({"instruction"})  # exported when published; others once hit
+WORTH_EXPORTING_KINDS = frozenset({CheckpointKind.INSTRUCTION})  # exported when published; others once hit
 INDEX_CALL_TIMEOUT_S = 10.0
 
 
@@ -70,9 +71,9 @@ class TierCounters:
 class _Held:
     """A bundle this replica holds, as the tier needs it to export."""
 
-    namespace: tuple[str, str]
+    namespace: Namespace
     token_ids: tuple[int, ...]
-    kind: str
+    kind: CheckpointKind
 
 
 class CheckpointTier:
@@ -150,7 +151,7 @@ class CheckpointTier:
             logger.warning("preparing a stored checkpoint failed", exc_info=True)
 
     async def _prepare(self, request: GenerationRequest) -> None:
-        namespace = (self._model_dir, request.cache_salt or "")
+        namespace = Namespace.of(self._model_dir, request.cache_salt)
         prompt = tuple(request.prompt_token_ids)
         found = self._mirror.lookup_stored(namespace, prompt)
         if found is None or found.length == 0 or not found.stored_copies:

@@ -28,6 +28,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Literal
 
+from cache.checkpoint_keys import CheckpointKind, Namespace
+
 from cache.checkpoint_ledger import Bundle
 
 DEFAULT_CAPACITY = 100_000
@@ -40,9 +42,9 @@ class CheckpointEvent:
     """One change in what the engine can restore."""
 
     action: CheckpointAction
-    namespace: tuple[str, str]  # the engine's namespace: (model_dir, cache_salt or "")
+    namespace: Namespace
     token_ids: tuple[int, ...]  # the tokens the bundle covers
-    kind: str  # "prompt" | "response" | "instruction"
+    kind: CheckpointKind
     num_bytes: int  # the ledger's Bundle.num_bytes (outside the shared KV blocks)
     bundle_id: int
 
@@ -100,12 +102,11 @@ class CheckpointEventFeed:
 
 
 def _event(action: CheckpointAction, bundle: Bundle) -> CheckpointEvent:
-    model_dir, salt = bundle.namespace
     return CheckpointEvent(
         action=action,
-        namespace=(str(model_dir), salt or ""),
+        namespace=Namespace.of(*bundle.namespace),
         token_ids=bundle.token_ids,
-        kind=bundle.kind.value,
+        kind=bundle.kind,
         num_bytes=bundle.num_bytes,
         bundle_id=bundle.bundle_id,
     )

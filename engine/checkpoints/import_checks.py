@@ -31,7 +31,7 @@ from enum import Enum
 
 import torch
 
-from cache.checkpoint_ledger import CheckpointKind
+from cache.checkpoint_keys import CheckpointKind
 from engine.parallel.cache_capacity import recurrent_state_shape
 from engine.checkpoints.transfer import (
     FORMAT_VERSION, CheckpointHeader, CheckpointShard, ExportedCheckpoint, ModelIdentity,
@@ -152,7 +152,7 @@ def _check_header(exported: ExportedCheckpoint, expected: ImportExpectations) ->
         return bad("the header or the shards are not what export_checkpoint makes")
     if header.format_version != FORMAT_VERSION:
         return bad(f"format version {header.format_version}, this engine reads {FORMAT_VERSION}")
-    if header.kind not in {kind.value for kind in CheckpointKind}:
+    if header.kind not in set(CheckpointKind):
         return bad(f"unknown kind {header.kind!r}")
     tokens = header.token_ids
     if not isinstance(tokens, tuple) or not tokens or len(tokens) > expected.max_model_len:

@@ -35,6 +35,8 @@ from pathlib import Path
 
 import torch
 
+from cache.checkpoint_keys import CheckpointKind, Namespace
+
 FORMAT_VERSION = 1
 
 
@@ -98,10 +100,10 @@ class ShardLayout:
 class CheckpointHeader:
     """What an exported checkpoint covers and what it was captured with (no tensors)."""
 
-    namespace: tuple[str, str]  # (model_dir, cache_salt or "")
+    namespace: Namespace
     token_ids: tuple[int, ...]
     digest: str  # checkpoint_digest(namespace, token_ids)
-    kind: str  # "prompt" | "response" | "instruction"
+    kind: CheckpointKind  # checked on import (import_checks)
     owner: str  # the tenant that captured it ("" without API keys)
     model: ModelIdentity
     tensor_parallel_size: int

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cache.cache_manager import CacheManager
-from cache.checkpoint_ledger import CheckpointKind
+from cache.checkpoint_keys import CheckpointKind
 from engine.checkpoints.import_checks import ImportExpectations, ImportRejection, Rejected, check_exported
 from engine.checkpoints.shards import ExportShardOp, ImportShardOp, StageShardOp
 from engine.checkpoints.transfer import CheckpointHeader, ExportedCheckpoint, checkpoint_digest
@@ -100,7 +100,7 @@ class CheckpointExchange:
             logger.warning("bundle %d is published but a rank holds no shard of it", bundle.bundle_id)
             return None
         header = CheckpointHeader(
-            namespace=namespace, token_ids=tokens, digest=digest, kind=bundle.kind.value,
+            namespace=namespace, token_ids=tokens, digest=digest, kind=bundle.kind,
             owner=bundle.owner, model=self.expected.model,
             tensor_parallel_size=self.expected.tensor_parallel_size,
             block_size=self.expected.block_size, layouts=self.expected.layouts,

@@ -22,8 +22,9 @@ from dataclasses import dataclass, field, replace
 import torch
 from transformers import AutoTokenizer
 
+from cache.checkpoint_keys import CheckpointKind, Namespace
 from cache.cache_manager import CacheManager, PoolUsage
-from cache.checkpoint_ledger import CheckpointKind, KindCounters
+from cache.checkpoint_ledger import KindCounters
 from engine.parallel.cache_capacity import drafter_kv_layers
 from engine.checkpoints.capture_events import CheckpointEvent, CheckpointEventFeed
 from engine.core.checkpoint_exchange import CheckpointExchange, ImportResult, TransferCounters
@@ -138,7 +139,7 @@ class LLMEngine:
         prompt = request.prompt_token_ids
         if not prompt:
             raise InvalidRequestError("the prompt is empty")
-        namespace = (self.config.model_dir, request.cache_salt or "")
+        namespace = Namespace.of(self.config.model_dir, request.cache_salt)
         # Only the ids past the longest published checkpoint in the namespace are range-checked:
         # a checkpoint's ids were checked when the request that computed them was added, or
         # when it was imported (engine/checkpoints/import_checks.py). Walking an 8,000-token
@@ -229,20 +230,19 @@ class LLMEngine:
         hotness and the replica's "worth exporting" signal). Step thread only."""
         return self.checkpoint_events.drain_hits()
 
-    def longest_checkpoint(self, namespace: tuple[str, str], token_ids: Sequence[int]) -> int:
+    def longest_checkpoint(self, namespace: Namespace, token_ids: Sequence[int]) -> int:
         """Tokens covered by the longest published checkpoint that is a prefix of `token_ids`
         in `namespace` (0: none). Pins, touches and counts nothing. Step thread only."""
-        match = self.scheduler.cache.ledger.index.longest_prefix(
-            (namespace[0], namespace[1] or ""), tuple(token_ids))
+        match = self.scheduler.cache.ledger.index.longest_prefix(Namespace.of(*namespace), tuple(token_ids))
         return 0 if match is None else match.num_tokens
 
-    def export_checkpoint(self, namespace: tuple[str, str], token_ids: Sequence[int]) -> ExportedCheckpoint | None:
+    def export_checkpoint(self, namespace: Namespace, token_ids: Sequence[int]) -> ExportedCheckpoint | None:
         """The published checkpoint covering exactly `token_ids` in `namespace` ((model_dir,
         cache_salt or "")), with every rank's shard as CPU tensors, or None when none is held
         (docs/design.md section 5.1). Collects the steps in flight first (their outputs come
         with the next step()). Step thread only."""
         self._collect_in_flight()
-        return self.transfers.export((namespace[0], namespace[1] or ""), tuple(token_ids))
+        return self.transfers.export(Namespace.of(*namespace), tuple(token_ids))
 
     def import_checkpoint(self, exported: ExportedCheckpoint) -> ImportResult:
         """Check `exported` in full and publish it here, so the next request with its prefix

@@ -17,7 +17,7 @@ import time
 import pytest
 
 from cache.cache_manager import BundleSizing, CacheManager
-from cache.checkpoint_ledger import CheckpointKind
+from cache.checkpoint_keys import CheckpointKind
 from engine.checkpoints.policy import CheckpointPolicy
 from engine.engine_config import EngineConfig
 from engine.execution.executor import ExecutorDiedError

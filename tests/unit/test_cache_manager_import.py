@@ -4,7 +4,7 @@ capture would, evicting least recently used checkpoints, or nothing at all (pure
 from __future__ import annotations
 
 from cache.cache_manager import BundleSizing, CacheManager
-from cache.checkpoint_ledger import CheckpointKind
+from cache.checkpoint_keys import CheckpointKind
 
 NS = ("model", "")
 BLOCK = 4

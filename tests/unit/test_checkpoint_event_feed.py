@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from cache.checkpoint_keys import CheckpointKind
 from cache.block_pool import BlockPool
-from cache.checkpoint_ledger import CheckpointKind, CheckpointLedger
+from cache.checkpoint_ledger import CheckpointLedger
 from engine.checkpoints.capture_events import CheckpointEvent, CheckpointEventFeed
 
 NS = ("tiny-model", "salt")

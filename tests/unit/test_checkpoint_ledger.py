@@ -14,8 +14,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from cache.checkpoint_keys import CheckpointKind
 from cache.block_pool import BlockPool
-from cache.checkpoint_ledger import BundleState, CheckpointKind, CheckpointLedger, PublishOutcome
+from cache.checkpoint_ledger import BundleState, CheckpointLedger, PublishOutcome
 
 NS = ("tiny-model", None)
 SALTED = ("tiny-model", "salt-b")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from cache.cache_manager import BundleSizing, CacheManager
-from cache.checkpoint_ledger import CheckpointKind
+from cache.checkpoint_keys import CheckpointKind
 from engine.checkpoints.policy import CheckpointPolicy
 from engine.interfaces.request import FinishReason, Request
 from engine.interfaces.sampling_params import SamplingParams

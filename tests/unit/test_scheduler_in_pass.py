@@ -5,7 +5,7 @@ flag off the chunk is cut there as before. Pure Python."""
 from __future__ import annotations
 
 from cache.cache_manager import BundleSizing, CacheManager
-from cache.checkpoint_ledger import CheckpointKind
+from cache.checkpoint_keys import CheckpointKind
 from engine.checkpoints.policy import CheckpointPolicy
 from engine.interfaces.request import Request
 from engine.interfaces.sampling_params import SamplingParams

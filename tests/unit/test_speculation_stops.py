@@ -7,7 +7,7 @@ scheduler with a drafter that always proposes the same tokens
 from __future__ import annotations
 
 from cache.cache_manager import CacheManager
-from cache.checkpoint_ledger import CheckpointKind
+from cache.checkpoint_keys import CheckpointKind
 from engine.checkpoints.policy import CheckpointPolicy
 from engine.interfaces.request import FinishReason, Request, RequestStatus
 from engine.interfaces.sampling_params import SamplingParams
