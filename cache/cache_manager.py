@@ -117,6 +117,12 @@ class CacheManager:
         unpin(hit.bundle_id); None when there is none."""
         return self.ledger.lookup(namespace, token_ids)
 
+    def longest_checkpoint(self, namespace: Namespace, token_ids: Sequence[int]) -> int:
+        """Tokens covered by the longest published checkpoint whose tokens are a prefix of
+        `token_ids` in `namespace` (0: none). Pins, touches and counts nothing."""
+        match = self.ledger.index.longest_prefix(namespace, token_ids)
+        return 0 if match is None else match.num_tokens
+
     def unpin(self, bundle_id: int) -> None:
         self.ledger.unpin(bundle_id)
 

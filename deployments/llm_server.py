@@ -19,8 +19,10 @@ engine records none (LLMEngine.record_checkpoint_events is never called).
 
 With checkpoint_transfer the replica also runs its side of the object-store tier
 (deployments/cluster/tier.py): the reporter's task exports instruction and hit checkpoints
-after each report, a local IndexMirror tells `generate` when a stored copy covers more of a
-prompt than the engine holds (fetched and imported first when FetchPolicy says it pays), the
+after each report; the tier is one of the engine's checkpoint sources (engine/checkpoints/
+sources.py): when its local IndexMirror lists a stored copy covering more of a prompt than the
+engine holds, and FetchPolicy says it pays, the scheduler's request waits while the copy is
+fetched and imported, then restores it (`generate` only submits and streams); the
 constructor imports the application's hottest stored instruction checkpoints (warm start), and
 `__del__`, which Serve awaits on a graceful stop after draining requests, exports what is worth
 keeping within drain_export_timeout_s before the engine stops.
@@ -225,6 +227,7 @@ class LLMServer:
         if config.checkpoint_transfer:
             self._tier = checkpoint_tier(self._engine, config)
             await self._tier.warm_start(config.warm_start_timeout_s)
+            await self._engine.add_checkpoint_source(self._tier)
         self._checkpoint_events: asyncio.Task | None = None
         if config.checkpoint_routing or config.checkpoint_transfer:
             engine.record_checkpoint_events()  # the reporter drains them (else none are kept)
@@ -244,8 +247,6 @@ class LLMServer:
         is aborted in the engine, which frees its KV blocks and state slot.
         """
         finished = False
-        if self._tier is not None:
-            await self._tier.prepare(request)  # never raises: a failed fetch only costs the hit
         outputs = coalesce(self._engine.generate(request), self._stream_interval)
         try:
             async with aclosing(outputs):  # closed now, not when collected: that aborts the request

@@ -7,12 +7,17 @@ snapshot that replaces it (first sync, index restarted, mirror too far behind). 
 comes at least every `wait_s`, so a mirror whose last sync is older than `stale_after_s` is
 out of touch (the actor is down, or unreachable): `lookup` then answers None and the router
 falls back to power-of-two choices until a sync succeeds again.
+
+An LLM server replica's object-store tier also looks it up from the engine's step thread
+(`lookup_stored`): lookups and the sync's changes take a lock, held only while the index is
+read or changed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Awaitable, Callable, Collection, Iterable, Sequence
 from typing import Protocol
@@ -64,6 +69,7 @@ class IndexMirror:
         self._clock = clock
         self._source: IndexSource | None = None
         self._index: SharedIndex | None = None
+        self._lock = threading.Lock()  # _index: the sync task and the engine's step thread
         self._synced_at = float("-inf")
         self._task: asyncio.Task | None = None
         self._failing = False
@@ -79,16 +85,18 @@ class IndexMirror:
                among: Collection[str]) -> LookupResult | None:
         """The longest prefix of `token_ids` held by a replica in `among` (stored copies are
         of no use to a router), or None when the mirror is not current."""
-        if self._index is None or self._clock() - self._synced_at > self._stale_after_s:
-            return None
-        return self._index.lookup(namespace, token_ids, among=among, stored=False)
+        with self._lock:
+            if self._index is None or self._clock() - self._synced_at > self._stale_after_s:
+                return None
+            return self._index.lookup(namespace, token_ids, among=among, stored=False)
 
     def lookup_stored(self, namespace: Namespace, token_ids: Sequence[int]) -> LookupResult | None:
         """The longest prefix of `token_ids` with a stored copy in the object-store tier (an
         LLM server replica deciding whether to fetch), or None when the mirror is not current."""
-        if self._index is None or self._clock() - self._synced_at > self._stale_after_s:
-            return None
-        return self._index.lookup(namespace, token_ids, among=(), stored=True)
+        with self._lock:
+            if self._index is None or self._clock() - self._synced_at > self._stale_after_s:
+                return None
+            return self._index.lookup(namespace, token_ids, among=(), stored=True)
 
     def forget_replicas(self, replica_ids: Iterable[str]) -> None:
         """Tell the index these replicas are gone (fire and forget). Safe even if one is
@@ -129,12 +137,13 @@ class IndexMirror:
                                self._retry_s, exc_info=True)
             self._failing = True
             return False
-        if isinstance(answer, IndexSnapshot):
-            self._index = SharedIndex.from_snapshot(answer)
-        elif self._index is None or not self._index.apply_delta(answer):
-            # not ours to apply (raced with a restart): ask again from scratch
-            self._index = None
-            return False
-        self._synced_at = self._clock()
+        with self._lock:
+            if isinstance(answer, IndexSnapshot):
+                self._index = SharedIndex.from_snapshot(answer)
+            elif self._index is None or not self._index.apply_delta(answer):
+                # not ours to apply (raced with a restart): ask again from scratch
+                self._index = None
+                return False
+            self._synced_at = self._clock()
         self._failing = False
         return True

@@ -4,10 +4,12 @@
              publish and any bundle that has been hit. Runs after each accepted report, in the
              reporter's task (ReportListener); the index actor puts the copy as objects it owns
              (deployments/cluster/object_copies.py).
-    fetch    before a request reaches the engine (`prepare`): when this replica's IndexMirror
-             lists a stored copy covering more of the prompt than the engine's own longest
-             checkpoint, and FetchPolicy says the bytes are worth the prefill tokens saved,
-             get the copy and import it; the request then restores it like a local one.
+    fetch    a CheckpointSource (engine/checkpoints/sources.py): when the engine's scheduler
+             is about to admit a request and this replica's IndexMirror lists a stored copy
+             covering more of its prompt than the engine holds, and FetchPolicy says the bytes
+             are worth the prefill tokens saved, `lookup` starts getting the copy on the
+             replica's event loop; the request waits in the scheduler, the engine imports the
+             copy when it arrives, and the request restores it like a local one.
     warm     a starting replica imports its application's hottest stored instruction
              checkpoints (`warm_start`), before its constructor returns.
     drain    a stopping replica's last report (LLMServer.__del__) runs the same exports, within
@@ -16,12 +18,16 @@
 Every failure here costs a hit, never a request: a fetch that times out, finds its objects
 gone, or whose copy the engine rejects (corrupted, truncated, another model...) is counted and
 the request computes from scratch. Concurrent requests wanting the same copy share one fetch.
+`lookup` runs on the engine's step thread, everything else on the replica's event loop: the
+shared fetches are guarded by a lock, the mirror by its own.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -31,9 +37,9 @@ from cache.index_messages import token_digest
 from deployments.cluster.object_copies import FetchFailed, fetch_stored, store_exported
 from deployments.cluster.fetch_policy import FetchPolicy
 from deployments.cluster.index_mirror import IndexMirror
-from engine.core.async_engine import AsyncLLMEngine
 from engine.checkpoints.capture_events import CheckpointEvent
-from engine.interfaces.generation_request import GenerationRequest
+from engine.checkpoints.transfer import ExportedCheckpoint
+from engine.core.async_engine import AsyncLLMEngine
 
 logger = logging.getLogger("ray.serve")
 
@@ -84,8 +90,10 @@ class CheckpointTier:
         """connect: the index actor's handle (awaited when first needed). metrics: a
         deployments.metrics.TierMetrics, or None (tests). shards_by_reference: the engine's
         ranks are Ray actors that get their own shards (tensor_parallel_size > 1): a fetch
-        gets the header only and the import moves the shards, object store to rank."""
+        gets the header only and the import moves the shards, object store to rank.
+        Construct it on the replica's event loop, which runs the fetches."""
         self._engine = engine
+        self._loop = asyncio.get_running_loop()
         self._by_reference = shards_by_reference
         self.replica_id = replica_id
         self._model_dir = model_dir
@@ -98,7 +106,8 @@ class CheckpointTier:
         self._held: dict[int, _Held] = {}  # bundle id -> what it covers
         self._to_export: set[int] = set()  # held bundles worth a stored copy, not yet tried
         self._tried: set[int] = set()  # bundles exported (or refused) once: never again
-        self._fetches: dict[tuple, asyncio.Task] = {}  # shared by concurrent requests
+        self._lock = threading.Lock()  # _fetches and _refused: the step thread and the loop
+        self._fetches: dict[tuple, concurrent.futures.Future] = {}  # shared by concurrent requests
         self._refused: set[str] = set()  # copies this engine rejected: not fetched again
 
     # ---- ReportListener: exports in the reporter's task ------------------------------------
@@ -140,63 +149,86 @@ class CheckpointTier:
         """Stop the mirror's sync task."""
         self._mirror.stop()
 
-    # ---- fetch before a request -------------------------------------------------------------
+    # ---- CheckpointSource: fetch for a request the scheduler is about to admit ---------------
 
-    async def prepare(self, request: GenerationRequest) -> None:
-        """Fetch and import a stored copy for `request` when one covers more of its prompt than
-        this replica holds and the policy says it pays. Never raises."""
+    def lookup(self, namespace: Namespace, token_ids: tuple[int, ...], have: int) -> TierFetch | None:
+        """A fetch of the stored copy covering the longest prefix of `token_ids`, when it is
+        longer than `have` and FetchPolicy says the bytes pay for the tokens saved; it runs on
+        the replica's event loop, shared with any request already waiting for the same copy.
+        None otherwise. Step thread; never raises."""
         try:
-            await self._prepare(request)
+            return self._lookup(namespace, token_ids, have)
         except Exception:
-            logger.warning("preparing a stored checkpoint failed", exc_info=True)
+            logger.warning("looking up a stored checkpoint failed", exc_info=True)
+            return None
 
-    async def _prepare(self, request: GenerationRequest) -> None:
-        namespace = Namespace.of(self._model_dir, request.cache_salt)
-        prompt = tuple(request.prompt_token_ids)
-        found = self._mirror.lookup_stored(namespace, prompt)
-        if found is None or found.length == 0 or not found.stored_copies:
-            return
-        local = await self._engine.longest_checkpoint(namespace, prompt)
-        if local >= found.length:
-            return
+    def _lookup(self, namespace: Namespace, token_ids: tuple[int, ...], have: int) -> TierFetch | None:
+        found = self._mirror.lookup_stored(namespace, token_ids)
+        if found is None or found.length <= have or not found.stored_copies:
+            return None
         copy = found.stored_copies[0]
-        if _locator_id(copy.locator) in self._refused:  # this engine rejected it before
+        locator = _locator_id(copy.locator)
+        with self._lock:
+            refused = locator in self._refused
+        if refused or self.settings.policy.decide(found.length - have, copy.num_bytes) == "recompute":
             self._decided("recomputed")
-            return
-        if self.settings.policy.decide(found.length - local, copy.num_bytes) == "recompute":
-            self._decided("recomputed")
-            return
-        key = (namespace, found.length, token_digest(prompt[: found.length]))
-        task = self._fetches.get(key)
-        if task is None:
-            task = asyncio.get_running_loop().create_task(self._fetch_and_import(copy))
-            self._fetches[key] = task
-            task.add_done_callback(lambda _: self._fetches.pop(key, None))
-        imported = await asyncio.shield(task)
-        self._decided("fetched" if imported else "recomputed")
+            return None
+        key = (namespace, found.length, token_digest(token_ids[: found.length]))
+        with self._lock:
+            future = self._fetches.get(key)
+            if future is None:
+                future = asyncio.run_coroutine_threadsafe(self._fetch(copy), self._loop)
+                self._fetches[key] = future
+                future.add_done_callback(lambda _: self._forget_fetch(key))
+        deadline = time.monotonic() + self.settings.fetch_timeout_s
+        return TierFetch(self, future, found.length, deadline, locator)
 
-    async def _fetch_and_import(self, copy) -> bool:
-        """True when the copy is published here afterwards."""
+    def _forget_fetch(self, key: tuple) -> None:
+        with self._lock:
+            self._fetches.pop(key, None)
+
+    def _settled(self, locator: str, accepted: bool, num_bytes: int) -> None:
+        """The engine's import of a fetched copy: published, or rejected (never offered again)."""
+        if accepted:
+            self.counters.fetched_bytes += num_bytes
+            self._decided("fetched")
+            return
+        self._failed("rejected")
+        with self._lock:
+            self._refused.add(locator)
+        self._decided("recomputed")
+
+    async def _fetch(self, copy) -> ExportedCheckpoint | None:
+        """The stored copy's checkpoint (by reference: its header, each rank gets its own shard
+        on import), or None when getting it failed (counted by reason)."""
         started = time.monotonic()
         try:
             exported = await fetch_stored(copy.locator, self.settings.fetch_timeout_s, self._by_reference)
         except FetchFailed as failure:
             self._failed(failure.reason)
+            return None
+        elapsed = time.monotonic() - started
+        self.counters.fetch_seconds += elapsed
+        self._observe("fetch", elapsed)
+        return exported
+
+    async def _fetch_and_import(self, copy) -> bool:
+        """Warm start: fetch the copy and import it through the engine's step thread. True when
+        it is published here afterwards."""
+        exported = await self._fetch(copy)
+        if exported is None:
             return False
-        fetched = time.monotonic()
-        self.counters.fetch_seconds += fetched - started
-        self._observe("fetch", fetched - started)
+        started = time.monotonic()
         try:
             result = await self._engine.import_checkpoint(exported)
         except Exception:  # the executor died: the health check reports it
             self._failed("error")
             return False
-        imported = time.monotonic() - fetched
-        self.counters.import_seconds += imported
-        self._observe("import", imported)
+        self._observe_import(time.monotonic() - started)
         if not result.accepted:
             self._failed("rejected")
-            self._refused.add(_locator_id(copy.locator))
+            with self._lock:
+                self._refused.add(_locator_id(copy.locator))
             return False
         self.counters.fetched_bytes += result.num_bytes
         return True
@@ -281,6 +313,46 @@ class CheckpointTier:
     def _observe(self, operation: str, seconds: float) -> None:
         if self._metrics is not None:
             self._metrics.observe(operation, seconds)
+
+    def _observe_import(self, seconds: float) -> None:
+        self.counters.import_seconds += seconds
+        self._observe("import", seconds)
+
+
+class TierFetch:
+    """A CheckpointFetch of the object-store tier: a fetch running on the replica's event loop
+    (shared by the requests that want the same copy), seen from the engine's step thread."""
+
+    def __init__(self, tier: CheckpointTier, future: concurrent.futures.Future, num_tokens: int,
+                 deadline: float, locator: str) -> None:
+        self._tier = tier
+        self._future = future
+        self._locator = locator
+        self._asked = time.monotonic()
+        self.num_tokens = num_tokens
+        self.deadline = deadline
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self) -> ExportedCheckpoint | None:
+        if self._future.cancelled() or self._future.exception() is not None:
+            self._tier._failed("error")
+            self._tier._decided("recomputed")
+            return None
+        exported = self._future.result()
+        if exported is None:
+            self._tier._decided("recomputed")  # the failure was counted by reason
+        else:
+            self._asked = time.monotonic()  # the import starts now
+        return exported
+
+    def settle(self, accepted: bool, num_bytes: int) -> None:
+        self._tier._observe_import(time.monotonic() - self._asked)
+        self._tier._settled(self._locator, accepted, num_bytes)
+
+    def abandon(self) -> None:
+        self._tier._decided("recomputed")
 
 
 def _locator_id(locator: object) -> str:

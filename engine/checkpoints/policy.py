@@ -146,6 +146,13 @@ class CheckpointPolicy:
             return None
         return self.cache.lookup(request.namespace, request.all_token_ids)
 
+    def longest(self, request: Request) -> int:
+        """Tokens of the longest published checkpoint lookup would find for `request` now (0:
+        none, or checkpoints are off). Pins and counts nothing."""
+        if not self.kinds:
+            return 0
+        return self.cache.longest_checkpoint(request.namespace, request.all_token_ids)
+
     def cancel_restore(self, hit: Hit) -> None:
         """The request `hit` was looked up for is not admitted after all: unpin the bundle."""
         self.cache.unpin(hit.bundle_id)

@@ -25,6 +25,7 @@ from typing import TypeVar
 
 from cache.cache_manager import PoolUsage
 from engine.checkpoints.capture_events import CheckpointEvent
+from engine.checkpoints.sources import CheckpointSource
 from engine.core.checkpoint_exchange import ImportResult
 from engine.checkpoints.transfer import ExportedCheckpoint
 from engine.execution.executor import ExecutorDiedError
@@ -35,6 +36,10 @@ from engine.core.output_processor import RequestOutput
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+# While every open request waits for a checkpoint fetch, the loop looks at the fetches this often
+# instead of stepping back to back.
+FETCH_POLL_S = 0.001
 
 
 @dataclass
@@ -128,6 +133,10 @@ class AsyncLLMEngine:
 
         return await self._on_step_thread(run)
 
+    async def add_checkpoint_source(self, source: CheckpointSource) -> None:
+        """LLMEngine.add_checkpoint_source, run on the step thread between steps."""
+        await self._on_step_thread(lambda: self.engine.add_checkpoint_source(source))
+
     def pool_usage(self) -> PoolUsage:
         return self.engine.pool_usage()
 
@@ -196,6 +205,9 @@ class AsyncLLMEngine:
             finally:
                 self._step_started = None
             self._deliver(outputs)
+            if self.engine.only_fetching():
+                self._wakeup.wait(FETCH_POLL_S)  # a new command still wakes the loop at once
+                self._wakeup.clear()
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """Hand a step's outputs to their streams: one wake-up of each event loop per step,

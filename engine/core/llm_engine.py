@@ -15,6 +15,7 @@ that forwards steps to worker actors).
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -30,6 +31,7 @@ from engine.checkpoints.capture_events import CheckpointEvent, CheckpointEventFe
 from engine.core.checkpoint_exchange import CheckpointExchange, ImportResult, TransferCounters
 from engine.checkpoints.import_checks import ImportExpectations, expected_shard_layout
 from engine.checkpoints.policy import CheckpointPolicy
+from engine.checkpoints.sources import CheckpointSource
 from engine.checkpoints.transfer import ExportedCheckpoint, model_identity
 from engine.engine_config import EngineConfig
 from engine.execution.executor import ExecutorDiedError, ModelExecutor
@@ -192,6 +194,18 @@ class LLMEngine:
         for request_id in list(self.scheduler.requests):
             self._finish(request_id, FinishReason.ERROR, message)
 
+    def add_checkpoint_source(self, source: CheckpointSource) -> None:
+        """Ask `source` for checkpoints this engine does not hold, at each request's first
+        admission (engine/checkpoints/sources.py). Step thread only."""
+        self.scheduler.add_source(source)
+
+    def only_fetching(self) -> bool:
+        """Every unfinished request waits for a checkpoint fetch and nothing else is pending:
+        a step() now does nothing but look at the fetches (a caller may pause a moment)."""
+        scheduler = self.scheduler
+        return (bool(scheduler.fetching) and len(scheduler.fetching) == len(scheduler.requests)
+                and not (self._pending_outputs or self._in_flight or scheduler.has_pending_captures()))
+
     def has_unfinished_requests(self) -> bool:
         """Requests to run or outputs to emit, or checkpoint work the runner has not done yet."""
         return self.scheduler.has_pending_work() or bool(self._pending_outputs or self._in_flight)
@@ -233,8 +247,7 @@ class LLMEngine:
     def longest_checkpoint(self, namespace: Namespace, token_ids: Sequence[int]) -> int:
         """Tokens covered by the longest published checkpoint that is a prefix of `token_ids`
         in `namespace` (0: none). Pins, touches and counts nothing. Step thread only."""
-        match = self.scheduler.cache.ledger.index.longest_prefix(Namespace.of(*namespace), tuple(token_ids))
-        return 0 if match is None else match.num_tokens
+        return self.scheduler.cache.longest_checkpoint(Namespace.of(*namespace), tuple(token_ids))
 
     def export_checkpoint(self, namespace: Namespace, token_ids: Sequence[int]) -> ExportedCheckpoint | None:
         """The published checkpoint covering exactly `token_ids` in `namespace` ((model_dir,
@@ -270,6 +283,7 @@ class LLMEngine:
         outputs, self._pending_outputs = self._pending_outputs, []  # ends from between steps
         unsubmitted: SchedulerOutput | None = None
         try:
+            self._import_fetched()
             scheduler_output = self.scheduler.schedule()
             if scheduler_output.has_work:
                 unsubmitted = scheduler_output
@@ -290,6 +304,26 @@ class LLMEngine:
             raise
         failures, self._pending_outputs = self._pending_outputs, []
         return outputs + failures
+
+    def _import_fetched(self) -> None:
+        """Import the checkpoints whose fetches ended, before the step admits their requests
+        (Scheduler.take_fetched put them back at the head of the queue); each source hears how
+        its import went. A checkpoint the import checks reject, or whose import fails with an
+        error of its own, is only a missed hit: its request recomputes. ExecutorDiedError is
+        raised (nothing can run any more)."""
+        for fetched in self.scheduler.take_fetched(time.monotonic()):
+            if fetched.checkpoint is None:
+                continue
+            try:
+                result = self.import_checkpoint(fetched.checkpoint)
+            except ExecutorDiedError:
+                raise
+            except Exception:
+                logger.exception("importing a fetched checkpoint failed; request %s recomputes",
+                                 fetched.request_id)
+                fetched.fetch.settle(False, 0)
+                continue
+            fetched.fetch.settle(result.accepted, result.num_bytes)
 
     def _collect_in_flight(self) -> None:
         """Collect every step in flight, so the ranks are idle; their outputs wait in

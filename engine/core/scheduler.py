@@ -16,6 +16,12 @@ Checkpoints (docs/design.md sections 2 and 5) are the CheckpointPolicy's: the sc
 where a request's prefill chunks must end, which captures a chunk or a finish makes, what an
 admitted request restores, and hands it each step's outcome to publish or drop.
 
+Checkpoints held elsewhere (engine/checkpoints/sources.py): before a request's first admission
+the scheduler asks each CheckpointSource for a longer prefix than this engine holds. A source
+that has one starts fetching it and the request waits off the queue (`fetching`) while the
+others step; when the fetch ends (take_fetched) the engine imports it and the request goes back
+to the head of the queue, to restore it or, when the fetch failed or ran late, to recompute.
+
 Speculative decoding (docs/design.md section 10) is SpeculativeDecoding's: it says which
 running requests wait for a pending token and what a decode drafts (a verification chunk of
 1 + k tokens against the same budget), turns a verification's result into output tokens and
@@ -27,11 +33,12 @@ Pure Python: the scheduler sees the cache only through CacheManager's return val
 from __future__ import annotations
 
 from collections import deque
-
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from cache.cache_manager import CacheManager, PoolUsage
 from engine.checkpoints.policy import CheckpointPolicy
+from engine.checkpoints.sources import CheckpointSource, FetchedCheckpoint, PendingFetch
 from engine.interfaces.request import FinishReason, Request, RequestStatus, token_stop_reason
 from engine.speculative.scheduling import SpeculativeDecoding
 from engine.interfaces.step_io import RestoreOp, RunnerOutput, ScheduledChunk, SchedulerOutput
@@ -50,6 +57,8 @@ class SchedulerStats:
     prompt_tokens_computed: int = 0  # at first admission, left to prefill
     failed_steps: int = 0  # steps the runner failed (requeue_failed)
     requests_failed: int = 0  # requests failed by requeue_failed
+    fetches_started: int = 0  # requests that waited for a checkpoint source (fetching)
+    fetches_restored: int = 0  # of those, ended with a checkpoint to import
 
 
 class Scheduler:
@@ -61,9 +70,12 @@ class Scheduler:
         max_model_len: int,
         checkpoints: CheckpointPolicy | None = None,
         speculation: SpeculativeDecoding | None = None,
+        sources: Sequence[CheckpointSource] = (),
     ) -> None:
         """checkpoints: the policy of the request-boundary checkpoints, reserving in `cache`;
-        None turns checkpoints off. speculation: None turns speculative decoding off."""
+        None turns checkpoints off. speculation: None turns speculative decoding off.
+        sources: where checkpoints this engine does not hold may come from, asked in order
+        (add_source adds one later)."""
         self.cache = cache
         self.checkpoints = checkpoints if checkpoints is not None else CheckpointPolicy(cache)
         assert self.checkpoints.cache is cache, "the policy reserves in the scheduler's cache"
@@ -77,6 +89,12 @@ class Scheduler:
         self.suspects: set[str] = set()  # requeued after a failed step: run alone until they sample
         self.stats = SchedulerStats()
         self.speculation = speculation if speculation is not None else SpeculativeDecoding()
+        self.sources: list[CheckpointSource] = list(sources)
+        self.fetching: dict[str, PendingFetch] = {}  # request id -> the fetch it waits for
+
+    def add_source(self, source: CheckpointSource) -> None:
+        """Ask `source` too, after the others, from the next admission on."""
+        self.sources.append(source)
 
     # ----------------------------------------------------------------- requests in and out
 
@@ -112,6 +130,8 @@ class Scheduler:
             self.running.remove(request)
         elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
+        elif request.status is RequestStatus.FETCHING:
+            self.fetching.pop(request_id).fetch.abandon()
         self._release_cache(request)
         self.suspects.discard(request_id)
         request.status = RequestStatus.FINISHED
@@ -124,7 +144,11 @@ class Scheduler:
 
     def has_pending_work(self) -> bool:
         """Requests to run, or checkpoint captures and drops the runner has not seen yet."""
-        return bool(self.requests or self.checkpoints.has_reserved_captures or self._finished_since_last_step)
+        return bool(self.requests) or self.has_pending_captures()
+
+    def has_pending_captures(self) -> bool:
+        """Checkpoint captures or drops the runner has not seen yet."""
+        return bool(self.checkpoints.has_reserved_captures or self._finished_since_last_step)
 
     def usage(self) -> PoolUsage:
         return self.cache.usage(num_requests=len(self.requests))
@@ -166,6 +190,8 @@ class Scheduler:
         while admit and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             if self.speculation.waits(self.waiting[0]):
                 break  # preempted with its verification in flight: admitted once that returns
+            if self._fetch_elsewhere(self.waiting[0]):
+                continue  # it waits for a longer checkpoint off the queue; the next one is asked
             chunk = self._admit(self.waiting[0], budget, restores)
             if chunk is None:
                 break  # first come, first served: nothing overtakes the head of the queue
@@ -183,6 +209,29 @@ class Scheduler:
             dropped_bundle_ids=self.cache.take_dropped_bundles(),
             commits=commits,
         )
+
+    def take_fetched(self, now: float) -> list[FetchedCheckpoint]:
+        """The fetches that ended, or whose deadline is past `now` (abandoned: nothing to
+        import), in the order their requests arrived. Their requests go back to the head of the
+        waiting queue in that order, to be admitted first once the engine has imported what
+        came (LLMEngine.step). Mutates `fetching` and the queue."""
+        ended: list[FetchedCheckpoint] = []
+        for request_id, pending in list(self.fetching.items()):
+            fetch = pending.fetch
+            if fetch.done():
+                checkpoint = fetch.result()
+            elif now >= fetch.deadline:
+                fetch.abandon()
+                checkpoint = None
+            else:
+                continue
+            del self.fetching[request_id]
+            pending.request.status = RequestStatus.WAITING
+            self.stats.fetches_restored += checkpoint is not None
+            ended.append(FetchedCheckpoint(request_id, fetch, checkpoint))
+        for fetched in reversed(ended):
+            self.waiting.appendleft(self.requests[fetched.request_id])
+        return ended
 
     def abandon_step(self, scheduler_output: SchedulerOutput) -> None:
         """The runner failed `scheduler_output`: none of it is known to have happened. The
@@ -345,6 +394,26 @@ class Scheduler:
             self._preempt(victim)
             if victim is request:
                 return False
+
+    def _fetch_elsewhere(self, request: Request) -> bool:
+        """Before `request`'s first admission, ask the checkpoint sources for a longer prefix
+        than this engine holds; when one starts fetching it, move the request from the head of
+        the queue to `fetching` and return True. Asks once per request: a request back from a
+        fetch, or preempted, is admitted on what this engine holds."""
+        if request.asked_sources or not self.sources or not self.checkpoints.kinds:
+            return False
+        request.asked_sources = True
+        have = self.checkpoints.longest(request)
+        tokens = request.all_token_ids
+        for source in self.sources:
+            fetch = source.lookup(request.namespace, tokens, have)
+            if fetch is not None:
+                self.waiting.popleft()
+                request.status = RequestStatus.FETCHING
+                self.fetching[request.request_id] = PendingFetch(request, fetch)
+                self.stats.fetches_started += 1
+                return True
+        return False
 
     def _admit(
         self, request: Request, budget: int, restores: list[RestoreOp]

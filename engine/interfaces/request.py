@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from cache.checkpoint_keys import Namespace
 from engine.interfaces.sampling_params import SamplingParams
 
 
@@ -14,6 +15,7 @@ PENDING_TOKEN = -1
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    FETCHING = "fetching"  # off the queue, waiting for a checkpoint from a source (Scheduler.fetching)
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -49,16 +51,19 @@ class Request:
     instruction_boundary: prompt position after the leading system/developer messages, as
     verified by the renderer; None when there is none.
     num_cached_tokens: prompt tokens restored from a checkpoint at first admission.
+    namespace and the prompt are what the checkpoint sources are asked for, once, before the first
+    admission (Scheduler._fetch_elsewhere).
     """
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
     pause_positions: tuple[int, ...] = ()
-    namespace: tuple[str, str] = ("", "")
+    namespace: Namespace = Namespace("", "")
     tenant: str = ""  # owner of its checkpoints (GenerationRequest.tenant)
     instruction_boundary: int | None = None
     num_cached_tokens: int | None = None
+    asked_sources: bool = False  # the scheduler asked the checkpoint sources (once, at first admission)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
