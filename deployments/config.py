@@ -95,7 +95,8 @@ class AppConfig(BaseModel):
         description="The object-store tier (README.md, Checkpoints across replicas): LLM server "
                     "replicas export instruction checkpoints and hit checkpoints into the Ray "
                     "object store, owned by the application's cluster index actor, fetch a "
-                    "stored copy before a request when it saves enough prefill, import the "
+                    "stored copy when a request about to be admitted would save enough prefill (the "
+                    "request waits in the scheduler meanwhile), import the "
                     "hottest ones when they start and export what is worth keeping when they "
                     "stop. Off by default: each export costs a copy of the checkpoint's bytes.")
     checkpoint_store_bytes: int = Field(

@@ -1,4 +1,4 @@
-"""Sharing checkpoints between replicas (docs/design.md section 9).
+"""Sharing checkpoints between replicas (docs/design.md section 6.2).
 
     index.py          the cluster-wide CheckpointIndex actor: which replica holds what
     index_mirror.py   a replica's local copy of the index, kept fresh by deltas
