@@ -233,11 +233,11 @@ class OpenAIIngress:
         """Validate the prompt and sampling against the limits and the context, build the
         engine's GenerationRequest (its cache salt scoped to the tenant) and open (lazily) the
         LLM server stream."""
+        prompt_param = "messages" if isinstance(fields, ChatCompletionRequest) else "prompt"
         max_tokens = output_token_budget(
-            len(prompt.token_ids), max_tokens, self._info.max_model_len, self._limits,
-            "messages" if isinstance(fields, ChatCompletionRequest) else "prompt")
+            len(prompt.token_ids), max_tokens, self._info.max_model_len, self._limits, prompt_param)
         sampling = to_sampling_params(fields, max_tokens, len(prompt.token_ids),
-                                      self._info.max_model_len)
+                                      self._info.max_model_len, prompt_param)
         request = GenerationRequest(
             request_id=request_id,
             prompt_token_ids=prompt.token_ids,

@@ -36,12 +36,14 @@ GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
 def to_sampling_params(
-    request: SamplingFields, max_tokens: int | None, num_prompt_tokens: int, max_model_len: int
+    request: SamplingFields, max_tokens: int | None, num_prompt_tokens: int, max_model_len: int,
+    prompt_param: str = "messages",
 ) -> SamplingParams:
     """Build the engine's SamplingParams; raises APIError(400) on values it cannot serve.
 
     max_tokens None means "up to the context length" (as vLLM does). prompt + max_tokens must
-    fit max_model_len: a request that cannot complete is refused up front, never truncated.
+    fit max_model_len: a request that cannot complete is refused up front, never truncated (a
+    prompt that leaves no room names `prompt_param`: "messages" or "prompt").
     A temperature below GREEDY_BELOW_TEMPERATURE is greedy (as in vLLM): dividing the logits
     by it would overflow them to infinities.
     """
@@ -49,7 +51,7 @@ def to_sampling_params(
     if room < 1:
         raise APIError.bad_request(
             f"This model's maximum context length is {max_model_len} tokens; the prompt has "
-            f"{num_prompt_tokens} tokens, leaving no room to generate.", "messages")
+            f"{num_prompt_tokens} tokens, leaving no room to generate.", prompt_param)
     if max_tokens is None:
         max_tokens = room
     elif max_tokens > room:
