@@ -52,7 +52,7 @@ from deployments.http.protocol import (
 )
 from deployments.llm_server import ModelInfo
 from deployments.metrics import METRICS_CONTENT_TYPE, METRICS_ELSEWHERE, RequestMetrics
-from deployments.renderer import RenderedPrompt
+from deployments.prompts.rendering import RenderedPrompt
 from deployments.http.request_log import RequestRecord, log_request
 from engine.interfaces.generation_request import GenerationRequest
 from engine.interfaces.sampling_params import output_budget
