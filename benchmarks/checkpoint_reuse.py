@@ -6,8 +6,8 @@
 Workload: --systems system prompts of about --system-tokens tokens each, shared by --requests
 chat requests (system prompt i % systems, so every system prompt is first seen once and then
 reused), each with its own distinct user message of 100-300 tokens. Prompts are rendered the way
-the Serve renderer renders them (deployments.renderer.render_chat: chat template plus the verified
-instruction boundary). Requests run one at a time (closed loop, concurrency 1) on an in-process
+the Serve renderer renders them (deployments.prompts.rendering.PromptRenderer: chat template plus
+the verified instruction boundary). Requests run one at a time (closed loop, concurrency 1) on an in-process
 LLMEngine, greedy with ignore_eos and --max-tokens output tokens, so TTFT is prefill cost and
 nothing else.
 
@@ -33,8 +33,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from deployments.http.protocol import ChatMessage
-from deployments.renderer import RenderedPrompt, render_chat
+from deployments.prompts.rendering import PromptRenderer, RenderedPrompt
 from engine.engine_config import DEFAULT_MODEL_DIR, EngineConfig
 from engine.interfaces.generation_request import GenerationRequest
 from engine.core.llm_engine import LLMEngine
@@ -79,12 +78,12 @@ def build_workload(tokenizer, args) -> list[tuple[int, RenderedPrompt]]:
     rng = random.Random(args.seed)
     systems = [text_of_tokens(tokenizer, rng, args.system_tokens, f"System policy {i}:")
                for i in range(args.systems)]
-    workload = []
+    workload, renderer = [], PromptRenderer(tokenizer)
     for r in range(args.requests):
         s = r % args.systems
         user = text_of_tokens(tokenizer, rng, rng.randint(100, 300), f"Question {r}:")
-        prompt = render_chat(tokenizer, [ChatMessage(role="system", content=systems[s]),
-                                         ChatMessage(role="user", content=user)])
+        prompt = renderer.render_chat([{"role": "system", "content": systems[s]},
+                                       {"role": "user", "content": user}])
         if prompt.instruction_boundary is None:
             raise SystemExit(f"request {r}: no instruction boundary ({prompt.boundary_rejection})")
         workload.append((s, prompt))

@@ -8,9 +8,10 @@ An HTTP client's time to first token includes this: deployments/renderer.py runs
 chat request before the engine sees the request. For each instruction length L, the
 shared-instructions workload of hybrid-serve-bench (its systems and user messages, the
 embedded model's tokenizer and template) is rendered request by request with
-deployments.renderer.render_chat, once with a fresh InstructionPrefixes (the first request of
-each system renders its instructions, the others take them) and once without; both give the
-same ids and boundaries (checked). Medians over the requests, interleaved per request so both
+deployments.prompts.rendering.PromptRenderer.render_chat, once with one renderer for the
+workload (the first request of each system renders its instructions, the others take them
+from its InstructionPrefixes) and once with a new renderer per request (nothing remembered);
+both give the same ids and boundaries (checked). Medians over the requests, interleaved per request so both
 columns see the same machine.
 Prints a table and writes JSON (--out, default benchmarks/results/render_time.json).
 """
@@ -28,9 +29,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 from transformers import AutoTokenizer  # noqa: E402
 
-from deployments.prompts.instruction_boundary import InstructionPrefixes  # noqa: E402
-from deployments.http.protocol import ChatMessage  # noqa: E402
-from deployments.renderer import render_chat  # noqa: E402
+from deployments.prompts.rendering import PromptRenderer  # noqa: E402
 from engine.engine_config import DEFAULT_MODEL_DIR  # noqa: E402
 from harness import add_out_argument, markdown_table, write_result  # noqa: E402
 from hybrid_serve_bench.tokens import TokenizerCounter  # noqa: E402
@@ -41,15 +40,15 @@ LENGTHS = (500, 2000, 8000, 16000)
 
 def measure(tokenizer, counter: TokenizerCounter, length: int, requests: int) -> dict:
     workload = shared_instructions(Sizes(instruction_tokens=length, requests=requests, systems=2), counter)
-    prefixes = InstructionPrefixes()
+    renderer = PromptRenderer(tokenizer)
     plain, remembered = [], []
     for conversation in workload.conversations:
-        messages = [ChatMessage(**m) for m in conversation.turns[0].new_messages]
+        messages = [dict(m) for m in conversation.turns[0].new_messages]
         started = time.perf_counter()
-        want = render_chat(tokenizer, messages)
+        want = PromptRenderer(tokenizer).render_chat(messages)
         plain.append(time.perf_counter() - started)
         started = time.perf_counter()
-        got = render_chat(tokenizer, messages, prefixes)
+        got = renderer.render_chat(messages)
         remembered.append(time.perf_counter() - started)
         assert got == want and got.instruction_boundary is not None, "the remembered rendering differs"
     plain_ms, remembered_ms = 1e3 * statistics.median(plain), 1e3 * statistics.median(remembered)

@@ -248,7 +248,7 @@ def bench_path_pass(engine, quick: bool) -> list[dict]:
     workload = shared_instructions(Sizes(instruction_tokens=300 if quick else 8000, requests=8 if quick else 24,
                                          systems=2), counter)
     rows, salt = [], uuid.uuid4().hex  # nothing an earlier pass left is restored
-    rendered = [chat.render(list(c.turns[0].new_messages)) for c in workload.conversations]
+    rendered = [chat.renderer.render_chat(list(c.turns[0].new_messages)) for c in workload.conversations]
 
     async def main() -> None:
         for conversation in workload.conversations:
@@ -269,8 +269,9 @@ def bench_path_pass(engine, quick: bool) -> list[dict]:
         engine.step = step
         clock.stop()
     replay_salt = uuid.uuid4().hex  # as the pass did: each system's first request captures, the others restore
-    for row, (ids, boundary) in zip(rows, rendered):
-        row["sync_ttft_ms"] = ttft(engine, request(tuple(ids), boundary, replay_salt))["ttft_ms"]
+    for row, prompt in zip(rows, rendered):
+        row["sync_ttft_ms"] = ttft(engine, request(prompt.token_ids, prompt.instruction_boundary,
+                                                   replay_salt))["ttft_ms"]
     return rows
 
 

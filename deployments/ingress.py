@@ -25,12 +25,7 @@ from ray.serve.handle import DeploymentHandle
 
 from deployments.http.api_keys import TENANT_SCOPE, ApiKeyMiddleware, ApiKeys, scoped_cache_salt
 from deployments.http.errors import APIError, as_api_error, error_json, install_error_handlers, validated
-from deployments.http.limits import (
-    RequestLimits,
-    RequestLimitsMiddleware,
-    check_stop_limits,
-    output_token_budget,
-)
+from deployments.http.limits import RequestLimits, RequestLimitsMiddleware, check_stop_limits
 from deployments.http.streaming import first_output_ready, json_response, sse_response
 from deployments.http.openai_format import (
     ResponseMeta,
@@ -57,9 +52,10 @@ from deployments.http.protocol import (
 )
 from deployments.llm_server import ModelInfo
 from deployments.metrics import METRICS_CONTENT_TYPE, METRICS_ELSEWHERE, RequestMetrics
-from deployments.renderer import RenderedPrompt
+from deployments.prompts.rendering import RenderedPrompt
 from deployments.http.request_log import RequestRecord, log_request
 from engine.interfaces.generation_request import GenerationRequest
+from engine.interfaces.sampling_params import output_budget
 from engine.core.llm_engine import EngineStats, PoolUsage, RequestOutput
 
 _Started = tuple[ResponseMeta, AsyncGenerator[RequestOutput, None]]
@@ -233,11 +229,12 @@ class OpenAIIngress:
         """Validate the prompt and sampling against the limits and the context, build the
         engine's GenerationRequest (its cache salt scoped to the tenant) and open (lazily) the
         LLM server stream."""
-        max_tokens = output_token_budget(
-            len(prompt.token_ids), max_tokens, self._info.max_model_len, self._limits,
-            "messages" if isinstance(fields, ChatCompletionRequest) else "prompt")
-        sampling = to_sampling_params(fields, max_tokens, len(prompt.token_ids),
-                                      self._info.max_model_len)
+        max_tokens = output_budget(
+            len(prompt.token_ids), max_tokens, self._info.max_model_len,
+            max_prompt_tokens=self._limits.max_prompt_tokens,
+            max_output_tokens=self._limits.max_output_tokens,
+            prompt_param="messages" if isinstance(fields, ChatCompletionRequest) else "prompt")
+        sampling = to_sampling_params(fields, max_tokens)
         request = GenerationRequest(
             request_id=request_id,
             prompt_token_ids=prompt.token_ids,

@@ -4,9 +4,9 @@ stack do not travel to the device machine; torch, transformers, httpx and tqdm d
 
 EngineChat does what the ingress and renderer do for one chat request, then streams
 AsyncLLMEngine.generate into the StreamResult the HTTP client returns:
-  render     the model's chat template with the generation prompt, and the verified
-             instruction boundary (deployments/prompts/instruction_boundary.py, as the renderer,
-             with the instruction renderings remembered as the renderer remembers them);
+  render     deployments/prompts/rendering.py's PromptRenderer, the Renderer deployment's own
+             code: the model's chat template with the generation prompt, and the verified
+             instruction boundary, the instruction renderings remembered;
   request    extra_body's cache_salt and ignore_eos become GenerationRequest.cache_salt and
              SamplingParams.ignore_eos; temperature and max_tokens pass as they are;
   times      seconds from the engine submission, which is AFTER rendering (an HTTP server's
@@ -42,21 +42,12 @@ class EngineChat:
     (appended by __call__). ttft_at_first_token: see the module doc."""
 
     def __init__(self, engine, ttft_at_first_token: bool = False) -> None:  # engine: AsyncLLMEngine
+        from deployments.prompts.rendering import PromptRenderer
+
         self.engine = engine
         self.ttft_at_first_token = ttft_at_first_token
-        from deployments.prompts.instruction_boundary import InstructionPrefixes
-
-        self.tokenizer = engine.engine.tokenizer
-        self.instruction_prefixes = InstructionPrefixes()  # as the renderer deployment keeps them
+        self.renderer = PromptRenderer(engine.engine.tokenizer)  # as a Renderer replica holds one
         self.render_s: list[float] = []
-
-    def render(self, messages: list[dict]) -> tuple[tuple[int, ...], int | None]:
-        """(prompt ids, instruction boundary or None), as deployments/renderer.py renders."""
-        from deployments.prompts.instruction_boundary import find_instruction_boundary
-
-        ids = tuple(map(int, self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=False)))
-        return ids, find_instruction_boundary(self.tokenizer, messages, ids, self.instruction_prefixes).position
 
     async def __call__(self, request: ChatRequest) -> StreamResult:
         """One request to its end. Never raises: failures come back as StreamResult.error."""
@@ -66,12 +57,12 @@ class EngineChat:
         extra = request.extra_body or {}
         rendered = time.perf_counter()
         try:
-            ids, boundary = self.render(request.messages)
+            prompt = self.renderer.render_chat(request.messages)
             generation = GenerationRequest(
-                request_id=uuid.uuid4().hex, prompt_token_ids=tuple(ids),
+                request_id=uuid.uuid4().hex, prompt_token_ids=prompt.token_ids,
                 sampling=SamplingParams(max_tokens=request.max_tokens, temperature=request.temperature,
                                         ignore_eos=bool(extra.get("ignore_eos"))),
-                instruction_boundary=boundary, cache_salt=extra.get("cache_salt"))
+                instruction_boundary=prompt.instruction_boundary, cache_salt=extra.get("cache_salt"))
         except Exception as exc:  # template refusal, invalid sampling
             return _failed(rendered, f"{type(exc).__name__}: {exc}")
         start = time.perf_counter()

@@ -79,8 +79,9 @@ class APIError(Exception):
 def as_api_error(exc: BaseException) -> APIError:
     """Map any exception (possibly wrapped by Ray, several times) to an APIError.
 
-    InvalidRequestError from the engine becomes 400; a dead executor or a dead actor of the
-    replica (it is being replaced) becomes 503; anything unknown is logged and becomes 500.
+    InvalidRequestError (from the engine, or a check the ingress runs) becomes 400 naming its
+    param; a dead executor or a dead actor of the replica (it is being replaced) becomes 503;
+    anything unknown is logged and becomes 500.
     """
     root = exc
     while getattr(root, "cause", None) is not None:  # RayTaskError keeps the original here
@@ -90,7 +91,7 @@ def as_api_error(exc: BaseException) -> APIError:
     if isinstance(root, BackPressureError):  # a deployment's max_queued_requests is reached
         return APIError.overloaded()
     if isinstance(root, InvalidRequestError):
-        return APIError.bad_request(str(root.args[0]) if root.args else str(root))
+        return APIError.bad_request(str(root.args[0]) if root.args else str(root), root.param)
     if isinstance(root, ExecutorDiedError) or _is_dead_actor(root):
         logger.warning("a process of the model replica is gone: %s: %s", type(root).__name__, root)
         return APIError.unavailable()

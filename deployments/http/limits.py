@@ -1,7 +1,8 @@
 """Request limits at the HTTP edge, before a request costs anything.
 
 check_stop_limits: the stop conditions of one request (the ingress checks them first, for HTTP
-and handle calls alike); output_token_budget: its prompt length and max_tokens.
+and handle calls alike). Its prompt length and max_tokens are checked against max_prompt_tokens
+and max_output_tokens by engine.interfaces.sampling_params.output_budget, with the context.
 
 RequestLimitsMiddleware (ASGI, in front of the ingress's routes; its limits are
 scope["app"].state.request_limits, set by the ingress replica):
@@ -51,27 +52,6 @@ def check_stop_limits(fields: SamplingFields, limits: RequestLimits) -> None:
     if len(fields.stop_token_ids or ()) > limits.max_stop_strings:
         raise APIError.bad_request(
             f"at most {limits.max_stop_strings} stop token ids are accepted", "stop_token_ids")
-
-
-def output_token_budget(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int,
-                        limits: RequestLimits, prompt_param: str = "messages") -> int | None:
-    """The max_tokens to build the request with: the client's, or for none given
-    limits.max_output_tokens capped by the room left in the context (None when there is no
-    room: to_sampling_params refuses that). Raises APIError 400 for a prompt longer than
-    limits.max_prompt_tokens (param `prompt_param`: "messages" or "prompt") or a max_tokens
-    above limits.max_output_tokens."""
-    if limits.max_prompt_tokens is not None and num_prompt_tokens > limits.max_prompt_tokens:
-        raise APIError.bad_request(
-            f"the prompt has {num_prompt_tokens} tokens; this server accepts at most "
-            f"{limits.max_prompt_tokens} (max_prompt_tokens)", prompt_param)
-    if max_tokens is not None:
-        if max_tokens > limits.max_output_tokens:
-            raise APIError.bad_request(
-                f"max_tokens is {max_tokens}; this server generates at most "
-                f"{limits.max_output_tokens} tokens a request (max_output_tokens)", "max_tokens")
-        return max_tokens
-    room = max_model_len - num_prompt_tokens
-    return min(limits.max_output_tokens, room) if room >= 1 else None
 
 
 class BodyTooLarge(HTTPException):

@@ -1,6 +1,6 @@
 """Pure conversions between the OpenAI models and the engine's types (no Ray, no I/O).
 
-- request fields -> SamplingParams (with the max_tokens default and the context check),
+- request fields and their output budget -> SamplingParams,
 - a stream of RequestOutputs -> chat/completion chunks, or one full response,
 - usage from the final RequestOutput.
 """
@@ -27,7 +27,7 @@ from deployments.http.protocol import (
     SamplingFields,
     Usage,
 )
-from engine.interfaces.sampling_params import InvalidRequestError, SamplingParams
+from engine.interfaces.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from engine.core.llm_engine import RequestOutput
@@ -35,43 +35,26 @@ if TYPE_CHECKING:
 GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
-def to_sampling_params(
-    request: SamplingFields, max_tokens: int | None, num_prompt_tokens: int, max_model_len: int
-) -> SamplingParams:
-    """Build the engine's SamplingParams; raises APIError(400) on values it cannot serve.
+def to_sampling_params(request: SamplingFields, max_tokens: int) -> SamplingParams:
+    """Build the engine's SamplingParams; raises InvalidRequestError (HTTP 400) on values it
+    cannot serve.
 
-    max_tokens None means "up to the context length" (as vLLM does). prompt + max_tokens must
-    fit max_model_len: a request that cannot complete is refused up front, never truncated.
+    max_tokens: the request's output budget (engine.interfaces.sampling_params.output_budget).
     A temperature below GREEDY_BELOW_TEMPERATURE is greedy (as in vLLM): dividing the logits
     by it would overflow them to infinities.
     """
-    room = max_model_len - num_prompt_tokens
-    if room < 1:
-        raise APIError.bad_request(
-            f"This model's maximum context length is {max_model_len} tokens; the prompt has "
-            f"{num_prompt_tokens} tokens, leaving no room to generate.", "messages")
-    if max_tokens is None:
-        max_tokens = room
-    elif max_tokens > room:
-        raise APIError.bad_request(
-            f"This model's maximum context length is {max_model_len} tokens. However, you "
-            f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
-            f"prompt, {max_tokens} for the completion).", "max_tokens")
     temperature = request.temperature if request.temperature >= GREEDY_BELOW_TEMPERATURE else 0.0
-    try:
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=request.top_p,
-            top_k=request.top_k,
-            seed=request.seed,
-            stop=request.stop_strings(),
-            stop_token_ids=tuple(request.stop_token_ids or ()),
-            ignore_eos=request.ignore_eos,
-            min_tokens=request.min_tokens,
-        )
-    except InvalidRequestError as exc:
-        raise APIError.bad_request(str(exc)) from None
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=request.top_p,
+        top_k=request.top_k,
+        seed=request.seed,
+        stop=request.stop_strings(),
+        stop_token_ids=tuple(request.stop_token_ids or ()),
+        ignore_eos=request.ignore_eos,
+        min_tokens=request.min_tokens,
+    )
 
 
 def raise_if_failed(out: RequestOutput) -> None:

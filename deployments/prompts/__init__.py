@@ -1,6 +1,13 @@
 """Turning messages into token ids without Ray: the chat template and the instruction boundary.
 
-    instruction_boundary.py  the verified end of the leading system/developer messages
+    rendering.py             PromptRenderer: chat messages and plain prompts -> RenderedPrompt
+                             (token ids, verified instruction boundary); refusals are
+                             InvalidRequestError naming the request field
+    instruction_boundary.py  the verified end of the leading system/developer messages, failing
+                             closed, and the instruction renderings remembered per tokenizer
 
-Imports no Ray: the Renderer deployment, the benchmark's in-process target and tests call it.
+The one renderer: the Renderer deployment (deployments/renderer.py) wraps a PromptRenderer, the
+benchmark's in-process target (hybrid_serve_bench/engine_target.py) holds one, tests call it.
+Imports only engine.interfaces and transformers: no Ray, no HTTP stack, nothing else of
+deployments/ (an import contract in pyproject.toml).
 """

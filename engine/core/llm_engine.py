@@ -39,7 +39,7 @@ from engine.interfaces.generation_request import GenerationRequest
 from engine.models.registry import load_model_config
 from engine.core.output_processor import OutputProcessor, RequestOutput
 from engine.interfaces.request import FinishReason, Request
-from engine.interfaces.sampling_params import InvalidRequestError
+from engine.interfaces.sampling_params import InvalidRequestError, output_budget
 from engine.core.scheduler import Scheduler, SchedulerStats
 from engine.speculative.ngram import NgramDrafter
 from engine.speculative.scheduling import SpeculationStats, SpeculativeDecoding, WorkerProposals
@@ -153,12 +153,7 @@ class LLMEngine:
         if any(t < 0 or t >= self.vocab_size for t in request.sampling.stop_token_ids):
             # the sampler masks them in the logits (min_tokens): an id outside would fail the step
             raise InvalidRequestError(f"stop token ids must be in [0, {self.vocab_size})")
-        if len(prompt) + request.sampling.max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                f"this model's maximum context length is {self.max_model_len} tokens, but the "
-                f"request asks for {len(prompt)} prompt tokens plus {request.sampling.max_tokens} "
-                "output tokens; shorten the prompt or lower max_tokens"
-            )
+        output_budget(len(prompt), request.sampling.max_tokens, self.max_model_len)  # or raises
         request_id = request.request_id
         if request_id in self.scheduler.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")

@@ -54,7 +54,7 @@ BAD_REQUESTS = [
     ("completion-empty-prompt", COMPLETIONS, completion(prompt=""), 400, "prompt"),
     ("completion-empty-ids", COMPLETIONS, completion(prompt=[]), 400, "prompt"),
     ("completion-id-out-of-vocab", COMPLETIONS, completion(prompt=[10**9]), 400, "prompt"),
-    ("completion-prompt-too-long", COMPLETIONS, completion(prompt=[5] * 600, max_tokens=None), 400, None),
+    ("completion-prompt-too-long", COMPLETIONS, completion(prompt=[5] * 600, max_tokens=None), 400, "prompt"),
     ("completion-unknown-model", COMPLETIONS, completion(model="nope"), 404, "model"),
     ("completion-temperature-negative", COMPLETIONS, completion(temperature=-1), 400, "temperature"),
     # found by tests/e2e/test_fuzz.py (each was a 500, most by failing the engine step)

@@ -106,25 +106,6 @@ def test_stop_limits_accept_up_to_the_limit_and_refuse_beyond():
         assert refused.value.status_code == 400 and refused.value.param == param
 
 
-def test_prompt_and_output_token_limits():
-    from deployments.http.errors import APIError
-    from deployments.http.limits import output_token_budget
-
-    limits = dataclasses.replace(LIMITS, max_prompt_tokens=100, max_output_tokens=50)
-    assert output_token_budget(100, 50, 1000, limits) == 50
-    assert output_token_budget(100, None, 1000, limits) == 50  # the cap, not the room (900)
-    assert output_token_budget(100, None, 120, limits) == 20  # the room, below the cap
-    assert output_token_budget(100, None, 100, limits) is None  # no room: refused downstream
-    for prompt, max_tokens, param in ((101, 1, "prompt"), (10, 51, "max_tokens")):
-        try:
-            output_token_budget(prompt, max_tokens, 1000, limits, prompt_param="prompt")
-        except APIError as exc:
-            assert (exc.status_code, exc.param) == (400, param)
-            assert str(limits.max_prompt_tokens if param == "prompt" else 50) in exc.message
-        else:
-            raise AssertionError(f"{prompt} prompt tokens, max_tokens {max_tokens} accepted")
-
-
 def test_a_full_queue_is_a_503_with_retry_after():
     """Serve raises BackPressureError to the ingress when a deployment's max_queued_requests is
     reached (through Ray, wrapped); the client gets 503 with Retry-After and an OpenAI body."""

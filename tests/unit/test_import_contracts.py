@@ -52,6 +52,9 @@ def test_the_tree_keeps_every_contract():
         ("engine/core/scheduler.py", "import ray", "The engine imports no Ray", "engine.core.scheduler -> ray"),
         ("deployments/http/errors.py", "from deployments import llm_server",
          "Serve layer", "deployments.http.errors -> deployments.llm_server"),
+        # rendering raising the API's error type again: that module imports Ray and FastAPI
+        ("deployments/prompts/rendering.py", "from deployments.http.errors import APIError",
+         "Prompt rendering imports no Ray", "deployments.prompts.rendering -> deployments.http.errors"),
     ],
 )
 def test_a_bad_import_breaks_its_contract(tmp_path, module, line, contract, named):

@@ -1,4 +1,5 @@
-"""The renderer's instruction boundary fails closed (docs/design.md section 3), with no Serve.
+"""The renderer's instruction boundary fails closed (docs/design.md section 3), with no Serve:
+PromptRenderer (deployments/prompts/rendering.py), the code the Renderer deployment runs.
 
 Custom chat templates on the embedded tokenizer stand in for the templates that break the
 "instructions rendered alone are a token prefix" rule: one that merges the system message into
@@ -15,14 +16,13 @@ import copy
 import pytest
 from transformers import AutoTokenizer
 
-from deployments.http.errors import APIError
+from deployments.http.errors import as_api_error
 from deployments.prompts.instruction_boundary import BoundaryRejection, InstructionPrefixes, find_instruction_boundary
-from deployments.http.protocol import ChatMessage
-from deployments.renderer import render_chat, tokenize_prompt
+from deployments.prompts.rendering import PromptRenderer
 from engine.engine_config import DEFAULT_MODEL_DIR, EngineConfig
 from engine.interfaces.generation_request import GenerationRequest
 from engine.core.llm_engine import LLMEngine
-from engine.interfaces.sampling_params import SamplingParams
+from engine.interfaces.sampling_params import InvalidRequestError, SamplingParams
 
 GEN_PROMPT = "{%- if add_generation_prompt -%}<|start_of_role|>assistant<|end_of_role|>{%- endif -%}"
 
@@ -72,15 +72,20 @@ def with_template(tokenizer, template: str | None):
     return custom
 
 
-def messages(*pairs: tuple[str, str]) -> list[ChatMessage]:
-    return [ChatMessage(role=role, content=content) for role, content in pairs]
+def messages(*pairs: tuple[str, str]) -> list[dict[str, str]]:
+    return [{"role": role, "content": content} for role, content in pairs]
+
+
+def render_chat(tokenizer, conversation, prefixes: InstructionPrefixes | None = None):
+    """PromptRenderer.render_chat; with `prefixes` (None: its own, empty) as its memory."""
+    return PromptRenderer(tokenizer, prefixes).render_chat(conversation)
 
 
 def test_the_model_template_gives_the_system_prompt_length(base_tokenizer):
     conversation = messages(("system", SYSTEM), ("developer", "Be brief."), ("user", USER))
     prompt = render_chat(base_tokenizer, conversation)
     prefix = base_tokenizer.apply_chat_template(
-        [m.model_dump(exclude_none=True) for m in conversation[:2]],
+        conversation[:2],
         add_generation_prompt=False, tokenize=True, return_dict=False)
     assert prompt.instruction_boundary == len(prefix)
     assert prompt.boundary_rejection is None
@@ -112,8 +117,7 @@ def test_templates_that_break_the_prefix_rule_fail_closed(base_tokenizer, templa
     assert prompt.instruction_boundary is None
     assert prompt.boundary_rejection == reason.value
     # the same verdict straight from find_instruction_boundary
-    dicts = [m.model_dump(exclude_none=True) for m in conversation]
-    assert find_instruction_boundary(tokenizer, dicts, prompt.token_ids).rejection is reason
+    assert find_instruction_boundary(tokenizer, conversation, prompt.token_ids).rejection is reason
 
 
 def test_the_bpe_case_really_merges_across_the_seam(base_tokenizer):
@@ -124,11 +128,19 @@ def test_the_bpe_case_really_merges_across_the_seam(base_tokenizer):
 
 
 def test_render_chat_errors_are_400_and_completions_have_no_boundary(base_tokenizer):
-    with pytest.raises(APIError) as info:
+    with pytest.raises(InvalidRequestError) as info:
         render_chat(with_template(base_tokenizer, NEEDS_USER_TEMPLATE), messages(("system", SYSTEM)))
-    assert info.value.status_code == 400
-    prompt = tokenize_prompt(base_tokenizer, "You are helpful")
+    error = as_api_error(info.value)
+    assert (error.status_code, error.param) == (400, "messages")
+    assert error.message.startswith("The chat template rejected the messages: ")
+    renderer = PromptRenderer(base_tokenizer)
+    prompt = renderer.tokenize_prompt("You are helpful")
     assert prompt.instruction_boundary is None and prompt.boundary_rejection is None
+    assert renderer.tokenize_prompt([5, 6]).token_ids == (5, 6)
+    for refused in ("", [len(base_tokenizer)]):
+        with pytest.raises(InvalidRequestError) as info:
+            renderer.tokenize_prompt(refused)
+        assert as_api_error(info.value).param == "prompt"
 
 
 @pytest.fixture(scope="module")
@@ -227,7 +239,6 @@ def test_a_remembered_rendering_that_no_longer_matches_is_rendered_again(base_to
         assert prompt.boundary_rejection == BoundaryRejection.NOT_A_PREFIX.value
     failing, before = with_template(base_tokenizer, NEEDS_USER_TEMPLATE), len(prefixes)
     other = messages(("system", "New."), ("user", USER))
-    dicts = [m.model_dump(exclude_none=True) for m in other]
-    ids = tuple(failing.apply_chat_template(dicts, add_generation_prompt=True, tokenize=True, return_dict=False))
-    assert find_instruction_boundary(failing, dicts, ids, prefixes).rejection is BoundaryRejection.RENDER_ERROR
+    ids = tuple(failing.apply_chat_template(other, add_generation_prompt=True, tokenize=True, return_dict=False))
+    assert find_instruction_boundary(failing, other, ids, prefixes).rejection is BoundaryRejection.RENDER_ERROR
     assert len(prefixes) == before
