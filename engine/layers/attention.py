@@ -7,7 +7,7 @@ from torch import nn
 
 from engine.interfaces.forward_batch import ForwardBatch
 from engine.kernels.gpu.batch_plan import GpuBatchPlan
-from engine.kernels.attention_reference import paged_attention, write_kv
+from engine.kernels.attention_reference import decode_key_slots, paged_attention, paged_decode_attention, write_kv
 from engine.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear, linear, routes_to_skinny
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import apply_rotary
@@ -170,7 +170,18 @@ class PagedAttention(nn.Module):
             return self.o_proj(self.gated(output, gate).view(num_tokens, self.num_heads * self.head_dim))
         write_kv(key_cache, value_cache, batch.slot_mapping, key, value)
         output = torch.empty_like(query)  # (T, H, Dh)
-        for chunk, start, end in zip(batch.chunks, batch.cu_seqlens[:-1], batch.cu_seqlens[1:]):
+        decode = [i for i, chunk in enumerate(batch.chunks) if chunk.num_tokens == 1 and chunk.first_key == 0]
+        if len(decode) > 1:  # the one-token chunks in one batched pass, the others one by one
+            rows = torch.tensor([batch.cu_seqlens[i] for i in decode], dtype=torch.int64, device=hidden.device)
+            num_keys = [batch.chunks[i].start_position + 1 for i in decode]
+            slots = decode_key_slots([batch.chunks[i].block_table for i in decode], num_keys, key_cache.shape[1])
+            output[rows] = paged_decode_attention(
+                query[rows], key_cache, value_cache, slots.to(hidden.device),
+                torch.tensor(num_keys, dtype=torch.int64, device=hidden.device), self.scale)
+        batched = set(decode) if len(decode) > 1 else set()
+        for index, (chunk, start, end) in enumerate(zip(batch.chunks, batch.cu_seqlens[:-1], batch.cu_seqlens[1:])):
+            if index in batched:
+                continue
             block_table = torch.tensor(chunk.block_table, dtype=torch.int64, device=hidden.device)
             output[start:end] = paged_attention(
                 query[start:end], key_cache, value_cache, block_table, chunk.start_position, self.scale,

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.kernels.attention_reference import paged_attention, write_kv
+from engine.kernels.attention_reference import decode_key_slots, paged_attention, paged_decode_attention, write_kv
 from engine.kernels.conv_reference import causal_conv1d
 from engine.kernels.ssd_reference import ssd_chunk_scan, ssd_recurrent
 
@@ -74,3 +74,21 @@ def test_paged_attention_equals_dense_causal_attention():
         v.repeat_interleave(2, dim=1).transpose(0, 1), is_causal=True, scale=0.3,
     ).transpose(0, 1)[start:]
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_batched_decode_attention_equals_one_sequence_at_a_time():
+    """paged_decode_attention over sequences of different lengths (shorter ones padded, in
+    blocks scattered over the cache) gives each query what paged_attention gives it alone."""
+    g = torch.Generator().manual_seed(1)
+    H, Hkv, D, block_size = 6, 2, 8, 4
+    key_cache = torch.randn(24, block_size, Hkv, D, generator=g)
+    value_cache = torch.randn(24, block_size, Hkv, D, generator=g)
+    num_keys = [1, 5, 13, 8]
+    tables = [(7,), (3, 11), (0, 9, 2, 23), (15, 1)]
+    query = torch.randn(len(num_keys), H, D, generator=g)
+    slots = decode_key_slots(tables, num_keys, block_size)
+    assert slots.shape == (4, 13) and slots[0, 1:].eq(0).all()
+    got = paged_decode_attention(query, key_cache, value_cache, slots, torch.tensor(num_keys), scale=0.3)
+    for b, (table, keys) in enumerate(zip(tables, num_keys)):
+        alone = paged_attention(query[b : b + 1], key_cache, value_cache, torch.tensor(table), keys - 1, scale=0.3)
+        torch.testing.assert_close(got[b : b + 1], alone, rtol=1e-5, atol=1e-6)
