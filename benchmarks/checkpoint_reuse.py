@@ -34,9 +34,9 @@ from dataclasses import asdict, dataclass
 import torch
 
 from deployments.prompts.rendering import PromptRenderer, RenderedPrompt
+from engine.core.llm_engine import LLMEngine
 from engine.engine_config import DEFAULT_MODEL_DIR, EngineConfig
 from engine.interfaces.generation_request import GenerationRequest
-from engine.core.llm_engine import LLMEngine
 from engine.interfaces.sampling_params import SamplingParams
 from harness import add_out_argument, write_result
 

@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 
 from engine.engine_config import EngineConfig
-from engine.interfaces.step_io import SchedulerOutput
 from engine.execution.worker import Worker
+from engine.interfaces.step_io import SchedulerOutput
 from gpu_timing import keep_gpu_busy
 from harness import add_out_argument, middle, write_result
 from roofline.model import chunk, sized_config, write_random_checkpoint

@@ -33,10 +33,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's engine, not an installed one
 from engine.interfaces.forward_batch import build_forward_batch  # noqa: E402
-from engine.kernels.gpu.batch_plan import build_gpu_batch_plan  # noqa: E402
-from engine.kernels.gpu.in_pass_capture import CaptureSplit, build_in_pass_plan  # noqa: E402
 from engine.interfaces.sampling_params import SamplingParams  # noqa: E402
 from engine.interfaces.step_io import ScheduledChunk  # noqa: E402
+from engine.kernels.gpu.batch_plan import build_gpu_batch_plan  # noqa: E402
+from engine.kernels.gpu.in_pass_capture import CaptureSplit, build_in_pass_plan  # noqa: E402
 from harness import add_out_argument, markdown_table, write_result  # noqa: E402
 
 BLOCK_SIZE = 16

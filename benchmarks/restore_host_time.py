@@ -38,9 +38,9 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 import torch  # noqa: E402
 
+from engine.core.llm_engine import LLMEngine  # noqa: E402
 from engine.engine_config import DEFAULT_MODEL_DIR, EngineConfig  # noqa: E402
 from engine.interfaces.generation_request import GenerationRequest  # noqa: E402
-from engine.core.llm_engine import LLMEngine  # noqa: E402
 from engine.interfaces.sampling_params import SamplingParams  # noqa: E402
 from harness import add_out_argument, markdown_table, write_result  # noqa: E402
 

@@ -46,12 +46,12 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 import torch  # noqa: E402
 
-from engine.engine_config import EngineConfig  # noqa: E402
-from engine.interfaces.generation_request import GenerationRequest  # noqa: E402
 from engine.core.llm_engine import LLMEngine  # noqa: E402
+from engine.engine_config import EngineConfig  # noqa: E402
+from engine.execution.worker import Worker  # noqa: E402
+from engine.interfaces.generation_request import GenerationRequest  # noqa: E402
 from engine.interfaces.sampling_params import SamplingParams  # noqa: E402
 from engine.interfaces.step_io import CommitOp, SchedulerOutput  # noqa: E402
-from engine.execution.worker import Worker  # noqa: E402
 from harness import markdown_table, write_result  # noqa: E402
 
 BATCHES = (1, 16)

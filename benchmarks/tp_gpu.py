@@ -39,12 +39,12 @@ from pathlib import Path
 
 import torch
 
-from engine.engine_config import DEFAULT_MODEL_DIR, EngineConfig
-from engine.interfaces.generation_request import GenerationRequest
 from engine.core.llm_engine import LLMEngine
+from engine.engine_config import DEFAULT_MODEL_DIR, EngineConfig
 from engine.execution.multiprocess_executor import MultiprocessExecutor
-from engine.interfaces.sampling_params import SamplingParams
 from engine.execution.worker import Worker
+from engine.interfaces.generation_request import GenerationRequest
+from engine.interfaces.sampling_params import SamplingParams
 from harness import add_out_argument, markdown_table, write_result
 from roofline.model import CONFIG_1P5B, write_random_checkpoint
 

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cache.block_pool import BlockPool
-from cache.checkpoint_ledger import BundleListener, CheckpointLedger, Hit, PublishOutcome
 from cache.checkpoint_keys import CheckpointKind, Namespace
+from cache.checkpoint_ledger import BundleListener, CheckpointLedger, Hit, PublishOutcome
 from cache.state_pool import StatePool
 
 

@@ -26,7 +26,6 @@ from ray.serve.handle import DeploymentHandle
 from deployments.http.api_keys import TENANT_SCOPE, ApiKeyMiddleware, ApiKeys, scoped_cache_salt
 from deployments.http.errors import APIError, as_api_error, error_json, install_error_handlers, validated
 from deployments.http.limits import RequestLimits, RequestLimitsMiddleware, check_stop_limits
-from deployments.http.streaming import first_output_ready, json_response, sse_response
 from deployments.http.openai_format import (
     ResponseMeta,
     chat_chunks,
@@ -50,13 +49,14 @@ from deployments.http.protocol import (
     new_request_id,
     now,
 )
+from deployments.http.request_log import RequestRecord, log_request
+from deployments.http.streaming import first_output_ready, json_response, sse_response
 from deployments.llm_server import ModelInfo
 from deployments.metrics import METRICS_CONTENT_TYPE, METRICS_ELSEWHERE, RequestMetrics
 from deployments.prompts.rendering import RenderedPrompt
-from deployments.http.request_log import RequestRecord, log_request
+from engine.core.llm_engine import EngineStats, PoolUsage, RequestOutput
 from engine.interfaces.generation_request import GenerationRequest
 from engine.interfaces.sampling_params import output_budget
-from engine.core.llm_engine import EngineStats, PoolUsage, RequestOutput
 
 _Started = tuple[ResponseMeta, AsyncGenerator[RequestOutput, None]]
 

@@ -39,18 +39,18 @@ import torch
 from ray import serve
 from ray.actor import ActorHandle
 
+from deployments.cluster.fetch_policy import FetchPolicy
 from deployments.cluster.index import get_or_create_index
+from deployments.cluster.index_mirror import ActorIndexSource, IndexMirror
 from deployments.cluster.reporter import ActorIndexClient, CheckpointReporter
 from deployments.cluster.tier import CheckpointTier, TierCounters, TierSettings
 from deployments.config import AppConfig
 from deployments.http.errors import as_api_error
-from deployments.cluster.fetch_policy import FetchPolicy
-from deployments.cluster.index_mirror import ActorIndexSource, IndexMirror
 from deployments.metrics import EngineMetricsExporter, TierMetrics
 from deployments.worker_group import RayWorkerExecutor, WorkerGroup
 from engine.core.async_engine import AsyncLLMEngine
-from engine.interfaces.generation_request import GenerationRequest
 from engine.core.llm_engine import EngineStats, LLMEngine, PoolUsage, RequestOutput
+from engine.interfaces.generation_request import GenerationRequest
 
 # A step running longer than this makes the replica unhealthy (a hang that no collective
 # timeout catches, e.g. outside the model's collectives).

@@ -10,10 +10,10 @@ from unittest import mock
 
 import torch
 
-from engine.layers.attention import PagedAttention
+from engine.execution.worker import Worker
 from engine.interfaces.request import PENDING_TOKEN
 from engine.interfaces.step_io import SchedulerOutput
-from engine.execution.worker import Worker
+from engine.layers.attention import PagedAttention
 from gpu_timing import keep_gpu_busy
 from harness import middle
 from roofline.instruments import critical_path, gpu_events, kernel_span

@@ -15,9 +15,9 @@ import time
 
 import torch
 
+from engine.execution.worker import Worker
 from engine.interfaces.request import PENDING_TOKEN
 from engine.interfaces.step_io import SchedulerOutput
-from engine.execution.worker import Worker
 from gpu_timing import keep_gpu_busy
 from harness import middle
 from roofline.floors import decode_bytes, decode_target

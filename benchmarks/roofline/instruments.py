@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-from engine.interfaces.step_io import SchedulerOutput
 from engine.execution.worker import Worker
+from engine.interfaces.step_io import SchedulerOutput
 
 STEP_LABEL = "roofline step"  # the record_function range around a profiled step
 

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import torch
 
-from engine.interfaces.forward_batch import build_forward_batch
-from engine.kernels.gpu.batch_plan import build_gpu_batch_plan
 from engine.execution.loader import load_model
-from engine.interfaces.step_io import SchedulerOutput
 from engine.execution.worker import Worker
+from engine.interfaces.forward_batch import build_forward_batch
+from engine.interfaces.step_io import SchedulerOutput
+from engine.kernels.gpu.batch_plan import build_gpu_batch_plan
 from roofline.model import BLOCK_SIZE, CONFIG_1P5B, chunk
 
 

@@ -38,9 +38,9 @@ import time
 
 import torch
 
+from engine.execution.worker import Worker
 from engine.interfaces.sampling_params import SamplingParams
 from engine.interfaces.step_io import CaptureOp, RestoreOp, ScheduledChunk, SchedulerOutput
-from engine.execution.worker import Worker
 from roofline.floors import (CAPTURE_OVERHEAD_TARGET, COLD_PREFILL_TARGET, RESTORE_SPEEDUP_TARGET,
                              prefill_flops)
 from roofline.instruments import (host_synchronisations, profile_step, step_timeline, submit_profile,

@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 
 from cache.checkpoint_keys import CheckpointKind, Namespace
 from cache.index_messages import token_digest
-from deployments.cluster.object_copies import FetchFailed, fetch_stored, store_exported
 from deployments.cluster.fetch_policy import FetchPolicy
 from deployments.cluster.index_mirror import IndexMirror
+from deployments.cluster.object_copies import FetchFailed, fetch_stored, store_exported
 from engine.checkpoints.capture_events import CheckpointEvent
 from engine.checkpoints.transfer import ExportedCheckpoint
 from engine.core.async_engine import AsyncLLMEngine

@@ -32,12 +32,12 @@ from enum import Enum
 import torch
 
 from cache.checkpoint_keys import CheckpointKind
-from engine.parallel.cache_capacity import recurrent_state_shape
 from engine.checkpoints.transfer import (
     FORMAT_VERSION, CheckpointHeader, CheckpointShard, ExportedCheckpoint, ModelIdentity,
     ShardLayout, checkpoint_digest, shard_checksum,
 )
 from engine.model_config import HybridModelConfig
+from engine.parallel.cache_capacity import recurrent_state_shape
 from engine.parallel.shard_layout import rank_shard_layout, width
 from engine.parallel.tensor_parallel import TensorParallel
 

@@ -35,8 +35,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from cache.cache_manager import CacheManager
-from cache.checkpoint_ledger import Hit
 from cache.checkpoint_keys import CheckpointKind, Namespace
+from cache.checkpoint_ledger import Hit
 from engine.interfaces.request import FinishReason, Request
 from engine.interfaces.step_io import CaptureOp, RestoreOp, ScheduledChunk, SchedulerOutput
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.checkpoints.import_checks import ImportRejection, Rejected, check_shard
 from engine.checkpoints.bundle_store import BundleTensors
+from engine.checkpoints.import_checks import ImportRejection, Rejected, check_shard
 from engine.checkpoints.transfer import CheckpointShard, ShardLayout, make_shard
 from engine.interfaces.forward_batch import ModelCaches
 

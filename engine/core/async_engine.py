@@ -26,12 +26,12 @@ from typing import TypeVar
 from cache.cache_manager import PoolUsage
 from engine.checkpoints.capture_events import CheckpointEvent
 from engine.checkpoints.sources import CheckpointSource
-from engine.core.checkpoint_exchange import ImportResult
 from engine.checkpoints.transfer import ExportedCheckpoint
-from engine.execution.executor import ExecutorDiedError
-from engine.interfaces.generation_request import GenerationRequest
+from engine.core.checkpoint_exchange import ImportResult
 from engine.core.llm_engine import FAILED_REQUEST_MESSAGE, LLMEngine
 from engine.core.output_processor import RequestOutput
+from engine.execution.executor import ExecutorDiedError
+from engine.interfaces.generation_request import GenerationRequest
 
 logger = logging.getLogger(__name__)
 

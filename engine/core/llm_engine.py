@@ -23,29 +23,29 @@ from dataclasses import dataclass, field, replace
 import torch
 from transformers import AutoTokenizer
 
-from cache.checkpoint_keys import CheckpointKind, Namespace
 from cache.cache_manager import CacheManager, PoolUsage
+from cache.checkpoint_keys import CheckpointKind, Namespace
 from cache.checkpoint_ledger import KindCounters
-from engine.parallel.cache_capacity import drafter_kv_layers
 from engine.checkpoints.capture_events import CheckpointEvent, CheckpointEventFeed
-from engine.core.checkpoint_exchange import CheckpointExchange, ImportResult, TransferCounters
 from engine.checkpoints.import_checks import ImportExpectations, expected_shard_layout
 from engine.checkpoints.policy import CheckpointPolicy
 from engine.checkpoints.sources import CheckpointSource
 from engine.checkpoints.transfer import ExportedCheckpoint, model_identity
+from engine.core.checkpoint_exchange import CheckpointExchange, ImportResult, TransferCounters
+from engine.core.output_processor import OutputProcessor, RequestOutput
+from engine.core.scheduler import Scheduler, SchedulerStats
 from engine.engine_config import EngineConfig
 from engine.execution.executor import ExecutorDiedError, ModelExecutor
+from engine.execution.worker import Worker
 from engine.interfaces.generation_request import GenerationRequest
-from engine.models.registry import load_model_config
-from engine.core.output_processor import OutputProcessor, RequestOutput
 from engine.interfaces.request import FinishReason, Request
 from engine.interfaces.sampling_params import InvalidRequestError, output_budget
-from engine.core.scheduler import Scheduler, SchedulerStats
+from engine.interfaces.step_io import RunnerOutput, SchedulerOutput
+from engine.models.registry import load_model_config
+from engine.parallel.cache_capacity import drafter_kv_layers
+from engine.parallel.tensor_parallel import TensorParallel
 from engine.speculative.ngram import NgramDrafter
 from engine.speculative.scheduling import SpeculationStats, SpeculativeDecoding, WorkerProposals
-from engine.interfaces.step_io import RunnerOutput, SchedulerOutput
-from engine.parallel.tensor_parallel import TensorParallel
-from engine.execution.worker import Worker
 
 __all__ = ["LLMEngine", "ModelExecutor", "RequestOutput", "PoolUsage"]
 

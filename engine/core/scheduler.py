@@ -40,8 +40,8 @@ from cache.cache_manager import CacheManager, PoolUsage
 from engine.checkpoints.policy import CheckpointPolicy
 from engine.checkpoints.sources import CheckpointSource, FetchedCheckpoint, PendingFetch
 from engine.interfaces.request import FinishReason, Request, RequestStatus, token_stop_reason
-from engine.speculative.scheduling import SpeculativeDecoding
 from engine.interfaces.step_io import RestoreOp, RunnerOutput, ScheduledChunk, SchedulerOutput
+from engine.speculative.scheduling import SpeculativeDecoding
 
 # A request that was in this many failed steps is failed: one that breaks every step fails its
 # solo retries and reaches it; a transient fault rarely hits the same request this often.

@@ -42,10 +42,10 @@ from engine.checkpoints.shards import ExportShardOp, ImportShardOp
 from engine.checkpoints.transfer import CheckpointShard
 from engine.engine_config import EngineConfig
 from engine.execution.executor import ExecutorDiedError
-from engine.interfaces.step_io import RunnerOutput, SchedulerOutput
-from engine.parallel.tensor_parallel import TensorParallel
-from engine.parallel.cache_capacity import CacheCapacity
 from engine.execution.worker import Worker
+from engine.interfaces.step_io import RunnerOutput, SchedulerOutput
+from engine.parallel.cache_capacity import CacheCapacity
+from engine.parallel.tensor_parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
 

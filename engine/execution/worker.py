@@ -25,22 +25,22 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from engine.parallel.cache_capacity import CacheCapacity, size_caches
-from engine.checkpoints.shards import ExportShardOp, ImportShardOp, gather_shard, scatter_shard, shard_misfit
 from engine.checkpoints.bundle_store import CheckpointStore
+from engine.checkpoints.shards import ExportShardOp, ImportShardOp, gather_shard, scatter_shard, shard_misfit
 from engine.checkpoints.transfer import CheckpointShard
 from engine.engine_config import EngineConfig
-from engine.routes.forward_routes import CapturingPass, EagerPass, ForwardRoute, GraphScratch, SampledTokens
-from engine.routes.graph_routes import capture_graph_routes
-from engine.interfaces.output_rows import RowRef, gather_rows
 from engine.execution.loader import load_model
 from engine.execution.sampler import Sampler
+from engine.execution.token_readback import PendingTokens, TokenReadback
+from engine.interfaces.output_rows import RowRef, gather_rows
+from engine.interfaces.step_io import CaptureOp, RunnerOutput, ScheduledChunk, SchedulerOutput
+from engine.parallel.cache_capacity import CacheCapacity, size_caches
+from engine.parallel.tensor_parallel import TensorParallel
+from engine.routes.forward_routes import CapturingPass, EagerPass, ForwardRoute, GraphScratch, SampledTokens
+from engine.routes.graph_routes import capture_graph_routes
 from engine.speculative import worker_setup as speculation
 from engine.speculative.mtp import PendingDrafts
 from engine.speculative.verify import verify_greedy
-from engine.execution.token_readback import PendingTokens, TokenReadback
-from engine.interfaces.step_io import CaptureOp, RunnerOutput, ScheduledChunk, SchedulerOutput
-from engine.parallel.tensor_parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
 

@@ -6,10 +6,10 @@ import torch
 from torch import nn
 
 from engine.interfaces.forward_batch import ForwardBatch
-from engine.kernels.gpu.batch_plan import GpuBatchPlan
 from engine.kernels.attention_reference import decode_key_slots, paged_attention, paged_decode_attention, write_kv
-from engine.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear, linear, routes_to_skinny
+from engine.kernels.gpu.batch_plan import GpuBatchPlan
 from engine.layers.norm import RMSNorm
+from engine.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear, linear, routes_to_skinny
 from engine.layers.rotary import apply_rotary
 from engine.model_config import HybridModelConfig
 from engine.parallel.shard_layout import RankShardLayout, width

@@ -7,8 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.interfaces.forward_batch import ForwardBatch
-from engine.kernels.gpu.batch_plan import GpuBatchPlan
 from engine.kernels.conv_reference import causal_conv1d, causal_conv1d_step
+from engine.kernels.gpu.batch_plan import GpuBatchPlan
 from engine.kernels.ssd_reference import ssd_chunk_scan, ssd_step_batched
 from engine.layers.norm import GroupParallelGatedRMSNorm, with_head_skip
 from engine.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear

@@ -25,15 +25,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.parallel import cache_capacity
 from engine.interfaces.forward_batch import ForwardBatch, ModelCaches
 from engine.kernels.gpu.batch_plan import GpuBatchPlan
 from engine.layers.attention import PagedAttention
 from engine.layers.mamba2 import Mamba2Mixer
 from engine.layers.mlp import dense_mlp
 from engine.layers.norm import RMSNorm
-from engine.layers.routed_experts import RoutedExperts, Routing, RoutingRule
 from engine.layers.rotary import RotaryEmbedding
+from engine.layers.routed_experts import RoutedExperts, Routing, RoutingRule
 from engine.layers.vocab_parallel import (
     VocabParallelEmbedding,
     VocabParallelLMHead,
@@ -49,6 +48,7 @@ from engine.model_config import (
 from engine.models.config_fields import attention_fields, mamba_fields, token_fields
 from engine.models.model_caches import RankCaches
 from engine.models.mtp_head import MultiTokenPredictionHead, randomize
+from engine.parallel import cache_capacity
 from engine.parallel.shard_layout import RankShardLayout, rank_shard_layout
 from engine.parallel.tensor_parallel import TensorParallel, TensorShard, parameter_shards
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.parallel import cache_capacity
 from engine.interfaces.forward_batch import ModelCaches
+from engine.parallel import cache_capacity
 from engine.parallel.shard_layout import width
 
 

@@ -26,7 +26,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.parallel import cache_capacity
 from engine.interfaces.forward_batch import ForwardBatch, ModelCaches
 from engine.kernels.gpu.batch_plan import GpuBatchPlan
 from engine.layers.attention import PagedAttention
@@ -52,6 +51,7 @@ from engine.model_config import (
 from engine.models import nemotron_h_moe
 from engine.models.model_caches import RankCaches
 from engine.models.nemotron_h_moe import NemotronHMoE
+from engine.parallel import cache_capacity
 from engine.parallel.shard_layout import RankShardLayout, rank_shard_layout
 from engine.parallel.tensor_parallel import TensorParallel, TensorShard, parameter_shards
 

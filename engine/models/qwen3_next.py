@@ -46,8 +46,8 @@ from engine.layers.gated_delta_net import GatedDeltaNet
 from engine.layers.mlp import SplitGatedMLP
 from engine.layers.norm import RMSNorm
 from engine.layers.parallel_linear import linear
-from engine.layers.routed_experts import RoutedExperts, Routing, RoutingRule
 from engine.layers.rotary import RotaryEmbedding
+from engine.layers.routed_experts import RoutedExperts, Routing, RoutingRule
 from engine.layers.vocab_parallel import (
     VocabParallelEmbedding,
     VocabParallelLMHead,

@@ -40,10 +40,10 @@ import numpy as np
 import torch
 
 from engine.interfaces.forward_batch import ForwardBatch, ModelCaches
-from engine.routes.forward_routes import GraphScratch, RouteOutput, SampledTokens
-from engine.kernels.gpu.batch_plan import decode_only_plan
 from engine.interfaces.request import PENDING_TOKEN
 from engine.interfaces.step_io import CaptureOp, ScheduledChunk
+from engine.kernels.gpu.batch_plan import decode_only_plan
+from engine.routes.forward_routes import GraphScratch, RouteOutput, SampledTokens
 
 
 Output = TypeVar("Output")

@@ -30,9 +30,9 @@ import torch
 
 from engine.interfaces.forward_batch import ForwardBatch, ModelCaches, build_forward_batch
 from engine.interfaces.host_index import int64_array, to_device
-from engine.kernels.gpu.batch_plan import GpuBatchPlan, build_gpu_batch_plan, with_in_pass_captures
 from engine.interfaces.request import PENDING_TOKEN
 from engine.interfaces.step_io import CaptureOp, ScheduledChunk
+from engine.kernels.gpu.batch_plan import GpuBatchPlan, build_gpu_batch_plan, with_in_pass_captures
 
 
 @dataclass(frozen=True)

@@ -31,12 +31,12 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from engine.routes.decode_graphs import capture_by_size
 from engine.interfaces.forward_batch import ForwardBatch, ModelCaches
-from engine.routes.forward_routes import GraphScratch, RouteOutput, SampledTokens
-from engine.kernels.gpu.batch_plan import single_prefill_plan
 from engine.interfaces.request import PENDING_TOKEN
 from engine.interfaces.step_io import CaptureOp, ScheduledChunk
+from engine.kernels.gpu.batch_plan import single_prefill_plan
+from engine.routes.decode_graphs import capture_by_size
+from engine.routes.forward_routes import GraphScratch, RouteOutput, SampledTokens
 
 
 # Every 64 rows up to 512, then every 128 (at most 1.25x apart): a chunk over 256 tokens pads

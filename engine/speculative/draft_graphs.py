@@ -42,11 +42,11 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from engine.routes.decode_graphs import capture_staged
 from engine.interfaces.forward_batch import ForwardBatch, ModelCaches
-from engine.routes.forward_routes import GraphScratch
 from engine.kernels.gpu.batch_plan import decode_only_plan
 from engine.models.mtp_head import MultiTokenPredictionHead, run_head
+from engine.routes.decode_graphs import capture_staged
+from engine.routes.forward_routes import GraphScratch
 
 
 class DraftInputStaging:

@@ -39,11 +39,11 @@ import torch
 
 from engine.engine_config import EngineConfig
 from engine.interfaces.forward_batch import ForwardBatch, ModelCaches, build_forward_batch
-from engine.routes.forward_routes import EagerPass, RouteOutput, SampledTokens
+from engine.interfaces.step_io import DraftProposal, ScheduledChunk
 from engine.models.mtp_head import MultiTokenPredictionHead, run_head
+from engine.routes.forward_routes import EagerPass, RouteOutput, SampledTokens
 from engine.speculative.checks import check_mtp_head
 from engine.speculative.scheduling import greedy_accept
-from engine.interfaces.step_io import DraftProposal, ScheduledChunk
 
 if TYPE_CHECKING:
     from engine.speculative.draft_graphs import DraftGraphRunner

@@ -25,9 +25,9 @@ from dataclasses import dataclass, replace
 import torch
 
 from engine.interfaces.forward_batch import ModelCaches
-from engine.routes.forward_routes import EagerPass, RouteOutput, SampledTokens
-from engine.model_config import ATTENTION, GATED_DELTA_NET, HYBRID, MAMBA, MLP, MOE
 from engine.interfaces.step_io import CaptureOp, CommitOp, ScheduledChunk
+from engine.model_config import ATTENTION, GATED_DELTA_NET, HYBRID, MAMBA, MLP, MOE
+from engine.routes.forward_routes import EagerPass, RouteOutput, SampledTokens
 
 # Layer kinds whose mixers verify k + 1 tokens exactly: attention (KV past the kept tokens is
 # overwritten), Mamba2 and the gated delta-net (mix_verification), Falcon-H1's HYBRID layers

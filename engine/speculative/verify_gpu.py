@@ -60,13 +60,13 @@ import numpy as np
 import torch
 
 from engine.interfaces.forward_batch import ForwardBatch, ModelCaches
-from engine.routes.forward_routes import EagerPass, RouteOutput, SampledTokens
 from engine.interfaces.host_index import int64_array
+from engine.interfaces.step_io import CaptureOp, ScheduledChunk
 from engine.kernels.gpu.batch_plan import (
     VerificationIndex, VerificationPlan, build_gpu_batch_plan, build_verification_plan,
 )
+from engine.routes.forward_routes import EagerPass, RouteOutput, SampledTokens
 from engine.speculative.verify import VerificationScratch
-from engine.interfaces.step_io import CaptureOp, ScheduledChunk
 
 def verification_order(chunks: Sequence[ScheduledChunk]) -> tuple[list[int], int]:
     """(order, num_rest): the step's chunk indices with the chunks that are not verification

@@ -36,14 +36,14 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from engine.routes.decode_graphs import capture_staged
 from engine.interfaces.forward_batch import ForwardBatch, ModelCaches
-from engine.routes.forward_routes import GraphScratch, RouteOutput, SampledTokens
-from engine.kernels.gpu.batch_plan import verification_only_plan
 from engine.interfaces.request import PENDING_TOKEN
-from engine.speculative.verify import VerificationScratch
-from engine.kernels.gpu.batch_plan import VerificationPlan
 from engine.interfaces.step_io import CaptureOp, ScheduledChunk
+from engine.kernels.gpu.batch_plan import verification_only_plan
+from engine.kernels.gpu.batch_plan import VerificationPlan
+from engine.routes.decode_graphs import capture_staged
+from engine.routes.forward_routes import GraphScratch, RouteOutput, SampledTokens
+from engine.speculative.verify import VerificationScratch
 
 VERIFY_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16)
 

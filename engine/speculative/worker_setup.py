@@ -19,12 +19,12 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.parallel.cache_capacity import CacheCapacity, drafter_kv_layers
 from engine.engine_config import EngineConfig
 from engine.interfaces.forward_batch import ModelCaches
-from engine.routes.forward_routes import EagerPass, GraphScratch
 from engine.model_config import HybridModelConfig
 from engine.models.mtp_head import MultiTokenPredictionHead
+from engine.parallel.cache_capacity import CacheCapacity, drafter_kv_layers
+from engine.routes.forward_routes import EagerPass, GraphScratch
 from engine.speculative.checks import check_speculation
 from engine.speculative.draft_graphs import DraftGraphRunner
 from engine.speculative.mtp import MtpDrafter, attach_head
