@@ -24,7 +24,7 @@ import httpx
 
 # The result JSON's record keys; tests assert this exact set, so the schema does not drift.
 RECORD_FIELDS = ("workload", "target", "conversation", "turn", "rate", "start_s", "first_chunk_s",
-                 "ttft_s", "itl_s", "e2e_s", "prompt_tokens", "completion_tokens",
+                 "ttft_s", "itl_s", "e2e_s", "prompt_tokens", "counted_prompt_tokens", "completion_tokens",
                  "cached_tokens", "shareable_tokens", "finish_reason", "error")
 
 
