@@ -143,8 +143,9 @@ def app_demand(config: AppConfig, replicas: Mapping[str, int] | None = None,
         n = replicas.get(name, 1)
         options = actor_options.get(name) or {}
         if "num_cpus" in options:
-            key, num_cpus, what = (f"deployments {name} ray_actor_options.num_cpus", float(options["num_cpus"]),
-                                   f"ray_actor_options.num_cpus {num(float(options['num_cpus']))}")
+            num_cpus = float(options["num_cpus"])
+            key = f"deployments {name} ray_actor_options.num_cpus"
+            what = f"ray_actor_options.num_cpus {num(num_cpus)}"
         gpu_key, gpu_what = "engine.device", f"(engine.device {engine.device})"
         if "num_gpus" in options:
             num_gpus = float(options["num_gpus"])
@@ -180,7 +181,8 @@ def app_demand(config: AppConfig, replicas: Mapping[str, int] | None = None,
         bundles.extend({"CPU": config.worker_num_cpus, **({"GPU": 1} if on_gpu else {})}
                        for _ in range(n * tp))
     if config.checkpoint_routing or config.checkpoint_transfer:
-        cpus.append(Term("checkpoint_routing", f"checkpoint index actor {num(INDEX_NUM_CPUS)}", INDEX_NUM_CPUS))
+        cpus.append(Term("checkpoint_routing", f"checkpoint index actor {num(INDEX_NUM_CPUS)}",
+                         INDEX_NUM_CPUS))
     return Demand(tuple(cpus), tuple(gpus), tuple(units), tuple(bundles))
 
 

@@ -110,10 +110,12 @@ def test_shareable_sums_do_not_depend_on_the_order_requests_arrive_in():
     """Which of two requests that share a prefix restores it depends on arrival order; the
     pass's sum does not (accounting.py), so restored <= shareable holds for the sums."""
     import itertools
+    from dataclasses import replace
 
     workload = build_workloads(["shared-instructions"], SMALL, COUNTER)[0]
-    totals = {sum(_shareable_of(type(workload)(workload.name, workload.kind, order), ShareableTracker(COUNTER)))
-              for order in itertools.islice(itertools.permutations(workload.conversations), 0, 720, 37)}
+    orders = itertools.islice(itertools.permutations(workload.conversations), 0, 720, 37)
+    totals = {sum(_shareable_of(replace(workload, conversations=order), ShareableTracker(COUNTER)))
+              for order in orders}
     assert len(totals) == 1
 
 
@@ -133,7 +135,8 @@ def test_percentile_is_nearest_rank():
 
 def _record(ttft, prompt=100, cached=None, shareable=0, completion=4, error=None):
     return {"ttft_s": ttft, "itl_s": 0.01, "e2e_s": (ttft or 0) + 0.05, "prompt_tokens": prompt,
-            "counted_prompt_tokens": prompt, "cached_tokens": cached, "shareable_tokens": shareable, "completion_tokens": completion,
+            "counted_prompt_tokens": prompt, "cached_tokens": cached, "shareable_tokens": shareable,
+            "completion_tokens": completion,
             "error": error}
 
 

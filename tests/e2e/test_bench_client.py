@@ -56,7 +56,8 @@ def test_bench_client_against_the_app(serve_app, tmp_path):
     shared = records["shared-instructions"]
     assert all(r["counted_prompt_tokens"] == r["prompt_tokens"] for r in result["records"])
     assert [r["cached_tokens"] for r in shared[:2]] == [0, 0]
-    conversations = {c.key: c for c in build_workloads(["shared-instructions"], SIZES, counter)[0].conversations}
+    workload = build_workloads(["shared-instructions"], SIZES, counter)[0]
+    conversations = {c.key: c for c in workload.conversations}
     for r in shared[2:]:
         system = conversations[r["conversation"]].turns[0].new_messages[:1]
         assert r["cached_tokens"] == len(counter.chat_ids(list(system), add_generation_prompt=False))
