@@ -121,10 +121,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def redraw(path: Path) -> dict[str, Path]:
     """report.md and the plots again, beside `path` (a bench.json), from its summary rows; the
-    JSON itself is rewritten unchanged (its command is still the run's)."""
+    JSON itself is rewritten unchanged (its command is still the run's). Refuses a result with
+    a hit rate above 100% (counted with an estimate before issue 43)."""
     import json
 
     result = json.loads(path.read_text())
+    over = [f"{r['target']} / {r['workload']}: {100 * r['token_hit_rate']:.1f}%" for r in result["summary"]
+            if (r.get("token_hit_rate") or 0) > 1]
+    if over:  # shareable tokens counted before issue 43: by words x 1.3, or at message boundaries
+        raise SystemExit(f"{path}: hit rates above 100% ({'; '.join(over)}): its shareable tokens were "
+                         f"counted by {result['token_counter']} with an older definition (words x "
+                         "1.3, or message boundaries, which a prompt checkpoint passes); run it again")
     lengths = {w["name"]: w["params"]["instruction_tokens"] for w in result["workloads"]
                if w["kind"] == "shared-instructions"}
     return write_report(result, path.parent, lengths)

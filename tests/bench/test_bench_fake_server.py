@@ -200,3 +200,17 @@ def test_without_a_tokenizer_the_bench_refuses_rather_than_estimates(fake_server
         cli.main(["run", "--base-url", fake_server, "--workload", "no-sharing", "--requests", "1",
                   "--out-dir", str(tmp_path)])
     assert not (tmp_path / "bench.json").exists()
+
+
+def test_report_refuses_to_redraw_a_hit_rate_above_100(prefix_cache_server, tmp_path):
+    """A bench.json of the words x 1.3 days (198.8%) is not drawn again as it is."""
+    cli.main(["run", "--base-url", prefix_cache_server, "--workload", "shared-instructions",
+              "--systems", "1", "--instruction-tokens", "40", "--requests", "2", "--user-tokens", "5-10",
+              "--max-tokens", "2", "--out-dir", str(tmp_path)])
+    path = tmp_path / "bench.json"
+    result = json.loads(path.read_text())
+    result["summary"][0]["token_hit_rate"] = 1.988
+    result["token_counter"] = "words x 1.3"
+    path.write_text(json.dumps(result))
+    with pytest.raises(SystemExit, match=r"198\.8%\): its shareable tokens were counted by words x 1\.3"):
+        cli.main(["report", str(path)])
