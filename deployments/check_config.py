@@ -27,7 +27,6 @@ def check_serve_config(path: str | Path) -> list[str]:
     Raises ValueError naming the application and the refused key (PlacementError when the
     machine or cluster cannot hold what an application asks)."""
     from deployments.app import build_app
-
     from deployments.config import parse_app_config
     from deployments.placement import PlacementError, check_placement
 

@@ -174,11 +174,14 @@ async def run_workloads(targets: list[Target], workloads: list[Workload], rates:
     t0 = time.perf_counter()
     limits = httpx.Limits(max_connections=settings.concurrency * 2 + 4)
     run_trackers = {t.label: ShareableTracker(counter) for t in targets}  # without cache salts
+
+    def tracker(target: Target) -> ShareableTracker:
+        return run_trackers[target.label] if settings.cache_salt is None else ShareableTracker(counter)
+
     async with httpx.AsyncClient(timeout=settings.timeout_s, limits=limits) as client:
         for workload in workloads:
             for rate in rates:
-                states = [_PassState(t, workload, rate, run_trackers[t.label] if settings.cache_salt is None
-                                     else ShareableTracker(counter), settings) for t in targets]
+                states = [_PassState(t, workload, rate, tracker(t), settings) for t in targets]
                 for r, chunk in enumerate(chunks(workload.conversations, settings.rounds)):
                     order = states[r % len(states):] + states[:r % len(states)]
                     for state in order:

@@ -214,3 +214,16 @@ def test_report_refuses_to_redraw_a_hit_rate_above_100(prefix_cache_server, tmp_
     path.write_text(json.dumps(result))
     with pytest.raises(SystemExit, match=r"198\.8%\): its shareable tokens were counted by words x 1\.3"):
         cli.main(["report", str(path)])
+
+
+def test_without_cache_salts_a_later_pass_may_restore_what_an_earlier_one_sent(prefix_cache_server,
+                                                                               tmp_path):
+    """The second rate's pass sends the same prompts to the same cache: everything it restores
+    was sent by the first pass, so it is shareable (one tracker per target for the run)."""
+    cli.main(["run", "--base-url", prefix_cache_server, "--workload", "shared-instructions",
+              "--systems", "1", "--instruction-tokens", "40", "--requests", "3", "--user-tokens", "5-10",
+              "--max-tokens", "2", "--rate", "closed", "50", "--no-cache-salt", "--out-dir", str(tmp_path)])
+    first, second = json.loads((tmp_path / "bench.json").read_text())["summary"]
+    assert first["token_hit_rate"] == 1.0
+    assert 0.95 < second["token_hit_rate"] <= 1.0  # the cache computes each prompt's last token
+    assert second["shareable_tokens"] > first["shareable_tokens"]  # whole prompts, from pass one
