@@ -192,18 +192,18 @@ def placement_problem(demand: Demand, capacity: Capacity) -> PlacementError | No
                                      ("GPUs", demand.gpus, demand.total_gpus, capacity.gpus)):
         if total > have + SLACK:
             key = max(terms, key=lambda t: t.amount).key
-            asked = num(total) if kind == "CPUs" else _has(total)
+            asked = f"{num(total)} CPUs" if kind == "CPUs" else f"{_has(total)} GPU{'s' * (total != 1)}"
             return PlacementError(key, (
                 f"{key}: the application cannot be placed: {' + '.join(t.text for t in terms)} = "
-                f"{asked} {kind}, {capacity.source} has {_has(have)}; "
+                f"{asked}, {capacity.source} has {_has(have)}; "
                 + ("set engine.device cpu or give Ray GPUs" if key == "engine.device"
                    else f"lower {key} or give Ray more {kind}")))
     for u in demand.units:
         if not any(u.cpus <= cpus + SLACK and u.gpus <= gpus + SLACK for cpus, gpus in capacity.nodes):
             largest = max(capacity.nodes, default=(0.0, 0.0))
             return PlacementError(u.key, (
-                f"{u.key}: the application cannot be placed: {u.text} asks {num(u.cpus)} CPUs"
-                f"{f' and {_has(u.gpus)} GPUs' if u.gpus else ''} of one node, and the largest node "
+                f"{u.key}: the application cannot be placed: {u.text} = {num(u.cpus)} CPUs"
+                f"{f' and {_has(u.gpus)} GPUs' if u.gpus else ''} on one node, the largest node "
                 f"of {capacity.source} has {_has(largest[0])} CPUs"
                 f"{f' and {_has(largest[1])} GPUs' if u.gpus else ''}; lower {u.key} or give Ray "
                 "a larger node"))

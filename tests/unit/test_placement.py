@@ -45,7 +45,8 @@ def test_one_rank_asks_the_llm_server_replica_for_the_model_and_its_gpu():
     assert demand.total_cpus == pytest.approx(1.3) and demand.total_gpus == 1
     problem = placement_problem(demand, TWO_CORES)
     assert problem.key == "engine.device"
-    assert "LLMServer 1 x 1 GPU (engine.device cuda) = 1 GPUs, this machine has 0" in str(problem)
+    assert "LLMServer 1 x 1 GPU (engine.device cuda) = 1 GPU, this machine has 0; set engine.device" \
+        " cpu or give Ray GPUs" in str(problem)
     assert placement_problem(demand, Capacity(2, 1, ((2, 1),), "this machine")) is None
     ranks = app_demand(_config(engine={"device": "cuda", "tensor_parallel_size": 2}, worker_num_cpus=0.5))
     problem = placement_problem(ranks, Capacity(8, 1, ((8, 1),), "the Ray cluster"))
@@ -60,9 +61,9 @@ def test_the_ranks_of_a_replica_must_fit_one_node():
     assert problem.key == "worker_num_cpus"
     assert str(problem) == (
         "worker_num_cpus: the application cannot be placed: the rank actors of one replica, packed"
-        " on one node (tensor_parallel_size 2 x worker_num_cpus 1.0) asks 2.0 CPUs of one node, and"
-        " the largest node of the Ray cluster has 1 CPUs; lower worker_num_cpus or give Ray a"
-        " larger node")
+        " on one node (tensor_parallel_size 2 x worker_num_cpus 1.0) = 2.0 CPUs on one node, the"
+        " largest node of the Ray cluster has 1 CPUs; lower worker_num_cpus or give Ray a larger"
+        " node")
     assert placement_problem(app_demand(_config(**TP2, worker_num_cpus=0.5)),
                              Capacity(4, 0, ((1, 0),) * 4, "the Ray cluster")) is None
 
