@@ -48,8 +48,9 @@ after each pass. They include no warm-up request, and can lag a pass by a report
 PrefixCacheAffinityRouter counts nothing of the kind: its row shows a dash, as the default's.
 
 Token hit rate = cached tokens (usage.prompt_tokens_details.cached_tokens) / shareable tokens
-(hybrid_serve_bench/accounting.py: on this workload the system prompt of every request but the
-first of its system prompt in the pass), summed over a mode's rounds. TTFT percentiles are
+(hybrid_serve_bench/accounting.py: on this workload the system prompt, and the few template
+tokens that open the user message, of every request but the first of its system prompt in the
+pass), summed over a mode's rounds. TTFT percentiles are
 nearest-rank over every successful request of the mode.
 
 Writes --out (default results/cluster_routing.json: the command, each mode's app config, the

@@ -22,6 +22,7 @@ from deployments.config import AppConfig, parse_app_config
 from deployments.http.limits import RequestLimits
 from deployments.ingress import OpenAIIngress
 from deployments.llm_server import LLMServer
+from deployments.placement import PlacementError, check_placement, llm_server_resources
 from deployments.renderer import Renderer
 from engine.parallel.cache_capacity import check_cache_budgets
 from engine.execution.loader import check_cuda_shapes
@@ -55,17 +56,6 @@ def check_engine_config(config: AppConfig) -> None:
         raise ValueError(f"invalid hybrid-serve app args: engine: {exc}") from None
 
 
-def llm_server_resources(config: AppConfig) -> dict:
-    """The LLM server replica's Ray resources. With one rank the replica runs the model, so it
-    also asks for the rank's worker_num_cpus and, on CUDA, its GPU; with more ranks each rank
-    actor asks for its own (deployments.worker_group)."""
-    engine = config.engine
-    if engine.tensor_parallel_size > 1:
-        return {"num_cpus": config.llm_server_num_cpus}
-    return {"num_cpus": config.llm_server_num_cpus + config.worker_num_cpus,
-            "num_gpus": 1 if engine.device.startswith("cuda") else 0}
-
-
 def llm_server_routing(config: AppConfig) -> dict:
     """The LLM server's Serve options for checkpoint-aware routing (none when it is off):
     the router and its kwargs (deployments/cluster/router.py)."""
@@ -81,10 +71,16 @@ def llm_server_routing(config: AppConfig) -> dict:
 def build_app(args: dict) -> Application:
     """Build the application from serve_config.yaml `args` (a dict) or an AppConfig.
 
-    Raises ValueError naming every unknown or invalid key.
+    Raises ValueError naming every unknown or invalid key, and PlacementError (a ValueError)
+    naming the key and the numbers when the cluster, or this machine without Ray, cannot hold
+    what the app asks (deployments/placement.py; it may first wait for an autoscaler).
     """
     config: AppConfig = parse_app_config(args)
     check_engine_config(config)  # fail at build time, not when the replica starts
+    try:
+        check_placement(config)  # a config no node can hold fails here instead of waiting for ever
+    except PlacementError as exc:
+        raise PlacementError(exc.key, f"invalid hybrid-serve app args: {exc}") from None
     if config.api_keys_file is not None:
         try:
             ApiKeys.load(config.api_keys_file, environ={})

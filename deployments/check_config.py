@@ -6,7 +6,10 @@
 happens: when build_app refuses an application's args, the error shows in its log and the
 application stays DEPLOY_FAILED, but the command does not exit. This runs build_app on every
 application of the file whose import_path is deployments.app:build_app, here, and exits with
-status 2 and the message naming the key if any is refused (`make serve` runs it first).
+status 2 and the message naming the key if any is refused (`make serve` runs it first). It also
+checks that this machine (or the Ray cluster, when one is initialised) can hold what each
+application asks with the file's starting replicas and ray_actor_options
+(deployments/placement.py): a config Serve could never place is refused instead of waited for.
 """
 
 from __future__ import annotations
@@ -21,8 +24,11 @@ IMPORT_PATH = "deployments.app:build_app"
 
 def check_serve_config(path: str | Path) -> list[str]:
     """The names of the file's hybrid-serve applications, each built once (no Ray needed).
-    Raises ValueError naming the application and the refused key."""
+    Raises ValueError naming the application and the refused key (PlacementError when the
+    machine or cluster cannot hold what an application asks)."""
     from deployments.app import build_app
+    from deployments.config import parse_app_config
+    from deployments.placement import PlacementError, check_placement
 
     config = yaml.safe_load(Path(path).read_text()) or {}
     checked = []
@@ -31,11 +37,36 @@ def check_serve_config(path: str | Path) -> list[str]:
             continue
         name = app.get("name", "<unnamed>")
         try:
-            build_app(app.get("args") or {})
+            build_app(app.get("args") or {})  # the placement of one replica each, among others
+            replicas, actor_options = starting_replicas(app.get("deployments") or [])
+            try:
+                check_placement(parse_app_config(app.get("args") or {}), replicas, actor_options)
+            except PlacementError as exc:
+                raise PlacementError(exc.key, f"invalid hybrid-serve app args: {exc}") from None
+        except PlacementError as exc:
+            raise PlacementError(exc.key, f"{path}: application {name!r}: {exc}") from None
         except ValueError as exc:
             raise ValueError(f"{path}: application {name!r}: {exc}") from None
         checked.append(name)
     return checked
+
+
+def starting_replicas(deployments: list[dict]) -> tuple[dict[str, int], dict[str, dict]]:
+    """From an application's `deployments:` entries: deployment name -> the replicas Serve
+    starts (num_replicas, else autoscaling_config initial_replicas or min_replicas; at least 1:
+    a deployment that scales from zero must still fit one), and name -> ray_actor_options (they
+    override build_app's)."""
+    replicas, actor_options = {}, {}
+    for entry in deployments:
+        name = entry.get("name")
+        scaling = entry.get("autoscaling_config") or {}
+        count = entry.get("num_replicas")
+        if not isinstance(count, int):  # unset or "auto"
+            count = scaling.get("initial_replicas") or scaling.get("min_replicas") or 1
+        replicas[name] = int(count)
+        if entry.get("ray_actor_options"):
+            actor_options[name] = entry["ray_actor_options"]
+    return replicas, actor_options
 
 
 def main(argv: list[str]) -> int:

@@ -148,6 +148,12 @@ class AppConfig(BaseModel):
     worker_num_cpus: float = Field(
         1.0, gt=0, description="Ray CPUs and torch threads per tensor-parallel rank: of the LLM "
                                "server replica with one rank, of each worker actor with more.")
+    allow_autoscaling_wait_s: float | None = Field(
+        None, ge=0,
+        description="When the cluster cannot hold what the app asks at build time, how long to "
+                    "wait for an autoscaler to add nodes (asking it for the app's resources) "
+                    "before the build is refused; 0 refuses at once. Unset: 600 on a KubeRay "
+                    "cluster, else 0 (deployments/placement.py).")
     max_ongoing_requests: int = Field(
         256, ge=1, description="Requests each renderer and LLM server replica serves at once "
                                "(the ingress takes max_requests_in_flight plus room for /health "

@@ -2,7 +2,7 @@
 side by side, and the report (Markdown table + PNG plots).
 
 Modules, one responsibility each:
-  tokens.py      how many tokens a text or a message prefix is (a model's tokenizer, or words x ratio)
+  tokens.py      token counts and prompt token ids, with the served model's tokenizer (never estimated)
   workloads.py   pure: the conversations of each workload, from a seed and sizes
   accounting.py  pure: shareable tokens (what a perfect prefix cache could restore) per request
   client.py      one streaming chat request -> one RequestRecord

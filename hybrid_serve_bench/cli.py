@@ -30,7 +30,7 @@ from hybrid_serve_bench.policies import POLICIES, parse_policy, serve_policies
 from hybrid_serve_bench.report import RESULT_FIELDS, summary_table, write_report
 from hybrid_serve_bench.runner import RunSettings, Target, run_workloads, server_identity
 from hybrid_serve_bench.stats import summarize
-from hybrid_serve_bench.tokens import DEFAULT_TOKENS_PER_WORD, TokenCounter, TokenizerCounter, WordCounter
+from hybrid_serve_bench.tokens import TokenCounter, TokenizerCounter, served_root, served_tokenizer_dir
 from hybrid_serve_bench.workloads import WORKLOAD_KINDS, Sizes, Workload, build_workloads
 
 DEFAULT_OUT = Path("benchmarks/results/bench")
@@ -62,8 +62,9 @@ def add_common(p: argparse.ArgumentParser) -> None:
     w.add_argument("--developer-tokens", type=int, default=1500)
     w.add_argument("--examples", type=int, default=6, help="few-shot examples")
     w.add_argument("--tokenizer", default=None,
-                   help="local model dir whose tokenizer counts tokens (default: words x ratio)")
-    w.add_argument("--tokens-per-word", type=float, default=DEFAULT_TOKENS_PER_WORD)
+                   help="local model dir whose tokenizer and chat template count tokens (default: "
+                        "the served model's dir, as GET /v1/models names it; compare-policies: "
+                        "its --model-dir)")
     r = p.add_argument_group("load")
     r.add_argument("--concurrency", type=int, default=4)
     r.add_argument("--rate", type=_rate, nargs="+", default=[None],
@@ -120,19 +121,48 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def redraw(path: Path) -> dict[str, Path]:
     """report.md and the plots again, beside `path` (a bench.json), from its summary rows; the
-    JSON itself is rewritten unchanged (its command is still the run's)."""
+    JSON itself is rewritten unchanged (its command is still the run's). Refuses a result with
+    a hit rate above 100% (counted with an estimate before issue 43)."""
     import json
 
     result = json.loads(path.read_text())
+    over = [f"{r['target']} / {r['workload']}: {100 * r['token_hit_rate']:.1f}%" for r in result["summary"]
+            if (r.get("token_hit_rate") or 0) > 1]
+    if over:  # shareable tokens counted before issue 43: by words x 1.3, or at message boundaries
+        raise SystemExit(f"{path}: hit rates above 100% ({'; '.join(over)}): its shareable tokens were "
+                         f"counted by {result['token_counter']} with an older definition (words x "
+                         "1.3, or message boundaries, which a prompt checkpoint passes); run it again")
     lengths = {w["name"]: w["params"]["instruction_tokens"] for w in result["workloads"]
                if w["kind"] == "shared-instructions"}
     return write_report(result, path.parent, lengths)
 
 
 def token_counter(args: argparse.Namespace) -> TokenCounter:
-    if args.tokenizer:
+    try:
         return TokenizerCounter(args.tokenizer)
-    return WordCounter(args.tokens_per_word)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"--tokenizer {args.tokenizer}: {exc}") from None
+
+
+def served_tokenizer(targets: list[Target], identities: list[dict]) -> str:
+    """The one model directory the servers name in GET /v1/models (tokens.served_tokenizer_dir).
+    Exits with a message saying what to pass when a server names none on this machine, or
+    servers name different ones: a hit rate counted with another tokenizer means nothing."""
+    dirs = {}
+    for target, identity in zip(targets, identities):
+        found = served_tokenizer_dir(identity, target.model)
+        if found is None:
+            raise SystemExit(
+                f"cannot count tokens for {target.base_url}: GET /v1/models names no model directory "
+                f"with a tokenizer on this machine for model {target.model!r} (root: "
+                f"{served_root(identity, target.model)}). Pass --tokenizer DIR, a local directory with "
+                "the served model's tokenizer and chat template: the benchmark does not estimate "
+                "tokens.")
+        dirs[target.label] = found
+    if len(set(dirs.values())) > 1:
+        raise SystemExit(f"the servers serve different model directories ({dirs}); pass --tokenizer "
+                         "DIR to count every server's tokens with one tokenizer")
+    return next(iter(dirs.values()))
 
 
 def sizes_of(args: argparse.Namespace) -> Sizes:
@@ -195,8 +225,9 @@ def measure(args: argparse.Namespace, targets: list[Target], workloads: list[Wor
 
 
 def prepare(args: argparse.Namespace) -> tuple[TokenCounter, list[Workload]]:
-    """The token counter (compare-policies counts with its model's tokenizer) and the
-    workloads; gives the run a fresh cache salt unless one was passed or salts are off."""
+    """The token counter (args.tokenizer; compare-policies defaults it to its model's dir, run
+    and compare-servers to the served one: server_targets) and the workloads; gives the run a
+    fresh cache salt unless one was passed or salts are off."""
     if args.mode == "compare-policies" and not args.tokenizer:
         from engine.engine_config import DEFAULT_MODEL_DIR
 
@@ -222,6 +253,24 @@ def measure_engines(args: argparse.Namespace, targets: list[Target], configs: li
     return target_dicts, rows, records
 
 
+def server_targets(args: argparse.Namespace) -> list[Target]:
+    """run / compare-servers: the targets, each model from GET /v1/models unless given; sets
+    args.tokenizer to the served model's directory unless --tokenizer was given."""
+    urls = [args.base_url] if args.mode == "run" else args.base_url
+    models = [args.model] if args.mode == "run" else (args.model or [None])
+    labels = [args.label] if args.mode == "run" else (args.label or [None] * len(urls))
+    if len(models) == 1:
+        models = models * len(urls)
+    if len(models) != len(urls) or len(labels) != len(urls):
+        raise SystemExit("give --model and --label once, or once per --base-url")
+    identities = asyncio.run(_identities(urls))
+    targets = [Target(label or url, url, _model_of(identity, model, url))
+               for url, model, label, identity in zip(urls, models, labels, identities)]
+    if not args.tokenizer:
+        args.tokenizer = served_tokenizer(targets, identities)
+    return targets
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
@@ -229,6 +278,8 @@ def main(argv: list[str] | None = None) -> None:
         for name, path in redraw(args.bench_json).items():
             print(f"{name}: {path}")
         return
+    if args.mode in ("run", "compare-servers"):
+        targets = server_targets(args)
     counter, workloads = prepare(args)
 
     if args.mode == "compare-policies" and args.in_process:
@@ -246,16 +297,6 @@ def main(argv: list[str] | None = None) -> None:
             target["checkpoint_slots"] = config["engine"]["checkpoint_slots"]
             target["app_config"] = config
     else:
-        urls = [args.base_url] if args.mode == "run" else args.base_url
-        models = [args.model] if args.mode == "run" else (args.model or [None])
-        labels = [args.label] if args.mode == "run" else (args.label or [None] * len(urls))
-        if len(models) == 1:
-            models = models * len(urls)
-        if len(models) != len(urls) or len(labels) != len(urls):
-            raise SystemExit("give --model and --label once, or once per --base-url")
-        identities = asyncio.run(_identities(urls))
-        targets = [Target(label or url, url, _model_of(identity, model, url))
-                   for url, model, label, identity in zip(urls, models, labels, identities)]
         target_dicts, rows, records = measure(args, targets, workloads, counter)
 
     paths = write_result(args, argv, target_dicts, rows, records, workloads, counter)

@@ -23,8 +23,10 @@ from dataclasses import dataclass
 import httpx
 
 # The result JSON's record keys; tests assert this exact set, so the schema does not drift.
+# counted_prompt_tokens: the prompt's tokens as the bench's tokenizer renders it (runner.py),
+# beside the server's prompt_tokens: they differ when the tokenizer is not the served model's.
 RECORD_FIELDS = ("workload", "target", "conversation", "turn", "rate", "start_s", "first_chunk_s",
-                 "ttft_s", "itl_s", "e2e_s", "prompt_tokens", "completion_tokens",
+                 "ttft_s", "itl_s", "e2e_s", "prompt_tokens", "counted_prompt_tokens", "completion_tokens",
                  "cached_tokens", "shareable_tokens", "finish_reason", "error")
 
 

@@ -75,11 +75,13 @@ DEFINITIONS = """\
 - computed = prompt tokens - cached tokens, where cached tokens is the server's
   `usage.prompt_tokens_details.cached_tokens` (restored from a cache); "not reported" when the
   server sent none (it is not counted as 0).
-- token hit rate = cached / shareable. A request's shareable tokens are the rendered tokens of
-  its longest run of leading messages that an earlier request of the same pass already sent
-  (or sent and got a reply to): what a perfect message-boundary prefix cache could restore.
-  On shared-instructions that is the system prompt of every request but the first of each
-  system prompt; on no-sharing it is nothing (n/a). See hybrid_serve_bench/accounting.py.
+- token hit rate = cached / shareable, at most 100% (a pass whose server reports more is
+  refused). A request's shareable tokens are the longest prefix of its prompt token ids (the
+  served model's tokenizer and chat template) that an earlier request of the same pass already
+  sent (or sent and got a reply to): what a perfect prefix cache could restore. On
+  shared-instructions that is the system prompt and the template tokens that open the next
+  message, for every request but the first of each system prompt; on no-sharing only a few
+  template tokens. See hybrid_serve_bench/accounting.py.
 - req/s at TTFT <= target: requests that succeeded with TTFT at most the target, per second of
   the pass's wall time (goodput).
 - With several targets the workload runs in rounds, each round against every target in

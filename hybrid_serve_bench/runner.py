@@ -4,8 +4,10 @@ Passes and interleaving: a pass is one (target, workload, rate). With several ta
 workload's conversations are split into `rounds` contiguous chunks, and each round runs its
 chunk against every target, one target after the other (never two at once), in an order
 rotated every round; so a slow drift of a shared machine hits every target alike. A pass's wall
-time is the sum of its chunks' times. Each pass gets its own ShareableTracker and its own
-cache_salt (when salts are on), so no pass restores what another one left.
+time is the sum of its chunks' times. Each pass gets its own cache_salt (when salts are on), so
+no pass restores what another one left, and its own ShareableTracker; without salts a server
+may restore what an earlier pass of the run sent it, so each target keeps one tracker for the
+whole run.
 
 Arrivals within a chunk: with rate None, a closed loop of `concurrency` workers, each taking the
 next conversation and running its turns one after the other; with a rate (conversations per
@@ -91,9 +93,9 @@ class _PassState:
     """What one pass carries between its chunks: tracker, salt, records."""
 
     def __init__(self, target: Target, workload: Workload, rate: float | None,
-                 counter: TokenCounter, settings: RunSettings) -> None:
+                 tracker: ShareableTracker, settings: RunSettings) -> None:
         self.target, self.workload, self.rate = target, workload, rate
-        self.tracker = ShareableTracker(counter)
+        self.tracker = tracker
         extra = dict(target.extra_body or {})
         if settings.ignore_eos:
             extra["ignore_eos"] = True
@@ -110,9 +112,10 @@ async def _run_conversation(client: httpx.AsyncClient, state: _PassState, conver
     history: list[dict] = []
     for index, turn in enumerate(conversation.turns):
         messages = [*history, *turn.new_messages]
+        prompt_ids = state.tracker.prompt_ids(messages)
         async with slots:
-            shareable = state.tracker.shareable_tokens(messages)
-            state.tracker.record_sent(messages)
+            shareable = state.tracker.shareable_tokens(prompt_ids)
+            state.tracker.record_sent(prompt_ids)
             start_s = time.perf_counter() - t0
             request = ChatRequest(state.target.model, messages, settings.max_tokens,
                                   extra_body=state.extra_body)
@@ -123,7 +126,7 @@ async def _run_conversation(client: httpx.AsyncClient, state: _PassState, conver
                   "conversation": conversation.key, "turn": index, "rate": state.rate,
                   "start_s": start_s, "first_chunk_s": result.first_chunk_s,
                   "ttft_s": result.ttft_s, "itl_s": result.itl_s, "e2e_s": result.e2e_s,
-                  "prompt_tokens": result.prompt_tokens,
+                  "prompt_tokens": result.prompt_tokens, "counted_prompt_tokens": len(prompt_ids),
                   "completion_tokens": result.completion_tokens,
                   "cached_tokens": result.cached_tokens, "shareable_tokens": shareable,
                   "finish_reason": result.finish_reason, "error": result.error}
@@ -170,10 +173,15 @@ async def run_workloads(targets: list[Target], workloads: list[Workload], rates:
     passes: list[Pass] = []
     t0 = time.perf_counter()
     limits = httpx.Limits(max_connections=settings.concurrency * 2 + 4)
+    run_trackers = {t.label: ShareableTracker(counter) for t in targets}  # without cache salts
+
+    def tracker(target: Target) -> ShareableTracker:
+        return run_trackers[target.label] if settings.cache_salt is None else ShareableTracker(counter)
+
     async with httpx.AsyncClient(timeout=settings.timeout_s, limits=limits) as client:
         for workload in workloads:
             for rate in rates:
-                states = [_PassState(t, workload, rate, counter, settings) for t in targets]
+                states = [_PassState(t, workload, rate, tracker(t), settings) for t in targets]
                 for r, chunk in enumerate(chunks(workload.conversations, settings.rounds)):
                     order = states[r % len(states):] + states[:r % len(states)]
                     for state in order:

@@ -10,7 +10,9 @@ Row fields (SUMMARY_FIELDS; None means "not reported" or "not defined", never 0)
   prompt_tokens_computed    prompt_tokens - cached_tokens (None when either is not reported)
   shareable_tokens          sum of each request's shareable tokens (accounting.py)
   token_hit_rate            cached_tokens / shareable_tokens (None when not reported, or
-                            nothing was shareable)
+                            nothing was shareable); at most 1 by the definition of shareable,
+                            and checked: a pass whose server restored more than was shareable
+                            raises RestoredBeyondShareable rather than report a rate above 100%
   output_tok_s              completion tokens of the pass / its wall time
   requests_s                requests finished / wall time
   goodput_rps               requests/s at the target latency: successful requests with
@@ -26,6 +28,30 @@ SUMMARY_FIELDS = ("target", "workload", "rate", "requests", "errors", "ttft_p50_
                   "ttft_p99_ms", "itl_p50_ms", "e2e_p50_ms", "prompt_tokens", "cached_tokens",
                   "prompt_tokens_computed", "shareable_tokens", "token_hit_rate", "output_tok_s",
                   "requests_s", "goodput_rps", "target_ttft_ms", "wall_s")
+
+
+class RestoredBeyondShareable(ValueError):
+    """A pass's server reported more cached tokens than its prompts could share (accounting.py):
+    the token counter is not the served model's tokenizer, or the server over-reports."""
+
+
+def check_restored_within_shareable(target: str, workload: str, rate: float | None,
+                                    records: list[dict], cached: int | None, shareable: int) -> None:
+    """Raise RestoredBeyondShareable when `cached` > `shareable` (the pass's sums), naming the
+    pass, both sums and how many requests' prompt token counts differ from the server's."""
+    if cached is None or cached <= shareable:
+        return
+    differ = [r for r in records if r["prompt_tokens"] is not None
+              and r.get("counted_prompt_tokens") not in (None, r["prompt_tokens"])]
+    example = (f"; {len(differ)} of {len(records)} prompts count differently, e.g. the server "
+               f"{differ[0]['prompt_tokens']} tokens, the bench's tokenizer "
+               f"{differ[0]['counted_prompt_tokens']}: pass --tokenizer with the served model's "
+               "directory" if differ else
+               "; every prompt counts the same as the server's: it restored tokens no earlier "
+               "request of the pass sent (a cache left by an earlier run without a cache salt?)")
+    raise RestoredBeyondShareable(
+        f"{target} / {workload} / rate {rate}: the server reported {cached:,} cached tokens but "
+        f"only {shareable:,} of its prompt tokens were shareable{example}")
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -57,6 +83,7 @@ def summarize_pass(target: str, workload: str, rate: float | None, records: list
     cached = _sum_reported([r["cached_tokens"] for r in ok])
     shareable = sum(r["shareable_tokens"] or 0 for r in ok)
     completion = _sum_reported([r["completion_tokens"] for r in ok])
+    check_restored_within_shareable(target, workload, rate, ok, cached, shareable)
     wall = wall_s if wall_s > 0 else float("nan")
     row = {
         "target": target, "workload": workload, "rate": rate,

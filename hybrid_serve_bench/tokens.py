@@ -1,24 +1,19 @@
-"""Token counts for building workloads and counting shareable tokens.
+"""Token counts and token ids, with the served model's tokenizer and chat template.
 
-Two counters with one interface (TokenCounter):
-  TokenizerCounter  a local model directory's tokenizer and chat template: exact for that model;
-  WordCounter       no model at hand: tokens = ceil(words x tokens_per_word), and a rendered
-                    message prefix adds MESSAGE_OVERHEAD_TOKENS per message (role markers).
-                    DEFAULT_TOKENS_PER_WORD = 1.3 is typical of English BPE vocabularies
-                    (GPT-2/Llama-style); the benchmark's pseudo-English uses common words, so it
-                    is a fair guess for real models, and only an estimate: hit rates computed
-                    with it can be off by tens of percent (and exceed 100%). The embedded tiny
-                    model's small BPE vocabulary splits these words into ~2.5 tokens each, so
-                    runs against it pass --tokenizer (compare-policies always does).
+The benchmark never estimates tokens: the shareable-token denominator of the hit rate is a
+count of the server's own prompt tokens, so a counter that is not the served model's tokenizer
+makes rates meaningless (words x 1.3 once printed 198.8%). The counter is, in order: --tokenizer
+DIR; else the served model directory that the server names in GET /v1/models (`root`, which
+hybrid-serve and vLLM both report) when that directory exists on this machine; compare-policies
+uses its own model dir. Without one, the CLI refuses (served_tokenizer_dir, cli.py).
 """
 
 from __future__ import annotations
 
-import math
+from pathlib import Path
 from typing import Protocol
 
-DEFAULT_TOKENS_PER_WORD = 1.3
-MESSAGE_OVERHEAD_TOKENS = 4
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
 class TokenCounter(Protocol):
@@ -30,26 +25,11 @@ class TokenCounter(Protocol):
         """Tokens of a plain text (no special tokens)."""
         ...
 
-    def prefix_tokens(self, messages: list[dict]) -> int:
-        """Tokens of `messages` rendered as the start of a chat prompt (no generation prompt):
-        where a cache could cut a prompt that begins with exactly these messages."""
+    def chat_ids(self, messages: list[dict], add_generation_prompt: bool) -> tuple[int, ...]:
+        """The token ids of `messages` rendered by the chat template: with the generation prompt,
+        the prompt a server computes for a request; without it, a conversation whose last
+        message is a reply, as a later turn resends it."""
         ...
-
-
-class WordCounter:
-    """Estimate: words x tokens_per_word, plus MESSAGE_OVERHEAD_TOKENS per rendered message."""
-
-    def __init__(self, tokens_per_word: float = DEFAULT_TOKENS_PER_WORD) -> None:
-        if tokens_per_word <= 0:
-            raise ValueError(f"tokens_per_word must be positive, got {tokens_per_word}")
-        self.tokens_per_word = tokens_per_word
-        self.name = f"words x {tokens_per_word}"
-
-    def count(self, text: str) -> int:
-        return math.ceil(len(text.split()) * self.tokens_per_word)
-
-    def prefix_tokens(self, messages: list[dict]) -> int:
-        return sum(self.count(str(m.get("content") or "")) + MESSAGE_OVERHEAD_TOKENS for m in messages)
 
 
 class TokenizerCounter:
@@ -59,6 +39,9 @@ class TokenizerCounter:
         from transformers import AutoTokenizer
         from transformers.utils import logging
 
+        if not has_tokenizer(model_dir):
+            raise ValueError(f"{model_dir} is not a local directory with a tokenizer "
+                             f"(none of {', '.join(TOKENIZER_FILES)})")
         logging.set_verbosity_error()  # no "longer than the maximum length" warnings while measuring
         self._tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.name = f"tokenizer of {model_dir}"
@@ -66,9 +49,30 @@ class TokenizerCounter:
     def count(self, text: str) -> int:
         return len(self._tokenizer.encode(text, add_special_tokens=False))
 
-    def prefix_tokens(self, messages: list[dict]) -> int:
+    def chat_ids(self, messages: list[dict], add_generation_prompt: bool) -> tuple[int, ...]:
         if not messages:
-            return 0
-        ids = self._tokenizer.apply_chat_template(messages, add_generation_prompt=False,
+            return ()
+        ids = self._tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                                   tokenize=True, return_dict=False)
-        return len(ids)
+        return tuple(map(int, ids))
+
+
+def has_tokenizer(model_dir: str | Path) -> bool:
+    """Whether `model_dir` is a directory on this machine with tokenizer files."""
+    path = Path(model_dir)
+    return path.is_dir() and any((path / name).is_file() for name in TOKENIZER_FILES)
+
+
+def served_root(identity: dict, model: str) -> str | None:
+    """The `root` (model directory) of `model`'s card in a GET /v1/models answer, or None."""
+    cards = identity.get("data") if isinstance(identity, dict) else None
+    for card in cards if isinstance(cards, list) else []:
+        if isinstance(card, dict) and card.get("id") == model and isinstance(card.get("root"), str):
+            return card["root"]
+    return None
+
+
+def served_tokenizer_dir(identity: dict, model: str) -> str | None:
+    """The served model directory (served_root) when it has tokenizer files on this machine."""
+    root = served_root(identity, model)
+    return str(Path(root).resolve()) if root is not None and has_tokenizer(root) else None

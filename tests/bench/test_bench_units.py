@@ -7,11 +7,12 @@ import pytest
 
 from hybrid_serve_bench.accounting import ShareableTracker
 from hybrid_serve_bench.client import cached_tokens_of, sse_data
-from hybrid_serve_bench.stats import SUMMARY_FIELDS, percentile, summarize_pass
-from hybrid_serve_bench.tokens import MESSAGE_OVERHEAD_TOKENS, WordCounter
+from hybrid_serve_bench.stats import SUMMARY_FIELDS, RestoredBeyondShareable, percentile, summarize_pass
 from hybrid_serve_bench.workloads import WORKLOAD_KINDS, Sizes, build_workloads, make_text
 
-COUNTER = WordCounter(1.0)  # one token a word: sizes are checkable by hand
+from tests.bench.word_tokenizer import WordTokenizer
+
+COUNTER = WordTokenizer()  # one token a word: sizes are checkable by hand
 SMALL = Sizes(seed=3, systems=2, instruction_tokens=60, requests=6, user_tokens=(10, 20),
               conversations=2, turns=3, turn_user_tokens=(5, 10), agents=2, agent_turns=3,
               developer_tokens=150, tool_result_tokens=(5, 10), examples=2, example_tokens=10)
@@ -64,41 +65,58 @@ def test_make_text_fits_the_token_count():
         assert text.startswith("Lead:")
 
 
-def test_shareable_shared_instructions_counts_the_system_prompt_after_its_first_use():
-    workload = build_workloads(["shared-instructions"], SMALL, COUNTER)[0]
-    tracker = ShareableTracker(COUNTER)
+def _shareable_of(workload, tracker):
+    """Each single-turn request's shareable tokens, sent one after the other."""
     shareable = []
     for conversation in workload.conversations:
-        messages = list(conversation.turns[0].new_messages)
-        shareable.append(tracker.shareable_tokens(messages))
-        tracker.record_sent(messages)
-    system_tokens = [COUNTER.prefix_tokens([c.turns[0].new_messages[0]]) for c in workload.conversations]
-    assert shareable[:2] == [0, 0]
-    assert shareable[2:] == system_tokens[2:]
-    assert system_tokens[2] == COUNTER.count(workload.conversations[2].turns[0].new_messages[0]["content"]) \
-        + MESSAGE_OVERHEAD_TOKENS
+        ids = tracker.prompt_ids(list(conversation.turns[0].new_messages))
+        shareable.append(tracker.shareable_tokens(ids))
+        tracker.record_sent(ids)
+    return shareable
+
+
+def test_shareable_shared_instructions_counts_the_system_prompt_after_its_first_use():
+    workload = build_workloads(["shared-instructions"], SMALL, COUNTER)[0]
+    shareable = _shareable_of(workload, ShareableTracker(COUNTER))
+    systems = [c.turns[0].new_messages[0]["content"] for c in workload.conversations]
+    # the first request shares nothing, the first of the second system prompt its opening
+    # (role, "System policy"); every later one its system message (role, words, end), the
+    # user role token and "Question" (user messages are "Question {i}: ...")
+    assert shareable[:2] == [0, 3]
+    assert shareable[2:] == [COUNTER.count(s) + 2 + 2 for s in systems[2:]]
 
 
 def test_shareable_multi_turn_includes_the_reply_it_resends():
     tracker = ShareableTracker(COUNTER)
     turn1 = [{"role": "user", "content": "a b c"}]
-    assert tracker.shareable_tokens(turn1) == 0
-    tracker.record_sent(turn1)
+    ids1 = tracker.prompt_ids(turn1)
+    assert tracker.shareable_tokens(ids1) == 0
+    tracker.record_sent(ids1)
     tracker.record_reply(turn1, "x y")
     turn2 = [*turn1, {"role": "assistant", "content": "x y"}, {"role": "user", "content": "d"}]
-    assert tracker.shared_messages(turn2) == 2
-    assert tracker.shareable_tokens(turn2) == (3 + 4) + (2 + 4)
-    other_reply = [*turn1, {"role": "assistant", "content": "z"}, {"role": "user", "content": "d"}]
-    assert tracker.shared_messages(other_reply) == 1
+    # user a b c END, assistant x y END, then the next user role token matches nothing
+    assert tracker.shareable_tokens(tracker.prompt_ids(turn2)) == (3 + 2) + (2 + 2)
+    other_reply = [*turn1, {"role": "assistant", "content": "x z"}, {"role": "user", "content": "d"}]
+    assert tracker.shareable_tokens(tracker.prompt_ids(other_reply)) == (3 + 2) + 2  # up to "x"
 
 
-def test_shareable_no_sharing_is_zero():
+def test_shareable_no_sharing_is_only_the_common_opening():
     workload = build_workloads(["no-sharing"], SMALL, COUNTER)[0]
-    tracker = ShareableTracker(COUNTER)
-    for conversation in workload.conversations:
-        messages = list(conversation.turns[0].new_messages)
-        assert tracker.shareable_tokens(messages) == 0
-        tracker.record_sent(messages)
+    shareable = _shareable_of(workload, ShareableTracker(COUNTER))
+    assert shareable == [0] + [3] * (len(shareable) - 1)  # role, "Unique policy"; then {i}: differs
+
+
+def test_shareable_sums_do_not_depend_on_the_order_requests_arrive_in():
+    """Which of two requests that share a prefix restores it depends on arrival order; the
+    pass's sum does not (accounting.py), so restored <= shareable holds for the sums."""
+    import itertools
+    from dataclasses import replace
+
+    workload = build_workloads(["shared-instructions"], SMALL, COUNTER)[0]
+    orders = itertools.islice(itertools.permutations(workload.conversations), 0, 720, 37)
+    totals = {sum(_shareable_of(replace(workload, conversations=order), ShareableTracker(COUNTER)))
+              for order in orders}
+    assert len(totals) == 1
 
 
 def test_percentile_is_nearest_rank():
@@ -117,7 +135,8 @@ def test_percentile_is_nearest_rank():
 
 def _record(ttft, prompt=100, cached=None, shareable=0, completion=4, error=None):
     return {"ttft_s": ttft, "itl_s": 0.01, "e2e_s": (ttft or 0) + 0.05, "prompt_tokens": prompt,
-            "cached_tokens": cached, "shareable_tokens": shareable, "completion_tokens": completion,
+            "counted_prompt_tokens": prompt, "cached_tokens": cached, "shareable_tokens": shareable,
+            "completion_tokens": completion,
             "error": error}
 
 
@@ -130,6 +149,18 @@ def test_summary_row_keeps_not_reported_apart_from_zero():
     zero = summarize_pass("t", "w", None, [_record(0.1, cached=0, shareable=50)], 1.0, 150)
     assert zero["cached_tokens"] == 0 and zero["token_hit_rate"] == 0.0
     assert zero["prompt_tokens_computed"] == 100
+
+
+def test_a_pass_that_restores_more_than_was_shareable_is_refused_not_reported_above_100():
+    # what words x 1.3 did with the tiny model's tokenizer (~2.5 tokens a word): 198.8%
+    records = [_record(0.1, cached=994, shareable=500), _record(0.1, cached=0, shareable=0)]
+    with pytest.raises(RestoredBeyondShareable, match="994 cached tokens but only 500"):
+        summarize_pass("t", "w", None, records, wall_s=1.0, target_ttft_ms=150)
+    records[0]["counted_prompt_tokens"] = 40  # the server counted 100: another tokenizer
+    with pytest.raises(RestoredBeyondShareable, match="server 100 tokens, the bench's tokenizer 40"):
+        summarize_pass("t", "w", None, records, wall_s=1.0, target_ttft_ms=150)
+    row = summarize_pass("t", "w", None, [_record(0.1, cached=500, shareable=500)], 1.0, 150)
+    assert row["token_hit_rate"] == 1.0
 
 
 def test_summary_row_math():

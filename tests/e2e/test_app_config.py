@@ -7,10 +7,14 @@ from pathlib import Path
 import pytest
 import yaml
 
+from deployments import placement
 from deployments.app import build_app
 from deployments.config import AppConfig, parse_app_config
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+# A machine that holds what the tests below build, whatever this one has (tests/unit/test_placement.py
+# tests the refusal of what a machine cannot hold).
+LARGE_MACHINE = placement.Capacity(64, 8, ((64, 8),), "this machine")
 
 
 def test_unknown_key_is_rejected_by_name():
@@ -62,7 +66,8 @@ def test_checkpoint_slots_accept_any_subset_and_reject_unknown_names():
         build_app({"engine": {"checkpoint_cache_bytes": -1}})
 
 
-def test_tensor_parallel_size_is_checked_against_the_model_at_build_time():
+def test_tensor_parallel_size_is_checked_against_the_model_at_build_time(monkeypatch):
+    monkeypatch.setattr(placement, "current_capacity", lambda: LARGE_MACHINE)
     build_app({"engine": {"tensor_parallel_size": 4}})  # the tiny model splits 4 ways
     with pytest.raises(ValueError, match="does not divide by tensor_parallel_size=3"):
         build_app({"engine": {"tensor_parallel_size": 3}})
@@ -120,7 +125,7 @@ def test_speculation_the_model_cannot_run_fails_the_build_naming_the_key():
     build_app({"engine": {"num_speculative_tokens": 3, "speculative_drafter": "ngram"}})
 
 
-def test_a_head_dim_the_cuda_kernels_cannot_serve_fails_a_cuda_build_naming_the_key(tmp_path):
+def test_a_head_dim_the_cuda_kernels_cannot_serve_fails_a_cuda_build_naming_the_key(tmp_path, monkeypatch):
     """The paged attention kernels need a power-of-two head_dim (engine/execution/loader.py
     check_cuda_shapes): a CUDA deploy of a model with head_dim 24 is refused naming the key,
     before any replica starts; the same model deploys on the CPU, whose path has no such limit."""
@@ -129,6 +134,7 @@ def test_a_head_dim_the_cuda_kernels_cannot_serve_fails_a_cuda_build_naming_the_
 
     from engine.engine_config import DEFAULT_MODEL_DIR
 
+    monkeypatch.setattr(placement, "current_capacity", lambda: LARGE_MACHINE)  # one with a GPU
     model_dir = tmp_path / "head_dim_24"
     shutil.copytree(DEFAULT_MODEL_DIR, model_dir)
     config = json.loads((model_dir / "config.json").read_text())
