@@ -20,6 +20,7 @@ from engine.engine_config import DEFAULT_MODEL_DIR
 from engine.execution.loader import load_model
 from engine.parallel.tensor_parallel import TensorParallel
 from paged_runner import PagedRunner, Request
+from tests.engine.generate_reference import check_engine_matches_generate
 from tests.engine.reuse_cases import GREEDY, SYSTEM, Alone, chat, instruction_reuse, multi_turn, run
 from tests.tp.tp_support import run_model, run_world
 
@@ -206,6 +207,15 @@ def check_tp2_matches_tp1(model_dir: Path, name: str, out_dir: Path) -> float:
     print(f"tp=2: greedy tokens equal, logits max relative error {worst:.2e}")
     assert worst < TOLERANCE
     return worst
+
+
+def check_engine_greedy(engine, model_class, label: str) -> int:
+    """The engine's own greedy output (LLMEngine, its worker and sampler) against generate()
+    of `model_class` loaded from the engine's model directory (tests/engine/generate_reference.py).
+    Returns the near-ties counted."""
+    reference = model_class.from_pretrained(
+        engine.config.model_dir, torch_dtype=torch.float32, attn_implementation="eager").eval()
+    return check_engine_matches_generate(engine, reference, label)
 
 
 # ---- checkpoint reuse through LLMEngine (every family asserts the same) ------------------------
