@@ -2,8 +2,11 @@
 test_qwen3_next.py):
 a tiny random transformers model saved with save_pretrained and loaded by the engine's loader,
 compared with transformers (fp32, CPU, eager attention) through the paged driver
-(tests/paged_runner.py); a saved model with the embedded model's tokenizer for LLMEngine runs;
-tp=2 against tp=1 with tests/tp/tp_support.py's per-rank program.
+(tests/paged_runner.py); a saved model with the embedded model's tokenizer for LLMEngine runs:
+the engine's own greedy output against generate() (check_engine_greedy,
+tests/engine/generate_reference.py) and the checkpoint reuse cases (tokens and logits against
+from scratch, on a model that is not degenerate); tp=2 against tp=1 with tests/tp/tp_support.py's
+per-rank program.
 
 Each check prints what it measured (max relative error max|a-b| / max|b|, near-ties)."""
 
