@@ -2,7 +2,8 @@
 
 Three apps of the session's Serve instance, all with E2E_CONFIG's engine: the session's own
 app (one LLM server replica: the single-replica baseline), ROUTER_APP (three replicas,
-checkpoint_routing on) and DEFAULT_APP (three replicas, Serve's power-of-two router). The
+checkpoint_routing on, max_model_len ROUTER_MAX_MODEL_LEN for the overload test's long
+generations) and DEFAULT_APP (three replicas, Serve's power-of-two router). The
 workload is 4 instructions (system prompts) x 24 users, one request at a time, each run under
 a fresh cache_salt so every measurement starts empty. Token hit rate = cached tokens / tokens
 a perfect instruction cache restores (every request after the first of its instruction: the
@@ -51,8 +52,10 @@ USERS = [f"Customer {n} here: {q}" for n, q in enumerate([
     "which one is the best?", "can you repeat that?", "what should I avoid?", "any tips?",
     "how much does it weigh?", "what do most people pick?", "is there a short version?",
     "what if I make a mistake?", "where do I start?", "thanks, and one more question?"])]
-LONG_TOKENS = 380  # within E2E_CONFIG's max_model_len 512 after a ~100-token prompt
-SHORT_BOUND_S = 5.0
+# The router app's max_model_len, and the tokens its long generations may run to (after a
+# ~60-token prompt): far more than the short requests sent meanwhile need.
+ROUTER_MAX_MODEL_LEN = 4096
+LONG_RUN_TOKENS = 3900
 
 
 @dataclass
@@ -94,7 +97,8 @@ def deploy_three(deploy_variant, name: str, prefix: str, **overrides):
 @pytest.fixture(scope="module")
 def router_client(deploy_variant):
     return deploy_three(deploy_variant, ROUTER_APP, ROUTER_PREFIX, checkpoint_routing=True,
-                        routing_queue_threshold=QUEUE_THRESHOLD)
+                        routing_queue_threshold=QUEUE_THRESHOLD,
+                        engine={"max_model_len": ROUTER_MAX_MODEL_LEN})
 
 
 def measure(client, salt: str, boundaries: dict[str, int]) -> Tally:
@@ -140,62 +144,90 @@ def test_router_keeps_the_single_replica_hit_rate_and_the_default_router_does_no
     assert default.rate < routed.rate
 
 
+def served_by(salt: str, messages: list[dict], tokenizer) -> str:
+    """The replica that served a request: the one the router app's index lists as holding a
+    checkpoint of exactly its prompt (its prompt checkpoint; replicas report in batches)."""
+    import ray
+
+    ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                             return_dict=False))
+
+    def exact_holders() -> frozenset[str] | None:
+        lookup = get_index(ROUTER_APP).lookup.remote((E2E_CONFIG.engine.model_dir, salt), ids)
+        result = ray.get(lookup, timeout=30)
+        return result.replica_ids if result.length == len(ids) else None
+
+    (replica,) = wait_for(exact_holders, 10.0, f"no replica reported the prompt of {messages[-1]}")
+    return replica
+
+
 def test_an_overloaded_holder_is_passed_over(router_client, boundaries, new_salt, tokenizer):
+    """The holder of an instruction runs QUEUE_THRESHOLD long generations with it; requests
+    with the same instruction sent meanwhile go to other replicas. Which replica served each
+    request is read from the index (served_by), and "meanwhile" is an order of events: each
+    short request is sent and answered while both long generations are still streaming (a
+    short one queued behind them would be answered after they end). The long generations
+    could run to LONG_RUN_TOKENS; they are closed once the checks are done."""
     salt, system = new_salt(), INSTRUCTIONS[0]
     assert chat(router_client, system, "first", salt).usage.prompt_tokens_details.cached_tokens == 0
-    deadline = time.monotonic() + 10
-    while not (first_holders := holders(salt, system, tokenizer)):
-        assert time.monotonic() < deadline, "the index never listed the instruction's holder"
-        time.sleep(0.1)
+    first_holders = wait_for(lambda: holders(salt, system, tokenizer), 10.0,
+                             "the index never listed the instruction's holder")
     (holder,) = first_holders
-    time.sleep(0.5)  # the router's mirror long-polls the index: well within this
 
-    # QUEUE_THRESHOLD long generations with the instruction: all routed to its holder
-    longs: list[dict] = [{} for _ in range(QUEUE_THRESHOLD)]
+    # QUEUE_THRESHOLD long generations with the instruction: routed to its holder (from the
+    # router's mirror of the index, or its recent placement of the first request)
+    longs = [[{"role": "system", "content": system}, {"role": "user", "content": f"long story {n}"}]
+             for n in range(QUEUE_THRESHOLD)]
+    started = [threading.Event() for _ in longs]
+    ended = [threading.Event() for _ in longs]
+    close = threading.Event()
 
-    def long_generation(slot: dict, n: int) -> None:
-        stream = router_client.chat.completions.create(
-            model=MODEL_NAME, max_tokens=LONG_TOKENS, temperature=0, stream=True,
-            stream_options={"include_usage": True},
-            messages=[{"role": "system", "content": system},
-                      {"role": "user", "content": f"long story {n}"}],
-            extra_body={"ignore_eos": True, "cache_salt": salt})
-        for chunk in stream:
-            slot.setdefault("first_token", time.monotonic())
-            if chunk.usage is not None:
-                slot["usage"] = chunk.usage
-        slot["done"] = time.monotonic()
+    def long_generation(n: int) -> None:
+        try:
+            stream = router_client.chat.completions.create(
+                model=MODEL_NAME, max_tokens=LONG_RUN_TOKENS, temperature=0, stream=True,
+                messages=longs[n], extra_body={"ignore_eos": True, "cache_salt": salt})
+            for _ in stream:
+                started[n].set()
+                if close.is_set():
+                    stream.close()
+                    return
+        finally:
+            ended[n].set()
 
-    threads = [threading.Thread(target=long_generation, args=(slot, n), daemon=True)
-               for n, slot in enumerate(longs)]
+    threads = [threading.Thread(target=long_generation, args=(n,), daemon=True) for n in range(len(longs))]
     for thread in threads:
         thread.start()
-    deadline = time.monotonic() + 30
-    while not all("first_token" in slot for slot in longs):
-        assert time.monotonic() < deadline, "the long generations did not start"
-        time.sleep(0.05)
+    try:
+        for n, event in enumerate(started):
+            assert event.wait(timeout=60), f"long generation {n} did not start"
 
-    # the holder is at the threshold: requests with its instruction go elsewhere, promptly
-    shorts = []
-    for n in range(3):
-        sent = time.monotonic()
-        response = chat(router_client, system, f"quick question {n}", salt, max_tokens=2)
-        shorts.append((time.monotonic() - sent, response.usage.prompt_tokens_details.cached_tokens))
-    shorts_done = time.monotonic()
-    # the replicas report their captures in batches: the index lists the new holder shortly
-    after = wait_for(lambda: (held := holders(salt, system, tokenizer)) - {holder} and held, 10.0,
-                     "no other replica reported a checkpoint of the instruction")
+        # the holder is at the threshold: requests with its instruction go elsewhere
+        shorts = []
+        for n in range(3):
+            assert not any(e.is_set() for e in ended), "a long generation ended before the short requests"
+            messages = [{"role": "system", "content": system},
+                        {"role": "user", "content": f"quick question {n}"}]
+            response = chat(router_client, system, messages[-1]["content"], salt, max_tokens=2)
+            assert not any(e.is_set() for e in ended), (
+                f"short request {n} was answered only after a long generation ended: it waited "
+                f"for the holder (or the long generations ran too few tokens to overlap it)")
+            shorts.append((messages, response.usage.prompt_tokens_details.cached_tokens))
+    finally:
+        close.set()
     for thread in threads:
-        thread.join(timeout=120)
-    print(f"holder {holder}; short requests (seconds, cached tokens) {shorts}; holders after "
-          f"{sorted(after)}; long generations ran {[round(s['done'] - s['first_token'], 1) for s in longs]} s")
+        thread.join(timeout=60)
 
-    assert all(s.get("done", 0) > shorts_done for s in longs), \
-        "the long generations ended before the short requests: the holder was not saturated"
-    assert all(slot["usage"].prompt_tokens_details.cached_tokens == boundaries[system]
-               for slot in longs)  # they went to the holder
-    assert all(seconds < SHORT_BOUND_S for seconds, _ in shorts)
+    long_servers = [served_by(salt, messages, tokenizer) for messages in longs]
+    short_servers = [served_by(salt, messages, tokenizer) for messages, _ in shorts]
+    print(f"holder {holder}; long generations served by {long_servers}; short requests served "
+          f"by {short_servers} (cached tokens {[cached for _, cached in shorts]})")
+    assert long_servers == [holder] * QUEUE_THRESHOLD
+    assert holder not in short_servers
     assert shorts[0][1] == 0  # the first went to a replica without the checkpoint
+    # and the index lists the replica that took the first short as a holder too
+    wait_for(lambda: short_servers[0] in holders(salt, system, tokenizer), 10.0,
+             "the replica that took the first short request never reported the instruction")
 
 
 def wait_for(condition, timeout_s: float, what: str):

@@ -49,8 +49,11 @@ def run_all(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingPara
 
 
 def assert_same_run(actual, expected):
+    """Same tokens, and one logits row per token in both runs, each within 1e-4 relative."""
     assert actual[0] == expected[0]
-    for got, want in zip(actual[2], expected[2]):
+    assert len(actual[2]) == len(actual[0]) and len(expected[2]) == len(expected[0]), (
+        f"{len(actual[2])} and {len(expected[2])} logits rows for {len(actual[0])} tokens")
+    for got, want in zip(actual[2], expected[2], strict=True):
         assert (got - want).abs().max() <= 1e-4 * want.abs().max()
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 
 import pytest
@@ -246,21 +245,39 @@ def test_a_dead_rank_fails_every_later_step_and_shutdown_returns(victim):
 
 @pytest.mark.timeout(240)
 def test_a_follower_killed_during_a_step_fails_that_step():
-    """The kill lands while the ranks are inside a long prefill (about a second at tp=2)."""
-    engine = LLMEngine(EngineConfig(tensor_parallel_size=2, max_num_batched_tokens=2048))
+    """The kill lands inside the request's first step, by construction rather than by a clock:
+    the follower is stopped (SIGSTOP) between steps, so it cannot take part in the step the
+    engine submits next, and is killed as soon as that step is submitted (the executor's submit,
+    wrapped). That step, not a later one, fails: no token of the request comes out."""
+    engine = LLMEngine(EngineConfig(tensor_parallel_size=2, **CONFIG))
     processes = list(engine.executor._processes)
-    long_prompt = [int(t) for t in engine.tokenizer.encode("seven rivers and a mountain " * 300)][:1500]
+    follower = processes[1]
+    submit = engine.executor.submit
+    killed_after: list = []  # the step submitted before the kill
+
+    def submit_then_kill(scheduler_output) -> None:
+        submit(scheduler_output)
+        if not killed_after:
+            killed_after.append(scheduler_output)
+            os.kill(follower.pid, signal.SIGKILL)
+
     try:
-        engine.add_request(GenerationRequest(
-            "long", long_prompt, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)))
-        killer = threading.Timer(0.2, os.kill, (processes[1].pid, signal.SIGKILL))
-        killer.start()
+        short_request(engine, "killed")
+        os.kill(follower.pid, signal.SIGSTOP)  # idle in follow(), waiting for the next step
+        engine.executor.submit = submit_then_kill
+        outputs = []
         started = time.monotonic()
         with pytest.raises(ExecutorDiedError):
             while engine.has_unfinished_requests():
-                engine.step()
-        assert time.monotonic() - started < 60
-        killer.join()
+                outputs += engine.step()
+        assert time.monotonic() - started < 60, "the failed step was not reported promptly"
+        [first] = killed_after
+        assert [c.request_id for c in first.chunks] == ["killed"]  # the prefill
+        # outputs collected before the raise wait in _pending_outputs for the next step() call
+        produced = [t for out in outputs + engine._pending_outputs for t in out.new_token_ids]
+        assert produced == [], "the step the kill landed in succeeded"
+        follower.join(timeout=30)
+        assert follower.exitcode == -signal.SIGKILL
         with pytest.raises(ExecutorDiedError):
             engine.step()
     finally:

@@ -2,8 +2,11 @@
 test_qwen3_next.py):
 a tiny random transformers model saved with save_pretrained and loaded by the engine's loader,
 compared with transformers (fp32, CPU, eager attention) through the paged driver
-(tests/paged_runner.py); a saved model with the embedded model's tokenizer for LLMEngine runs;
-tp=2 against tp=1 with tests/tp/tp_support.py's per-rank program.
+(tests/paged_runner.py); a saved model with the embedded model's tokenizer for LLMEngine runs:
+the engine's own greedy output against generate() (check_engine_greedy,
+tests/engine/generate_reference.py) and the checkpoint reuse cases (tokens and logits against
+from scratch, on a model that is not degenerate); tp=2 against tp=1 with tests/tp/tp_support.py's
+per-rank program.
 
 Each check prints what it measured (max relative error max|a-b| / max|b|, near-ties)."""
 
@@ -20,6 +23,8 @@ from engine.engine_config import DEFAULT_MODEL_DIR
 from engine.execution.loader import load_model
 from engine.parallel.tensor_parallel import TensorParallel
 from paged_runner import PagedRunner, Request
+from tests.engine.exactness import LOGITS_RTOL
+from tests.engine.generate_reference import MIN_DISTINCT_TOKENS, check_engine_matches_generate
 from tests.engine.reuse_cases import GREEDY, SYSTEM, Alone, chat, instruction_reuse, multi_turn, run
 from tests.tp.tp_support import run_model, run_world
 
@@ -208,35 +213,74 @@ def check_tp2_matches_tp1(model_dir: Path, name: str, out_dir: Path) -> float:
     return worst
 
 
+def check_engine_greedy(engine, model_class, label: str) -> int:
+    """The engine's own greedy output (LLMEngine, its worker and sampler) against generate()
+    of `model_class` loaded from the engine's model directory (tests/engine/generate_reference.py).
+    Returns the near-ties counted."""
+    reference = model_class.from_pretrained(
+        engine.config.model_dir, torch_dtype=torch.float32, attn_implementation="eager").eval()
+    return check_engine_matches_generate(engine, reference, label)
+
+
 # ---- checkpoint reuse through LLMEngine (every family asserts the same) ------------------------
+
+
+def assert_same_run(got: Alone, want: Alone, label: str) -> float:
+    """`got` (served from a checkpoint) against `want` (from scratch): all GREEDY.max_tokens
+    tokens identical and each position's logits within LOGITS_RTOL relative. Returns the worst
+    relative error."""
+    assert len(want.tokens) == GREEDY.max_tokens, f"{label}: {len(want.tokens)} tokens from scratch"
+    assert got.tokens == want.tokens, f"{label}: tokens {got.tokens}, from scratch {want.tokens}"
+    assert len(got.logits) == len(got.tokens) and len(want.logits) == len(want.tokens), (
+        f"{label}: {len(got.logits)} and {len(want.logits)} logits rows for {len(got.tokens)} tokens")
+    worst = 0.0
+    for position, (row, reference) in enumerate(zip(got.logits, want.logits, strict=True)):
+        error = float((row - reference).abs().max() / reference.abs().max())
+        assert error <= LOGITS_RTOL, f"{label}: logits at output position {position} differ by {error:.2e}"
+        worst = max(worst, error)
+    return worst
+
+
+def assert_not_degenerate(*runs: Alone, label: str) -> None:
+    """A random model that answers everything with one token makes equal outputs meaningless."""
+    distinct = {token for run_ in runs for token in run_.tokens}
+    assert len(distinct) >= MIN_DISTINCT_TOKENS, (
+        f"{label}: the runs produced only tokens {sorted(distinct)}: a degenerate model tests nothing")
 
 
 def check_instruction_reuse(engine, prefix: str) -> tuple[Alone, Alone, Alone]:
     """A second request with the same instructions restores them, prefills only the rest,
-    and gives the from-scratch tokens. Returns the three runs (first, second, scratch)."""
+    and gives the from-scratch tokens and logits. Returns the three runs (first, second, scratch)."""
     first, second, scratch = instruction_reuse(engine, f"{prefix}-instruction")
     assert first.cached == 0 and second.boundary is not None
     assert second.cached == second.boundary
     assert sum(second.chunk_sizes) == len(second.prompt) - second.boundary + GREEDY.max_tokens - 1
-    assert scratch.cached == 0 and scratch.tokens == second.tokens
+    assert scratch.cached == 0
+    assert_not_degenerate(first, second, label=f"{prefix} instruction reuse")
+    assert_same_run(second, scratch, f"{prefix} instruction reuse")
     return first, second, scratch
 
 
 def check_multi_turn(engine, prefix: str) -> tuple[Alone, Alone, Alone]:
-    """A continuation restores at least the previous turn's prompt and matches from scratch.
-    Returns the three runs (turn 1, turn 2, turn 2 from scratch)."""
+    """A continuation restores at least the previous turn's prompt and matches from scratch
+    (tokens and logits). Returns the three runs (turn 1, turn 2, turn 2 from scratch)."""
     first, second, scratch = multi_turn(engine, f"{prefix}-multi-turn")
     assert second.cached >= len(first.prompt)
-    assert scratch.cached == 0 and scratch.tokens == second.tokens
+    assert scratch.cached == 0
+    assert_not_degenerate(first, second, label=f"{prefix} multi-turn")
+    assert_same_run(second, scratch, f"{prefix} multi-turn")
     return first, second, scratch
 
 
 def check_repeat(engine, prefix: str) -> tuple[Alone, Alone]:
-    """The same conversation again is served from its prompt checkpoint with no prefill.
-    Returns both runs."""
+    """The same conversation again is served from its prompt checkpoint with no prefill and
+    gives the first run's tokens, text and logits. Returns both runs."""
     conversation = chat(SYSTEM, "Repeat after me: seven rivers.")
     first = run(engine, f"{prefix}-r1", conversation, f"{prefix}-repeat")
     second = run(engine, f"{prefix}-r2", conversation, f"{prefix}-repeat")
+    assert first.cached == 0
     assert second.cached == len(second.prompt) and second.chunk_sizes[0] == 0
-    assert second.tokens == first.tokens and second.text == first.text
+    assert_not_degenerate(first, label=f"{prefix} repeat")
+    assert_same_run(second, first, f"{prefix} repeat")
+    assert second.text == first.text
     return first, second

@@ -23,6 +23,7 @@ from engine.core.llm_engine import LLMEngine
 from engine.model_config import ATTENTION, MAMBA, MLP_SPLIT
 from engine.models.registry import parse_model_config
 from hf_reference_checks import (
+    check_engine_greedy,
     check_instruction_reuse,
     check_multi_turn,
     check_repeat,
@@ -125,6 +126,10 @@ def test_multi_turn_matches_scratch(engine):
 
 def test_repeat_runs_no_prefill(engine):
     check_repeat(engine, "bamba")
+
+
+def test_engine_greedy_output_equals_generate(engine):
+    check_engine_greedy(engine, BambaForCausalLM, "bamba engine")
 
 
 # ---- tensor parallel -------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from engine.model_config import (
 from engine.models.registry import parse_model_config
 from engine.parallel.tensor_parallel import TensorParallel
 from hf_reference_checks import (
+    check_engine_greedy,
     check_instruction_reuse,
     check_multi_turn,
     check_repeat,
@@ -160,6 +161,10 @@ def test_multi_turn_matches_scratch(engine):
 
 def test_repeat_runs_no_prefill(engine):
     check_repeat(engine, "falcon")
+
+
+def test_engine_greedy_output_equals_generate(engine):
+    check_engine_greedy(engine, FalconH1ForCausalLM, "falcon_h1 engine")
 
 
 # ---- tensor parallel -------------------------------------------------------------------------

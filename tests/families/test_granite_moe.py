@@ -17,7 +17,7 @@ import shutil
 
 import pytest
 import torch
-from transformers import GraniteMoeHybridConfig
+from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
 
 from engine.engine_config import EngineConfig
 from engine.core.llm_engine import LLMEngine
@@ -25,6 +25,7 @@ from engine.models.granite_moe_hybrid import GraniteMoeHybridModel, parse_config
 from engine.models.registry import load_model_config
 from engine.parallel.tensor_parallel import TensorParallel
 from tests.engine.exactness import Tally, run_workload
+from tests.engine.generate_reference import check_engine_matches_generate
 from tests.engine.reuse_cases import GREEDY, SYSTEM, chat, instruction_reuse, multi_turn, run
 from tests.numerics.numerics_support import (
     TINY_CONFIGS,
@@ -203,6 +204,16 @@ def test_checkpoints_give_from_scratch_outputs(engine_dir):
           f"cached_tokens={tally.cached_tokens} near_ties={tally.near_ties}")
     assert tally.hits > 0
     assert engine.pool_usage().idle
+
+
+def test_engine_greedy_output_equals_generate(engine_dir):
+    """LLMEngine's own greedy output on the MoE model equals transformers' generate()
+    (tests/engine/generate_reference.py)."""
+    reference = GraniteMoeHybridForCausalLM.from_pretrained(
+        engine_dir, torch_dtype=torch.float32, attn_implementation="eager").eval()
+    engine = LLMEngine(EngineConfig(model_dir=str(engine_dir), max_num_batched_tokens=40, max_num_seqs=8))
+    assert engine.executor.model.config.num_local_experts == 8
+    check_engine_matches_generate(engine, reference, "granite moe engine")
 
 
 # -- tensor parallelism -------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from engine.models.nemotron_h import NemotronHModel
 from engine.models.registry import parse_model_config
 from engine.parallel.tensor_parallel import TensorParallel
 from hf_reference_checks import (
+    check_engine_greedy,
     check_instruction_reuse,
     check_multi_turn,
     check_repeat,
@@ -152,6 +153,10 @@ def test_multi_turn_matches_scratch(engine):
 
 def test_repeat_runs_no_prefill(engine):
     check_repeat(engine, "nh")
+
+
+def test_engine_greedy_output_equals_generate(engine):
+    check_engine_greedy(engine, NemotronHForCausalLM, "nemotron_h engine")
 
 
 # ---- tensor parallel -------------------------------------------------------------------------

@@ -37,6 +37,7 @@ from engine.model_config import ATTENTION, MAMBA, MLP, MOE
 from engine.models.nemotron_h_moe import NemotronHMoE
 from engine.models.registry import parse_model_config
 from hf_reference_checks import (
+    check_engine_greedy,
     Case,
     check_batched,
     check_greedy,
@@ -196,6 +197,10 @@ def test_multi_turn_matches_scratch(engine):
 
 def test_repeat_runs_no_prefill(engine):
     check_repeat(engine, "nhm")
+
+
+def test_engine_greedy_output_equals_generate(engine):
+    check_engine_greedy(engine, NemotronHForCausalLM, "nemotron_h_moe engine")
 
 
 @pytest.fixture(scope="module")

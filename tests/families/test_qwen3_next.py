@@ -46,6 +46,7 @@ from engine.models.registry import load_model_config, parse_model_config
 from engine.parallel.shard_layout import rank_shard_layout
 from engine.parallel.tensor_parallel import TensorParallel
 from hf_reference_checks import (
+    check_engine_greedy,
     check_instruction_reuse,
     check_multi_turn,
     check_repeat,
@@ -311,6 +312,10 @@ def test_multi_turn_matches_scratch(engine):
 
 def test_repeat_runs_no_prefill(engine):
     check_repeat(engine, "qn")
+
+
+def test_engine_greedy_output_equals_generate(engine):
+    check_engine_greedy(engine, Qwen3NextForCausalLM, "qwen3_next engine")
 
 
 def test_an_attention_only_model_serves_and_reuses(tmp_path):
