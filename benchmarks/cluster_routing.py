@@ -473,7 +473,7 @@ def measure(modes: list[Mode], args: argparse.Namespace, workload, counter) -> d
     results = {m.name: {"records": [], "walls": [], "deltas": [], "routing": [], "passes": []}
                for m in modes}
     configs = {m.name: app_config(m, args).model_dump(mode="json") for m in modes}
-    ray.init(num_cpus=args.ray_cpus, object_store_memory=256 * 1024 * 1024,
+    ray.init(address="local", num_cpus=args.ray_cpus, object_store_memory=256 * 1024 * 1024,
              include_dashboard=False, log_to_driver=False,
              _metrics_export_port=args.metrics_port,
              _system_config={"metrics_report_interval_ms": 1000})

@@ -324,7 +324,7 @@ def main() -> None:
     from deployments.app import build_app
 
     torch.set_num_threads(max(1, int(args.worker_num_cpus)))  # as many as the model's process
-    ray.init(num_cpus=args.ray_cpus, object_store_memory=256 * 1024 * 1024,
+    ray.init(address="local", num_cpus=args.ray_cpus, object_store_memory=256 * 1024 * 1024,
              include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": args.port})

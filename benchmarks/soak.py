@@ -214,7 +214,7 @@ def main() -> int:
         engine=EngineConfig(max_model_len=1024, max_num_seqs=16, max_num_batched_tokens=256,
                             kv_cache_bytes=32 << 20, state_cache_bytes=32 << 20,
                             checkpoint_cache_bytes=8 << 20))  # small: eviction is exercised
-    ray.init(num_cpus=args.ray_cpus, object_store_memory=256 * 1024 * 1024,
+    ray.init(address="local", num_cpus=args.ray_cpus, object_store_memory=256 * 1024 * 1024,
              include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": args.port})

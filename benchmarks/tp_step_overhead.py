@@ -180,7 +180,7 @@ def main() -> None:
     if "ray" in args.executors:
         import ray
 
-        ray.init(num_cpus=args.ray_cpus, object_store_memory=256 * 1024 * 1024,
+        ray.init(address="local", num_cpus=args.ray_cpus, object_store_memory=256 * 1024 * 1024,
                  include_dashboard=False, log_to_driver=False)
     rows = []
     try:

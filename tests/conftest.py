@@ -52,6 +52,7 @@ def ray_session():
     if started_here:
         os.environ.update(SERVE_ON_TWO_CORES_ENV)
         ray.init(
+            address="local",  # a new local Ray, never one a stale /tmp/ray/ray_current_cluster names
             num_cpus=RAY_NUM_CPUS,
             object_store_memory=RAY_OBJECT_STORE_BYTES,
             include_dashboard=False,
