@@ -26,7 +26,7 @@ for `serve run`), and makes itself a child subreaper, so that every process Ray 
 (a worker whose raylet exits first included) stays its descendant. On the first signal:
 SIGTERM to the raylet, which stops its workers, agents and object store (0.1-0.5 s), then
 SIGKILL to every descendant left (GCS, dashboard, log monitor, autoscaler monitor), and exit
-status 0, without Ray's atexit `ray.shutdown()`: 0.2-0.6 s in all. Serve's graceful shutdown
+status 0, without Ray's atexit `ray.shutdown()`: 0.2-1.8 s in all. Serve's graceful shutdown
 is skipped, since the whole cluster goes with it: requests in flight are cut. When `serve run`
 joined another cluster (`--address`), none of its processes runs below this one: Serve is shut
 down there, as `serve run` does. A second signal kills every descendant at once and exits with
