@@ -246,6 +246,9 @@ def run_llama_benchy(args, model: str, model_dir: str, sizes: dict, limit_s: flo
            "--pp", str(sizes["pp"]), "--tg", str(sizes["tg"]),
            "--depth", *map(str, sizes["depths"]), "--enable-prefix-caching", "--exact-tg",
            "--runs", str(sizes["runs"]), "--book-url", CORPUS_URL, "--skip-coherence",
+           # greedy: a sampled first token could be one of the zeroed ids (logit 0, no text),
+           # which would move the first content a step later on some requests
+           "--extra-body", "temperature=0",
            "--format", "json", "--save-result", str(out_json)]
     log("llama-benchy:", " ".join(cmd[1:]))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=limit_s)
@@ -260,8 +263,9 @@ def run_llama_benchy(args, model: str, model_dir: str, sizes: dict, limit_s: flo
 async def in_process_benchy(target, tokenizer_dir: str, text: str, sizes: dict) -> dict:
     """llama-benchy's requests, to the in-process engine: per depth, a warm-up run and `runs`
     runs; at depth D a context load (system = D corpus tokens, user ".") then the inference
-    request (the same system, user = pp corpus tokens); at depth 0 the user message alone.
-    TTFT at the first token with text, from the engine submission (rendering excluded)."""
+    request (the same system, user = pp corpus tokens); at depth 0 the user message alone;
+    greedy, as the HTTP requests (--extra-body temperature=0). TTFT at the first token with
+    text, from the engine submission (rendering excluded)."""
     from tokenizers import Tokenizer
 
     from hybrid_serve_bench.client import ChatRequest
@@ -282,11 +286,11 @@ async def in_process_benchy(target, tokenizer_dir: str, text: str, sizes: dict) 
             body = {"max_tokens": sizes["tg"], "extra_body": {"ignore_eos": True}}
             if depth:
                 load = await target.chat(ChatRequest(target.model, system + [{"role": "user", "content": "."}],
-                                                     temperature=1.0, **body))
+                                                     temperature=0.0, **body))
                 if run:
                     loads.append(load.ttft_s)
             res = await target.chat(ChatRequest(target.model, system + [{"role": "user", "content": prompt}],
-                                                temperature=1.0, **body))
+                                                temperature=0.0, **body))
             if res.error:
                 raise RuntimeError(f"in-process depth {depth}: {res.error}")
             if run:  # run 0 warms up, as llama-benchy's
