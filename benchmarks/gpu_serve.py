@@ -630,6 +630,77 @@ def headline(name: str, result: dict) -> dict:
     return {}
 
 
+def report(results: Path) -> str:
+    """The headline figures of the gpu_serve_*.json under `results`, as text (gpu_serve.txt)."""
+    def load(name):
+        path = results / f"gpu_serve_{name}.json"
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    summary = load("summary") or {}
+    lines = [f"hybrid-serve over HTTP (serve run) vs in process on {summary.get('device')}, "
+             f"{summary.get('machine', {}).get('platform', '')}", ""]
+    benchy = load("benchy")
+    if benchy and "http_ttft_ms" in benchy:
+        lines.append("llama-benchy " + " ".join(benchy["http"]["command"][benchy["http"]["command"].index("--pp"):])
+                     if "--pp" in benchy["http"]["command"] else "llama-benchy")
+        lines.append(f"  {'test':<22} {'e2e_ttft ms':>12} {'est_ppt ms':>11}   (HTTP, llama-benchy means)")
+        for name, row in benchy["http_ttft_ms"].items():
+            lines.append(f"  {name:<22} {row.get('e2e_ttft') or float('nan'):>12.1f} {row.get('est_ppt') or float('nan'):>11.1f}")
+        http = {k: v.get("e2e_ttft") for k, v in benchy["http_ttft_ms"].items() if "context load" not in k}
+        keys = sorted(http, key=lambda k: int(k.split(" d")[1]))
+        if len(keys) == 2 and all(http[k] for k in keys):
+            lines.append(f"  HTTP: deep / d0 = {http[keys[1]] / http[keys[0]]:.2f}x (acceptance: within 1.2x)")
+        inp = benchy["in_process"]
+        lines.append("  in process (same requests, from the engine submission): " + ", ".join(
+            f"{k} {v['ttft_ms_mean']:.1f} ms" for k, v in inp.items()))
+    elif benchy:
+        lines.append(f"llama-benchy: {benchy.get('error')}")
+    conc = load("concurrency")
+    if conc and "checks" in conc:
+        lines += ["", f"concurrency test: {'PASSED' if conc['passed'] else 'FAILED'} "
+                      f"(long {conc['long']['completion_tokens']} tokens, {conc['long']['finish_reason']}; "
+                      f"second sent at {conc['second_sent_at_s']:.2f} s, done at {conc['second_done_at_s']:.2f} s, "
+                      f"long done at {conc['long_done_at_s']:.2f} s; second cached_tokens "
+                      f"{conc['second']['cached_tokens']} of {conc['second']['prompt_tokens']} prompt tokens, "
+                      f"system {conc['system_tokens']} tokens; TTFT restored {conc['second']['ttft_ms']:.1f} ms, "
+                      f"cold {conc['second_cold']['ttft_ms']:.1f} ms; restored text == cold text: "
+                      f"{conc['second_text_equals_cold']})"]
+        lines += [f"  {k}: {v}" for k, v in conc["checks"].items()]
+    elif conc:
+        lines += ["", f"concurrency test: {conc.get('error')}"]
+    thr = load("throughput")
+    if thr and "results" in thr:
+        lines += ["", f"output tok/s ({thr['max_tokens']} tokens a request, prompt {thr['prompt_tokens']} "
+                      f"tokens, {thr['rounds']} rounds)",
+                  f"  {'path':<11} {'conc':>4} {'tok/s':>9} {'TTFT mean ms':>13} {'decode tok/s/req':>17}"]
+        for r in thr["results"]:
+            lines.append(f"  {r['path']:<11} {r['concurrency']:>4} {r['throughput_tok_s']:>9.1f} "
+                         f"{r['ttft_ms_mean']:>13.2f} {r['decode_tok_s_mean']:>17.1f}")
+        for o in thr["overhead"]:
+            lines.append(f"  concurrency {o['concurrency']:>2}: HTTP output tok/s = {100 / o['throughput_ratio']:.1f}% "
+                         f"of in process; TTFT {o['ttft_ms_above']:+.2f} ms")
+    elif thr:
+        lines += ["", f"throughput: {thr.get('error')}"]
+    comp = load("compare")
+    if comp and "table" in comp:
+        lines += ["", "shared-instructions, concurrency 1 (hybrid-serve-bench; TTFT p50 / p95 ms, token hit rate)"]
+        for name, row in comp["table"].items():
+            hit = row["token_hit_rate"]
+            lines.append(f"  {name:<62} {row['ttft_p50_ms'] or float('nan'):>8.1f} {row['ttft_p95_ms'] or float('nan'):>8.1f}"
+                         f"  hit {'-' if hit is None else f'{hit:.0%}'}  errors {row['errors']}/{row['requests']}")
+        for length in sorted({n.split('@')[-1] for n in comp["table"]}):
+            def p50(label):
+                return (comp["table"].get(f"{label} | shared-instructions@{length}") or {}).get("ttft_p50_ms")
+            for path in ("http", "in-process"):
+                a, b = p50(f"{path} [prompt, response]"), p50(f"{path} [prompt, response, instruction]")
+                if a and b:
+                    lines.append(f"  {length} instruction tokens, {path}: [prompt, response] / all three = {a / b:.1f}x")
+    elif comp:
+        lines += ["", f"compare: {comp.get('error')}"]
+    lines += ["", f"timeline (s from the driver's start): {summary.get('timeline_s')}"]
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -653,8 +724,12 @@ def main() -> None:
     r.add_argument("--part-limit-s", type=json.loads,
                    default={"benchy": 90, "concurrency": 90, "throughput": 120, "compare": 180},
                    help="JSON {part: seconds}")
+    rep = sub.add_parser("report", help="gpu_serve.txt from the gpu_serve_*.json of a folder")
+    rep.add_argument("results", type=Path)
     args = p.parse_args()
-    if args.cmd == "model":
+    if args.cmd == "report":
+        print(report(args.results))
+    elif args.cmd == "model":
         write_model(args.out, args.tiny)
     elif args.cmd == "bench-config":
         import yaml
