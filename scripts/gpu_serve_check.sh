@@ -25,7 +25,7 @@
 # Variables: GPU_SERVE_WHEELS (/tmp/gpu-serve-wheels; unset or missing: nothing is installed, the
 # environment must have Ray), GPU_SERVE_SITE (/tmp/site), GPU_SERVE_CONFIG
 # (serve_config_gpu.yaml), GPU_SERVE_CPU=1 (a dry run on a machine without a GPU: the tiny model,
-# device cpu, small sizes), GPU_SERVE_DEADLINE_S (470: the driver's own limit, so that the whole
+# device cpu, small sizes), GPU_SERVE_DEADLINE_S (420: the driver's own limit, so that the whole
 # call ends inside a 10-minute device command), GPU_SERVE_PARTS (all four), GPU_SERVE_RAY_STOP=0
 # (no `serve shutdown` nor `ray stop` at the end: for a machine where other Ray instances run).
 set -u
@@ -85,7 +85,7 @@ serve_pid=$!
 
 parts=()
 [ -n "${GPU_SERVE_PARTS:-}" ] && read -r -a parts <<<"--parts $GPU_SERVE_PARTS"
-deadline=${GPU_SERVE_DEADLINE_S:-470}
+deadline=${GPU_SERVE_DEADLINE_S:-420}
 timeout -k 10 $(( deadline + 30 )) "$PYTHON" benchmarks/gpu_serve.py run --config "$BENCH_CONFIG" --out "$OUT" \
   --deadline-s "$deadline" "${run_flags[@]}" "${parts[@]}"
 say "driver exit status $?"
@@ -95,9 +95,9 @@ say "stopping Serve and Ray"
 # auth token on the CPU dry run); SIGINT makes serve run (deployments.serve_main) shut Serve down
 # and leave, and Ray's own SIGTERM handler in that process aborts it instead, so SIGINT it is
 shared=$([ "${GPU_SERVE_RAY_STOP:-1}" = 1 ] && echo 0 || echo 1)
-[ "$shared" = 0 ] && { timeout 40 serve shutdown -y || say "serve shutdown failed (status $?)"; }
+[ "$shared" = 0 ] && { timeout 20 serve shutdown -y || say "serve shutdown failed (status $?)"; }
 kill -INT "$serve_pid" 2>/dev/null
-for _ in $(seq 40); do kill -0 "$serve_pid" 2>/dev/null || break; sleep 1; done
+for _ in $(seq 30); do kill -0 "$serve_pid" 2>/dev/null || break; sleep 1; done
 kill -0 "$serve_pid" 2>/dev/null && { say "serve run still up after SIGINT: SIGKILL"; kill -KILL "$serve_pid"; }
 wait "$serve_pid" 2>/dev/null
 say "serve run exit status $?"
@@ -105,7 +105,7 @@ say "serve run exit status $?"
 # answers on :8265: right on the device machine, which runs nothing else; GPU_SERVE_RAY_STOP=0
 # skips both where other Ray instances may run (a shared dev box)
 if [ "$shared" = 0 ]; then
-  timeout 60 ray stop || say "ray stop failed (status $?)"
+  timeout 30 ray stop || say "ray stop failed (status $?)"
 fi
 tail -5 "$OUT/serve.log"
 if [ -d /tmp/ray/session_latest/logs ]; then
