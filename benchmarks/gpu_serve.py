@@ -426,7 +426,7 @@ async def throughput(args, model: str, engine, tokenizer_dir: str, quick: bool) 
     tokenizer = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
     prompt_ids = tokenizer.encode(PROMPT * 8, add_special_tokens=False).ids
     levels = [1, 4] if quick else [1, 16, 64]
-    max_tokens, rounds = (16, 1) if quick else (256, 3)
+    max_tokens, rounds = (16, 1) if quick else (256, 2)
     limits = httpx.Limits(max_connections=max(levels) + 8, max_keepalive_connections=max(levels) + 8)
     async with httpx.AsyncClient(base_url=args.base_url, timeout=600, limits=limits) as client:
         paths = [ServingPath("in-process", lambda n: time_in_process(engine, prompt_ids, n)),
@@ -722,7 +722,7 @@ def main() -> None:
     r.add_argument("--deadline-s", type=float, default=480.0, help="from this process's start")
     r.add_argument("--ready-timeout-s", type=float, default=300.0)
     r.add_argument("--part-limit-s", type=json.loads,
-                   default={"benchy": 90, "concurrency": 90, "throughput": 120, "compare": 180},
+                   default={"benchy": 75, "concurrency": 60, "throughput": 75, "compare": 120},
                    help="JSON {part: seconds}")
     rep = sub.add_parser("report", help="gpu_serve.txt from the gpu_serve_*.json of a folder")
     rep.add_argument("results", type=Path)
