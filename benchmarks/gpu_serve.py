@@ -467,8 +467,8 @@ def compare(args, model: str, model_dir: str, inproc_targets, quick: bool, limit
     argv = ["compare-servers", "--base-url", args.base_url, "--base-url", args.base_url + PR_PREFIX,
             "--label", "http [prompt, response, instruction]", "--label", "http [prompt, response]",
             "--model", model, "--tokenizer", model_dir, "--workload", "shared-instructions",
-            "--instruction-tokens", *lengths, "--requests", "8" if quick else "32",
-            "--concurrency", "1", "--max-tokens", "16", "--rounds", "2" if quick else "4",
+            "--instruction-tokens", *lengths, "--requests", "8" if quick else "16",
+            "--concurrency", "1", "--max-tokens", "16", "--rounds", "2",
             "--user-tokens", "50-500"]
     if getattr(args, "no_pr_app", False):
         argv = argv[:3] + argv[5:7] + argv[9:]
@@ -727,7 +727,7 @@ def main() -> None:
     r.add_argument("--deadline-s", type=float, default=480.0, help="from this process's start")
     r.add_argument("--ready-timeout-s", type=float, default=300.0)
     r.add_argument("--part-limit-s", type=json.loads,
-                   default={"benchy": 75, "concurrency": 60, "throughput": 75, "compare": 120},
+                   default={"benchy": 60, "concurrency": 50, "throughput": 60, "compare": 90},
                    help="JSON {part: seconds}")
     rep = sub.add_parser("report", help="gpu_serve.txt from the gpu_serve_*.json of a folder")
     rep.add_argument("results", type=Path)
