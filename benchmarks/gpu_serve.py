@@ -181,14 +181,14 @@ def engine_configs(config: dict):
 
 
 @contextlib.contextmanager
-def in_process_targets(main_engine, pr_engine):
-    """Two hybrid_serve_bench in-process targets (engine_target.EngineChat over an
-    AsyncLLMEngine each), labelled 'in-process [slots]'."""
+def in_process_targets(*configs):
+    """hybrid_serve_bench in-process targets (engine_target.EngineChat over an AsyncLLMEngine
+    each), one per engine config, labelled 'in-process [slots]'."""
     from hybrid_serve_bench.engine_target import engine_targets
 
     with contextlib.ExitStack() as stack:
         out = []
-        for config in (main_engine, pr_engine):
+        for config in configs:
             (target,), _ = stack.enter_context(engine_targets([config.checkpoint_slots], config))
             out.append(dataclasses.replace(target, label=f"in-process {target.label}"))
             log(f"in-process engine started: {target.label}")
@@ -550,7 +550,8 @@ def run(args) -> None:
         write_result(args.out / "gpu_serve_summary.json", "gpu_serve", summary,
                      {"torch": torch.__version__, "device_name": summary["device"]})
 
-    with in_process_targets(main_engine, pr_engine) as inproc:
+    configs = (main_engine,) if args.no_in_process_pr else (main_engine, pr_engine)
+    with in_process_targets(*configs) as inproc:
         mark("in-process engines started")
         try:
             waited = wait_ready(args.base_url, model, max(10.0, min(args.ready_timeout_s, deadline - time.perf_counter())))
@@ -724,6 +725,9 @@ def main() -> None:
     r.add_argument("--quick", action="store_true", help="CPU sizes (the tiny model)")
     r.add_argument("--parts", nargs="+", default=["benchy", "concurrency", "throughput", "compare"],
                    choices=["benchy", "concurrency", "throughput", "compare"])
+    r.add_argument("--no-in-process-pr", action="store_true",
+                   help="start no in-process [prompt, response] engine (the comparison then has "
+                        "three targets; the driver is ready sooner)")
     r.add_argument("--deadline-s", type=float, default=480.0, help="from this process's start")
     r.add_argument("--ready-timeout-s", type=float, default=300.0)
     r.add_argument("--part-limit-s", type=json.loads,

@@ -27,7 +27,8 @@
 # (serve_config_gpu.yaml), GPU_SERVE_CPU=1 (a dry run on a machine without a GPU: the tiny model,
 # device cpu, small sizes), GPU_SERVE_DEADLINE_S (420: the driver's own limit, so that the whole
 # call ends inside a 10-minute device command), GPU_SERVE_PARTS (all four), GPU_SERVE_RAY_STOP=0
-# (no `serve shutdown` nor `ray stop` at the end: for a machine where other Ray instances run).
+# (no `serve shutdown` nor `ray stop` at the end: for a machine where other Ray instances run),
+# GPU_SERVE_IN_PROCESS_PR=0 (no in-process [prompt, response] engine: ready sooner).
 set -u
 OUT=${OUT:-/tmp/gpu_serve_check}
 mkdir -p "$OUT"
@@ -85,6 +86,7 @@ serve_pid=$!
 
 parts=()
 [ -n "${GPU_SERVE_PARTS:-}" ] && read -r -a parts <<<"--parts $GPU_SERVE_PARTS"
+[ "${GPU_SERVE_IN_PROCESS_PR:-1}" = 0 ] && parts+=(--no-in-process-pr)
 deadline=${GPU_SERVE_DEADLINE_S:-420}
 timeout -k 10 $(( deadline + 30 )) "$PYTHON" benchmarks/gpu_serve.py run --config "$BENCH_CONFIG" --out "$OUT" \
   --deadline-s "$deadline" "${run_flags[@]}" "${parts[@]}"
