@@ -109,7 +109,7 @@ def text_only_rows(model_dir: Path) -> dict:
 
 
 def write_model(out: Path, tiny: bool) -> None:
-    from engine.config import DEFAULT_MODEL_DIR
+    from engine.engine_config import DEFAULT_MODEL_DIR
 
     if out.exists():
         shutil.rmtree(out)
