@@ -75,7 +75,9 @@ class SpeculationStats:
     acceptance_lengths[a]: verification chunks in which a drafts were accepted (a = 0..k).
     draft_tokens_accepted counts by the greedy rule; those dropped after at a stop are also
     in draft_tokens_trimmed. steps_over_batch_cap: steps that started with more running
-    requests than max_batch_size, in which no request drafted."""
+    requests than max_batch_size, in which no request drafted. depth_proposed[d - 1] and
+    depth_accepted[d - 1]: verification chunks that carried a draft at depth d (d = 1..k),
+    and those in which it was accepted."""
 
     drafter: str = ""
     verification_chunks: int = 0
@@ -84,16 +86,40 @@ class SpeculationStats:
     draft_tokens_trimmed: int = 0
     acceptance_lengths: list[int] = field(default_factory=list)
     steps_over_batch_cap: int = 0
+    depth_proposed: list[int] = field(default_factory=list)
+    depth_accepted: list[int] = field(default_factory=list)
 
     def copy(self) -> SpeculationStats:
         return SpeculationStats(self.drafter, self.verification_chunks, self.draft_tokens_proposed,
                                 self.draft_tokens_accepted, self.draft_tokens_trimmed,
-                                list(self.acceptance_lengths), self.steps_over_batch_cap)
+                                list(self.acceptance_lengths), self.steps_over_batch_cap,
+                                list(self.depth_proposed), list(self.depth_accepted))
+
+    @property
+    def draft_tokens_rejected(self) -> int:
+        """Proposed drafts the greedy rule rejected (the first wrong one and every one after)."""
+        return self.draft_tokens_proposed - self.draft_tokens_accepted
 
     @property
     def acceptance_rate(self) -> float:
         """Accepted drafts per proposed draft (0.0 before any)."""
         return self.draft_tokens_accepted / self.draft_tokens_proposed if self.draft_tokens_proposed else 0.0
+
+    def acceptance_by_depth(self) -> list[float]:
+        """For d = 1..k, the share of drafts at depth d that were accepted (0.0 before any)."""
+        return [accepted / proposed if proposed else 0.0
+                for proposed, accepted in zip(self.depth_proposed, self.depth_accepted)]
+
+    def count_chunk(self, num_drafts: int, accepted: int) -> None:
+        """One verification chunk of num_drafts drafts settled with `accepted` of them kept by
+        the greedy rule."""
+        self.verification_chunks += 1
+        self.draft_tokens_proposed += num_drafts
+        self.draft_tokens_accepted += accepted
+        self.acceptance_lengths[accepted] += 1
+        for depth in range(num_drafts):
+            self.depth_proposed[depth] += 1
+            self.depth_accepted[depth] += int(depth < accepted)
 
 
 def _min_tokens_met(request: Request, sampling: int = 0) -> bool:
@@ -130,6 +156,7 @@ class SpeculativeDecoding:
         self.stats = SpeculationStats(
             drafter=drafter.name if drafter is not None else "",
             acceptance_lengths=[0] * (num_speculative_tokens + 1),
+            depth_proposed=[0] * num_speculative_tokens, depth_accepted=[0] * num_speculative_tokens,
         )
         self._commits: dict[str, CommitOp] = {}  # request id -> position to keep, for the next step
         self._proposals: dict[str, DraftProposal] = {}  # request id -> the worker's last proposal
@@ -222,10 +249,7 @@ class SpeculativeDecoding:
         self._verifying.discard(request.request_id)
         drafts = chunk.token_ids[1:]
         accepted = greedy_accept(drafts, verified)
-        self.stats.verification_chunks += 1
-        self.stats.draft_tokens_proposed += len(drafts)
-        self.stats.draft_tokens_accepted += accepted
-        self.stats.acceptance_lengths[accepted] += 1
+        self.stats.count_chunk(len(drafts), accepted)
         request.num_pending_tokens -= 1
         kept = 0
         for token in verified[: accepted + 1]:

@@ -17,9 +17,11 @@ import pytest
 import torch
 
 from deployments.prompts.instruction_boundary import find_instruction_boundary
-from deployments.metrics import (SPECULATIVE_ACCEPTANCE_LENGTHS, SPECULATIVE_DRAFTS_ACCEPTED,
-                                 SPECULATIVE_DRAFTS_PROPOSED, SPECULATIVE_DRAFTS_TRIMMED,
-                                 SPECULATIVE_VERIFICATION_CHUNKS, EngineMetricsExporter)
+from deployments.metrics import (SPECULATIVE_ACCEPTANCE_LENGTHS, SPECULATIVE_DEPTH_ACCEPTED,
+                                 SPECULATIVE_DEPTH_PROPOSED, SPECULATIVE_DRAFTS_ACCEPTED,
+                                 SPECULATIVE_DRAFTS_PROPOSED, SPECULATIVE_DRAFTS_REJECTED,
+                                 SPECULATIVE_DRAFTS_TRIMMED, SPECULATIVE_VERIFICATION_CHUNKS,
+                                 EngineMetricsExporter)
 from engine.engine_config import EngineConfig
 from engine.interfaces.generation_request import GenerationRequest
 from engine.core.llm_engine import LLMEngine
@@ -511,3 +513,10 @@ def test_the_exported_metrics_equal_the_engine_counters(repeating_prompts):
     assert recorded.series(SPECULATIVE_ACCEPTANCE_LENGTHS) == {
         (("accepted", str(a)),) + drafter: n for a, n in enumerate(stats.acceptance_lengths) if n}
     assert len(stats.acceptance_lengths) == K + 1
+    assert recorded.series(SPECULATIVE_DRAFTS_REJECTED) == {drafter: stats.draft_tokens_rejected}
+    # depth d is accepted in every chunk that accepted at least d drafts
+    assert stats.depth_accepted == [sum(stats.acceptance_lengths[d:]) for d in range(1, K + 1)]
+    assert sum(stats.depth_proposed) == stats.draft_tokens_proposed and stats.depth_proposed[0] == stats.verification_chunks
+    for spec, counts in ((SPECULATIVE_DEPTH_PROPOSED, stats.depth_proposed), (SPECULATIVE_DEPTH_ACCEPTED, stats.depth_accepted)):
+        assert recorded.series(spec) == {
+            (("depth", str(d)),) + drafter: n for d, n in enumerate(counts, start=1) if n}, spec.name
