@@ -70,8 +70,7 @@ class EngineConfig:
     num_speculative_tokens: int = _option(0, "Draft tokens verified per step for greedy "
                                           "requests (speculative decoding, exact: the output "
                                           "is the same as without; README.md, Speculative "
-                                          "decoding); 0 turns it off, at most 16. One rank "
-                                          "only for now.")
+                                          "decoding); 0 turns it off, at most 16.")
     speculative_drafter: str = _option("ngram", "Where draft tokens come from when "
                                        "num_speculative_tokens > 0: ngram (prompt lookup, no "
                                        "extra weights) or mtp (the model's multi-token-"
@@ -122,8 +121,8 @@ class EngineConfig:
 
     def _check_speculation(self) -> None:
         """Speculative decoding (engine/speculative/): k in [0, MAX_SPECULATIVE_TOKENS], a known
-        drafter, and, while it is on, one rank (the CPU path or one CUDA device,
-        engine/speculative/verify_gpu.py); ValueError naming the key otherwise."""
+        drafter, a random MTP head only for the mtp drafter; ValueError naming the key
+        otherwise."""
         k = self.num_speculative_tokens
         if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(
@@ -141,7 +140,3 @@ class EngineConfig:
         if seed is not None and self.speculative_drafter != "mtp":
             raise ValueError("random_mtp_head_seed attaches a head for speculative_drafter mtp, "
                              f"not {self.speculative_drafter!r}; unset it or set the drafter to mtp")
-        if k == 0:
-            return
-        if self.tensor_parallel_size != 1:
-            raise ValueError("num_speculative_tokens > 0 needs tensor_parallel_size 1 for now")

@@ -1,8 +1,7 @@
 """Whether a configuration's speculative decoding can run on a model, decided from the parsed
 config.json alone: what the worker refuses when it starts (engine/execution/worker.py), callable at deploy
 time (deployments/app.py check_engine_config), so that Serve never restarts a replica that can
-only fail. Config-only refusals (k out of range, tensor_parallel_size > 1, a random head
-without the mtp drafter) are EngineConfig's own.
+only fail. Config-only refusals (k out of range, a random head without the mtp drafter) are EngineConfig's own.
 """
 
 from __future__ import annotations

@@ -79,7 +79,6 @@ def test_greedy_acceptance_rule():
     ({"num_speculative_tokens": True}, "num_speculative_tokens must be an integer"),
     ({"num_speculative_tokens": 2.0}, "num_speculative_tokens must be an integer"),
     ({"speculative_drafter": "eagle"}, "speculative_drafter must be one of"),
-    ({"num_speculative_tokens": 2, "tensor_parallel_size": 2}, "num_speculative_tokens > 0 needs tensor_parallel_size 1"),
 ])
 def test_config_refusals(changes, message):
     with pytest.raises(ValueError, match=message):
@@ -92,6 +91,7 @@ def test_off_by_default_and_the_cuda_path_is_untouched_when_off():
     EngineConfig(device="cuda")  # speculation off: the CUDA path is configured as before
     EngineConfig(num_speculative_tokens=2, device="cuda")  # one CUDA device verifies (verify_gpu.py)
     EngineConfig(num_speculative_tokens=16)
+    EngineConfig(num_speculative_tokens=2, tensor_parallel_size=2)  # test_speculative_tensor_parallel.py
 
 
 def test_models_whose_recurrent_layers_cannot_verify_are_refused():
