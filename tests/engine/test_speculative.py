@@ -87,7 +87,8 @@ def test_config_refusals(changes, message):
 
 def test_off_by_default_and_the_cuda_path_is_untouched_when_off():
     config = EngineConfig()
-    assert config.num_speculative_tokens == 0 and config.speculative_drafter == "ngram"
+    # unset: the policy decides (tests/unit/test_speculation_policy.py), off on the CPU
+    assert config.num_speculative_tokens is None and config.speculative_drafter == "ngram"
     EngineConfig(device="cuda")  # speculation off: the CUDA path is configured as before
     EngineConfig(num_speculative_tokens=2, device="cuda")  # one CUDA device verifies (verify_gpu.py)
     EngineConfig(num_speculative_tokens=16)
