@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -42,6 +43,9 @@ from engine.engine_config import EngineConfig
 from engine.model_config import HybridModelConfig
 
 STEP_COSTS_PATH = Path(__file__).resolve().parent / "step_costs.json"
+# Another table to read instead, when set: benchmarks/spec_decode.py points its "auto" rows at
+# the figures it has just measured.
+STEP_COSTS_ENV = "HYBRID_SERVE_STEP_COSTS"
 # A model dir's trained MTP head (engine/speculative/mtp.py load_trained_head), in a folder of
 # its own (the loader reads every *.safetensors at the top), and what training measured of it
 # (acceptance_by_depth): benchmarks/train_mtp_head.py writes both.
@@ -188,14 +192,17 @@ def has_mtp_head(config: EngineConfig, model_config: HybridModelConfig) -> bool:
 
 
 def resolve_speculation(
-    config: EngineConfig, model_config: HybridModelConfig, costs_path: Path = STEP_COSTS_PATH,
+    config: EngineConfig, model_config: HybridModelConfig, costs_path: Path | None = None,
 ) -> tuple[EngineConfig, SpeculationChoice | None]:
     """config with num_speculative_tokens set: as given when it is set (no choice), else the
     policy's (module docstring): the MTP drafter, its k and batch cap, on CUDA where the
     figures say it wins, else 0 (off). Deterministic in its inputs (config, config.json, the
-    model dir's head report, the table), so the engine and every rank resolve alike."""
+    model dir's head report, the table: costs_path, else $HYBRID_SERVE_STEP_COSTS, else
+    STEP_COSTS_PATH), so the engine and every rank resolve alike."""
     if config.num_speculative_tokens is not None:
         return config, None
+    if costs_path is None:
+        costs_path = Path(os.environ.get(STEP_COSTS_ENV) or STEP_COSTS_PATH)
     choice = None
     if config.device.startswith("cuda") and config.random_mtp_head_seed is None and has_mtp_head(config, model_config):
         costs = load_step_costs(model_config, config.dtype, costs_path)
