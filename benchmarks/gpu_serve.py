@@ -533,7 +533,9 @@ def run(args) -> None:
     model, model_dir = app.served_model_name, main_engine.model_dir
     args.out.mkdir(parents=True, exist_ok=True)
     summary = {"device": device_name(main_engine.device), "config": str(args.config),
-               "engine": dataclasses.asdict(main_engine), "parts": {}, "timeline_s": {}}
+               "engine": dataclasses.asdict(main_engine), "parts": {}, "timeline_s": {},
+               # the Serve path's switches (HAProxy ingress, gRPC data plane) as Ray got them
+               "serve_switches": {k: v for k, v in sorted(os.environ.items()) if k.startswith("RAY_SERVE_")}}
     text = corpus_text()
     put_benchy_corpus(text)
     import torch
