@@ -21,8 +21,9 @@ chunk), not at the first non-empty text as the per-pass rows of stats.py do: wit
 model vLLM withholds text that ends inside a UTF-8 sequence, at times until the end of the
 stream, so text timings there measure the detokenizer, not the server.
   output_tok_s_cN                  completion tokens / wall time of decode-cN
-  tbt_p50_ms_cN                    time between tokens: median over the pass's requests of
-                                   (end of stream - first chunk) / (completion tokens - 1)
+  tbt_p50_ms_cN                    time between tokens: median over the pass's streams of
+                                   (end of stream - first chunk) / (completion tokens - 1), streams
+                                   delivered in one burst left out (they carry no such time)
   ttft_p50_ms_shared_later         TTFT p50 of the shared-instructions requests whose system
                                    prompt an earlier request sent (shareable tokens above half
                                    of L): what restoring instructions buys
@@ -30,6 +31,9 @@ stream, so text timings there measure the detokenizer, not the server.
   ttft_p50_ms_cold                 TTFT p50 of the cold pass
   instruction_hit_rate             cached / shareable tokens of the shared-instructions pass
                                    (stats.py); None where the server reports no cached tokens
+  burst_streams                    streams of the decode passes whose first chunk came in the
+                                   last tenth of the stream's time: the server (or a starved
+                                   process of it) delivered them at once
   errors                           failed requests over every pass
 """
 
@@ -164,9 +168,20 @@ def _ttft_p50_ms(records: list[dict]) -> float | None:
     return _ms(percentile([r["first_chunk_s"] for r in _ok(records)], 50))
 
 
+BURST_TAIL = 0.1  # a stream whose first chunk came in this last share of its time is a burst
+
+
+def _streams(records: list[dict]) -> list[dict]:
+    return [r for r in _ok(records) if (r["completion_tokens"] or 0) > 1]
+
+
+def _burst(record: dict) -> bool:
+    return record["e2e_s"] - record["first_chunk_s"] < BURST_TAIL * record["e2e_s"]
+
+
 def _tbt_p50_ms(records: list[dict]) -> float | None:
     return _ms(percentile([(r["e2e_s"] - r["first_chunk_s"]) / (r["completion_tokens"] - 1)
-                           for r in _ok(records) if (r["completion_tokens"] or 0) > 1], 50))
+                           for r in _streams(records) if not _burst(r)], 50))
 
 
 def peer_row(server: str, prefix_reuse: str, rows: list[dict], records: list[dict],
@@ -185,6 +200,8 @@ def peer_row(server: str, prefix_reuse: str, rows: list[dict], records: list[dic
                                                         and r["turn"] >= 1])
     row["ttft_p50_ms_cold"] = _ttft_p50_ms([r for r in mine if r["workload"] == COLD])
     row["instruction_hit_rate"] = by_pass.get(SHARED, {}).get("token_hit_rate")
+    decoding = [r for r in mine if r["workload"] in {decode_name(c) for c in suite.decode_concurrency}]
+    row["burst_streams"] = sum(1 for r in _streams(decoding) if _burst(r))
     row["requests"] = len(mine)
     row["errors"] = sum(1 for r in mine if r["error"] is not None)
     return row
@@ -203,7 +220,7 @@ def peer_table(table: list[dict], suite: SuiteSizes) -> str:
     for c in suite.decode_concurrency:
         header += [f"output tok/s c={c}", f"between tokens p50 ms c={c}"]
     header += ["TTFT p50 ms shared (later)", "TTFT p50 ms multi-turn (later)", "TTFT p50 ms cold",
-               "instruction tokens restored", "requests (errors)"]
+               "instruction tokens restored", "streams in one burst", "requests (errors)"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in table:
         cells = [row["server"], row["prefix_reuse"]]
@@ -212,6 +229,6 @@ def peer_table(table: list[dict], suite: SuiteSizes) -> str:
         rate = row["instruction_hit_rate"]
         cells += [_cell(row["ttft_p50_ms_shared_later"]), _cell(row["ttft_p50_ms_multi_turn_later"]),
                   _cell(row["ttft_p50_ms_cold"]), "not reported" if rate is None else f"{100 * rate:.1f}%",
-                  f"{row['requests']} ({row['errors']})"]
+                  str(row["burst_streams"]), f"{row['requests']} ({row['errors']})"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -127,10 +127,11 @@ def test_the_suite_runs_decode_passes_then_the_three_ttft_passes():
 
 
 def record(server, workload, first_ms, *, turn=0, shareable=0, cached=None, completion=4, tbt_ms=10.0,
-           error=None, conversation="c"):
+           error=None, conversation="c", burst=False):
     """One request: its first chunk at first_ms, its first text 30 ms later (held back, as vLLM
-    holds text ending inside a UTF-8 sequence), a token every tbt_ms after the first chunk."""
-    e2e_ms = first_ms + tbt_ms * (completion - 1)
+    holds text ending inside a UTF-8 sequence), a token every tbt_ms after the first chunk; or,
+    with burst, the whole stream 1 ms after its first chunk."""
+    e2e_ms = first_ms + (1.0 if burst else tbt_ms * (completion - 1))
     return {"workload": workload, "target": server, "conversation": conversation, "turn": turn, "rate": None,
             "start_s": 0.0, "first_chunk_s": first_ms / 1000, "ttft_s": (first_ms + 30) / 1000,
             "itl_s": 0.001, "e2e_s": e2e_ms / 1000, "prompt_tokens": 300, "counted_prompt_tokens": 300,
@@ -145,6 +146,7 @@ def canned(server: str, reports_cached: bool) -> tuple[list[dict], list[Pass]]:
     records = [
         record(server, "decode-c1", 50, completion=8, tbt_ms=5.0),
         record(server, "decode-c1", 70, completion=8, tbt_ms=7.0),
+        *[record(server, "decode-c1", 400, completion=8, burst=True) for _ in range(2)],  # no gaps to time
         *[record(server, "decode-c4", 90, completion=8, tbt_ms=20.0) for _ in range(4)],
         record(server, "shared-instructions", 900, shareable=3, cached=c(0)),
         record(server, "shared-instructions", 800, shareable=3, cached=c(0)),
@@ -174,22 +176,24 @@ def test_the_peer_table_and_json_from_canned_measurements(tmp_path):
     table = [peer_row("hybrid-serve", "checkpoints [prompt]", rows, records, suite),
              peer_row("vllm", "prefix caching off", rows, records, suite)]
     first = table[0]
-    assert first["output_tok_s_c1"] == pytest.approx(16 / 0.5)  # 2 streams x 8 tokens in 0.5 s
+    assert first["output_tok_s_c1"] == pytest.approx(32 / 0.5)  # 4 streams x 8 tokens in 0.5 s
     assert first["output_tok_s_c4"] == pytest.approx(32 / 0.25)
+    # the bursts left out: with them the median of 1/7, 1/7, 5 and 7 ms would be 1/7
     assert first["tbt_p50_ms_c1"] == pytest.approx(5.0) and first["tbt_p50_ms_c4"] == pytest.approx(20.0)
+    assert first["burst_streams"] == 2
     # at the first chunk, not the first text (30 ms later); 30, 40, 60: the first two left out
     assert first["ttft_p50_ms_shared_later"] == pytest.approx(40.0)
     assert first["ttft_p50_ms_multi_turn_later"] == pytest.approx(20.0)  # turns 1 and 2
     assert first["ttft_p50_ms_cold"] == pytest.approx(650.0)  # the failed request left out
     assert first["instruction_hit_rate"] == pytest.approx(610 / 636)
-    assert (first["requests"], first["errors"]) == (17, 1)
+    assert (first["requests"], first["errors"]) == (19, 1)
     assert table[1]["instruction_hit_rate"] is None
 
     markdown = peer_table(table, suite)
     lines = markdown.splitlines()
     assert lines[0].count("|") == lines[2].count("|") == lines[3].count("|")
     assert "output tok/s c=4" in lines[0] and "| 95.9% |" in lines[2] and "| not reported |" in lines[3]
-    assert "| 17 (1) |" in lines[2]
+    assert "| 2 | 19 (1) |" in lines[2]
 
     result = dict.fromkeys(PEER_RESULT_FIELDS)
     result.update(benchmark="hybrid-serve-bench", mode="compare-servers --launch", command="hybrid-serve-bench x",
