@@ -1,10 +1,13 @@
 """Checkpoint-aware request routing for the LLM server (a Ray Serve custom request router).
 
-Serve runs one router per deployment handle, in the process that holds the handle (the
-ingress replica, for `LLMServer.generate`). For each request this router:
+Serve runs one router per deployment handle, in the process that holds the handle: on the
+classic path the ingress replica, for `LLMServer.generate`; on the lean path the ingress
+request router (deployments/cluster/ingress_router.py), which HAProxy asks where each HTTP
+request goes. For each request this router:
 
-1. reads the GenerationRequest from the call's arguments (the renderer's token ids, the
-   cache_salt: the engine's namespace is (model_dir, cache_salt or "")),
+1. reads the GenerationRequest from the call's arguments, or the PromptKey the ingress request
+   router rendered from the HTTP body (the renderer's token ids, the cache_salt: the engine's
+   namespace is (model_dir, cache_salt or "")),
 2. looks up, in its local mirror of the application's cluster index (deployments/
    index_mirror.py; no actor call per request), the replicas that hold the longest checkpoint
    whose tokens are a prefix of the prompt,
@@ -87,7 +90,7 @@ class RecentPlacements:
         self._placed: OrderedDict[bytes, tuple[str, float]] = OrderedDict()
 
     @staticmethod
-    def key(namespace: tuple[str, str], request: GenerationRequest) -> bytes | None:
+    def key(namespace: tuple[str, str], request: GenerationRequest | PromptKey) -> bytes | None:
         """The placement key of a request with an instruction boundary, else None."""
         boundary = request.instruction_boundary
         if not boundary:
@@ -134,12 +137,24 @@ def choose_holders(match: LookupResult | None, queue_lens: dict[str, int | None]
     return HolderChoice(tuple(r for _, r in ready), "holder", match.length)
 
 
-def generation_request(pending_request: PendingRequest | None) -> GenerationRequest | None:
-    """The GenerationRequest a `generate` call carries, or None (another method)."""
+@dataclass(frozen=True)
+class PromptKey:
+    """What routing reads of a request, without the request: the lean path's ingress request
+    router (deployments/cluster/ingress_router.py) renders the HTTP body into one and passes it
+    to `choose_replica`. The fields mean what GenerationRequest's do."""
+
+    prompt_token_ids: tuple[int, ...]
+    cache_salt: str | None = None
+    instruction_boundary: int | None = None
+
+
+def generation_request(pending_request: PendingRequest | None) -> GenerationRequest | PromptKey | None:
+    """The GenerationRequest a `generate` call carries, or the PromptKey an ingress request
+    router's pick carries; None for anything else (another method)."""
     if pending_request is None:
         return None
     args = list(pending_request.args or ()) + list((pending_request.kwargs or {}).values())
-    return next((a for a in args if isinstance(a, GenerationRequest)), None)
+    return next((a for a in args if isinstance(a, (GenerationRequest, PromptKey))), None)
 
 
 class CheckpointAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
@@ -204,7 +219,7 @@ class CheckpointAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
 
     # ---- internals ----------------------------------------------------------------------------
 
-    async def _choose_holders(self, request: GenerationRequest,
+    async def _choose_holders(self, request: GenerationRequest | PromptKey,
                               candidates: list[RunningReplica]) -> HolderChoice:
         if not request.prompt_token_ids:
             return HolderChoice((), "no_tokens")
