@@ -87,6 +87,13 @@ def llm_server_routing(config: AppConfig) -> dict:
                                "queue_threshold": threshold})}
 
 
+def in_ray_worker() -> bool:
+    """Whether this process is a Ray worker (an actor or task, e.g. Serve's build task)."""
+    import ray
+
+    return ray.is_initialized() and ray.get_runtime_context().worker.mode == ray.WORKER_MODE
+
+
 def build_app(args: dict) -> Application:
     """Build the application from serve_config.yaml `args` (a dict) or an AppConfig: the lean
     graph where HAProxy runs (deployments/serving_path.py), else the classic one; logs one
@@ -109,7 +116,10 @@ def build_app(args: dict) -> Application:
             ApiKeys.load(config.api_keys_file, environ={})
         except ValueError as exc:
             raise ValueError(f"invalid hybrid-serve app args: {exc}") from None
-    logger.info(path.log_line())
+    # one line where the user reads: the driver's stderr (serve_main's check of the file, a
+    # serve.run caller); inside Ray (Serve's build task) the controller's log file only, since
+    # `serve run` would forward a copy to the same console
+    logger.info(path.log_line(), extra={"log_to_stderr": not in_ray_worker()})
     serve_options = {"max_ongoing_requests": config.max_ongoing_requests,
                      "max_queued_requests": config.max_queued_requests}
     renderer = Renderer.options(

@@ -124,6 +124,9 @@ def serving_path(config: AppConfig, environ: Mapping[str, str] = os.environ,
     if unavailable:
         return ServingPath(False, unavailable)
     if not enabled():
+        given = environ.get("RAY_SERVE_ENABLE_HA_PROXY")
+        if given is not None:
+            return ServingPath(False, f"RAY_SERVE_ENABLE_HA_PROXY={given} in the environment")
         return ServingPath(False, "RAY_SERVE_ENABLE_HA_PROXY=1 was not in Ray's environment "
                                   "when it started (deployments/serve_main.py sets it)")
     return ServingPath(True, f"rendering in the {'replica' if config.render_in_replica else 'Renderer deployment'}"

@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -42,7 +43,7 @@ from fastapi.responses import JSONResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from deployments.cluster.router import PromptKey
+from deployments.cluster.prompt_key import PromptKey
 from deployments.http.errors import APIError, validated
 from deployments.http.protocol import ChatCompletionRequest, CompletionRequest
 from deployments.prompts.rendering import PromptRenderer
@@ -79,6 +80,23 @@ def prompt_key(body: bytes, renderer: PromptRenderer) -> PromptKey | None:
     return PromptKey(rendered.token_ids, salt, rendered.instruction_boundary)
 
 
+def router_app(route: Callable[[bytes], Awaitable[JSONResponse]]) -> FastAPI:
+    """The router replica's HTTP app: POST ROUTE_PATH (HAProxy's question), GET /health.
+    (Module level: Serve pickles the deployment class by value, and a closure's annotations
+    would then lose the names they refer to.)"""
+    app = FastAPI()
+
+    @app.post(ROUTE_PATH)
+    async def route_request(request: Request):
+        return await route(await request.body())
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    return app
+
+
 @serve.deployment
 @serve.ingress()
 class CheckpointIngressRouter:
@@ -91,17 +109,7 @@ class CheckpointIngressRouter:
         self._warned_no_body = False
 
     def __serve_build_asgi_app__(self):
-        app = FastAPI()
-
-        @app.post(ROUTE_PATH)
-        async def route(request: Request):
-            return await self.route(await request.body())
-
-        @app.get("/health")
-        async def health():
-            return {"status": "ok"}
-
-        return app
+        return router_app(self.route)
 
     async def route(self, body: bytes) -> JSONResponse:
         """HAProxy's question: 200 {"host", "port", "replica_id"} names the replica; any other

@@ -38,7 +38,10 @@ guess it makes, per router, for the seconds before the index confirms a capture
 (benchmarks/cluster_routing.py compares both).
 
 Built on Ray 2.60's RequestRouter API (ray.serve.request_router); the power-of-two fallback
-calls Serve's PowerOfTwoChoicesRequestRouter.choose_replicas (ray.serve._private).
+calls Serve's PowerOfTwoChoicesRequestRouter.choose_replicas (ray.serve._private). Serve
+pickles this module by value into every process that routes (RequestRouterConfig), so the
+types a caller passes in (GenerationRequest, PromptKey) live in other modules: a class of this
+module would be a copy there, and isinstance would never match.
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ from cache.checkpoint_keys import Namespace
 from cache.index_messages import LookupResult, token_digest
 from deployments.cluster.index import get_index
 from deployments.cluster.index_mirror import ActorIndexSource, IndexMirror
+from deployments.cluster.prompt_key import PromptKey
 from deployments.metrics import RoutingMetrics
 from engine.interfaces.generation_request import GenerationRequest
 
@@ -135,17 +139,6 @@ def choose_holders(match: LookupResult | None, queue_lens: dict[str, int | None]
     if not ready:
         return HolderChoice((), "overloaded", match.length, frozenset(match.replica_ids))
     return HolderChoice(tuple(r for _, r in ready), "holder", match.length)
-
-
-@dataclass(frozen=True)
-class PromptKey:
-    """What routing reads of a request, without the request: the lean path's ingress request
-    router (deployments/cluster/ingress_router.py) renders the HTTP body into one and passes it
-    to `choose_replica`. The fields mean what GenerationRequest's do."""
-
-    prompt_token_ids: tuple[int, ...]
-    cache_salt: str | None = None
-    instruction_boundary: int | None = None
 
 
 def generation_request(pending_request: PendingRequest | None) -> GenerationRequest | PromptKey | None:
