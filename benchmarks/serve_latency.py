@@ -389,6 +389,11 @@ def main() -> None:
         args.stream_intervals = list(dict.fromkeys([config.stream_interval, 1]))
     tokenizer = AutoTokenizer.from_pretrained(config.engine.model_dir)
     prompt_ids = tokenizer.encode(PROMPT * args.prompt_repeats, add_special_tokens=False)
+    if args.workload == "chat":  # what the chat renders to (the ids workload's ids are unused)
+        prompt_tokens = len(tokenizer.apply_chat_template(chat_messages(), add_generation_prompt=True,
+                                                          tokenize=True, return_dict=False))
+    else:
+        prompt_tokens = len(prompt_ids)
 
     import ray
     import torch
@@ -419,7 +424,7 @@ def main() -> None:
         print(f"warning: the lean server exited with {lean.returncode}")
     ratios = overheads(results)
     report = table(results, ratios, hops)
-    print(f"\nmodel {config.engine.model_dir}, prompt {len(prompt_ids)} tokens, {args.max_tokens} output "
+    print(f"\nmodel {config.engine.model_dir}, prompt {prompt_tokens} tokens, {args.max_tokens} output "
           f"tokens, {args.rounds} rounds per level, worker threads {int(args.worker_num_cpus)}; "
           f"workload {args.workload}; 'classic si=N': the classic app with stream_interval N; "
           f"the lean apps stream_interval {config.stream_interval}\n")
@@ -430,7 +435,7 @@ def main() -> None:
         "app_config": config.model_dump(),
         "lean_serve_config": lean_serve_config(config, args.lean_port),
         "lean_server_log": lean_log,
-        "prompt_tokens": len(prompt_ids),
+        "prompt_tokens": prompt_tokens,
         "results": [asdict(r) for r in results],
         "overhead": ratios,
         "hops_ms": hops,
