@@ -52,6 +52,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -280,6 +281,10 @@ async def measure(config, prompt_ids: list[int], args) -> tuple[list[LevelResult
                 await path.one_request(4)  # warm-up
             first = args.stream_intervals[0]
             hops = await measure_hops(client, f"serve-latency-si{first}", f"/si{first}", lean_url)
+            if render is not None:
+                async def render_once():
+                    render()
+                hops["render the chat in process (PromptRenderer)"] = await median_ms(render_once)
             return await run_levels(paths, args.concurrency, args.rounds, args.max_tokens), hops
     finally:
         in_process.shutdown()
@@ -308,12 +313,14 @@ def lean_serve_config(config, lean_port: int) -> dict:
 
 def overheads(results: list[LevelResult]) -> list[dict]:
     """Cost of every path relative to in-process at the same level (1.0 = no cost; TTFT also
-    as milliseconds above in-process)."""
+    as milliseconds above in-process, of the means and of the medians: on a shared machine the
+    median is the steadier)."""
     base = {r.concurrency: r for r in results if r.path == "in-process"}
     return [
         {"concurrency": r.concurrency, "path": r.path,
          "ttft_ratio": r.ttft_ms_mean / base[r.concurrency].ttft_ms_mean,
          "ttft_ms_above": r.ttft_ms_mean - base[r.concurrency].ttft_ms_mean,
+         "ttft_p50_ms_above": r.ttft_ms_p50 - base[r.concurrency].ttft_ms_p50,
          "decode_ratio": base[r.concurrency].decode_tok_s_mean / r.decode_tok_s_mean,
          "throughput_ratio": base[r.concurrency].throughput_tok_s / r.throughput_tok_s}
         for r in results if r.path != "in-process"
@@ -340,7 +347,8 @@ def table(results: list[LevelResult], ratios: list[dict], hops: dict[str, float]
               "throughput in-process/path"]
     for o in ratios:
         lines.append(f"  {o['path']:<14} concurrency {o['concurrency']:>2}: TTFT x{o['ttft_ratio']:.2f}"
-                     f" ({o['ttft_ms_above']:+.1f} ms)   decode x{o['decode_ratio']:.2f}"
+                     f" ({o['ttft_ms_above']:+.1f} ms, p50 {o['ttft_p50_ms_above']:+.1f} ms)"
+                     f"   decode x{o['decode_ratio']:.2f}"
                      f" ({100 / o['decode_ratio']:.0f}% of in-process)"
                      f"   throughput x{o['throughput_ratio']:.2f}")
     lines += ["", f"Hop round trips before the first token (median of {HOP_CALLS}, no work done):"]
@@ -402,6 +410,7 @@ def main() -> None:
     from deployments.app import build_app
 
     torch.set_num_threads(max(1, int(args.worker_num_cpus)))  # as many as the model's process
+    load_at_start = os.getloadavg()  # a shared machine's other work shows here
     log_dir = Path(tempfile.mkdtemp(prefix="serve-latency-"))
     with serve_main_server(lean_serve_config(config, args.lean_port), log_dir / "lean.log") as lean:
         # this process's Ray: the classic path (started without the lean path's switches)
@@ -424,7 +433,9 @@ def main() -> None:
         print(f"warning: the lean server exited with {lean.returncode}")
     ratios = overheads(results)
     report = table(results, ratios, hops)
-    print(f"\nmodel {config.engine.model_dir}, prompt {prompt_tokens} tokens, {args.max_tokens} output "
+    print(f"\nload average {load_at_start[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end "
+          f"(this machine's {os.cpu_count()} cores)")
+    print(f"model {config.engine.model_dir}, prompt {prompt_tokens} tokens, {args.max_tokens} output "
           f"tokens, {args.rounds} rounds per level, worker threads {int(args.worker_num_cpus)}; "
           f"workload {args.workload}; 'classic si=N': the classic app with stream_interval N; "
           f"the lean apps stream_interval {config.stream_interval}\n")
@@ -439,6 +450,7 @@ def main() -> None:
         "results": [asdict(r) for r in results],
         "overhead": ratios,
         "hops_ms": hops,
+        "load_average_1_5_15_min": {"start": load_at_start, "end": os.getloadavg()},
         "table": report,
     })
     print(f"\nwrote {out}")
