@@ -13,17 +13,18 @@ request goes. For each request this router:
    whose tokens are a prefix of the prompt,
 3. sends the request to the least loaded of those holders whose queue length (requests in
    flight there, probed for each request) is below `queue_threshold`,
-4. when no replica holds a prefix yet but the request has an instruction boundary, sends it
-   where this router sent the same instructions (namespace and tokens up to the boundary) in
-   the last PLACEMENT_TTL_S seconds, if that replica is below the threshold ("recent
-   placement"): the first requests of a new system prompt then meet on one replica, which
+4. when no replica holds a prefix yet (or the mirror is not current: its first sync, the index
+   down) but the request has an instruction boundary, sends it where this router sent the
+   same instructions (namespace and tokens up to the boundary) in the last PLACEMENT_TTL_S
+   seconds, if that replica is below the threshold ("recent placement"): the first requests of a new system prompt then meet on one replica, which
    captures its checkpoint once, instead of each replica computing it before the index
    hears of the first capture. The first of them goes to the less loaded of power-of-two's
    pair, probed here, and is remembered;
 5. sends it to a random pair of the other replicas when every holder is at the threshold or
    above ("overloaded"),
 6. and otherwise leaves it to Serve's power-of-two choices: no holder, no token ids, a call
-   that is not a generation (model info, pool usage), or no current mirror (index actor down).
+   that is not a generation (model info, pool usage), or no current mirror (index actor down),
+   for requests without an instruction boundary.
 
 Power-of-two choices is also the rank after the holders: a holder that turns out full
 (max_ongoing_requests) passes the request on to it in the same routing attempt. A digest
@@ -167,6 +168,10 @@ class CheckpointAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             return ActorIndexSource(await asyncio.to_thread(get_index, app))
 
         self._mirror = IndexMirror(connect)
+        try:  # sync before the first request where the router starts on a running loop
+            self._mirror.start()
+        except RuntimeError:  # no running loop here: the first routed request starts it
+            pass
         self._placements = RecentPlacements()
         self._metrics = RoutingMetrics()
         self._counted: OrderedDict[str, None] = OrderedDict()
@@ -225,15 +230,16 @@ class CheckpointAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             queue_lens = await self._queue_lens([by_id[r] for r in match.replica_ids])
         choice = choose_holders(match, queue_lens, self._queue_threshold)
         key = RecentPlacements.key(namespace, request)
-        if choice.reason != "no_holder" or key is None:
+        if choice.reason not in ("no_holder", "index_unavailable") or key is None:
             return choice
-        return await self._place(key, candidates, by_id) or choice
+        return await self._place(key, candidates, by_id, choice.reason) or choice
 
     async def _place(self, key: bytes, candidates: list[RunningReplica],
-                     by_id: dict[str, RunningReplica]) -> HolderChoice | None:
-        """Instructions no replica holds yet: their recent placement if it is below the
-        threshold; else the less loaded of a fresh power-of-two pair, remembered. None: leave
-        it to power-of-two choices (nothing answered the probe)."""
+                     by_id: dict[str, RunningReplica], reason: Reason) -> HolderChoice | None:
+        """Instructions no replica is known to hold (none does, or the mirror is not current:
+        its first sync, the index down): their recent placement if it is below the threshold;
+        else the less loaded of a fresh power-of-two pair, remembered, with `reason`. None:
+        leave it to power-of-two choices (nothing answered the probe)."""
         placed = self._placements.get(key)
         if placed is not None and placed in by_id:
             queue_len = (await self._queue_lens([by_id[placed]])).get(placed)
@@ -246,7 +252,7 @@ class CheckpointAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             return None
         chosen = min(lens, key=lambda r: (lens[r], r))
         self._placements.record(key, chosen)
-        return HolderChoice((chosen,), "no_holder")
+        return HolderChoice((chosen,), reason)
 
     async def _queue_lens(self, replicas: list[RunningReplica]) -> dict[str, int | None]:
         """Each holder's requests in flight, probed now (None when it does not answer in
