@@ -35,7 +35,10 @@ token time - first token time). Throughput: all tokens of a level / its wall tim
 path / in-process for TTFT, in-process / path for decode speed and throughput; 1.0 means Ray
 and HTTP cost nothing. The round trips before a first token are timed on their own, with no
 work done: the classic path's hops (proxy to ingress, handle calls to the renderer and the LLM
-server) and the lean path's one (HAProxy to the replica).
+server) and the lean path's one (HAProxy to the replica); with --workload chat, also the chat's
+rendering in process. The load average at the start and the end goes into the JSON: on a shared
+machine it says how far to trust a run (the TTFT medians above in process are the steadier
+figure).
 
 Every app has the same AppConfig except the path's keys (checkpoints off: every request sends
 the same prompt). The process that runs the model (an LLM server replica, the worker actor)
