@@ -129,7 +129,8 @@ def build_app(args: dict) -> Application:
         max_body_bytes=config.max_body_bytes, max_requests_in_flight=config.max_requests_in_flight,
         retry_after_s=config.retry_after_s, max_stop_strings=config.max_stop_strings,
         max_stop_string_chars=config.max_stop_string_chars,
-        max_prompt_tokens=config.max_prompt_tokens, max_output_tokens=config.max_output_tokens)
+        max_prompt_tokens=config.max_prompt_tokens, max_output_tokens=config.max_output_tokens,
+        max_cache_breakpoints=config.max_cache_breakpoints)
     llm_options = {"ray_actor_options": llm_server_resources(config),
                    "health_check_period_s": config.health_check_period_s,
                    **serve_options, **llm_server_routing(config)}

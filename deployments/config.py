@@ -76,6 +76,12 @@ class AppConfig(BaseModel):
                               "HTTP 400.")
     max_stop_string_chars: int = Field(
         256, ge=1, description="Longest stop string accepted; a longer one gets HTTP 400.")
+    max_cache_breakpoints: int = Field(
+        4, ge=1,
+        description="cache_control markers (on messages and text content parts) one chat request "
+                    "may carry; more get HTTP 400. Each accepted marker is a checkpoint the "
+                    "engine keeps where the renderer verified it (README.md, Cache breakpoints); "
+                    "with the breakpoint slot off they are accepted and ignored.")
     max_prompt_tokens: int | None = Field(
         None, ge=1,
         description="Longest prompt accepted, in tokens; a longer one gets HTTP 400. Unset: "

@@ -29,7 +29,7 @@ from ray.serve.handle import DeploymentHandle
 
 from deployments.http.api_keys import TENANT_SCOPE, ApiKeyMiddleware, ApiKeys, scoped_cache_salt
 from deployments.http.errors import APIError, as_api_error, error_json, install_error_handlers, validated
-from deployments.http.limits import RequestLimits, RequestLimitsMiddleware, check_stop_limits
+from deployments.http.limits import RequestLimits, RequestLimitsMiddleware, check_cache_markers, check_stop_limits
 from deployments.http.openai_format import (
     ResponseMeta,
     chat_chunks,
@@ -208,8 +208,10 @@ class OpenAIFrontend:
         arrival_time = time.time()
         try:
             self._check_request(request)
+            check_cache_markers(request, self._limits)
             prompt = await self._prompts.render_chat(request.messages)
             self._metrics.count_boundary_rejection(prompt.boundary_rejection)
+            self._metrics.count_breakpoint_rejections(prompt.breakpoint_rejections)
             return self._start(new_request_id("chatcmpl"), prompt, request,
                                request.requested_max_tokens(), arrival_time, tenant)
         except Exception as exc:
@@ -240,6 +242,7 @@ class OpenAIFrontend:
             prompt_token_ids=prompt.token_ids,
             sampling=to_sampling_params(fields, max_tokens),
             instruction_boundary=prompt.instruction_boundary,
+            cache_breakpoints=prompt.cache_breakpoints,
             cache_salt=scoped_cache_salt(tenant, fields.cache_salt),
             tenant=tenant,
             arrival_time=arrival_time,

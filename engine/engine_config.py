@@ -49,7 +49,9 @@ class EngineConfig:
                                      "rank; the slot count is derived from it.")
     checkpoint_slots: tuple[str, ...] = _option(CHECKPOINT_SLOTS, "Request-boundary checkpoints "
                                                 "to capture: any subset of prompt, response, "
-                                                "instruction; empty turns checkpoint caching off.")
+                                                "instruction, breakpoint (at the clients' "
+                                                "cache_control markers); empty turns checkpoint "
+                                                "caching off.")
     checkpoint_cache_bytes: int = _option(64 * 1024 * 1024, "Memory for checkpoint tensors held "
                                           "outside the KV blocks (recurrent state, attention "
                                           "tail, hidden row), per rank; the KV blocks they "

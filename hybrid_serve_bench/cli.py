@@ -55,7 +55,8 @@ def add_common(p: argparse.ArgumentParser) -> None:
     w.add_argument("--instruction-tokens", type=int, nargs="+", default=[2000],
                    help="L: system prompt tokens; several values sweep shared-instructions")
     w.add_argument("--requests", type=int, default=48,
-                   help="requests of shared-instructions, few-shot and no-sharing")
+                   help="requests of shared-instructions, few-shot(-marked), document-qa(-marked) "
+                        "and no-sharing")
     w.add_argument("--user-tokens", type=_pair, default=(50, 500), help="MIN-MAX user message tokens")
     w.add_argument("--conversations", type=int, default=8, help="C (multi-turn)")
     w.add_argument("--turns", type=int, default=4, help="T (multi-turn)")
@@ -63,6 +64,8 @@ def add_common(p: argparse.ArgumentParser) -> None:
     w.add_argument("--agent-turns", type=int, default=5)
     w.add_argument("--developer-tokens", type=int, default=1500)
     w.add_argument("--examples", type=int, default=6, help="few-shot examples")
+    w.add_argument("--documents", type=int, default=4, help="D (document-qa)")
+    w.add_argument("--document-tokens", type=int, default=2000, help="tokens of each document")
     w.add_argument("--tokenizer", default=None,
                    help="local model dir whose tokenizer and chat template count tokens (default: "
                         "the served model's dir, as GET /v1/models names it; compare-policies: "
@@ -222,7 +225,8 @@ def sizes_of(args: argparse.Namespace) -> Sizes:
                  requests=args.requests, user_tokens=args.user_tokens,
                  conversations=args.conversations, turns=args.turns, agents=args.agents,
                  agent_turns=args.agent_turns, developer_tokens=args.developer_tokens,
-                 examples=args.examples)
+                 examples=args.examples, documents=args.documents,
+                 document_tokens=args.document_tokens)
 
 
 async def _identities(base_urls: list[str]) -> list[dict]:

@@ -136,8 +136,8 @@ class LLMEngine:
     def add_request(self, request: GenerationRequest) -> None:
         """Queue `request`. Raises InvalidRequestError if it can never run: an empty prompt,
         prompt or stop token ids outside the vocabulary, prompt + max_tokens beyond
-        max_model_len, a request id still in use, or pause positions / an instruction boundary
-        outside the prompt."""
+        max_model_len, a request id still in use, or pause positions / an instruction boundary /
+        cache breakpoints outside the prompt."""
         prompt = request.prompt_token_ids
         if not prompt:
             raise InvalidRequestError("the prompt is empty")
@@ -166,6 +166,9 @@ class LLMEngine:
         boundary = request.instruction_boundary
         if boundary is not None and not 0 < boundary < len(prompt):
             raise InvalidRequestError(f"instruction_boundary must lie in [1, {len(prompt) - 1}]")
+        breakpoints = tuple(sorted(set(request.cache_breakpoints)))
+        if any(not 0 < b < len(prompt) for b in breakpoints):
+            raise InvalidRequestError(f"cache_breakpoints must lie in [1, {len(prompt) - 1}]")
         pauses = set(request.pause_positions)
         tracked = Request(
             request_id=request_id,
@@ -175,6 +178,7 @@ class LLMEngine:
             namespace=namespace,
             tenant=request.tenant,
             instruction_boundary=boundary,
+            cache_breakpoints=breakpoints,
         )
         self.scheduler.add_request(tracked)
         self.output_processor.add_request(tracked)

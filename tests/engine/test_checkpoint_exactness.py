@@ -2,7 +2,8 @@
 produces the same output as the same request computed from scratch.
 
 Randomized conversations on the embedded model: shared system prompts with different user
-messages, multi-turn continuations that resend the history, several prefill budgets, budgets
+messages, multi-turn continuations that resend the history, random cache_control markers (cache
+breakpoints) on messages and text parts, several prefill budgets, budgets
 small enough to force checkpoint eviction and preemption, many requests in flight at once.
 Every request runs twice in the same engine and the same batch: once in the shared namespace
 (where it can restore checkpoints) and once under a fresh cache_salt (where nothing can be
@@ -52,6 +53,8 @@ def test_checkpointed_requests_match_requests_computed_from_scratch(label, confi
           f"evicted={ {k: c.evicted for k, c in stats.checkpoints.items()} }")
     if min_hit_rate is not None:  # None: the case is about preemption and eviction (docstring)
         assert tally.hits >= min_hit_rate * tally.requests, "the suite must exercise restores, not pass by missing"
+    if min_hit_rate is not None and min_hit_rate >= 0.5:  # the roomy runs restore cache breakpoints too
+        assert stats.checkpoints["breakpoint"].hit > 0, "the random cache_control markers must be restored"
     if "no async" not in label:
         assert config.async_scheduling
     assert engine.pool_usage().idle
