@@ -8,10 +8,12 @@ cu_seqlens[i]:cu_seqlens[i+1] of input_ids, positions and slot_mapping.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
 
+from engine.interfaces.decode_rows import DecodeRows, decode_rows
 from engine.interfaces.host_index import concat_ranges, cumulative_bounds, flat_int64, int64_array, range_index, to_device
 from engine.interfaces.step_io import ScheduledChunk
 
@@ -53,6 +55,12 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+    @cached_property
+    def decode(self) -> DecodeRows | None:
+        """The batch's one-token chunks, laid out once for every layer of the PyTorch path
+        (engine/interfaces/decode_rows.py); None when it has none. Built on first use."""
+        return decode_rows(self.chunks, self.cu_seqlens, self.input_ids.device)
 
 
 @dataclass
