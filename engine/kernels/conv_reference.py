@@ -55,8 +55,9 @@ def causal_conv1d_step_(
 ) -> torch.Tensor:
     """causal_conv1d_step writing the new conv states into conv_state (a view of the slots
     or a gathered copy) instead of returning them: returns out (S, C)."""
-    window = torch.cat([conv_state.to(x.dtype), x[:, :, None]], dim=2)  # (S, C, K)
-    out = (window * weight[None]).sum(dim=2)
+    state = conv_state if conv_state.dtype == x.dtype else conv_state.to(x.dtype)
+    window = torch.cat([state, x[:, :, None]], dim=2)  # (S, C, K)
+    out = (window * weight).sum(dim=2)
     if bias is not None:
         out += bias
     if apply_silu:

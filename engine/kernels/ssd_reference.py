@@ -64,13 +64,13 @@ def ssd_step_(
     num_seqs, num_heads, head_dim = x.shape
     num_groups, state_size = B.shape[1], B.shape[2]
     grouped = (num_seqs, num_groups, num_heads // num_groups, head_dim)
-    x, dt = x.float(), dt.float()
-    state.mul_(torch.exp(dt * A.float())[:, :, None, None])
+    x, dt, A, B, C = (t if t.dtype == torch.float32 else t.float() for t in (x, dt, A, B, C))
+    state.mul_(torch.exp(dt * A)[:, :, None, None])
     by_group = state.view(*grouped, state_size)  # (S, G, H/G, P, N)
-    by_group += (dt[:, :, None] * x).view(*grouped, 1) * B.float()[:, :, None, None, :]
-    y = (by_group * C.float()[:, :, None, None, :]).sum(-1).view(num_seqs, num_heads, head_dim)
+    by_group += (dt[:, :, None] * x).view(*grouped, 1) * B[:, :, None, None, :]
+    y = (by_group * C[:, :, None, None, :]).sum(-1).view(num_seqs, num_heads, head_dim)
     if D is not None:
-        y += D.float()[None, :, None] * x
+        y += (D if D.dtype == torch.float32 else D.float())[None, :, None] * x
     return y
 
 

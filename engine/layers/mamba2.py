@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -234,8 +236,10 @@ class Mamba2Mixer(ShardedModule):
         x = x.reshape(n, self.num_heads, self.head_dim)
         B = B.reshape(n, self.num_groups, self.state_size)
         C = C.reshape(n, self.num_groups, self.state_size)
-        dt = F.softplus(dt_raw.float() + self.dt_bias.float())  # (n, H)
-        dt = dt.clamp(min=self.time_step_limit[0], max=self.time_step_limit[1])
+        dt = F.softplus(dt_raw.float() + self.dt_bias.float())  # (n, H), >= 0
+        low, high = self.time_step_limit
+        if low > 0 or high != math.inf:  # (0, inf) leaves softplus's output as it is
+            dt = dt.clamp(min=low, max=high)
         A = -torch.exp(self.A_log.float())  # (H,)
         return x, B, C, dt, A
 
