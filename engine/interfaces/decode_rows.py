@@ -27,8 +27,8 @@ class DecodeKeys:
     viewed as (num_blocks * block_size * Hkv, Dh) that hold key position s of KV head k of
     decode row i, and which positions are padding.
 
-    rows: (n * Hkv * S,) int64, laid out as (n, Hkv, S), S = the longest row's key count;
-        a padding position reads the first cache row (finite, masked out).
+    rows: (n * Hkv * S,) int64, laid out as (n, Hkv, S), S = the longest row's blocks times
+        block_size; a padding position reads a row of some block (finite, masked out).
     padding: (n, 1, 1, S) bool, True past a row's keys (broadcasts over (n, Hkv, G, S) scores).
     """
 
@@ -67,7 +67,7 @@ class DecodeRows:
 
     @property
     def num_rows(self) -> int:
-        return len(self.chunk_indices)
+        return self.rows.shape[0]
 
     def take(self, t: torch.Tensor) -> torch.Tensor:
         """The decode rows of a (T, ...) per-token tensor: (n, ...), t itself when identity."""
@@ -96,11 +96,10 @@ class DecodeRows:
         return gathered
 
     def write_states(self, states: torch.Tensor, values: torch.Tensor) -> None:
-        """Store the decode rows' new states (n, ...) in their slots of `states`; nothing to do
-        when `values` is the view read_states returned (updated in place)."""
-        if self.slot_start is not None and values.data_ptr() == states[self.slot_start].data_ptr():
-            return
-        states.index_copy_(0, self.state_slots, values.to(states.dtype))
+        """Store the decode rows' new states (n, ...) in their slots of `states`: `values` is
+        what read_states returned, advanced; a view (slot_start set) is there already."""
+        if self.slot_start is None:
+            states.index_copy_(0, self.state_slots, values.to(states.dtype))
 
     def keys(self, block_size: int, num_kv_heads: int) -> DecodeKeys:
         """The rows' keys in a cache of `block_size` tokens a block and num_kv_heads heads,
@@ -144,39 +143,30 @@ def decode_rows(chunks: Sequence, cu_seqlens: Sequence[int], device: torch.devic
     )
 
 
-def decode_key_slots(block_tables: Sequence[Sequence[int]], num_keys: Sequence[int], block_size: int) -> np.ndarray:
-    """(n, S) int64, S = max(num_keys): the flat cache slot of key position s of sequence i
-    (block_tables[i][s // block_size] * block_size + s % block_size) for s < num_keys[i], and
-    slot 0 past it (a padding read, masked by the reader). ValueError when a block table does
-    not cover its keys."""
-    keys = int64_array(num_keys)
-    width = int(keys.max())
-    num_blocks = -(-width // block_size)
-    needed = -(-keys // block_size)
-    short = [i for i, table in enumerate(block_tables) if len(table) < needed[i]]
-    if short:
-        raise ValueError(f"block table {short[0]} has {len(block_tables[short[0]])} blocks, "
-                         f"its {int(keys[short[0]])} keys need {int(needed[short[0]])}")
-    tables = padded_rows(block_tables, num_blocks)  # (n, M), zeros past a table's end
-    positions = np.arange(width, dtype=np.int64)
-    slots = tables[:, positions // block_size] * block_size + positions % block_size
-    slots[positions[None, :] >= keys[:, None]] = 0
-    return slots
-
-
 def decode_keys(
     block_tables: Sequence[Sequence[int]], positions: Sequence[int], block_size: int,
     num_kv_heads: int, device: torch.device,
 ) -> DecodeKeys:
-    """DecodeKeys of rows attending to keys 0 .. position each."""
+    """DecodeKeys of rows attending to keys 0 .. position each, S = the blocks of the longest
+    row times block_size: one broadcast over whole blocks (a row's blocks past its table read
+    block 0; every position past its keys is padding). ValueError when a block table does not
+    cover its keys."""
     num_keys = int64_array(positions) + 1
-    slots = decode_key_slots(block_tables, num_keys, block_size)  # (n, S)
-    width = slots.shape[1]
-    heads = np.arange(num_kv_heads, dtype=np.int64)
-    rows = (slots[:, None, :] * num_kv_heads + heads[None, :, None]).reshape(-1)  # (n, Hkv, S)
+    num_blocks = int(-(-num_keys.max() // block_size))
+    needed = -(-num_keys // block_size)
+    short = [i for i, table in enumerate(block_tables) if len(table) < needed[i]]
+    if short:
+        raise ValueError(f"block table {short[0]} has {len(block_tables[short[0]])} blocks, "
+                         f"its {int(num_keys[short[0]])} keys need {int(needed[short[0]])}")
+    tables = padded_rows(block_tables, num_blocks)  # (n, M)
+    heads = np.arange(num_kv_heads, dtype=np.int64)[None, :, None, None]
+    offsets = (np.arange(block_size, dtype=np.int64) * num_kv_heads)[None, None, None, :]
+    # (n, Hkv, M, bs): row of (block, offset, head) in the cache viewed as (blocks * bs * Hkv, Dh)
+    rows = tables[:, None, :, None] * (block_size * num_kv_heads) + offsets + heads
+    width = num_blocks * block_size
     padding = np.arange(width, dtype=np.int64)[None, :] >= num_keys[:, None]  # (n, S)
     return DecodeKeys(
-        rows=torch.from_numpy(rows).to(device),
+        rows=torch.from_numpy(rows.reshape(-1)).to(device),
         padding=torch.from_numpy(padding).to(device)[:, None, None, :],
         width=width,
     )
