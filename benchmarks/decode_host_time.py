@@ -30,8 +30,10 @@ inflates less than wall time), split into the forward route (EagerPass.run: batc
 the model), the LM head and sampling, the rest of Worker.submit/collect, and the engine's host
 work around the worker (scheduler, output processor). --baseline DIR runs the same workload on
 another checkout (its engine/ on PYTHONPATH, say `git archive <commit> | tar -x -C DIR`) in the
-same invocation, rounds alternating between the trees, and checks that both produce the same
-greedy tokens. Each (tree, round) is a fresh process.
+same invocation, and --compile this tree with EngineConfig.cpu_compile_decode as well
+(engine/routes/cpu_decode.py; its compile at start is not in the timed waves); rounds alternate
+between them, and every one must produce the same greedy tokens. Each (tree, round) is a fresh
+process.
 
     python benchmarks/decode_host_time.py --device cpu --baseline /tmp/base \
         --out benchmarks/results/decode_host_time_cpu.json
@@ -188,6 +190,8 @@ def gpu_main(args: argparse.Namespace) -> None:
 
 # The step's parts timed on the step thread (thread CPU seconds), by the methods wrapped: each
 # part is the time inside that method; "engine host" is the step less Worker.submit/collect.
+# The compiled decode pass computes the LM head inside its route ("forward route"); the eager
+# pass's LM head runs in Worker.submit ("LM head + sampling").
 CPU_PARTS = ("forward route", "LM head + sampling", "worker other", "engine host")
 
 
@@ -213,6 +217,8 @@ def cpu_worker(args: argparse.Namespace) -> dict:
                           max_num_batched_tokens=512, checkpoint_slots=())  # serve_latency's
     if args.model_dir:
         config = replace(config, model_dir=args.model_dir)
+    if args.compile:  # a checkout without the field never gets here (cpu_main)
+        config = replace(config, cpu_compile_decode=True)
     prompt_ids = AutoTokenizer.from_pretrained(config.model_dir).encode(PROMPT * 2, add_special_tokens=False)
     llm = LLMEngine(config)
     steps = _StepClock(llm)
@@ -248,8 +254,10 @@ def cpu_worker(args: argparse.Namespace) -> dict:
 
 
 class _StepClock:
-    """Wraps LLMEngine.step and the worker's forward route, LM head and sampler (instance
-    attributes) to time each step's parts on the step thread (time.thread_time)."""
+    """Wraps LLMEngine.step and the worker's forward routes, LM head and sampler (instance
+    attributes) to time each step's parts on the step thread (time.thread_time). The model's
+    LM head is wrapped only without the compiled decode pass, whose graphs would see the
+    wrapper (an instance attribute of the model they read) and never run."""
 
     def __init__(self, llm) -> None:
         worker = llm.executor
@@ -260,7 +268,11 @@ class _StepClock:
         worker.submit = self._timed(worker.submit, "worker")
         worker.collect = self._timed(worker.collect, "worker")
         worker.eager_pass.run = self._timed(worker.eager_pass.run, "forward")
-        worker.model.compute_logits = self._timed(worker.model.compute_logits, "head")
+        compiled = getattr(worker, "compiled_decode", None)
+        if compiled is not None:
+            compiled.run = self._timed(compiled.run, "forward")
+        else:
+            worker.model.compute_logits = self._timed(worker.model.compute_logits, "head")
         worker.sampler.sample = self._timed(worker.sampler.sample, "head")
 
     def reset(self) -> None:
@@ -296,17 +308,19 @@ def cpu_main(args: argparse.Namespace) -> None:
     """Rounds of one fresh process per tree (this checkout, then --baseline), each running
     args.waves waves; prints a table, checks the trees' greedy tokens agree, writes JSON."""
     here = Path(__file__).resolve().parent.parent
-    trees = {"this tree": here}
+    trees = {"this tree": (here, False)}
+    if args.compile:
+        trees["compiled"] = (here, True)
     if args.baseline:
-        trees["baseline"] = Path(args.baseline).resolve()
+        trees["baseline"] = (Path(args.baseline).resolve(), False)
     model_dir = args.model_dir or str(here / "models" / "tiny-granite-hybrid")
     runs: dict[str, list[dict]] = {name: [] for name in trees}
     tokens: dict[str, list[int]] = {}
     for _ in range(args.rounds):
-        for name, tree in trees.items():
+        for name, (tree, compiled) in trees.items():
             command = [sys.executable, __file__, "--device", "cpu", "--cpu-worker", "--model-dir", model_dir,
                        *(f"--{key}={getattr(args, key.replace('-', '_'))}" for key in
-                         ("concurrency", "max-tokens", "waves", "threads"))]
+                         ("concurrency", "max-tokens", "waves", "threads")), *(["--compile"] if compiled else [])]
             env = {**os.environ, "PYTHONPATH": str(tree)}
             done = subprocess.run(command, env=env, check=True, capture_output=True, text=True)
             result = json.loads(done.stdout.strip().splitlines()[-1])
@@ -322,13 +336,16 @@ def cpu_main(args: argparse.Namespace) -> None:
     lines.append(f"{'':<28}" + "".join(f"{name:>14}" for name in trees))
     for key in keys:
         lines.append(f"{key:<28}" + "".join(f"{summary[name][key]:>14.2f}" for name in trees))
+    lines.append("")
     if args.baseline:
-        ratio = summary["this tree"]["output_tok_s"] / summary["baseline"]["output_tok_s"]
-        lines += ["", f"output tok/s, this tree / baseline: {ratio:.2f}x; greedy tokens identical: {same_tokens}"]
+        for name in (n for n in trees if n != "baseline"):
+            ratio = summary[name]["output_tok_s"] / summary["baseline"]["output_tok_s"]
+            lines.append(f"output tok/s, {name} / baseline: {ratio:.2f}x")
+    lines.append(f"greedy tokens identical across {', '.join(trees)}: {same_tokens}")
     print("\n".join(lines))
     out = write_result(args.out or default_out("decode_host_time_cpu"), "decode_host_time_cpu", {
         "args": {key: value for key, value in vars(args).items() if key != "out"},
-        "trees": {name: str(tree) for name, tree in trees.items()},
+        "trees": {name: {"path": str(tree), "cpu_compile_decode": compiled} for name, (tree, compiled) in trees.items()},
         "summary": summary, "waves": runs, "greedy_tokens_identical": same_tokens,
         "table": "\n".join(lines),
     })
@@ -350,6 +367,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="cpu: fresh processes per tree")
     parser.add_argument("--waves", type=int, default=3, help="cpu: timed waves per process")
     parser.add_argument("--threads", type=int, default=1, help="cpu: torch threads (serve_latency's worker_num_cpus)")
+    parser.add_argument("--compile", action="store_true",
+                        help="cpu: also run this tree with EngineConfig.cpu_compile_decode (compiles at each start)")
     parser.add_argument("--cpu-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.cpu_worker:

@@ -36,6 +36,7 @@ from engine.interfaces.output_rows import RowRef, gather_rows
 from engine.interfaces.step_io import CaptureOp, RunnerOutput, ScheduledChunk, SchedulerOutput
 from engine.parallel.cache_capacity import CacheCapacity, size_caches
 from engine.parallel.tensor_parallel import TensorParallel
+from engine.routes.cpu_decode import CompiledDecodePass
 from engine.routes.forward_routes import CapturingPass, EagerPass, ForwardRoute, GraphScratch, SampledTokens
 from engine.routes.graph_routes import capture_graph_routes
 from engine.speculative import worker_setup as speculation
@@ -111,6 +112,11 @@ class Worker:
             )
         self.capturing_pass = CapturingPass(self.model, self.caches, self.device)
         self.eager_pass = EagerPass(self.model, self.caches, self.device)
+        # The CPU's counterpart of the decode graphs, compiled here (engine/routes/cpu_decode.py).
+        self.compiled_decode = None
+        if config.cpu_compile_decode and self.device.type == "cpu" and self.model.tp.world_size == 1:
+            self.compiled_decode = CompiledDecodePass(self.model, self.caches, self.eager_pass, config.max_num_seqs)
+            self.compiled_decode.warm_up()
         speculative = speculation.build(config, self.model, self.caches, speculation_needs, self.eager_pass,
                                         first_scratch_slot, first_draft_block, scratch)
         self.verification, self.verify_pass = speculative.verification, speculative.verify_pass
@@ -293,7 +299,8 @@ class Worker:
         """The forward routes in the order submit() tries them (the verification routes and
         the graphs where they exist; the verification routes first, as a lone verification
         chunk would fit a prefill graph); the eager pass takes any step."""
-        optional = (self.verify_graphs, self.verify_pass, self.decode_graphs, self.prefill_graphs)
+        optional = (self.verify_graphs, self.verify_pass, self.decode_graphs, self.prefill_graphs,
+                    self.compiled_decode)
         return [*(route for route in optional if route is not None), self.capturing_pass, self.eager_pass]
 
     def _capture(

@@ -21,6 +21,23 @@ import torch
 from engine.interfaces.host_index import int64_array, padded_rows
 
 
+@dataclass
+class DeferredWrites:
+    """The cache writes of a decode pass that must not write the caches itself: a pass traced
+    by torch.compile (engine/routes/cpu_decode.py), which would copy every cache tensor it saw
+    written. The layers record what they would have written, in layer order, and the caller
+    writes it after the pass (engine/routes/cpu_decode.py apply_deferred_writes).
+
+    states: (slot tensor (num_slots, ...), the decode rows' new states (n, ...)) per recurrent
+        layer and state kind, for DecodeRows.state_slots.
+    kv: (key_cache, value_cache, key (n, Hkv, Dh), value) per attention layer, for the batch's
+        slot_mapping.
+    """
+
+    states: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    kv: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+
 @dataclass(frozen=True)
 class DecodeKeys:
     """Where the decode rows' attention keys live, for one cache layout: the rows of the cache
@@ -30,11 +47,13 @@ class DecodeKeys:
     rows: (n * Hkv * S,) int64, laid out as (n, Hkv, S), S = the longest row's blocks times
         block_size; a padding position reads a row of some block (finite, masked out).
     padding: (n, 1, 1, S) bool, True past a row's keys (broadcasts over (n, Hkv, G, S) scores).
+    last: (n,) int64 each row's own position (its newest key, S > last).
     """
 
     rows: torch.Tensor
     padding: torch.Tensor
     width: int
+    last: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -52,6 +71,10 @@ class DecodeRows:
     first_key_zero: every chunk's first_key is 0 (attention may take the batched path).
     positions: the chunks' start positions (each attends to positions 0 .. position);
     block_tables: their block tables.
+    deferred: None, or (a pass that must not write the caches, every chunk a decode row) where
+        the layers record their cache writes instead of making them: read_states then always
+        gathers, write_states records, and attention attends to the rows' new K/V in place
+        of the cache's (DeferredWrites).
     """
 
     chunk_indices: tuple[int, ...]
@@ -63,6 +86,7 @@ class DecodeRows:
     first_key_zero: bool
     positions: tuple[int, ...]
     block_tables: tuple[tuple[int, ...], ...]
+    deferred: DeferredWrites | None = None
     _keys: dict[tuple[int, int], DecodeKeys] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -84,8 +108,8 @@ class DecodeRows:
         """The decode rows' slots of `states` (num_slots, ...): (n, ...), the reset rows zeroed.
         With slot_start set, a view of `states` (its reset slots zeroed in place: they are
         about to be overwritten), so updating it in place updates the slots; otherwise a
-        gathered copy, which write_states puts back."""
-        if self.slot_start is not None:
+        gathered copy, which write_states puts back (always, with deferred writes)."""
+        if self.slot_start is not None and self.deferred is None:
             view = states[self.slot_start : self.slot_start + self.num_rows]
             if self.resets is not None:
                 view.index_fill_(0, self.resets, 0)
@@ -97,8 +121,11 @@ class DecodeRows:
 
     def write_states(self, states: torch.Tensor, values: torch.Tensor) -> None:
         """Store the decode rows' new states (n, ...) in their slots of `states`: `values` is
-        what read_states returned, advanced; a view (slot_start set) is there already."""
-        if self.slot_start is None:
+        what read_states returned, advanced; a view (slot_start set) is there already. With
+        deferred writes, recorded instead (DeferredWrites.states)."""
+        if self.deferred is not None:
+            self.deferred.states.append((states, values))
+        elif self.slot_start is None:
             states.index_copy_(0, self.state_slots, values.to(states.dtype))
 
     def keys(self, block_size: int, num_kv_heads: int) -> DecodeKeys:
@@ -169,4 +196,5 @@ def decode_keys(
         rows=torch.from_numpy(rows.reshape(-1)).to(device),
         padding=torch.from_numpy(padding).to(device)[:, None, None, :],
         width=width,
+        last=torch.from_numpy(num_keys - 1).to(device),
     )

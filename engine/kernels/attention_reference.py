@@ -65,19 +65,29 @@ def paged_decode_attention(
     key_rows: torch.Tensor,  # (B * Hkv * S,) int64: DecodeKeys.rows
     padding: torch.Tensor,  # (B, 1, 1, S) bool: DecodeKeys.padding
     scale: float,
+    current: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """paged_attention of B one-token chunks (first_key 0) in one batched pass: query b attends
     to its sequence's keys, which key_rows lists per KV head (engine/interfaces/decode_rows.py
     DecodeKeys: rows of the cache viewed as (num_blocks * block_size * Hkv, D), so the gathered
     keys come out as (B, Hkv, S, D), the layout both products take without a copy); the
     padding past a sequence's keys is masked out before the softmax, so it adds exactly
-    nothing. Same dtypes as paged_attention. Returns (B, H, D)."""
+    nothing. Same dtypes as paged_attention. Returns (B, H, D).
+
+    current: (key (B, Hkv, D), value, last (B,) int64) when the caches do not hold the new
+    tokens' K/V yet (a pass whose cache writes are deferred, DecodeKeys.last): they are read in
+    place of the cache at each sequence's last position, what write_kv would have stored."""
     batch, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
     width = padding.shape[-1]
     keys = key_cache.view(-1, head_dim).index_select(0, key_rows).view(batch, num_kv_heads, width, head_dim)
     values = value_cache.view(-1, head_dim).index_select(0, key_rows).view(batch, num_kv_heads, width, head_dim)
+    if current is not None:
+        key, value, last = current
+        sequences = torch.arange(batch, device=query.device)
+        keys[sequences, :, last] = key.to(keys.dtype)
+        values[sequences, :, last] = value.to(values.dtype)
     grouped = query.reshape(batch, num_kv_heads, group, head_dim)  # query head h reads KV head h // group
     scores = torch.matmul(grouped, keys.transpose(2, 3)).mul_(scale)  # (B, Hkv, G, S)
     scores.masked_fill_(padding, float("-inf"))

@@ -149,7 +149,9 @@ class PagedAttention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor] | None,  # (cos, sin), each (T, rotary_dim <= Dh); None = NoPE
         gpu_plan: GpuBatchPlan | None = None,
     ) -> torch.Tensor:
-        """Writes every token's K/V to its slot, then attends each chunk over its own sequence.
+        """Writes every token's K/V to its slot, then attends each chunk over its own sequence
+        (with deferred writes, batch.decode.deferred, records the K/V instead and attends to
+        them in place of the cache's).
 
         gpu_plan: given on CUDA; q, k and v are then projected as it chose (stacked_qkv), all
         decode chunks go through one Triton launch, the prefill chunks with cached keys through
@@ -169,8 +171,12 @@ class PagedAttention(nn.Module):
             write_kv_gpu(key_cache, value_cache, batch.slot_mapping, key, value)
             output = self.attend_gpu(query, key, value, key_cache, value_cache, gpu_plan)
             return self.o_proj(self.gated(output, gate).view(num_tokens, self.num_heads * self.head_dim))
-        write_kv(key_cache, value_cache, batch.slot_mapping, key, value)
         decode = batch.decode if batch.decode is not None and batch.decode.first_key_zero else None
+        if decode is not None and decode.deferred is not None:  # written after the pass
+            decode.deferred.kv.append((key_cache, value_cache, key, value))
+            output = self.attend_decode(query, key_cache, value_cache, decode, current=(key, value))
+            return self.o_proj(self.gated(output, gate).reshape(num_tokens, self.num_heads * self.head_dim))
+        write_kv(key_cache, value_cache, batch.slot_mapping, key, value)
         if decode is not None and decode.identity:  # every chunk one token: one batched pass
             output = self.attend_decode(query, key_cache, value_cache, decode)
         else:
@@ -190,12 +196,15 @@ class PagedAttention(nn.Module):
 
     def attend_decode(
         self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, decode: DecodeRows,
+        current: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """The decode rows' attention output (n, H, Dh) from their queries (n, H, Dh), in one
         batched pass over their keys (DecodeRows.keys, laid out once per batch for every
-        attention layer)."""
+        attention layer). current: the rows' own (key, value) (n, Hkv, Dh) when the caches do
+        not hold them yet (deferred writes)."""
         keys = decode.keys(key_cache.shape[1], self.num_kv_heads)
-        return paged_decode_attention(query, key_cache, value_cache, keys.rows, keys.padding, self.scale)
+        new = None if current is None else (*current, keys.last)
+        return paged_decode_attention(query, key_cache, value_cache, keys.rows, keys.padding, self.scale, new)
 
     @staticmethod
     def gated(output: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
