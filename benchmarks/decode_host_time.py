@@ -224,11 +224,15 @@ def cpu_worker(args: argparse.Namespace) -> dict:
     steps = _StepClock(llm)
     engine = AsyncLLMEngine(llm)
 
-    async def stream(max_tokens: int) -> list[int]:
-        sampling = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    async def stream(max_tokens: int, logits: list | None = None) -> list[int]:
+        """One stream's greedy tokens; `logits` (a list) collects each token's logits row."""
+        sampling = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True,
+                                  return_logits=logits is not None)
         tokens: list[int] = []
         async for out in engine.generate(GenerationRequest(uuid.uuid4().hex, prompt_ids, sampling)):
             tokens += out.new_token_ids
+            if logits is not None:
+                logits.append(out.logits)
         return tokens
 
     async def waves() -> tuple[list[dict], list[int]]:
@@ -237,7 +241,9 @@ def cpu_worker(args: argparse.Namespace) -> dict:
         for _ in range(args.waves):
             steps.reset()
             start = time.perf_counter()
-            outputs = await asyncio.gather(*(stream(args.max_tokens) for _ in range(args.concurrency)))
+            logits.clear()  # the last wave's first stream: compared across trees
+            outputs = await asyncio.gather(stream(args.max_tokens, logits),
+                                           *(stream(args.max_tokens) for _ in range(args.concurrency - 1)))
             wall = time.perf_counter() - start
             if any(out != outputs[0] for out in outputs):
                 raise AssertionError("streams of the same prompt decoded different greedy tokens")
@@ -246,10 +252,12 @@ def cpu_worker(args: argparse.Namespace) -> dict:
                             "step_ms": 1e3 * wall / len(steps.wall), **steps.medians_ms()})
         return results, first
 
+    logits: list = []
     try:
         results, tokens = asyncio.run(waves())
     finally:
         engine.shutdown()
+    torch.save(torch.stack(logits), args.logits_out)
     return {"waves": results, "tokens": tokens, "prompt_tokens": len(prompt_ids)}
 
 
@@ -305,8 +313,11 @@ class _StepClock:
 
 
 def cpu_main(args: argparse.Namespace) -> None:
-    """Rounds of one fresh process per tree (this checkout, then --baseline), each running
-    args.waves waves; prints a table, checks the trees' greedy tokens agree, writes JSON."""
+    """Rounds of one fresh process per tree (this checkout, then --compile's and --baseline's),
+    each running args.waves waves; prints a table, checks the trees' greedy tokens agree and
+    compares their last wave's first stream's logits, writes JSON."""
+    import torch
+
     here = Path(__file__).resolve().parent.parent
     trees = {"this tree": (here, False)}
     if args.compile:
@@ -316,20 +327,26 @@ def cpu_main(args: argparse.Namespace) -> None:
     model_dir = args.model_dir or str(here / "models" / "tiny-granite-hybrid")
     runs: dict[str, list[dict]] = {name: [] for name in trees}
     tokens: dict[str, list[int]] = {}
+    logits: dict[str, object] = {}
+    scratch = Path(tempfile.mkdtemp(prefix="decode_host_time_"))
     for _ in range(args.rounds):
         for name, (tree, compiled) in trees.items():
             command = [sys.executable, __file__, "--device", "cpu", "--cpu-worker", "--model-dir", model_dir,
                        *(f"--{key}={getattr(args, key.replace('-', '_'))}" for key in
-                         ("concurrency", "max-tokens", "waves", "threads")), *(["--compile"] if compiled else [])]
+                         ("concurrency", "max-tokens", "waves", "threads")), *(["--compile"] if compiled else []),
+                       f"--logits-out={scratch / 'logits.pt'}"]
             env = {**os.environ, "PYTHONPATH": str(tree)}
             done = subprocess.run(command, env=env, check=True, capture_output=True, text=True)
             result = json.loads(done.stdout.strip().splitlines()[-1])
             runs[name] += result["waves"]
             if tokens.setdefault(name, result["tokens"]) != result["tokens"]:
                 raise AssertionError(f"{name}: greedy tokens differ between rounds")
+            logits.setdefault(name, torch.load(scratch / "logits.pt"))
     summary = {name: {key: middle([wave[key] for wave in waves]) for key in waves[0]}
                for name, waves in runs.items()}
     same_tokens = len({tuple(t) for t in tokens.values()}) == 1
+    first = next(iter(logits.values()))  # this tree's
+    logits_rel = {name: float((other - first).abs().max() / first.abs().max()) for name, other in logits.items()}
     lines = [f"{args.concurrency} streams x {args.max_tokens} tokens, {args.threads} torch thread(s), "
              f"{args.rounds} rounds x {args.waves} waves per tree (medians over waves)", ""]
     keys = ["output_tok_s", "step_ms", *(f"cpu_ms {p}" for p in ("step", *CPU_PARTS))]
@@ -342,11 +359,14 @@ def cpu_main(args: argparse.Namespace) -> None:
             ratio = summary[name]["output_tok_s"] / summary["baseline"]["output_tok_s"]
             lines.append(f"output tok/s, {name} / baseline: {ratio:.2f}x")
     lines.append(f"greedy tokens identical across {', '.join(trees)}: {same_tokens}")
+    lines.append("first stream's logits, max|x - this tree| / max|this tree|: "
+                 + ", ".join(f"{name} {error:.1e}" for name, error in logits_rel.items() if name != "this tree"))
     print("\n".join(lines))
     out = write_result(args.out or default_out("decode_host_time_cpu"), "decode_host_time_cpu", {
         "args": {key: value for key, value in vars(args).items() if key != "out"},
         "trees": {name: {"path": str(tree), "cpu_compile_decode": compiled} for name, (tree, compiled) in trees.items()},
         "summary": summary, "waves": runs, "greedy_tokens_identical": same_tokens,
+        "logits_max_rel_diff_to_this_tree": logits_rel,
         "table": "\n".join(lines),
     })
     print(f"wrote {out}")
@@ -370,6 +390,7 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true",
                         help="cpu: also run this tree with EngineConfig.cpu_compile_decode (compiles at each start)")
     parser.add_argument("--cpu-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--logits-out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.cpu_worker:
         print(json.dumps(cpu_worker(args)))

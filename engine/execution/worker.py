@@ -8,8 +8,9 @@ the tokens its previous step sampled (which a PENDING_TOKEN stands for).
 
 A step's forward pass runs through the first of its forward routes that accepts the step
 (with speculation on, the verification graphs and pass of engine/speculative/; then
-engine/routes/forward_routes.py's decode and prefill CUDA graphs, the capturing pass, the eager
-pass), each of which builds its own inputs. With the MTP drafter (engine/speculative/mtp.py)
+engine/routes/forward_routes.py's decode and prefill CUDA graphs, on the CPU with
+cpu_compile_decode the compiled decode pass of engine/routes/cpu_decode.py, the capturing pass,
+the eager pass), each of which builds its own inputs. With the MTP drafter (engine/speculative/mtp.py)
 the worker also runs the model's MTP head after the forward and proposes drafts after
 sampling. The worker keeps what outlives a step: the caches,
 the checkpoints (CheckpointStore), every request's last hidden row (RowRef), the sampled
