@@ -8,8 +8,9 @@ the tokens its previous step sampled (which a PENDING_TOKEN stands for).
 
 A step's forward pass runs through the first of its forward routes that accepts the step
 (with speculation on, the verification graphs and pass of engine/speculative/; then
-engine/routes/forward_routes.py's decode and prefill CUDA graphs, the capturing pass, the eager
-pass), each of which builds its own inputs. With the MTP drafter (engine/speculative/mtp.py)
+engine/routes/forward_routes.py's decode and prefill CUDA graphs, on the CPU with
+cpu_compile_decode the compiled decode pass of engine/routes/cpu_decode.py, the capturing pass,
+the eager pass), each of which builds its own inputs. With the MTP drafter (engine/speculative/mtp.py)
 the worker also runs the model's MTP head after the forward and proposes drafts after
 sampling. The worker keeps what outlives a step: the caches,
 the checkpoints (CheckpointStore), every request's last hidden row (RowRef), the sampled
@@ -36,6 +37,7 @@ from engine.interfaces.output_rows import RowRef, gather_rows
 from engine.interfaces.step_io import CaptureOp, RunnerOutput, ScheduledChunk, SchedulerOutput
 from engine.parallel.cache_capacity import CacheCapacity, size_caches
 from engine.parallel.tensor_parallel import TensorParallel
+from engine.routes.cpu_decode import CompiledDecodePass
 from engine.routes.forward_routes import CapturingPass, EagerPass, ForwardRoute, GraphScratch, SampledTokens
 from engine.routes.graph_routes import capture_graph_routes
 from engine.speculative import worker_setup as speculation
@@ -111,6 +113,11 @@ class Worker:
             )
         self.capturing_pass = CapturingPass(self.model, self.caches, self.device)
         self.eager_pass = EagerPass(self.model, self.caches, self.device)
+        # The CPU's counterpart of the decode graphs, compiled here (engine/routes/cpu_decode.py).
+        self.compiled_decode = None
+        if config.cpu_compile_decode and self.device.type == "cpu" and self.model.tp.world_size == 1:
+            self.compiled_decode = CompiledDecodePass(self.model, self.caches, self.eager_pass, config.max_num_seqs)
+            self.compiled_decode.warm_up()
         speculative = speculation.build(config, self.model, self.caches, speculation_needs, self.eager_pass,
                                         first_scratch_slot, first_draft_block, scratch)
         self.verification, self.verify_pass = speculative.verification, speculative.verify_pass
@@ -293,7 +300,8 @@ class Worker:
         """The forward routes in the order submit() tries them (the verification routes and
         the graphs where they exist; the verification routes first, as a lone verification
         chunk would fit a prefill graph); the eager pass takes any step."""
-        optional = (self.verify_graphs, self.verify_pass, self.decode_graphs, self.prefill_graphs)
+        optional = (self.verify_graphs, self.verify_pass, self.decode_graphs, self.prefill_graphs,
+                    self.compiled_decode)
         return [*(route for route in optional if route is not None), self.capturing_pass, self.eager_pass]
 
     def _capture(
