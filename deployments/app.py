@@ -41,6 +41,7 @@ from engine.parallel.cache_capacity import check_cache_budgets
 from engine.execution.loader import check_cuda_shapes
 from engine.models.registry import load_model_config
 from engine.speculative.checks import check_speculation
+from engine.speculative.policy import resolve_speculation
 
 
 logger = logging.getLogger("ray.serve")
@@ -65,8 +66,9 @@ def check_engine_config(config: AppConfig) -> None:
     would restart the failing replica again and again and the deploy would never finish."""
     try:
         model_config = load_model_config(config.engine.model_dir)
-        check_cache_budgets(config.engine, model_config)
-        check_speculation(config.engine, model_config)
+        engine, _ = resolve_speculation(config.engine, model_config)  # as the engine will
+        check_cache_budgets(engine, model_config)
+        check_speculation(engine, model_config)
         if config.engine.device.startswith("cuda"):
             check_cuda_shapes(model_config)
     except FileNotFoundError as exc:

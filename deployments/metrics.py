@@ -166,6 +166,10 @@ SPECULATIVE_DRAFTS_ACCEPTED = MetricSpec(
     "hybrid_serve_speculative_draft_tokens_accepted", "counter",
     "Draft tokens equal to the model's argmax (the greedy rule), by drafter; accepted / "
     "proposed is the acceptance rate.", ("drafter",))
+SPECULATIVE_DRAFTS_REJECTED = MetricSpec(
+    "hybrid_serve_speculative_draft_tokens_rejected", "counter",
+    "Draft tokens the greedy rule rejected (the first draft unequal to the model's argmax and "
+    "every draft after it), by drafter; proposed = accepted + rejected.", ("drafter",))
 SPECULATIVE_DRAFTS_TRIMMED = MetricSpec(
     "hybrid_serve_speculative_draft_tokens_trimmed", "counter",
     "Tokens of accepted draft runs dropped by a stop inside the run (EOS, a stop token or "
@@ -185,6 +189,18 @@ SPECULATIVE_ACCEPTANCE_LENGTHS = MetricSpec(
     "hybrid_serve_speculative_acceptance_lengths", "counter",
     "Verification chunks by the number of their drafts accepted (accepted = 0..k), by drafter.",
     ("drafter", "accepted"))
+# Acceptance per depth: draft d of a chunk (d = 1..k) is accepted only if drafts 1..d-1 were,
+# so the share falls with the depth; accepted / proposed at each depth is the curve the
+# speculation policy (engine/speculative/policy.py) reads its expected tokens per step from.
+SPECULATIVE_DEPTH_PROPOSED = MetricSpec(
+    "hybrid_serve_speculative_depth_drafts_proposed", "counter",
+    "Verification chunks that carried a draft at depth d (depth = 1..k), by drafter.",
+    ("drafter", "depth"))
+SPECULATIVE_DEPTH_ACCEPTED = MetricSpec(
+    "hybrid_serve_speculative_depth_drafts_accepted", "counter",
+    "Verification chunks whose draft at depth d was accepted (depth = 1..k), by drafter; "
+    "divided by the proposed ones at the same depth, the acceptance at that depth.",
+    ("drafter", "depth"))
 
 # ----- checkpoint-aware routing (deployments/cluster/router.py) and the cluster index
 ROUTED_TO_HOLDER = MetricSpec(
@@ -248,8 +264,9 @@ METRICS = (REQUESTS, OUTPUT_TOKENS, TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY, RE
            PROMPT_TOKENS_COMPUTED, PREEMPTIONS, FAILED_STEPS, REQUESTS_FAILED, ENGINE_REQUESTS,
            KV_BLOCKS, STATE_SLOTS, CHECKPOINTS, CHECKPOINT_BYTES,
            SPECULATIVE_VERIFICATION_CHUNKS, SPECULATIVE_DRAFTS_PROPOSED,
-           SPECULATIVE_DRAFTS_ACCEPTED, SPECULATIVE_DRAFTS_TRIMMED,
-           SPECULATIVE_STEPS_OVER_BATCH_CAP, SPECULATIVE_ACCEPTANCE_LENGTHS, ROUTED_TO_HOLDER,
+           SPECULATIVE_DRAFTS_ACCEPTED, SPECULATIVE_DRAFTS_REJECTED, SPECULATIVE_DRAFTS_TRIMMED,
+           SPECULATIVE_STEPS_OVER_BATCH_CAP, SPECULATIVE_ACCEPTANCE_LENGTHS,
+           SPECULATIVE_DEPTH_PROPOSED, SPECULATIVE_DEPTH_ACCEPTED, ROUTED_TO_HOLDER,
            ROUTING_FALLBACKS, INDEX_RECORDS, INDEX_BYTES, INDEX_STORED_COPIES, INDEX_STORED_BYTES,
            TRANSFERS, TRANSFER_BYTES, IMPORT_REJECTIONS, TRANSFER_SECONDS, FETCH_DECISIONS,
            FETCH_FAILURES)
@@ -326,8 +343,9 @@ class EngineMetricsExporter:
             CHECKPOINT_EVENTS_TOTAL, PROMPT_TOKENS_RESTORED, PROMPT_TOKENS_COMPUTED, PREEMPTIONS,
             FAILED_STEPS, REQUESTS_FAILED, TRANSFERS, TRANSFER_BYTES, IMPORT_REJECTIONS,
             SPECULATIVE_VERIFICATION_CHUNKS, SPECULATIVE_DRAFTS_PROPOSED,
-            SPECULATIVE_DRAFTS_ACCEPTED, SPECULATIVE_DRAFTS_TRIMMED,
-            SPECULATIVE_STEPS_OVER_BATCH_CAP, SPECULATIVE_ACCEPTANCE_LENGTHS)}
+            SPECULATIVE_DRAFTS_ACCEPTED, SPECULATIVE_DRAFTS_REJECTED, SPECULATIVE_DRAFTS_TRIMMED,
+            SPECULATIVE_STEPS_OVER_BATCH_CAP, SPECULATIVE_ACCEPTANCE_LENGTHS,
+            SPECULATIVE_DEPTH_PROPOSED, SPECULATIVE_DEPTH_ACCEPTED)}
         self._gauges = {spec.name: create(spec) for spec in (
             ENGINE_REQUESTS, KV_BLOCKS, STATE_SLOTS, CHECKPOINTS, CHECKPOINT_BYTES)}
 
@@ -391,11 +409,16 @@ class EngineMetricsExporter:
         self._count(SPECULATIVE_VERIFICATION_CHUNKS, speculation.verification_chunks, drafter)
         self._count(SPECULATIVE_DRAFTS_PROPOSED, speculation.draft_tokens_proposed, drafter)
         self._count(SPECULATIVE_DRAFTS_ACCEPTED, speculation.draft_tokens_accepted, drafter)
+        self._count(SPECULATIVE_DRAFTS_REJECTED, speculation.draft_tokens_rejected, drafter)
         self._count(SPECULATIVE_DRAFTS_TRIMMED, speculation.draft_tokens_trimmed, drafter)
         self._count(SPECULATIVE_STEPS_OVER_BATCH_CAP, speculation.steps_over_batch_cap, drafter)
         for accepted, chunks in enumerate(speculation.acceptance_lengths):
             self._count(SPECULATIVE_ACCEPTANCE_LENGTHS, chunks,
                         {**drafter, "accepted": str(accepted)})
+        for depth, (proposed, accepted) in enumerate(
+                zip(speculation.depth_proposed, speculation.depth_accepted), start=1):
+            self._count(SPECULATIVE_DEPTH_PROPOSED, proposed, {**drafter, "depth": str(depth)})
+            self._count(SPECULATIVE_DEPTH_ACCEPTED, accepted, {**drafter, "depth": str(depth)})
 
     def _count(self, spec: MetricSpec, total: int, tags: dict[str, str] | None = None) -> None:
         """Increment `spec`'s counter by what `total` (the engine's cumulative value) grew."""

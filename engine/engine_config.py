@@ -75,15 +75,20 @@ class EngineConfig:
                                        "a minute or more when the engine starts (cached on "
                                        "disk afterwards), and the engine falls back to eager "
                                        "steps if it fails.")
-    num_speculative_tokens: int = _option(0, "Draft tokens verified per step for greedy "
-                                          "requests (speculative decoding, exact: the output "
-                                          "is the same as without; README.md, Speculative "
-                                          "decoding); 0 turns it off, at most 16. One rank "
-                                          "only for now.")
+    num_speculative_tokens: int | None = _option(None, "Draft tokens verified per step for "
+                                                 "greedy requests (speculative decoding, exact: "
+                                                 "the output is the same as without; "
+                                                 "docs/speculative.md); 0 turns it off, at most "
+                                                 "16. Unset: the speculation policy decides (off "
+                                                 "on the CPU; on CUDA the MTP drafter where the "
+                                                 "measured step costs and the head's acceptance "
+                                                 "say it wins, with its k and batch cap).")
     speculative_drafter: str = _option("ngram", "Where draft tokens come from when "
                                        "num_speculative_tokens > 0: ngram (prompt lookup, no "
                                        "extra weights) or mtp (the model's multi-token-"
-                                       "prediction head, e.g. Qwen3-Next's mtp.* weights).")
+                                       "prediction head: Qwen3-Next's mtp.* weights, or a head "
+                                       "trained by benchmarks/train_mtp_head.py in the model "
+                                       "dir).")
     speculative_max_batch_size: int | None = _option(None, "Draft only in steps that start "
                                                      "with at most this many running requests; "
                                                      "above it every request decodes plainly "
@@ -129,14 +134,15 @@ class EngineConfig:
         self._check_speculation()
 
     def _check_speculation(self) -> None:
-        """Speculative decoding (engine/speculative/): k in [0, MAX_SPECULATIVE_TOKENS], a known
-        drafter, and, while it is on, one rank (the CPU path or one CUDA device,
-        engine/speculative/verify_gpu.py); ValueError naming the key otherwise."""
+        """Speculative decoding (engine/speculative/): k unset (engine/speculative/policy.py
+        resolve_speculation decides once the model is known) or in [0, MAX_SPECULATIVE_TOKENS],
+        a known drafter, a random MTP head only for the mtp drafter; ValueError naming the key
+        otherwise."""
         k = self.num_speculative_tokens
-        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_SPECULATIVE_TOKENS:
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_SPECULATIVE_TOKENS):
             raise ValueError(
                 f"num_speculative_tokens must be an integer in [0, {MAX_SPECULATIVE_TOKENS}] "
-                f"(0 turns speculative decoding off), got {k!r}")
+                f"(0 turns speculative decoding off) or unset (the speculation policy decides), got {k!r}")
         if self.speculative_drafter not in SPECULATIVE_DRAFTERS:
             raise ValueError(f"speculative_drafter must be one of {list(SPECULATIVE_DRAFTERS)}, "
                              f"got {self.speculative_drafter!r}")
@@ -149,7 +155,3 @@ class EngineConfig:
         if seed is not None and self.speculative_drafter != "mtp":
             raise ValueError("random_mtp_head_seed attaches a head for speculative_drafter mtp, "
                              f"not {self.speculative_drafter!r}; unset it or set the drafter to mtp")
-        if k == 0:
-            return
-        if self.tensor_parallel_size != 1:
-            raise ValueError("num_speculative_tokens > 0 needs tensor_parallel_size 1 for now")

@@ -45,6 +45,7 @@ from engine.models.registry import load_model_config
 from engine.parallel.cache_capacity import drafter_kv_layers
 from engine.parallel.tensor_parallel import TensorParallel
 from engine.speculative.ngram import NgramDrafter
+from engine.speculative.policy import AcceptanceGate, SpeculationChoice, resolve_speculation
 from engine.speculative.scheduling import SpeculationStats, SpeculativeDecoding, WorkerProposals
 
 __all__ = ["LLMEngine", "ModelExecutor", "RequestOutput", "PoolUsage"]
@@ -81,6 +82,9 @@ class StepTrace:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, executor: ModelExecutor | None = None) -> None:
+        # speculation left unset is the policy's to decide (engine/speculative/policy.py); every
+        # rank's worker resolves it alike from the same inputs
+        config, self.speculation_choice = resolve_speculation(config, load_model_config(config.model_dir))
         self.config = config
         self.executor: ModelExecutor = executor if executor is not None else _local_executor(config)
         try:
@@ -120,7 +124,7 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_model_len=capacity.max_model_len,
             checkpoints=checkpoints,
-            speculation=_speculation(config),
+            speculation=_speculation(config, self.speculation_choice),
         )
         self.transfers = CheckpointExchange(
             cache, self.executor, _import_expectations(config, model_config, capacity),
@@ -410,14 +414,17 @@ def _local_executor(config: EngineConfig) -> ModelExecutor:
     return MultiprocessExecutor(config)
 
 
-def _speculation(config: EngineConfig) -> SpeculativeDecoding:
+def _speculation(config: EngineConfig, choice: SpeculationChoice | None) -> SpeculativeDecoding:
     """The scheduler's speculative decoding: off at num_speculative_tokens 0; the drafter is
-    the n-gram prompt lookup (ngram) or the worker's proposals (mtp: engine/speculative/mtp.py)."""
+    the n-gram prompt lookup (ngram) or the worker's proposals (mtp: engine/speculative/mtp.py).
+    Turned on by the policy (`choice`), each request drafts while its acceptance pays
+    (AcceptanceGate)."""
     if not config.num_speculative_tokens:
         return SpeculativeDecoding()
     drafters = {"ngram": NgramDrafter, "mtp": lambda: WorkerProposals("mtp")}
     return SpeculativeDecoding(config.num_speculative_tokens, drafters[config.speculative_drafter](),
-                               config.speculative_max_batch_size)
+                               config.speculative_max_batch_size,
+                               gate=AcceptanceGate(choice) if choice is not None else None)
 
 
 def _import_expectations(config: EngineConfig, model_config, capacity) -> ImportExpectations:

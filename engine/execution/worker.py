@@ -42,6 +42,7 @@ from engine.routes.forward_routes import CapturingPass, EagerPass, ForwardRoute,
 from engine.routes.graph_routes import capture_graph_routes
 from engine.speculative import worker_setup as speculation
 from engine.speculative.mtp import PendingDrafts
+from engine.speculative.policy import resolve_speculation
 from engine.speculative.verify import verify_greedy
 
 logger = logging.getLogger(__name__)
@@ -75,6 +76,8 @@ class Worker:
             config.model_dir, dtype=getattr(torch, config.dtype), device=self.device, tp=tp
         )
         self.rank = self.model.tp.rank
+        # speculation left unset: the policy's choice, as LLMEngine resolves it (policy.py)
+        config, _ = resolve_speculation(config, self.model_config)
         self.capacity = size_caches(config, self.model_config, self.model.tp)
         # On one CUDA device decode steps and short single-chunk prefill steps replay CUDA
         # graphs (engine/routes/decode_graphs.py, engine/routes/prefill_graphs.py), whose padding rows need a

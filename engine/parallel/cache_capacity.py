@@ -88,8 +88,9 @@ def kv_bytes_per_block(
 def drafter_kv_layers(config: EngineConfig, model_config: HybridModelConfig) -> tuple[int, ...]:
     """The layers past the model's own whose KV the caches hold: the MTP drafter's one layer,
     numbered num_hidden_layers (engine/speculative/mtp.py), when speculative decoding drafts
-    with mtp; none otherwise."""
-    drafts_by_mtp = config.num_speculative_tokens > 0 and config.speculative_drafter == "mtp"
+    with mtp; none otherwise (also with num_speculative_tokens unset: the engine and the
+    workers size their caches from the config the speculation policy resolved)."""
+    drafts_by_mtp = (config.num_speculative_tokens or 0) > 0 and config.speculative_drafter == "mtp"
     return (model_config.num_hidden_layers,) if drafts_by_mtp else ()
 
 

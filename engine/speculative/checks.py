@@ -1,15 +1,18 @@
 """Whether a configuration's speculative decoding can run on a model, decided from the parsed
-config.json alone: what the worker refuses when it starts (engine/execution/worker.py), callable at deploy
-time (deployments/app.py check_engine_config), so that Serve never restarts a replica that can
-only fail. Config-only refusals (k out of range, tensor_parallel_size > 1, a random head
-without the mtp drafter) are EngineConfig's own.
+config.json (and whether the model dir holds a trained MTP head): what the worker refuses when
+it starts (engine/execution/worker.py), callable at deploy time (deployments/app.py
+check_engine_config), so that Serve never restarts a replica that can only fail. Config-only
+refusals (k out of range, a random head without the mtp drafter) are EngineConfig's own.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from engine.engine_config import EngineConfig
 from engine.model_config import HybridModelConfig
 from engine.models import bamba, granite_moe_hybrid
+from engine.speculative.policy import TRAINED_HEAD_FILE
 from engine.speculative.verify import check_verifiable
 
 # The families random_mtp_head_seed builds a random MTP head for: those whose model is
@@ -30,14 +33,17 @@ def check_speculation(config: EngineConfig, model_config: HybridModelConfig) -> 
 
 def check_mtp_head(config: EngineConfig, model_config: HybridModelConfig) -> None:
     """ValueError naming the key unless the mtp drafter has one MTP layer to run: the
-    checkpoint's own (mtp.* weights), or a random head from random_mtp_head_seed on a family
-    that builds one and has none of its own."""
+    checkpoint's own (mtp.* weights), a random head from random_mtp_head_seed, or a trained
+    head in the model dir (TRAINED_HEAD_FILE, benchmarks/train_mtp_head.py), the last two on a
+    family that builds one and has none of its own."""
     own_layers = model_config.num_mtp_layers
-    if config.random_mtp_head_seed is not None:
+    trained = (Path(config.model_dir) / TRAINED_HEAD_FILE).exists()
+    if config.random_mtp_head_seed is not None or (trained and not own_layers):
+        key = "random_mtp_head_seed" if config.random_mtp_head_seed is not None else TRAINED_HEAD_FILE
         if own_layers:
-            raise ValueError("random_mtp_head_seed: this model has its own MTP head (mtp.* weights); unset it")
+            raise ValueError(f"{key}: this model has its own MTP head (mtp.* weights); unset it")
         if model_config.model_type not in RANDOM_MTP_HEAD_FAMILIES:
-            raise ValueError("random_mtp_head_seed: random MTP heads are built for GraniteMoeHybrid and "
+            raise ValueError(f"{key}: MTP heads of this kind are built for GraniteMoeHybrid and "
                              f"Bamba models only, not {model_config.model_type}")
         return
     if not own_layers:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -42,7 +43,9 @@ from engine.interfaces.forward_batch import ForwardBatch, ModelCaches, build_for
 from engine.interfaces.step_io import DraftProposal, ScheduledChunk
 from engine.models.mtp_head import MultiTokenPredictionHead, run_head
 from engine.routes.forward_routes import EagerPass, RouteOutput, SampledTokens
+from engine.parallel.tensor_parallel import parameter_shards
 from engine.speculative.checks import check_mtp_head
+from engine.speculative.policy import TRAINED_HEAD_FILE
 from engine.speculative.scheduling import greedy_accept
 
 if TYPE_CHECKING:
@@ -52,15 +55,42 @@ if TYPE_CHECKING:
 
 def attach_head(model, config: EngineConfig) -> MultiTokenPredictionHead | None:
     """The head the MTP drafter runs, when config drafts with mtp (None otherwise): the model's
-    own (Qwen3-Next's mtp.*), or a random one from random_mtp_head_seed, attached to the model
-    as model.mtp. ValueError naming the key where there is none to run
+    own (Qwen3-Next's mtp.*), a random one from random_mtp_head_seed, or the trained head in
+    the model dir (TRAINED_HEAD_FILE, benchmarks/train_mtp_head.py), attached to the model as
+    model.mtp. ValueError naming the key where there is none to run
     (engine/speculative/checks.py check_mtp_head, also run at deploy time)."""
     if not (config.num_speculative_tokens and config.speculative_drafter == "mtp"):
         return None
     check_mtp_head(config, model.config)
     if config.random_mtp_head_seed is not None:
         model.mtp = model.random_mtp_head(config.random_mtp_head_seed)
+    elif model.mtp is None:
+        model.mtp = load_trained_head(model, Path(config.model_dir) / TRAINED_HEAD_FILE)
     return model.mtp
+
+
+def load_trained_head(model, path: Path) -> MultiTokenPredictionHead:
+    """The MTP head saved at `path` (safetensors: every parameter of the head, unsharded, by
+    its name in MultiTokenPredictionHead) for a model whose checkpoint has none: the head
+    random_mtp_head builds (this rank's shard of one decoder layer of the family), its values
+    replaced by the file's, each parameter's shard cut as the loader cuts the model's.
+    ValueError when the file's tensors are not exactly the head's, or a shape differs."""
+    from safetensors.torch import load_file
+
+    head = model.random_mtp_head(0)  # the structure and the shards; every value is replaced
+    tensors = load_file(str(path))
+    names = {name for name, _ in head.named_parameters()}
+    if set(tensors) != names:
+        raise ValueError(f"{path}: the MTP head's tensors are {sorted(names)}, the file holds {sorted(tensors)}")
+    shards = parameter_shards(head)
+    with torch.no_grad():
+        for name, parameter in head.named_parameters():
+            value, shard = tensors[name], shards.get(name)
+            full = tuple(parameter.shape) if shard is None else tuple(shard.full_shape)
+            if tuple(value.shape) != full:
+                raise ValueError(f"{path}: {name} has shape {tuple(value.shape)}, the head's is {full}")
+            parameter.copy_(value if shard is None else shard.cut(value))  # views of stacked q, k, v too
+    return head
 
 
 @dataclass(frozen=True)

@@ -16,11 +16,13 @@ Which requests speculate: greedy ones that do not ask for logits, once they have
 token and min_tokens is met (the sampler's min_tokens masking would change the argmax), in
 steps that start with at most max_batch_size running requests (`begin_step`; above it a
 verification step costs more than the plain decode steps it saves, and every request decodes
-plainly). Drafting needs every token known, so such a request waits while a token of its is
-pending (`waits`) once its next chunk may draft: with async_scheduling it has one step in
-flight at a time; the others keep the overlap, and so does it below min_tokens. A request
-whose verification chunk is in flight waits in any step, since where its next token goes
-depends on how many drafts are accepted.
+plainly), and, where the speculation policy turned it on, while the request's own acceptance
+pays at the step's batch size (engine/speculative/policy.py AcceptanceGate). Drafting needs
+every token known, so such a request waits while a token of its is pending (`waits`) once
+its next chunk may draft: with async_scheduling it has one step in flight at a time; the
+others keep the overlap, and so does it below min_tokens. A request whose verification chunk
+is in flight waits in any step, since where its next token goes depends on how many drafts
+are accepted.
 
 Drafters, one interface (Drafter.draft) for both kinds: the n-gram drafter computes its drafts
 here from the request's tokens; the MTP drafter runs on the worker, which needs the hidden rows
@@ -40,6 +42,7 @@ from typing import Protocol
 
 from engine.interfaces.request import Request, RequestStatus, token_stop_reason
 from engine.interfaces.step_io import CommitOp, DraftProposal, ScheduledChunk
+from engine.speculative.policy import AcceptanceGate
 
 
 class Drafter(Protocol):
@@ -75,7 +78,9 @@ class SpeculationStats:
     acceptance_lengths[a]: verification chunks in which a drafts were accepted (a = 0..k).
     draft_tokens_accepted counts by the greedy rule; those dropped after at a stop are also
     in draft_tokens_trimmed. steps_over_batch_cap: steps that started with more running
-    requests than max_batch_size, in which no request drafted."""
+    requests than max_batch_size, in which no request drafted. depth_proposed[d - 1] and
+    depth_accepted[d - 1]: verification chunks that carried a draft at depth d (d = 1..k),
+    and those in which it was accepted."""
 
     drafter: str = ""
     verification_chunks: int = 0
@@ -84,16 +89,40 @@ class SpeculationStats:
     draft_tokens_trimmed: int = 0
     acceptance_lengths: list[int] = field(default_factory=list)
     steps_over_batch_cap: int = 0
+    depth_proposed: list[int] = field(default_factory=list)
+    depth_accepted: list[int] = field(default_factory=list)
 
     def copy(self) -> SpeculationStats:
         return SpeculationStats(self.drafter, self.verification_chunks, self.draft_tokens_proposed,
                                 self.draft_tokens_accepted, self.draft_tokens_trimmed,
-                                list(self.acceptance_lengths), self.steps_over_batch_cap)
+                                list(self.acceptance_lengths), self.steps_over_batch_cap,
+                                list(self.depth_proposed), list(self.depth_accepted))
+
+    @property
+    def draft_tokens_rejected(self) -> int:
+        """Proposed drafts the greedy rule rejected (the first wrong one and every one after)."""
+        return self.draft_tokens_proposed - self.draft_tokens_accepted
 
     @property
     def acceptance_rate(self) -> float:
         """Accepted drafts per proposed draft (0.0 before any)."""
         return self.draft_tokens_accepted / self.draft_tokens_proposed if self.draft_tokens_proposed else 0.0
+
+    def acceptance_by_depth(self) -> list[float]:
+        """For d = 1..k, the share of drafts at depth d that were accepted (0.0 before any)."""
+        return [accepted / proposed if proposed else 0.0
+                for proposed, accepted in zip(self.depth_proposed, self.depth_accepted)]
+
+    def count_chunk(self, num_drafts: int, accepted: int) -> None:
+        """One verification chunk of num_drafts drafts settled with `accepted` of them kept by
+        the greedy rule."""
+        self.verification_chunks += 1
+        self.draft_tokens_proposed += num_drafts
+        self.draft_tokens_accepted += accepted
+        self.acceptance_lengths[accepted] += 1
+        for depth in range(num_drafts):
+            self.depth_proposed[depth] += 1
+            self.depth_accepted[depth] += int(depth < accepted)
 
 
 def _min_tokens_met(request: Request, sampling: int = 0) -> bool:
@@ -119,17 +148,19 @@ class SpeculativeDecoding:
     whose verification chunk is in flight, and the counters."""
 
     def __init__(self, num_speculative_tokens: int = 0, drafter: Drafter | None = None,
-                 max_batch_size: int | None = None) -> None:
+                 max_batch_size: int | None = None, gate: AcceptanceGate | None = None) -> None:
         if num_speculative_tokens and drafter is None:
             raise ValueError("num_speculative_tokens > 0 needs a drafter")
         self.num_speculative_tokens = num_speculative_tokens
         self.drafter = drafter
         self.max_batch_size = max_batch_size
+        self.gate = gate  # the policy's (engine/speculative/policy.py): None, every request drafts
         self._drafting = bool(num_speculative_tokens)  # this step's, set by begin_step
         self._verifying: set[str] = set()  # request ids whose verification chunk is in flight
         self.stats = SpeculationStats(
             drafter=drafter.name if drafter is not None else "",
             acceptance_lengths=[0] * (num_speculative_tokens + 1),
+            depth_proposed=[0] * num_speculative_tokens, depth_accepted=[0] * num_speculative_tokens,
         )
         self._commits: dict[str, CommitOp] = {}  # request id -> position to keep, for the next step
         self._proposals: dict[str, DraftProposal] = {}  # request id -> the worker's last proposal
@@ -140,6 +171,8 @@ class SpeculativeDecoding:
         max_batch_size. Requests it admits do not change that."""
         within = self.max_batch_size is None or num_running <= self.max_batch_size
         self._drafting = bool(self.num_speculative_tokens) and within
+        if self.gate is not None:
+            self.gate.begin_step(num_running)
 
     def end_step(self, has_chunks: bool) -> None:
         """Call at the end of each schedule(): a step with chunks that began over
@@ -155,9 +188,11 @@ class SpeculativeDecoding:
         self._verifying.add(request_id)
 
     def speculates(self, request: Request) -> bool:
-        """Whether `request` drafts in this step (module docstring)."""
+        """Whether `request` drafts in this step (module docstring; with the policy's gate,
+        only while its acceptance pays)."""
         params = request.sampling
-        return self._drafting and params.greedy and not params.return_logits
+        drafts = self._drafting and params.greedy and not params.return_logits
+        return drafts and (self.gate is None or self.gate.allows(request.request_id))
 
     def waits(self, request: Request) -> bool:
         """A request with a token pending is not scheduled (nor admitted) until that token is
@@ -222,10 +257,9 @@ class SpeculativeDecoding:
         self._verifying.discard(request.request_id)
         drafts = chunk.token_ids[1:]
         accepted = greedy_accept(drafts, verified)
-        self.stats.verification_chunks += 1
-        self.stats.draft_tokens_proposed += len(drafts)
-        self.stats.draft_tokens_accepted += accepted
-        self.stats.acceptance_lengths[accepted] += 1
+        self.stats.count_chunk(len(drafts), accepted)
+        if self.gate is not None:
+            self.gate.observe(request.request_id, accepted)
         request.num_pending_tokens -= 1
         kept = 0
         for token in verified[: accepted + 1]:
@@ -274,6 +308,8 @@ class SpeculativeDecoding:
         """`request_id` ended: its proposal is dropped (its commit is still handed out)."""
         self._proposals.pop(request_id, None)
         self._verifying.discard(request_id)
+        if self.gate is not None:
+            self.gate.forget(request_id)
 
     def take_commits(self) -> tuple[CommitOp, ...]:
         """The commits recorded since the last call, for the step being scheduled (applied at

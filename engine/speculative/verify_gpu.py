@@ -1,48 +1,27 @@
-"""Verification chunks on CUDA: the verification route of one CUDA device and the recurrent
-mixers' part of it, Mamba2's and the gated delta-net's (docs/design.md section 10).
+"""Verification chunks on CUDA: the verification route of one CUDA device (docs/design.md
+section 10).
 
 A verification chunk is the request's last token and its k drafts, n = k + 1 tokens. The
 scheduler has settled nothing yet, so the chunk must leave the request's own state slot as
 it was and put the state after each position i in scratch slot i of the request
 (VerificationScratch.slots); the commit of the kept position copies one of them back later
-(verify.py). The CPU path (engine/layers/verification.py mix_verification) runs this token by token per chunk;
-here every verification chunk of the step runs at once:
+(verify.py). The CPU path (engine/layers/verification.py mix_verification) runs this token by
+token per chunk; here every verification chunk of the step runs at once:
 
 - Attention, MLPs, norms: as a short prefill chunk that continues from the cached KV (the
   eager pass's GpuBatchPlan: a verification chunk is a paged-prefill chunk there). The K/V
   of rejected positions lie past the kept tokens and the next chunk overwrites them.
-- Mamba2 (engine/layers/verification.py mix_verification_gpu): the step's other chunks run the mixer's ordinary GPU path
-  over their own plan (VerificationPlan.rest), and the verification chunks run position by
-  position: for i = 0..n-1 one launch of the fused one-token decode kernel
-  (engine/kernels/gpu/mamba_decode.py conv_ssd_decode, the kernel plain decoding runs at up
-  to FUSED_DECODE_MAX_ROWS rows, so the states are plain decoding's) over position i of every
-  chunk, in place on scratch slot i, which first receives the state before position i: the
-  SSM state copied from the request's slot (i = 0) or from scratch slot i - 1 just before the
-  launch, the conv window (the last K-1 pre-conv inputs before position i) for every i before
-  the first launch. The conv windows are data movement only: all of them come from one
-  concatenation [old window | the chunk's inputs] (position_conv_windows), and after the n
-  launches each scratch slot gets its window after position i. The request's slot is only
-  read (index_select).
-- Gated delta-net (engine/layers/verification.py mix_delta_rule_verification_gpu): the same split, and for each position i
-  plain decoding's own two kernels over position i of every chunk as one-token chunks on
-  scratch slot i: the varlen causal conv (engine/kernels/gpu/conv.py, which also moves the
-  slot's window on) and fla-core's one-token recurrent kernel (engine/kernels/gpu/
-  gated_delta_rule.py gated_delta_rule_decode). Scratch slot i first receives the conv
-  window and the recurrent state before position i, both copied from the request's slot
-  (i = 0) or from scratch slot i - 1; the request's slot is only read.
-
-The decode kernel updates the SSM state of the slot it reads, so each position costs one
-state copy (index_select + index_copy_, PyTorch) before its launch; a kernel reading one slot
-and writing another would save that copy (not done: the kernel is shared with plain
-decoding). The PyTorch copies between launches also keep the programmatic-dependent-launch
-contract (engine/kernels/gpu/pdl.py): the decode kernel loads its slot's state before its
-PDL wait, and a kernel launched without PDL ahead of it has finished before it starts.
+- Mamba2 and the gated delta-net (engine/layers/verification.py mix_verification_gpu,
+  mix_delta_rule_verification_gpu): the step's other chunks run the mixer's ordinary GPU path
+  over their own plan (VerificationPlan.rest), and the verification chunks run in one launch
+  of a one-pass kernel per layer (engine/kernels/gpu/mamba_verify.py, delta_rule_verify.py):
+  one program per (chunk, head block) runs the chunk's positions in order, its state in
+  registers, and stores the conv window and the recurrent state after each position into
+  that position's scratch slot. The request's slot is only read.
 
 Row order: the route puts the step's other chunks first and the verification chunks after
 them (verification_order), so the other chunks' rows are [0, num_rest_rows) and their plan is
-an ordinary one; RouteOutput.last_rows maps back to the worker's chunk order. Chunks of
-different lengths (fewer drafts) are sorted longest first, so the chunks still running at
-position i are a prefix (VerificationIndex.active).
+an ordinary one; RouteOutput.last_rows maps back to the worker's chunk order.
 
 Every index is built on the host (verification_index, pure numpy, tested on the CPU) and
 copied with the plan; the forward does not wait for the device. A step of verification
@@ -90,16 +69,10 @@ def verification_index(
 ) -> VerificationIndex:
     """The VerificationIndex of V verification chunks: chunk v's rows first_rows[v] ..
     + lengths[v] - 1, its state slot state_slots[v], its scratch slots scratch.slots(...)."""
-    order = sorted(range(len(lengths)), key=lambda v: -lengths[v])
     n = max(lengths)
-    lengths_sorted = int64_array([lengths[v] for v in order])
-    firsts = int64_array([first_rows[v] for v in order])
-    positions = np.arange(n, dtype=np.int64)[:, None]  # (n, 1)
-    rows = firsts[None, :] + np.minimum(positions, lengths_sorted[None, :] - 1)
-    scratch_slots = np.array([scratch.slots(state_slots[v], n) for v in order], dtype=np.int64).T
-    active = tuple(int((lengths_sorted > i).sum()) for i in range(n))
-    return VerificationIndex(rows, np.ascontiguousarray(scratch_slots),
-                             int64_array([state_slots[v] for v in order]), active)
+    scratch_slots = np.array([scratch.slots(slot, n) for slot in state_slots], dtype=np.int64).T
+    return VerificationIndex(int64_array(first_rows), int64_array(lengths), int64_array(state_slots),
+                             np.ascontiguousarray(scratch_slots))
 
 
 class GpuVerifyPass(EagerPass):

@@ -1,8 +1,7 @@
 """CUDA graphs of verification steps (issue 25, point 4): a step whose every chunk is a
 verification chunk replays a captured forward pass instead of launching the eager route's
-kernels one by one (engine/speculative/verify_gpu.py: about three launches per position and
-Mamba2 layer, about six per position and gated delta-net layer, plus attention's and the
-MLPs').
+kernels one by one (engine/speculative/verify_gpu.py: attention's, the MLPs', the norms'
+and one verification kernel per recurrent layer).
 
 One graph per batch size b (VERIFY_GRAPH_BATCH_SIZES up to the step's sequences), each over
 b chunks of n = k + 1 rows: chunk v owns rows v n .. v n + n - 1. A chunk with fewer drafts is
@@ -170,15 +169,11 @@ class VerifyGraphRunner:
         ids, positions, kv, slots, starts, scratch, table = staging.views(self._inputs[size])
         device = ids.device
         cu = torch.arange(size + 1, dtype=torch.int64, device=device) * n
-        rows = (torch.arange(n, device=device)[:, None] + cu[None, :-1]).contiguous()  # (n, b)
         no_reset = torch.zeros(size, dtype=torch.int64, device=device)
-        verification = VerificationPlan(
-            rest=None, num_rest_rows=0, rows=rows, scratch_slots=scratch, source_slots=slots,
-            position_rows=tuple(rows[i] for i in range(n)), position_slots=tuple(scratch[i] for i in range(n)),
-            position_sources=(slots, *(scratch[i] for i in range(n - 1))), no_reset=no_reset,
-            chunk_bounds=torch.arange(size + 1, dtype=torch.int64, device=device),
-        )
-        plan = verification_only_plan(cu, slots, no_reset, torch.full_like(slots, n), starts, table, n, verification)
+        lengths = torch.full_like(slots, n)
+        verification = VerificationPlan(rest=None, num_rest_rows=0, first_rows=cu[:-1], lengths=lengths,
+                                        source_slots=slots, scratch_slots=scratch)
+        plan = verification_only_plan(cu, slots, no_reset, lengths, starts, table, n, verification)
         batch = ForwardBatch(input_ids=ids, positions=positions, slot_mapping=kv, chunks=(),
                              cu_seqlens=tuple(range(0, size * n + 1, n)))
         return self.model(batch, self.caches, gpu_plan=plan)

@@ -1,12 +1,11 @@
-"""The gated delta-net's CUDA verification glue (engine/speculative/verify_gpu.py
-mix_delta_rule_verification_gpu), on the CPU: PyTorch stand-ins hold the contracts of plain
-decoding's two kernels over slot pools (the varlen causal conv, engine/kernels/gpu/conv.py,
-and fla-core's one-token recurrent kernel, engine/kernels/gpu/gated_delta_rule.py
-gated_delta_rule_decode) and of the mixer's ordinary GPU path for the step's other chunks;
-the result must be the CPU verification path's (verify.py mix_verification, the mixer's
-one-token decode step chained token by token) at every position and in every slot, the
-requests' own slots untouched. The kernels themselves run in
-tests/gpu/test_delta_rule_verify_gpu.py, which reuses this module's case."""
+"""The gated delta-net's CUDA verification glue (engine/layers/verification.py
+mix_delta_rule_verification_gpu), on the CPU: the one-pass kernel's PyTorch reference
+(engine/kernels/verification_reference.py delta_rule_verify_reference) and a PyTorch stand-in
+for the mixer's ordinary GPU path (the step's other chunks) in place of the kernels; the
+result must be the CPU verification path's (mix_verification, the mixer's one-token decode
+step chained token by token) at every position and in every slot, the requests' own slots
+untouched. The kernel against that reference: tests/gpu/test_verify_kernels.py; the route on
+a GPU: tests/gpu/test_delta_rule_verify_gpu.py, which reuses this module's case."""
 
 from __future__ import annotations
 
@@ -15,8 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.interfaces.forward_batch import SequenceChunk, build_forward_batch
-from engine.kernels.conv_reference import causal_conv1d_step
-from engine.kernels.gated_delta_rule_reference import gated_delta_rule_step, l2_normalize
+from engine.kernels.verification_reference import delta_rule_verify_reference
 from engine.kernels.gpu.batch_plan import GpuBatchPlan, build_gpu_batch_plan
 from engine.models.qwen3_next import Qwen3NextModel
 from engine.models.registry import parse_model_config
@@ -114,34 +112,6 @@ def reference_run(mixer, case: Case) -> tuple[torch.Tensor, torch.Tensor, torch.
     return y, conv, rec
 
 
-def conv_varlen_reference(x, conv_state, weight, bias, cu_seqlens, chunk_slot, chunk_reset, token_chunk,
-                          apply_silu, out=None):
-    """causal_conv1d_varlen's contract in PyTorch: chunk s (rows cu_seqlens[s]:[s+1], token_chunk
-    naming it for each row) convolved from conv_state[chunk_slot[s]] (zeros if it resets)
-    token by token, the slot left holding the window after the chunk; returns out (T, C)."""
-    bounds = cu_seqlens.tolist()
-    assert token_chunk.tolist() == [s for s in range(len(bounds) - 1) for _ in range(bounds[s + 1] - bounds[s])]
-    out = torch.empty_like(x)
-    for s, (slot, reset) in enumerate(zip(chunk_slot.tolist(), chunk_reset.tolist())):
-        window = torch.zeros_like(conv_state[slot : slot + 1]) if reset else conv_state[slot : slot + 1]
-        for row in range(bounds[s], bounds[s + 1]):
-            y, window = causal_conv1d_step(x[row : row + 1], window, weight, bias, apply_silu)
-            out[row] = y[0]
-        conv_state[slot] = window[0]
-    return out
-
-
-def rule_decode_reference(q, k, v, g, beta, scale, state_pool, slots, reset):
-    """gated_delta_rule_decode's contract in PyTorch: q, k raw per key head (L2-normalised and
-    expanded to the value heads here), one token of each of S sequences from state_pool[slots]
-    (zeros where reset), the new states written back; returns o (S, Hv, dv) in v's dtype."""
-    expand = lambda t: l2_normalize(t).repeat_interleave(v.shape[1] // t.shape[1], dim=1)  # noqa: E731
-    initial = torch.where((reset != 0)[:, None, None, None], 0.0, state_pool[slots])
-    o, new = gated_delta_rule_step(expand(q), expand(k), v, g, beta, initial, scale)
-    state_pool[slots] = new
-    return o.to(v.dtype)
-
-
 def mix_rest_reference(mixer):
     """GatedDeltaNet.mix_chunks_gpu's contract over its plan's chunks, in PyTorch: each chunk
     from its slot (zeros where it resets) through mix_sequence, the slot left holding the state
@@ -173,7 +143,7 @@ def test_delta_rule_verification_glue_equals_the_cpu_path():
         want_y, want_conv, want_rec = reference_run(mixer, case)
         y = mix_delta_rule_verification_gpu(
             mixer, case.qkv, case.b, case.a, conv, rec, case.plan,
-            conv_step=conv_varlen_reference, rule_step=rule_decode_reference, mix_rest=mix_rest_reference(mixer),
+            verify=delta_rule_verify_reference, mix_rest=mix_rest_reference(mixer),
         )
     assert y.dtype == case.qkv.dtype and y.shape == want_y.shape
     for first, length, slot in case.rest + case.verifying:
@@ -188,11 +158,3 @@ def test_delta_rule_verification_glue_equals_the_cpu_path():
         assert torch.equal(conv[past], case.conv_state[past]) and torch.equal(rec[past], case.recurrent_state[past])
     for _, _, slot in case.rest:  # the other chunks moved their own slots on
         assert not torch.equal(rec[slot], case.recurrent_state[slot])
-
-
-def test_verification_plan_has_one_token_chunk_bounds():
-    """chunk_bounds (V + 1,) = 0..V, in the plan's one copy."""
-    scratch = VerificationScratch(None, first_slot=20, num_speculative_tokens=K)
-    plan = build_verification_plan(verification_index([0, 4, 6], [4, 2, 3], [2, 5, 0], scratch), None, 0,
-                                   torch.device("cpu"))
-    assert plan.chunk_bounds.tolist() == [0, 1, 2, 3]

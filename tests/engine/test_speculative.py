@@ -17,9 +17,11 @@ import pytest
 import torch
 
 from deployments.prompts.instruction_boundary import find_instruction_boundary
-from deployments.metrics import (SPECULATIVE_ACCEPTANCE_LENGTHS, SPECULATIVE_DRAFTS_ACCEPTED,
-                                 SPECULATIVE_DRAFTS_PROPOSED, SPECULATIVE_DRAFTS_TRIMMED,
-                                 SPECULATIVE_VERIFICATION_CHUNKS, EngineMetricsExporter)
+from deployments.metrics import (SPECULATIVE_ACCEPTANCE_LENGTHS, SPECULATIVE_DEPTH_ACCEPTED,
+                                 SPECULATIVE_DEPTH_PROPOSED, SPECULATIVE_DRAFTS_ACCEPTED,
+                                 SPECULATIVE_DRAFTS_PROPOSED, SPECULATIVE_DRAFTS_REJECTED,
+                                 SPECULATIVE_DRAFTS_TRIMMED, SPECULATIVE_VERIFICATION_CHUNKS,
+                                 EngineMetricsExporter)
 from engine.engine_config import EngineConfig
 from engine.interfaces.generation_request import GenerationRequest
 from engine.core.llm_engine import LLMEngine
@@ -77,7 +79,6 @@ def test_greedy_acceptance_rule():
     ({"num_speculative_tokens": True}, "num_speculative_tokens must be an integer"),
     ({"num_speculative_tokens": 2.0}, "num_speculative_tokens must be an integer"),
     ({"speculative_drafter": "eagle"}, "speculative_drafter must be one of"),
-    ({"num_speculative_tokens": 2, "tensor_parallel_size": 2}, "num_speculative_tokens > 0 needs tensor_parallel_size 1"),
 ])
 def test_config_refusals(changes, message):
     with pytest.raises(ValueError, match=message):
@@ -86,10 +87,12 @@ def test_config_refusals(changes, message):
 
 def test_off_by_default_and_the_cuda_path_is_untouched_when_off():
     config = EngineConfig()
-    assert config.num_speculative_tokens == 0 and config.speculative_drafter == "ngram"
+    # unset: the policy decides (tests/unit/test_speculation_policy.py), off on the CPU
+    assert config.num_speculative_tokens is None and config.speculative_drafter == "ngram"
     EngineConfig(device="cuda")  # speculation off: the CUDA path is configured as before
     EngineConfig(num_speculative_tokens=2, device="cuda")  # one CUDA device verifies (verify_gpu.py)
     EngineConfig(num_speculative_tokens=16)
+    EngineConfig(num_speculative_tokens=2, tensor_parallel_size=2)  # test_speculative_tensor_parallel.py
 
 
 def test_models_whose_recurrent_layers_cannot_verify_are_refused():
@@ -511,3 +514,10 @@ def test_the_exported_metrics_equal_the_engine_counters(repeating_prompts):
     assert recorded.series(SPECULATIVE_ACCEPTANCE_LENGTHS) == {
         (("accepted", str(a)),) + drafter: n for a, n in enumerate(stats.acceptance_lengths) if n}
     assert len(stats.acceptance_lengths) == K + 1
+    assert recorded.series(SPECULATIVE_DRAFTS_REJECTED) == {drafter: stats.draft_tokens_rejected}
+    # depth d is accepted in every chunk that accepted at least d drafts
+    assert stats.depth_accepted == [sum(stats.acceptance_lengths[d:]) for d in range(1, K + 1)]
+    assert sum(stats.depth_proposed) == stats.draft_tokens_proposed and stats.depth_proposed[0] == stats.verification_chunks
+    for spec, counts in ((SPECULATIVE_DEPTH_PROPOSED, stats.depth_proposed), (SPECULATIVE_DEPTH_ACCEPTED, stats.depth_accepted)):
+        assert recorded.series(spec) == {
+            (("depth", str(d)),) + drafter: n for d, n in enumerate(counts, start=1) if n}, spec.name

@@ -1,23 +1,22 @@
 """The host side of the CUDA verification route (engine/speculative/verify_gpu.py), on the CPU:
-the chunk order and the position index, the conv windows, and mix_verification_gpu's glue with
-a PyTorch stand-in for the fused decode kernel (conv_ssd_decode's contract), against the
-Mamba2 mixer's one-token decode step chained token by token (the CPU verification path).
-The kernels themselves run in tests/gpu/test_speculative_gpu.py."""
+the chunk order and the verification index, and mix_verification_gpu's glue with the one-pass
+kernel's PyTorch reference in its place (engine/kernels/verification_reference.py
+mamba_verify_reference), against the Mamba2 mixer's one-token decode step chained token by
+token (the CPU verification path). The kernel against that reference: tests/gpu/
+test_verify_kernels.py; the route on a GPU: tests/gpu/test_speculative_gpu.py."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from engine.engine_config import DEFAULT_MODEL_DIR
-from engine.kernels.conv_reference import causal_conv1d_step
-from engine.kernels.ssd_reference import ssd_step_batched
+from engine.kernels.verification_reference import mamba_verify_reference
 from engine.execution.loader import load_model
 from engine.interfaces.sampling_params import SamplingParams
 from engine.speculative.verify import VerificationScratch
 from engine.kernels.gpu.batch_plan import build_verification_plan
-from engine.layers.verification import mix_verification_gpu, position_conv_windows
+from engine.layers.verification import mix_verification_gpu
 from engine.speculative.verify_gpu import verification_index, verification_order
 from engine.interfaces.step_io import ScheduledChunk
 
@@ -36,67 +35,33 @@ def test_verification_chunks_go_last_in_order():
     assert verification_order([_chunk("v", 3, 2)]) == ([0], 0)
 
 
-def test_verification_index_sorts_longest_first_and_pads_with_the_last_row():
+def test_verification_index_names_each_chunks_rows_and_slots():
     scratch = VerificationScratch(None, first_slot=20, num_speculative_tokens=K)  # 4 slots per request
     # chunks at rows 10.. (2 tokens, slot 1), 12.. (4 tokens, slot 0), 16.. (3 tokens, slot 3)
     index = verification_index([10, 12, 16], [2, 4, 3], [1, 0, 3], scratch)
-    assert index.source_slots.tolist() == [0, 3, 1]
-    assert index.active == (3, 3, 2, 1)
-    assert index.rows.tolist() == [[12, 16, 10], [13, 17, 11], [14, 18, 11], [15, 18, 11]]
-    # request slot s owns 20 + 4 s .. 20 + 4 s + 3, all n of them
-    assert index.scratch_slots.tolist() == [[20, 32, 24], [21, 33, 25], [22, 34, 26], [23, 35, 27]]
-    assert index.rows.dtype == index.scratch_slots.dtype == np.int64
+    assert index.first_rows.tolist() == [10, 12, 16] and index.lengths.tolist() == [2, 4, 3]
+    assert index.source_slots.tolist() == [1, 0, 3]
+    # request slot s owns 20 + 4 s .. 20 + 4 s + 3, all n of them; (n, V)
+    assert index.scratch_slots.tolist() == [[24, 20, 32], [25, 21, 33], [26, 22, 34], [27, 23, 35]]
+    assert index.scratch_slots.dtype == np.int64 and index.scratch_slots.flags.c_contiguous
 
 
-def test_verification_plan_positions_chain_through_the_scratch_slots():
+def test_verification_plan_is_the_index_on_the_device():
     scratch = VerificationScratch(None, first_slot=20, num_speculative_tokens=K)
     index = verification_index([0, 4], [4, 2], [2, 5], scratch)
     plan = build_verification_plan(index, None, 0, torch.device("cpu"))
-    assert [t.tolist() for t in plan.position_rows] == [[0, 4], [1, 5], [2], [3]]
-    assert [t.tolist() for t in plan.position_slots] == [[28, 40], [29, 41], [30], [31]]
-    # position 0 reads the requests' own slots, position i the scratch slot of i - 1
-    assert [t.tolist() for t in plan.position_sources] == [[2, 5], [28, 40], [29], [30]]
-    assert plan.rows.shape == plan.scratch_slots.shape == (4, 2) and plan.no_reset.tolist() == [0, 0]
-
-
-def test_position_conv_windows_are_the_windows_after_each_token():
-    g = torch.Generator().manual_seed(1)
-    old, inputs = torch.randn(3, 5, 3, generator=g), torch.randn(3, 5, 4, generator=g)
-    windows = position_conv_windows(old, inputs)
-    assert windows.shape == (5, 3, 5, 3)
-    state = old
-    assert torch.equal(windows[0], old)
-    weight = torch.randn(5, 4, generator=g)
-    for j in range(4):
-        _, state = causal_conv1d_step(inputs[:, :, j], state, weight, None, apply_silu=True)
-        assert torch.equal(windows[j + 1], state)
-
-
-def _decode_step_reference(xBC, dt_raw, conv_state, weight, bias, dt_bias, A_log, limit, ssm_state,
-                           x_out, y, rows, slots, reset):
-    """conv_ssd_decode's contract in PyTorch (engine/kernels/gpu/mamba_decode.py): the conv
-    step from conv_state[slots] (not written), the SSD step without D in place on
-    ssm_state[slots], x and y written at rows."""
-    keep = reset == 0
-    conv = torch.where(keep[:, None, None], conv_state[slots], 0.0)
-    ssm = torch.where(keep[:, None, None, None], ssm_state[slots], 0.0)
-    post, _ = causal_conv1d_step(xBC[rows], conv, weight, bias, apply_silu=True)
-    H, P, N = ssm_state.shape[1:]
-    G = (post.shape[1] - H * P) // (2 * N)
-    x, B, C = post.split([H * P, G * N, G * N], dim=-1)
-    dt = F.softplus(dt_raw[rows].float() + dt_bias).clamp(*limit)
-    y_rows, new_ssm = ssd_step_batched(x.view(-1, H, P), dt, -torch.exp(A_log), B.view(-1, G, N),
-                                       C.view(-1, G, N), None, ssm)
-    ssm_state[slots] = new_ssm
-    x_out[rows] = x.view(-1, H, P)
-    y[rows] = y_rows
+    assert plan.first_rows.tolist() == [0, 4] and plan.lengths.tolist() == [4, 2]
+    assert plan.source_slots.tolist() == [2, 5]
+    assert plan.scratch_slots.tolist() == [[28, 40], [29, 41], [30, 42], [31, 43]]
+    assert plan.scratch_slots.stride() == (2, 1) and plan.rest is None and plan.num_rest_rows == 0
 
 
 def test_mix_verification_gpu_glue_equals_the_chained_decode_step():
     """Three verification chunks (4, 2 and 3 tokens) through mix_verification_gpu with the
-    PyTorch stand-in: y + D x at every position and every scratch slot's state equal the
-    mixer's mix_decode chained token by token (the CPU path); the requests' slots and every
-    other slot are untouched."""
+    one-pass kernel's PyTorch reference (mamba_verify_reference) in its place: y + D x at
+    every position and every scratch slot's state equal the mixer's mix_decode chained token
+    by token (the CPU path); the requests' slots, the scratch slots past a chunk's length and
+    every other slot are untouched."""
     model, config = load_model(DEFAULT_MODEL_DIR, dtype=torch.float32, device=torch.device("cpu"))
     mixer = next(layer.mamba for layer in model.layers if layer.mamba is not None)
     g = torch.Generator().manual_seed(5)
@@ -114,7 +79,7 @@ def test_mix_verification_gpu_glue_equals_the_chained_decode_step():
     plan = build_verification_plan(index, None, 0, torch.device("cpu"))
     conv_got, ssm_got = conv_state.clone(), ssm_state.clone()
     with torch.inference_mode():
-        y, x = mix_verification_gpu(mixer, xBC, dt_raw, conv_got, ssm_got, plan, _decode_step_reference)
+        y, x = mix_verification_gpu(mixer, xBC, dt_raw, conv_got, ssm_got, plan, mamba_verify_reference)
         written = set()
         for first, length, slot in zip(firsts, lengths, slots):
             conv, ssm = conv_state[slot : slot + 1], ssm_state[slot : slot + 1]
@@ -126,8 +91,6 @@ def test_mix_verification_gpu_glue_equals_the_chained_decode_step():
                 torch.testing.assert_close(conv_got[scratch_slot], conv[0], rtol=0, atol=0)
                 torch.testing.assert_close(ssm_got[scratch_slot], ssm[0], rtol=1e-5, atol=1e-5)
                 written.add(scratch_slot)
-    # scratch slots past a chunk's length are its own (written, never committed); the rest as before
-    written.update(s for slot in slots for s in scratch.slots(slot, K + 1))
     untouched = [s for s in range(total_slots) if s not in written]
     assert set(slots) <= set(untouched)
     assert torch.equal(conv_got[untouched], conv_state[untouched])
@@ -164,12 +127,11 @@ def test_the_route_plans_the_other_chunks_apart_and_maps_rows_back():
     assert plan.num_rest_rows == 6 and plan.rest.num_decode == 1 and plan.rest.num_prefill == 1
     for name in ("cu_seqlens", "chunk_slot", "decode_rows", "decode_slots", "prefill_cu_seqlens", "prefill_slots"):
         assert torch.equal(getattr(plan.rest, name), getattr(want_rest, name)), name
-    # d (5 tokens, slot 3) before a (3 tokens, slot 0): longest first
-    assert plan.source_slots.tolist() == [3, 0]
-    assert plan.rows.tolist() == [[9, 6], [10, 7], [11, 8], [12, 8], [13, 8]]
-    assert plan.scratch_slots[:, 0].tolist() == list(scratch.slots(3, 5))
-    assert plan.scratch_slots[:, 1].tolist() == list(scratch.slots(0, 5))
-    assert [t.tolist() for t in plan.position_rows] == [[9, 6], [10, 7], [11, 8], [12], [13]]
+    # a (3 tokens, slot 0) at rows 6..8, then d (5 tokens, slot 3) at rows 9..13
+    assert plan.source_slots.tolist() == [0, 3]
+    assert plan.first_rows.tolist() == [6, 9] and plan.lengths.tolist() == [3, 5]
+    assert plan.scratch_slots[:, 0].tolist() == list(scratch.slots(0, 5))
+    assert plan.scratch_slots[:, 1].tolist() == list(scratch.slots(3, 5))
     assert last_rows_in_order(order, batch.cu_seqlens) == [8, 0, 5, 13]
     only_verifying = route.verification_plan(build_forward_batch([chunks[0]], 16, torch.device("cpu")), 0)
     assert only_verifying.rest is None and only_verifying.num_rest_rows == 0

@@ -2,8 +2,8 @@
 (engine/layers/verification.py mix_delta_rule_verification_gpu).
 
 - The mixer: tests/engine/test_delta_rule_verify_gpu_host.py's step (two other chunks, then
-  verification chunks of 4, 2 and 3 tokens) through the real kernels (the varlen conv and
-  fla-core's one-token recurrent kernel per position, mix_chunks_gpu for the others) against
+  verification chunks of 4, 2 and 3 tokens) through the real kernels (the one-pass kernel
+  engine/kernels/gpu/delta_rule_verify.py, mix_chunks_gpu for the others) against
   the CPU verification path run in PyTorch on the same device (mix_verification, the mixer's
   decode step chained token by token): y at every row and every slot's states, the requests'
   own slots untouched; fp32 and bf16.
@@ -11,8 +11,9 @@
   accepted; a plain random Qwen3-Next repeats too little for the n-gram drafter).
 
 The glue itself is checked on the CPU with PyTorch stand-ins for the kernels
-(tests/engine/test_delta_rule_verify_gpu_host.py). fla-core's kernels cannot run under
-Triton's interpreter: every test here needs the GPU.
+(tests/engine/test_delta_rule_verify_gpu_host.py), the one-pass kernel against its reference
+in tests/gpu/test_verify_kernels.py (also under Triton's interpreter). The other chunks run
+fla-core's kernels, which cannot run under Triton's interpreter: every test here needs the GPU.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Speculative verification on one CUDA device (engine/speculative/verify_gpu.py; issue 25).
 
-- The Mamba2 mixer's verification path (mix_verification_gpu, the fused decode kernel once
-  per position) against the mixer's one-token decode step chained token by token in PyTorch
+- The Mamba2 mixer's verification path (mix_verification_gpu, the one-pass kernel
+  engine/kernels/gpu/mamba_verify.py) against the mixer's one-token decode step chained token by token in PyTorch
   (the CPU verification path): y, the states in the scratch slots, the request slots only read.
 - The worker: a step that mixes a verification chunk with a decode chunk and a fresh prefill
   chunk (GpuVerifyPass, rows reordered) gives the argmax plain decoding gives, leaves the
@@ -18,9 +18,10 @@
   model's logits are nearly flat: on the H200 a third of the MTP requests met a gap of 0 to 3
   steps), at most BF16_MAX_NEAR_TIE_FRACTION of the requests.
 
-The host side (chunk order, indices, the glue with a PyTorch stand-in for the kernel) is
-checked on the CPU in tests/engine/test_verify_gpu_host.py. The decode kernel calls
-libdevice.log1p, which Triton's interpreter does not emulate: every test here needs the GPU.
+The host side (chunk order, indices, the glue with the kernel's PyTorch reference) is
+checked on the CPU in tests/engine/test_verify_gpu_host.py, the kernel against its reference
+in tests/gpu/test_verify_kernels.py (also under Triton's interpreter). Every test here needs
+the GPU.
 """
 
 from __future__ import annotations
@@ -43,15 +44,15 @@ from tests.gpu.conftest import relative_error
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the decode kernel calls "
-                       "libdevice.log1p, which Triton's interpreter does not emulate)"),
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the engine's CUDA route, "
+                       "fla-core's kernels among them)"),
 ]
 
 K = 4
 GREEDY = SamplingParams(max_tokens=24, temperature=0)
 BF16_NEAR_TIE_ULPS = 4  # bf16 steps (8 significant bits) at the top logit's magnitude
 BF16_MAX_NEAR_TIE_FRACTION = 0.5
-TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}  # kernel vs PyTorch, over 5 chained steps
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}  # kernel vs PyTorch, over 5 chained positions
 
 
 # ----------------------------------------------------------------- the mixer

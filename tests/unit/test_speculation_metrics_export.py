@@ -13,10 +13,11 @@ from types import SimpleNamespace
 import pytest
 
 from cache.cache_manager import PoolUsage
-from deployments.metrics import (SPECULATIVE_ACCEPTANCE_LENGTHS, SPECULATIVE_DRAFTS_ACCEPTED,
-                                 SPECULATIVE_DRAFTS_PROPOSED, SPECULATIVE_DRAFTS_TRIMMED,
-                                 SPECULATIVE_STEPS_OVER_BATCH_CAP, SPECULATIVE_VERIFICATION_CHUNKS,
-                                 EngineMetricsExporter)
+from deployments.metrics import (SPECULATIVE_ACCEPTANCE_LENGTHS, SPECULATIVE_DEPTH_ACCEPTED,
+                                 SPECULATIVE_DEPTH_PROPOSED, SPECULATIVE_DRAFTS_ACCEPTED,
+                                 SPECULATIVE_DRAFTS_PROPOSED, SPECULATIVE_DRAFTS_REJECTED,
+                                 SPECULATIVE_DRAFTS_TRIMMED, SPECULATIVE_STEPS_OVER_BATCH_CAP,
+                                 SPECULATIVE_VERIFICATION_CHUNKS, EngineMetricsExporter)
 from engine.core.llm_engine import EngineStats
 from engine.core.scheduler import SchedulerStats
 from engine.speculative.scheduling import SpeculationStats
@@ -46,6 +47,7 @@ def exported_speculation(recorded: RecordingMetrics) -> dict[str, dict]:
     for field, spec in (("verification_chunks", SPECULATIVE_VERIFICATION_CHUNKS),
                         ("draft_tokens_proposed", SPECULATIVE_DRAFTS_PROPOSED),
                         ("draft_tokens_accepted", SPECULATIVE_DRAFTS_ACCEPTED),
+                        ("draft_tokens_rejected", SPECULATIVE_DRAFTS_REJECTED),
                         ("draft_tokens_trimmed", SPECULATIVE_DRAFTS_TRIMMED),
                         ("steps_over_batch_cap", SPECULATIVE_STEPS_OVER_BATCH_CAP)):
         for tags, total in recorded.series(spec).items():
@@ -53,6 +55,10 @@ def exported_speculation(recorded: RecordingMetrics) -> dict[str, dict]:
     for tags, total in recorded.series(SPECULATIVE_ACCEPTANCE_LENGTHS).items():
         tags = dict(tags)
         by_drafter.setdefault(tags["drafter"], {}).setdefault("lengths", {})[int(tags["accepted"])] = total
+    for key, spec in (("depth_proposed", SPECULATIVE_DEPTH_PROPOSED), ("depth_accepted", SPECULATIVE_DEPTH_ACCEPTED)):
+        for tags, total in recorded.series(spec).items():
+            tags = dict(tags)
+            by_drafter.setdefault(tags["drafter"], {}).setdefault(key, {})[int(tags["depth"])] = total
     return by_drafter
 
 
@@ -60,22 +66,30 @@ def as_exported(stats: SpeculationStats) -> dict:
     """What the series of `stats` should add up to (zero counters have no series)."""
     fields = {name: getattr(stats, name) for name in (
         "verification_chunks", "draft_tokens_proposed", "draft_tokens_accepted",
-        "draft_tokens_trimmed", "steps_over_batch_cap") if getattr(stats, name)}
-    lengths = {a: n for a, n in enumerate(stats.acceptance_lengths) if n}
-    return {**fields, "lengths": lengths} if lengths else fields
+        "draft_tokens_rejected", "draft_tokens_trimmed", "steps_over_batch_cap") if getattr(stats, name)}
+    for key, values, first in (("lengths", stats.acceptance_lengths, 0), ("depth_proposed", stats.depth_proposed, 1),
+                               ("depth_accepted", stats.depth_accepted, 1)):
+        by_index = {i: n for i, n in enumerate(values, start=first) if n}
+        if by_index:
+            fields[key] = by_index
+    return fields
 
 
-def ngram(chunks, proposed, accepted, trimmed, lengths, over_cap=0) -> SpeculationStats:
-    return SpeculationStats("ngram", chunks, proposed, accepted, trimmed, list(lengths), over_cap)
+def ngram(chunks, proposed, accepted, trimmed, lengths, over_cap=0, depths=((0, 0, 0), (0, 0, 0))) -> SpeculationStats:
+    return SpeculationStats("ngram", chunks, proposed, accepted, trimmed, list(lengths), over_cap,
+                            list(depths[0]), list(depths[1]))
 
 
 SEQUENCE = [  # k = 3; cumulative, as LLMEngine.stats() returns them
     ngram(0, 0, 0, 0, [0, 0, 0, 0]),
-    ngram(2, 5, 3, 0, [1, 0, 0, 1]),  # one chunk rejected its 2 drafts, one accepted all 3
-    ngram(2, 5, 3, 0, [1, 0, 0, 1]),  # idle: nothing grows
-    ngram(5, 12, 6, 2, [2, 1, 1, 1]),  # three more chunks; a stop dropped 2 accepted drafts
-    ngram(5, 12, 6, 2, [2, 1, 1, 1], over_cap=4),  # four steps over speculative_max_batch_size
-    ngram(9, 24, 15, 2, [2, 2, 2, 3], over_cap=6),
+    # one chunk rejected its 2 drafts, one accepted all 3
+    ngram(2, 5, 3, 0, [1, 0, 0, 1], depths=((2, 2, 1), (1, 1, 1))),
+    ngram(2, 5, 3, 0, [1, 0, 0, 1], depths=((2, 2, 1), (1, 1, 1))),  # idle: nothing grows
+    # three more chunks (3, 2 and 2 drafts; 1, 2 and 0 accepted); a stop dropped 2 accepted drafts
+    ngram(5, 12, 6, 2, [2, 1, 1, 1], depths=((5, 5, 2), (3, 2, 1))),
+    # four steps over speculative_max_batch_size
+    ngram(5, 12, 6, 2, [2, 1, 1, 1], over_cap=4, depths=((5, 5, 2), (3, 2, 1))),
+    ngram(9, 24, 15, 2, [2, 2, 2, 3], over_cap=6, depths=((9, 9, 6), (7, 5, 3))),
 ]
 
 
@@ -88,6 +102,21 @@ def test_each_export_records_the_growth_so_the_series_equal_the_engine_counters(
         assert exported_speculation(recorded) == ({"ngram": want} if want else {})
     assert recorded.series(SPECULATIVE_ACCEPTANCE_LENGTHS) == {
         (("accepted", str(a)), ("drafter", "ngram")): n for a, n in enumerate([2, 2, 2, 3])}
+    assert recorded.series(SPECULATIVE_DRAFTS_REJECTED) == {(("drafter", "ngram"),): 24 - 15}
+    assert recorded.series(SPECULATIVE_DEPTH_ACCEPTED) == {
+        (("depth", str(d)), ("drafter", "ngram")): n for d, n in enumerate([7, 5, 3], start=1)}
+
+
+def test_depth_counters_follow_the_greedy_rule():
+    """SpeculationStats.count_chunk: a draft at depth d counts as accepted only when the
+    first d drafts were, and every draft past the last accepted one counts as rejected."""
+    stats = SpeculationStats("ngram", acceptance_lengths=[0] * 4, depth_proposed=[0] * 3, depth_accepted=[0] * 3)
+    for num_drafts, accepted in ((3, 3), (3, 1), (2, 0), (1, 1)):
+        stats.count_chunk(num_drafts, accepted)
+    assert stats.depth_proposed == [4, 3, 2] and stats.depth_accepted == [3, 1, 1]
+    assert stats.draft_tokens_proposed == 9 and stats.draft_tokens_accepted == 5 and stats.draft_tokens_rejected == 4
+    assert stats.acceptance_lengths == [1, 2, 0, 1] and stats.verification_chunks == 4
+    assert stats.acceptance_by_depth() == [0.75, 1 / 3, 0.5]
 
 
 def test_an_export_that_fails_is_caught_up_by_the_next():

@@ -1,4 +1,5 @@
-"""The MLP's silu(gate) * up on the GPU in one launch (PyTorch runs two, plus the chunk views).
+"""The MLP's silu(gate) * up on the GPU in one launch (PyTorch runs two, plus the chunk views),
+and `softplus`, the elementwise helper the Mamba2 and gated delta-net kernels share.
 
 GPU counterpart of engine/kernels/norm_reference.py:silu_and_mul, with its roundings: silu is
 computed in fp32 and rounded to the input dtype before the product, which is rounded again.
@@ -7,11 +8,28 @@ Shapes: T tokens, I channels.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from engine.kernels.gpu.pdl import launch_options, release_next, wait_for_previous
+
+# Triton's interpreter (TRITON_INTERPRET=1, the CPU checks of tests/gpu) does not emulate
+# libdevice; there softplus takes log(1 + e^x), which differs from log1p only in rounding.
+_INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+
+
+@triton.jit
+def softplus(x):
+    """F.softplus (threshold 20) of an fp32 tensor: x above 20, else log1p(exp(x))."""
+    if _INTERPRETED:
+        smooth = tl.log(1.0 + tl.exp(x))
+    else:
+        smooth = libdevice.log1p(tl.exp(x))
+    return tl.where(x > 20.0, x, smooth)
 
 
 @triton.jit

@@ -328,62 +328,44 @@ def verification_only_plan(
 
 @dataclass(frozen=True)
 class VerificationIndex:
-    """Where the verification chunks' positions are, on the host. V chunks sorted by length,
-    longest first (stable); n = the longest length.
+    """Where the verification chunks' positions are, on the host. V chunks, n = the longest
+    length: chunk v's rows first_rows[v] .. first_rows[v] + lengths[v] - 1 (V,) each;
+    source_slots (V,) the chunks' own state slots (only read); scratch_slots (n, V) the
+    scratch slot of position i of chunk v (all n of the chunk's own; those past its length
+    are not written)."""
 
-    rows (n, V): the flat row of position i of chunk v (a chunk shorter than n repeats its
-    last row there: read, never written back); scratch_slots (n, V): the scratch slot of
-    position i (all n of the chunk's own: one past its length is written but never committed);
-    source_slots (V,): the chunks' own state slots; active (n,): how many chunks (a prefix)
-    have a position i."""
-
-    rows: np.ndarray
-    scratch_slots: np.ndarray
+    first_rows: np.ndarray
+    lengths: np.ndarray
     source_slots: np.ndarray
-    active: tuple[int, ...]
+    scratch_slots: np.ndarray
 
 
 @dataclass(frozen=True)
 class VerificationPlan:
     """The recurrent mixers' view of a step with verification chunks (GpuBatchPlan.verification),
-    device tensors of a VerificationIndex.
+    device tensors of a VerificationIndex, the arguments of the one-pass verification kernels
+    (engine/kernels/gpu/mamba_verify.py, delta_rule_verify.py).
 
     rest: the plan of the step's other chunks, rows [0, num_rest_rows) (None when there are
-    none); rows (n, V) and scratch_slots (n, V); source_slots (V,); for each position i,
-    position_rows[i], position_slots[i] (scratch slot i) and position_sources[i] (the slot
-    holding the state before position i: the request's for i = 0, scratch slot i - 1 after),
-    each (active[i],) and 16-byte aligned (to_device); no_reset (V,) zeros; chunk_bounds
-    (V + 1,) 0, 1, .., V: its first a + 1 are the cu_seqlens, its first a the token_chunk,
-    of a one-token chunks (the varlen conv's arguments for one position)."""
+    none); first_rows, lengths, source_slots (V,) and scratch_slots (n, V), int64, each
+    16-byte aligned (to_device)."""
 
     rest: GpuBatchPlan | None
     num_rest_rows: int
-    rows: torch.Tensor
-    scratch_slots: torch.Tensor
+    first_rows: torch.Tensor
+    lengths: torch.Tensor
     source_slots: torch.Tensor
-    position_rows: tuple[torch.Tensor, ...]
-    position_slots: tuple[torch.Tensor, ...]
-    position_sources: tuple[torch.Tensor, ...]
-    no_reset: torch.Tensor
-    chunk_bounds: torch.Tensor
+    scratch_slots: torch.Tensor
 
 
 def build_verification_plan(index: VerificationIndex, rest: GpuBatchPlan | None, num_rest_rows: int,
                             device: torch.device) -> VerificationPlan:
     """VerificationPlan of `index`, its tensors in one host-to-device copy."""
-    n, num_chunks = index.rows.shape
-    per_position = []
-    for i, active in enumerate(index.active):
-        source = index.source_slots if i == 0 else index.scratch_slots[i - 1]
-        per_position += [index.rows[i, :active], index.scratch_slots[i, :active], source[:active]]
-    rows, scratch, sources, no_reset, bounds, *positions = to_device(
-        [index.rows.ravel(), index.scratch_slots.ravel(), index.source_slots,
-         np.zeros(num_chunks, dtype=np.int64), np.arange(num_chunks + 1, dtype=np.int64), *per_position], device)
+    first_rows, lengths, sources, scratch = to_device(
+        [index.first_rows, index.lengths, index.source_slots, index.scratch_slots.ravel()], device)
     return VerificationPlan(
-        rest=rest, num_rest_rows=num_rest_rows, rows=rows.view(n, num_chunks),
-        scratch_slots=scratch.view(n, num_chunks), source_slots=sources,
-        position_rows=tuple(positions[0::3]), position_slots=tuple(positions[1::3]),
-        position_sources=tuple(positions[2::3]), no_reset=no_reset, chunk_bounds=bounds,
+        rest=rest, num_rest_rows=num_rest_rows, first_rows=first_rows, lengths=lengths,
+        source_slots=sources, scratch_slots=scratch.view(index.scratch_slots.shape),
     )
 
 

@@ -26,8 +26,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
+from engine.kernels.gpu.activation import softplus
 from engine.kernels.gpu.in_pass_capture import SCAN_CHUNK, InPassCapturePlan, ScanChunks, scan_with_captures
 from engine.kernels.gpu.pdl import launch_options, release_next, wait_for_previous
 
@@ -129,7 +129,7 @@ def _scan_inputs_kernel(
     row = tl.maximum(row, 0)
     src = xbc_ptr + row * stride_xt
     dt = tl.load(dt_ptr + row * stride_dtt + h).to(tl.float32) + tl.load(dt_bias_ptr + h)
-    dt = tl.where(dt > 20.0, dt, libdevice.log1p(tl.exp(dt)))  # F.softplus, threshold 20
+    dt = softplus(dt)
     dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
     dt = tl.where(real, dt, 0.0)
     if HAS_VALID:  # a padding row of a graph: decay 1 and no input, the state passes unchanged
@@ -236,6 +236,24 @@ def decode_program(
 
 
 @triton.jit
+def ssd_state_step(
+    x, b,  # (BLOCK_P,) the token's x slice of one head, (BLOCK_N,) its group's B; fp32
+    dt_raw, dt_bias, a_log,  # the head's raw dt, dt_bias and A_log, fp32 scalars
+    dt_min, dt_max,
+    state,  # (BLOCK_P, BLOCK_N) fp32, the old state
+):
+    """The SSD state update of a head's BLOCK_P state rows: dt = clamp(softplus(dt_raw +
+    dt_bias)) (F.softplus, threshold 20), A = -exp(A_log), returns exp(dt A) state + dt x B^T
+    (fp32). The one definition of the update for the decode kernels and mamba_verify.py."""
+    dt = dt_raw + dt_bias
+    dt = softplus(dt)
+    dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
+    a = -tl.exp(a_log)
+    decay = tl.exp(dt * a)
+    return state * decay + (dt * x)[:, None] * b[None, :]
+
+
+@triton.jit
 def ssd_decode_step(
     x, b, c,  # (BLOCK_P,) the token's x slice of one head, (BLOCK_N,) its group's B and C; fp32
     dt_raw, dt_bias, a_log,  # the head's raw dt, dt_bias and A_log, fp32 scalars
@@ -243,17 +261,11 @@ def ssd_decode_step(
     state,  # (BLOCK_P, BLOCK_N) fp32, the old state (zeros for a reset row), loaded by the caller
     tile, tile_mask,  # (BLOCK_P, BLOCK_N) pointers into the head's fp32 state (P rows, N columns)
 ):
-    """One SSD step of a head's BLOCK_P state rows: dt = clamp(softplus(dt_raw + dt_bias))
-    (F.softplus, threshold 20), A = -exp(A_log), state = exp(dt A) state + dt x B^T, stored to
-    `tile`, y = state C. Returns y (BLOCK_P,) fp32. The one definition of the step for
+    """One SSD step of a head's BLOCK_P state rows: the state update (ssd_state_step), stored
+    to `tile`, and y = state C. Returns y (BLOCK_P,) fp32. The one definition of the step for
     _decode_kernel and mamba_decode.py's fused kernel (which loads the old state before its
     PDL wait, so the load is the caller's)."""
-    dt = dt_raw + dt_bias
-    dt = tl.where(dt > 20.0, dt, libdevice.log1p(tl.exp(dt)))
-    dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
-    a = -tl.exp(a_log)
-    decay = tl.exp(dt * a)
-    state = state * decay + (dt * x)[:, None] * b[None, :]
+    state = ssd_state_step(x, b, dt_raw, dt_bias, a_log, dt_min, dt_max, state)
     tl.store(tile, state, mask=tile_mask)
     return tl.sum(state * c[None, :], axis=1)
 
