@@ -6,9 +6,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cache.checkpoint_keys import CheckpointKind
+from cache.eviction import EvictionPolicy
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "tiny-granite-hybrid"
 CHECKPOINT_SLOTS = tuple(kind.value for kind in CheckpointKind)  # the order captures keep
+EVICTION_POLICIES = tuple(policy.value for policy in EvictionPolicy)
 SPECULATIVE_DRAFTERS = ("ngram", "mtp")
 MAX_SPECULATIVE_TOKENS = 16
 
@@ -54,6 +56,16 @@ class EngineConfig:
                                           "outside the KV blocks (recurrent state, attention "
                                           "tail, hidden row), per rank; the KV blocks they "
                                           "reference count against kv_cache_bytes.")
+    checkpoint_eviction: str = _option("value", "Which checkpoint goes first when a budget is "
+                                       "full: value (least prefill compute saved per byte "
+                                       "held, halved every checkpoint_value_half_life uses of "
+                                       "the tier since it was last used) or lru (least "
+                                       "recently used). Each tenant keeps its fair share "
+                                       "either way.")
+    checkpoint_value_half_life: float = _option(128.0, "With checkpoint_eviction value: after "
+                                                "this many checkpoint publications and hits "
+                                                "without a use, a checkpoint counts half as "
+                                                "valuable.")
     dtype: str = _option("float32", "Model dtype: float32, bfloat16 or float16.")
     device: str = _option("cpu", "cpu, or cuda (one GPU per rank).")
     seed: int = _option(0, "torch seed of the workers, and of sampling for requests without "
@@ -114,6 +126,12 @@ class EngineConfig:
         object.__setattr__(self, "checkpoint_slots", canonical)
         if self.checkpoint_cache_bytes < 0:
             raise ValueError("checkpoint_cache_bytes must be >= 0")
+        if self.checkpoint_eviction not in EVICTION_POLICIES:
+            raise ValueError(f"checkpoint_eviction must be one of {list(EVICTION_POLICIES)}, "
+                             f"got {self.checkpoint_eviction!r}")
+        half_life = self.checkpoint_value_half_life
+        if isinstance(half_life, bool) or not isinstance(half_life, (int, float)) or not half_life > 0:
+            raise ValueError(f"checkpoint_value_half_life must be a number > 0, got {half_life!r}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.dtype not in ("float32", "bfloat16", "float16"):

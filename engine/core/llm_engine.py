@@ -26,9 +26,11 @@ from transformers import AutoTokenizer
 from cache.cache_manager import CacheManager, PoolUsage
 from cache.checkpoint_keys import CheckpointKind, Namespace
 from cache.checkpoint_ledger import KindCounters
+from cache.eviction import make_order
 from engine.checkpoints.capture_events import CheckpointEvent, CheckpointEventFeed
 from engine.checkpoints.import_checks import ImportExpectations, expected_shard_layout
 from engine.checkpoints.policy import CheckpointPolicy
+from engine.checkpoints.prefill_cost import prefill_cost
 from engine.checkpoints.sources import CheckpointSource
 from engine.checkpoints.transfer import ExportedCheckpoint, model_identity
 from engine.core.checkpoint_exchange import CheckpointExchange, ImportResult, TransferCounters
@@ -106,6 +108,8 @@ class LLMEngine:
             checkpoint_bytes=config.checkpoint_cache_bytes,
             sizing=capacity.bundle_sizing,
             listener=self.checkpoint_events,
+            order=make_order(config.checkpoint_eviction, prefill_cost(model_config),
+                             config.checkpoint_value_half_life),
         )
         checkpoints = CheckpointPolicy(
             cache,
