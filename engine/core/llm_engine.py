@@ -105,7 +105,7 @@ class LLMEngine:
             capacity.num_blocks,
             capacity.num_state_slots,
             capacity.block_size,
-            checkpoint_bytes=config.checkpoint_cache_bytes,
+            checkpoint_bytes=capacity.checkpoint_bytes,
             sizing=capacity.bundle_sizing,
             listener=self.checkpoint_events,
             order=make_order(config.checkpoint_eviction, prefill_cost(model_config),

@@ -35,6 +35,7 @@ from engine.execution.token_readback import PendingTokens, TokenReadback
 from engine.interfaces.output_rows import RowRef, gather_rows
 from engine.interfaces.step_io import CaptureOp, RunnerOutput, ScheduledChunk, SchedulerOutput
 from engine.parallel.cache_capacity import CacheCapacity, size_caches
+from engine.parallel.memory_budget import needs_free_memory, rank_free_memory
 from engine.parallel.tensor_parallel import TensorParallel
 from engine.routes.forward_routes import CapturingPass, EagerPass, ForwardRoute, GraphScratch, SampledTokens
 from engine.routes.graph_routes import capture_graph_routes
@@ -73,7 +74,9 @@ class Worker:
             config.model_dir, dtype=getattr(torch, config.dtype), device=self.device, tp=tp
         )
         self.rank = self.model.tp.rank
-        self.capacity = size_caches(config, self.model_config, self.model.tp)
+        # budgets from memory_utilization are sized from what the weights left free
+        memory = rank_free_memory(self.device, self.model.tp) if needs_free_memory(config) else None
+        self.capacity = size_caches(config, self.model_config, self.model.tp, memory)
         # On one CUDA device decode steps and short single-chunk prefill steps replay CUDA
         # graphs (engine/routes/decode_graphs.py, engine/routes/prefill_graphs.py), whose padding rows need a
         # state slot and a KV block that the scheduler never hands out: one of each is
