@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from cache.block_pool import BlockPool
 from cache.checkpoint_keys import CheckpointKind, Namespace
-from cache.checkpoint_ledger import BundleListener, CheckpointLedger, Hit, PublishOutcome
+from cache.checkpoint_ledger import Bundle, BundleListener, CheckpointLedger, Hit, PublishOutcome
 from cache.eviction import EvictionOrder
 from cache.state_pool import StatePool
 
@@ -191,6 +191,21 @@ class CacheManager:
         """Ids of bundles forgotten since the last call (the workers free their tensors)."""
         dropped, self._dropped_bundles = self._dropped_bundles, []
         return tuple(dropped)
+
+    def keep_evicted(self) -> None:
+        """From now on, remember every bundle evicted (not dropped otherwise) until
+        take_evicted: a lower tier copies them out before their blocks are written again."""
+        if self.ledger.evicted is None:
+            self.ledger.evicted = []
+
+    def take_evicted(self) -> list[Bundle]:
+        """The records of the bundles evicted since the last call (keep_evicted), oldest first.
+        Their block ids still hold their K/V, and the workers their tensors, until the next step
+        is submitted; nothing references them any more."""
+        evicted = self.ledger.evicted or []
+        if evicted:
+            self.ledger.evicted = []
+        return evicted
 
     def return_dropped_bundles(self, bundle_ids: tuple[int, ...]) -> None:
         """Bundle ids taken for a step that failed: the next take_dropped_bundles yields them

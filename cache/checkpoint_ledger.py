@@ -118,6 +118,8 @@ class CheckpointLedger:
         self._bundles: dict[BundleId, Bundle] = {}
         self.order: EvictionOrder = order if order is not None else LruOrder()  # published ones
         self.block_bytes = block_bytes
+        # the bundles evict_one / evict_until dropped, for a lower tier to take (keep_evicted)
+        self.evicted: list[Bundle] | None = None
         self._bundle_refs: Counter[int] = Counter()  # block -> references bundles hold (> 0)
         self._next_id = 0
         self._bytes_held = 0
@@ -350,6 +352,8 @@ class CheckpointLedger:
     def _evict(self, bundle: Bundle) -> None:
         assert bundle.pin_count == 0 and bundle.state is BundleState.PUBLISHED
         self.counters[bundle.kind].evicted += 1
+        if self.evicted is not None:
+            self.evicted.append(bundle)
         self._drop(bundle)
 
     def _drop(self, bundle: Bundle) -> None:

@@ -69,6 +69,13 @@ class EngineConfig:
                                                  "blocks they reference count against "
                                                  "kv_cache_bytes. Unset: from "
                                                  "memory_utilization, else 64 MiB.")
+    host_checkpoint_bytes: int | None = _option(None, "Host memory (pinned on cuda, plain RAM on "
+                                                "cpu) for checkpoints evicted from the "
+                                                "device's budgets: a request that needs one "
+                                                "waits while it is copied back, instead of "
+                                                "recomputing it (docs/checkpoints.md, Memory); "
+                                                "0 turns this tier off. One rank only for now. "
+                                                "Unset: from memory_utilization, else off.")
     checkpoint_eviction: str = _option("value", "Which checkpoint goes first when a budget is "
                                        "full: value (least prefill compute saved per byte "
                                        "held, halved every checkpoint_value_half_life uses of "
@@ -151,8 +158,9 @@ class EngineConfig:
     def _check_budgets(self) -> None:
         """Byte budgets are integers (kv and state > 0, checkpoints >= 0) or unset;
         memory_utilization a number in (0, 1] or unset. Without memory_utilization an unset
-        budget becomes DEFAULT_BUDGET_BYTES here; with it, the worker sizes it from memory
-        (engine/parallel/memory_budget.py)."""
+        budget becomes DEFAULT_BUDGET_BYTES here (the host tier's 0: off); with it, the worker
+        sizes it from memory (engine/parallel/memory_budget.py). The host tier needs one
+        rank."""
         share = self.memory_utilization
         if share is not None and (isinstance(share, bool) or not isinstance(share, (int, float))
                                   or not 0 < share <= 1):
@@ -165,6 +173,14 @@ class EngineConfig:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"{name} must be an integer >= {least} or unset, got {value!r}")
+        host = self.host_checkpoint_bytes
+        if host is None and share is None:
+            object.__setattr__(self, "host_checkpoint_bytes", 0)
+        elif host is not None and (isinstance(host, bool) or not isinstance(host, int) or host < 0):
+            raise ValueError(f"host_checkpoint_bytes must be an integer >= 0 or unset, got {host!r}")
+        elif host and self.tensor_parallel_size > 1:
+            raise ValueError("host_checkpoint_bytes > 0 needs tensor_parallel_size 1 for now (the host "
+                             "tier copies evicted checkpoints out of the model in this process); set it to 0")
 
     def _check_speculation(self) -> None:
         """Speculative decoding (engine/speculative/): k in [0, MAX_SPECULATIVE_TOKENS], a known

@@ -37,6 +37,7 @@ class CacheCapacity:
     max_model_len: int
     bundle_sizing: BundleSizing
     checkpoint_bytes: int = 0  # the checkpoint budget (checkpoint_cache_bytes, or from memory)
+    host_checkpoint_bytes: int = 0  # the host tier's budget (0: off)
     world_size: int = 1  # tensor-parallel ranks that must confirm each capture
     # The worker can capture at a position inside a prefill chunk during its forward pass
     # (CaptureOp.in_pass): the CUDA path of a single rank.
@@ -141,6 +142,7 @@ def size_caches(config: EngineConfig, model_config: HybridModelConfig, tp: Tenso
         block_size=config.block_size,
         max_model_len=max_model_len,
         checkpoint_bytes=budgets.checkpoint_bytes,
+        host_checkpoint_bytes=budgets.host_checkpoint_bytes,
         world_size=tp.world_size,
         in_pass_capture=config.device.startswith("cuda") and tp.world_size == 1,
         bundle_sizing=BundleSizing(

@@ -14,11 +14,15 @@ With memory_utilization u, each budget not given in bytes comes from memory:
     KV blocks      KV_SHARE of the total, plus the state's surplus
     checkpoints    CHECKPOINT_SHARE of the total (state, attention tail and hidden row of the
                    checkpoints on the device; their full KV blocks are in the KV budget)
+    host tier      u * HOST_TIER_SHARE of the RAM available: checkpoints evicted from the
+                   device (engine/checkpoints/host_tier.py); a budget of its own on cpu too;
+                   off (0) with more than one rank
 
 A budget given in bytes is taken as it is and the others keep their shares (nothing is
 redistributed but the state's surplus). With tensor parallelism every rank takes the smallest
 free memory of all ranks, so that all of them size the same number of blocks and slots.
-Without memory_utilization every budget not given is DEFAULT_BUDGET_BYTES (EngineConfig).
+Without memory_utilization every budget not given is DEFAULT_BUDGET_BYTES (EngineConfig), and
+the host tier is off.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from engine.engine_config import EngineConfig
 from engine.parallel.tensor_parallel import TensorParallel
 
 CPU_RAM_SHARE = 0.25
+HOST_TIER_SHARE = 0.25
 KV_SHARE, STATE_SHARE, CHECKPOINT_SHARE = 0.5, 0.1, 0.4
 MEMINFO = Path("/proc/meminfo")
 
@@ -53,6 +58,7 @@ class CacheBudgets:
     kv_bytes: int
     state_bytes: int
     checkpoint_bytes: int
+    host_checkpoint_bytes: int
     from_memory: tuple[str, ...] = ()
 
 
@@ -89,14 +95,16 @@ def needs_free_memory(config: EngineConfig) -> bool:
     """Whether some budget comes from memory (memory_utilization is set and a budget is not
     given in bytes)."""
     return config.memory_utilization is not None and None in (
-        config.kv_cache_bytes, config.state_cache_bytes, config.checkpoint_cache_bytes)
+        config.kv_cache_bytes, config.state_cache_bytes, config.checkpoint_cache_bytes,
+        config.host_checkpoint_bytes)
 
 
 def cache_budgets(config: EngineConfig, state_slot_bytes: int, memory: FreeMemory | None) -> CacheBudgets:
     """The budgets of the module doc. `memory` may be None only when no budget comes from
     memory (needs_free_memory is False)."""
     if not needs_free_memory(config):
-        return CacheBudgets(config.kv_cache_bytes, config.state_cache_bytes, config.checkpoint_cache_bytes)
+        return CacheBudgets(config.kv_cache_bytes, config.state_cache_bytes, config.checkpoint_cache_bytes,
+                            config.host_checkpoint_bytes)
     if memory is None:
         raise ValueError("memory_utilization needs the free memory of the device")
     total = config.memory_utilization * memory.device_bytes
@@ -113,4 +121,7 @@ def cache_budgets(config: EngineConfig, state_slot_bytes: int, memory: FreeMemor
     surplus = STATE_SHARE * total - state if config.state_cache_bytes is None else 0
     kv = pick(config.kv_cache_bytes, "kv_cache_bytes", KV_SHARE * total + surplus)
     checkpoint = pick(config.checkpoint_cache_bytes, "checkpoint_cache_bytes", CHECKPOINT_SHARE * total)
-    return CacheBudgets(kv, state, checkpoint, tuple(derived))
+    host_share = HOST_TIER_SHARE if config.tensor_parallel_size == 1 else 0.0
+    host = pick(config.host_checkpoint_bytes, "host_checkpoint_bytes",
+                config.memory_utilization * host_share * memory.host_bytes)
+    return CacheBudgets(kv, state, checkpoint, host, tuple(derived))

@@ -17,7 +17,7 @@ from engine.parallel.cache_capacity import (
     CacheBudgetError, check_cache_budgets, kv_bytes_per_block, size_caches, state_bytes_per_slot,
 )
 from engine.parallel.memory_budget import (
-    CHECKPOINT_SHARE, CPU_RAM_SHARE, KV_SHARE, STATE_SHARE, FreeMemory, cache_budgets, free_memory,
+    CHECKPOINT_SHARE, CPU_RAM_SHARE, HOST_TIER_SHARE, KV_SHARE, STATE_SHARE, FreeMemory, cache_budgets, free_memory,
     rank_free_memory,
 )
 from engine.parallel.shard_layout import rank_shard_layout
@@ -74,8 +74,13 @@ def test_the_split_of_memory_utilization():
     assert budgets.state_bytes == 16 * slot  # capped: more slots than max_num_seqs are never used
     assert budgets.kv_bytes == int(KV_SHARE * total + STATE_SHARE * total - 16 * slot)  # with the state's surplus
     assert budgets.checkpoint_bytes == int(CHECKPOINT_SHARE * total)
-    assert set(budgets.from_memory) == {"kv_cache_bytes", "state_cache_bytes", "checkpoint_cache_bytes"}
+    assert budgets.host_checkpoint_bytes == int(0.5 * HOST_TIER_SHARE * 64 * GIB)  # of the host's RAM
+    assert set(budgets.from_memory) == {"kv_cache_bytes", "state_cache_bytes", "checkpoint_cache_bytes",
+                                        "host_checkpoint_bytes"}
     assert budgets.kv_bytes + budgets.state_bytes + budgets.checkpoint_bytes <= total
+    two_ranks = cache_budgets(EngineConfig(memory_utilization=0.5, tensor_parallel_size=2), slot,
+                              FreeMemory(device_bytes=10 * GIB, host_bytes=64 * GIB))
+    assert two_ranks.host_checkpoint_bytes == 0  # the host tier needs one rank
 
 
 def test_a_small_memory_gives_the_state_only_its_share():
@@ -92,15 +97,16 @@ def test_budgets_given_in_bytes_win_over_memory_utilization():
     config = EngineConfig(memory_utilization=0.9, kv_cache_bytes=123 << 20, checkpoint_cache_bytes=0)
     budgets = cache_budgets(config, slot, FreeMemory(device_bytes=4 * GIB, host_bytes=0))
     assert (budgets.kv_bytes, budgets.checkpoint_bytes) == (123 << 20, 0)
-    assert budgets.from_memory == ("state_cache_bytes",)
+    assert budgets.from_memory == ("state_cache_bytes", "host_checkpoint_bytes")
     everything = EngineConfig(memory_utilization=0.9, kv_cache_bytes=1 << 20, state_cache_bytes=2 << 20,
-                              checkpoint_cache_bytes=3 << 20)
+                              checkpoint_cache_bytes=3 << 20, host_checkpoint_bytes=0)
     assert cache_budgets(everything, slot, None).from_memory == ()  # no memory needed
 
 
 def test_without_memory_utilization_unset_budgets_are_the_default():
     config = EngineConfig()
     assert (config.kv_cache_bytes, config.state_cache_bytes, config.checkpoint_cache_bytes) == (DEFAULT_BUDGET_BYTES,) * 3
+    assert config.host_checkpoint_bytes == 0  # off
     assert EngineConfig(memory_utilization=0.5).kv_cache_bytes is None  # the worker sizes it
     for bad in (0, 1.5, -0.1, True, "0.9"):
         with pytest.raises(ValueError, match="memory_utilization"):
@@ -117,6 +123,7 @@ def test_gpu_sizing_from_mocked_free_memory():
     assert capacity.num_state_slots == 64 and capacity.max_model_len == 4096
     assert capacity.num_blocks == int(KV_SHARE * total + STATE_SHARE * total - 64 * slot) // block
     assert capacity.checkpoint_bytes == int(CHECKPOINT_SHARE * total)
+    assert capacity.host_checkpoint_bytes == int(0.9 * HOST_TIER_SHARE * 64 * GIB)
     with pytest.raises(CacheBudgetError, match="kv_cache_bytes from memory_utilization=0.9 .* raise memory_utilization"):
         size_caches(config, TINY, SINGLE, FreeMemory(device_bytes=1 << 20, host_bytes=0))
 
