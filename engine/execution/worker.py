@@ -27,15 +27,19 @@ from dataclasses import dataclass, replace
 import torch
 
 from engine.checkpoints.bundle_store import CheckpointStore
-from engine.checkpoints.shards import ExportShardOp, ImportShardOp, gather_shard, scatter_shard, shard_misfit
+from engine.checkpoints.shards import (
+    ExportShardOp, ImportShardOp, gather_host_shard, gather_shard, scatter_shard, shard_misfit,
+)
 from engine.checkpoints.transfer import CheckpointShard
 from engine.engine_config import EngineConfig
+from engine.execution.executor import DemotesToHost
 from engine.execution.loader import load_model
 from engine.execution.sampler import Sampler
 from engine.execution.token_readback import PendingTokens, TokenReadback
 from engine.interfaces.output_rows import RowRef, gather_rows
 from engine.interfaces.step_io import CaptureOp, RunnerOutput, ScheduledChunk, SchedulerOutput
 from engine.parallel.cache_capacity import CacheCapacity, size_caches
+from engine.parallel.memory_budget import needs_free_memory, rank_free_memory
 from engine.parallel.tensor_parallel import TensorParallel
 from engine.routes.cpu_decode import CompiledDecodePass
 from engine.routes.forward_routes import CapturingPass, EagerPass, ForwardRoute, GraphScratch, SampledTokens
@@ -63,7 +67,7 @@ def store_sampled(pool: torch.Tensor, tokens: torch.Tensor) -> None:
     pool[: tokens.shape[0]].copy_(tokens)
 
 
-class Worker:
+class Worker(DemotesToHost):
     """tp: the tensor-parallel rank this worker is (None: the only one). Every rank loads only
     its shard and allocates its own KV heads and state channels. The cache byte budgets are per
     rank; every rank holds as many KV heads, Mamba heads and groups as the others, so the
@@ -78,7 +82,9 @@ class Worker:
         self.rank = self.model.tp.rank
         # speculation left unset: the policy's choice, as LLMEngine resolves it (policy.py)
         config, _ = resolve_speculation(config, self.model_config)
-        self.capacity = size_caches(config, self.model_config, self.model.tp)
+        # budgets from memory_utilization are sized from what the weights left free
+        memory = rank_free_memory(self.device, self.model.tp) if needs_free_memory(config) else None
+        self.capacity = size_caches(config, self.model_config, self.model.tp, memory)
         # On one CUDA device decode steps and short single-chunk prefill steps replay CUDA
         # graphs (engine/routes/decode_graphs.py, engine/routes/prefill_graphs.py), whose padding rows need a
         # state slot and a KV block that the scheduler never hands out: one of each is
@@ -286,6 +292,22 @@ class Worker:
             return False
         self.checkpoints.insert(op.bundle_id, scatter_shard(self.caches, shard, op.block_ids))
         return True
+
+    def demote_shards(self, op: ExportShardOp) -> tuple[list[CheckpointShard | None], object | None]:
+        """DemotesToHost: this rank's shard of bundle op.bundle_id in host memory (pinned on
+        cuda, copied by non-blocking copies on the current stream), and the event that follows
+        them (None off cuda). Steps may be in flight: a published bundle's full blocks and
+        tensors are written by no step (a request writes K/V only past its restored tokens),
+        and the copies are queued before the next step's kernels."""
+        bundle = self.checkpoints.get(op.bundle_id)
+        if bundle is None:
+            return [None], None
+        shard = gather_host_shard(self.caches, bundle, op.block_ids, op.num_tokens, self.rank)
+        if self.device.type != "cuda":
+            return [shard], None
+        event = torch.cuda.Event()
+        event.record()
+        return [shard], event
 
     def export_shards(self, op: ExportShardOp) -> list[CheckpointShard | None]:
         """ModelExecutor: the shards of every rank, in rank order (here: this one)."""

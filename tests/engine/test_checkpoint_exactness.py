@@ -39,6 +39,7 @@ from tests.engine.exactness import Tally, run_workload, tight_config
         ("tight: eviction + preemption, budget 64", None, 64, None),
         ("tight: eviction + preemption, budget 64, no async scheduling", {"async_scheduling": False}, 64, 0.05),
         ("budget 256, 4 seqs", EngineConfig(max_num_batched_tokens=256, max_num_seqs=4), 64, 0.5),
+        ("tight, with the host tier", {"host_checkpoint_bytes": 64 << 20}, 64, 0.05),
     ],
 )
 def test_checkpointed_requests_match_requests_computed_from_scratch(label, config, num_requests, min_hit_rate):
@@ -61,3 +62,5 @@ def test_checkpointed_requests_match_requests_computed_from_scratch(label, confi
     if "tight" in label:
         assert stats.scheduler.preemptions > 0
         assert sum(c.evicted for c in stats.checkpoints.values()) > 0
+    if "host tier" in label:  # evicted checkpoints were demoted and some came back
+        assert stats.host_tier.demoted > 0 and stats.host_tier.promoted > 0
