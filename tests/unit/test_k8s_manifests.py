@@ -27,6 +27,8 @@ from deployments.config import parse_app_config
 REPO = Path(__file__).resolve().parents[2]
 K8S_DIR = REPO / "k8s"
 SERVE_CONFIG = REPO / "serve_config.yaml"
+# the local config each manifest carries the application of
+LOCAL_CONFIGS = {"rayservice-cpu.yaml": SERVE_CONFIG, "rayservice-gpu.yaml": REPO / "serve_config_gpu.yaml"}
 CRD_FILE = REPO.parent / "shared" / "k8s" / "ray.io_rayservices.yaml"
 
 SERVE_PORT = 8000
@@ -240,7 +242,7 @@ def test_deployment_classes_are_found():
 @pytest.mark.parametrize("path,service", RAY_SERVICES, ids=RAY_SERVICE_IDS)
 def test_args_parse_and_match_serve_config_yaml(path, service):
     app = _application(service)
-    (local_app,) = yaml.safe_load(SERVE_CONFIG.read_text())["applications"]
+    (local_app,) = yaml.safe_load(LOCAL_CONFIGS[Path(path).name].read_text())["applications"]
     args, local_args = app["args"], local_app["args"]
 
     config = parse_app_config(args)  # pydantic only: model_dir is not opened
