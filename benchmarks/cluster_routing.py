@@ -7,7 +7,9 @@ checkpoint-aware routing, and with routing plus checkpoint transfer.
         --out benchmarks/results/cluster_routing_threshold1.json  # holders overflow
     .venv/bin/python benchmarks/cluster_routing.py --requests 12 --rounds 1 --out /tmp/cr.json
 
-Starts Ray (256 MiB object store) and one Serve instance (HTTP on --port), then for each
+Starts Ray (256 MiB object store) with the lean path's environment (benchmarks/lean_cluster.py;
+--no-lean: without it, and without the ingress_routing mode), so that one Serve instance (HTTP
+on --port, behind HAProxy) runs every mode, then for each
 round and each mode, in an order rotated every round (so a slow drift of the shared machine
 hits every mode alike), one after the other:
   1. deploys deployments.app:build_app on the embedded tiny model with --replicas LLM server
@@ -18,8 +20,13 @@ hits every mode alike), one after the other:
                          ids (benchmarks/prefix_affinity_router.py: what it takes, and why)
        routing           checkpoint_routing true
        routing+transfer  checkpoint_routing true, checkpoint_transfer true
+       ingress_routing   the lean path (deployments/serving_path.py): checkpoint_routing
+                         true, direct_ingress true: HAProxy asks the CheckpointIngressRouter,
+                         which renders the body, where each request goes
      (a mode whose AppConfig key does not exist in this checkout, or prefix_affinity when
      the router does not import, is skipped, with the reason printed and written to the JSON);
+     the other modes set direct_ingress false: the classic graph, whose ingress routes each
+     generation through its LLMServer handle;
   2. warms every replica up (short requests under a salt of their own, until each replica's
      engine has computed a prompt) and, with routing, the router: one warm-up prompt again
      and again until the router has sent it to its holder (its mirror of the index is
@@ -92,10 +99,13 @@ class Mode:
 
 
 MODES = (
-    Mode("default", {"checkpoint_routing": False}),
-    Mode("prefix_affinity", {"checkpoint_routing": False}, affinity_router=True),
-    Mode("routing", {"checkpoint_routing": True}),
-    Mode("routing+transfer", {"checkpoint_routing": True, "checkpoint_transfer": True}),
+    Mode("default", {"checkpoint_routing": False, "direct_ingress": False}),
+    Mode("prefix_affinity", {"checkpoint_routing": False, "direct_ingress": False},
+         affinity_router=True),
+    Mode("routing", {"checkpoint_routing": True, "direct_ingress": False}),
+    Mode("routing+transfer", {"checkpoint_routing": True, "checkpoint_transfer": True,
+                              "direct_ingress": False}),
+    Mode("ingress_routing", {"checkpoint_routing": True, "direct_ingress": True}),
 )
 MODE_NAMES = tuple(m.name for m in MODES)
 
@@ -396,14 +406,15 @@ def deploy(mode: Mode, config, app_name: str, replicas: int) -> None:
 
     import deployments.app
 
-    original = deployments.app.LLMServer
+    original = deployments.app.LLMServer, deployments.app.LLMServerIngressDeployment
     router = {"request_router_config": affinity_router_config(config)} if mode.affinity_router else {}
-    deployments.app.LLMServer = original.options(num_replicas=replicas, **router)
+    deployments.app.LLMServer = original[0].options(num_replicas=replicas, **router)
+    deployments.app.LLMServerIngressDeployment = original[1].options(num_replicas=replicas, **router)
     try:
         serve.run(deployments.app.build_app(config.model_dump()), name=app_name,
                   route_prefix=ROUTE_PREFIX)
     finally:
-        deployments.app.LLMServer = original
+        deployments.app.LLMServer, deployments.app.LLMServerIngressDeployment = original
 
 
 async def _warm_request(client, url: str, salt: str, n: int | str) -> None:
@@ -558,6 +569,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--store-mib", type=int, default=128,
                    help="routing+transfer's checkpoint_store_bytes, in MiB (object store: 256)")
     p.add_argument("--port", type=int, default=8251)
+    p.add_argument("--no-lean", dest="lean", action="store_false",
+                   help="start Ray without the lean path's environment (classic modes only)")
     p.add_argument("--metrics-port", type=int, default=8261,
                    help="Ray's metrics agent (the router's decisions are read there)")
     add_out_argument(p, BENCHMARK)
@@ -582,6 +595,17 @@ def affinity_router_source() -> str:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.lean:
+        # before anything imports Ray Serve's modules, which read these once
+        import os
+
+        from lean_cluster import lean_env
+
+        os.environ.update(lean_env())
+        # an app deleted between passes drains its ingress for this long (Serve's floor: 30 s)
+        os.environ["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] = "1"
+    elif "ingress_routing" in args.modes:
+        args.modes = [m for m in args.modes if m != "ingress_routing"]
     from deployments.config import AppConfig
     from engine.engine_config import DEFAULT_MODEL_DIR
     from hybrid_serve_bench.tokens import TokenizerCounter

@@ -417,7 +417,8 @@ async def throughput(args, model: str, engine, tokenizer_dir: str, quick: bool) 
     import httpx
     from tokenizers import Tokenizer
 
-    from serve_latency import PROMPT, ServingPath, overheads, run_levels, time_http, time_in_process
+    from serve_latency import (PROMPT, ServingPath, overheads, request_body, run_levels, time_http,
+                               time_in_process)
 
     tokenizer = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
     prompt_ids = tokenizer.encode(PROMPT * 8, add_special_tokens=False).ids
@@ -426,7 +427,7 @@ async def throughput(args, model: str, engine, tokenizer_dir: str, quick: bool) 
     limits = httpx.Limits(max_connections=max(levels) + 8, max_keepalive_connections=max(levels) + 8)
     async with httpx.AsyncClient(base_url=args.base_url, timeout=600, limits=limits) as client:
         paths = [ServingPath("in-process", lambda n: time_in_process(engine, prompt_ids, n)),
-                 ServingPath("http", lambda n: time_http(client, "", model, prompt_ids, n))]
+                 ServingPath("http", lambda n: time_http(client, "", *request_body("ids", model, prompt_ids, n)))]
         await run_levels(paths, levels, 1, 8)  # warm-up: every level's batch shapes, unmeasured
         results = await run_levels(paths, levels, rounds, max_tokens)
     return {"prompt_tokens": len(prompt_ids), "max_tokens": max_tokens, "rounds": rounds,

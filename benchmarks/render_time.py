@@ -1,5 +1,5 @@
 """The renderer's time per chat request (chat template, tokenization, verified instruction
-boundary), with and without the instruction renderings it remembers (InstructionPrefixes).
+boundary), with and without the instruction renderings it remembers (RenderedPrefixes).
 
     .venv/bin/python benchmarks/render_time.py                     # CPU only, about 20 s
     .venv/bin/python benchmarks/render_time.py --out /tmp/r.json
@@ -10,7 +10,7 @@ shared-instructions workload of hybrid-serve-bench (its systems and user message
 embedded model's tokenizer and template) is rendered request by request with
 deployments.prompts.rendering.PromptRenderer.render_chat, once with one renderer for the
 workload (the first request of each system renders its instructions, the others take them
-from its InstructionPrefixes) and once with a new renderer per request (nothing remembered);
+from its RenderedPrefixes) and once with a new renderer per request (nothing remembered);
 both give the same ids and boundaries (checked). Medians over the requests, interleaved per request so both
 columns see the same machine.
 Prints a table and writes JSON (--out, default benchmarks/results/render_time.json).

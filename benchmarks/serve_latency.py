@@ -1,36 +1,53 @@
-"""Serving latency: time to first token and decode speed, in process vs through Ray Serve + HTTP.
+"""Serving latency: time to first token and decode speed, in process against Ray Serve over HTTP
+on the classic path and on the lean path, in one run.
 
-    .venv/bin/python benchmarks/serve_latency.py                 # default model, CPU
+    .venv/bin/python benchmarks/serve_latency.py                       # ids workload
+    .venv/bin/python benchmarks/serve_latency.py --workload chat \
+        --out benchmarks/results/serve_latency_chat.json               # where rendering runs
     .venv/bin/python benchmarks/serve_latency.py --max-tokens 32 --concurrency 1 4
 
 For each concurrency level the same workload runs every path from one process, in rounds: each
 round runs one wave of requests on every path, one path after the other (never two at once, so
 they do not compete for cores, and a slow drift of a shared machine hits all paths alike):
 
-  in-process  AsyncLLMEngine(LLMEngine(config)) on this event loop: the engine's own cost.
-  actor       the same engine stepping a Ray rank actor through RayWorkerExecutor (one actor
-              call per step), as the LLM server replica does with tensor_parallel_size > 1:
-              the cost of that hop alone.
-  http si=N   the Serve application with stream_interval N (HTTP proxy -> ingress ->
-              renderer, then the LLM server replica, which runs the step loop and, with one
-              rank, the model), driven over HTTP with streamed /v1/completions; one app per
-              --stream-intervals value, by default the app's default and 1.
+  in-process       AsyncLLMEngine(LLMEngine(config)) on this event loop: the engine's own
+                   cost (with --workload chat, the PromptRenderer's rendering too).
+  actor            the same engine stepping a Ray rank actor through RayWorkerExecutor (one
+                   actor call per step), as the LLM server replica does with
+                   tensor_parallel_size > 1: the cost of that hop alone (--no-actor: left out).
+  classic si=N     the classic path (the fallback where HAProxy cannot run): Serve's HTTP proxy
+                   -> ingress -> renderer, then the LLM server replica, which runs the step
+                   loop and, with one rank, the model; one app per --stream-intervals value, in
+                   this process's Ray (started without the lean path's switches).
+  lean             the lean path, started as `make serve` starts it (deployments/serve_main.py
+                   in a child process: its own Ray with HAProxy, benchmarks/lean_cluster.py):
+                   HAProxy -> the LLM server replica, which serves HTTP, renders and generates.
+  lean renderer    the same Ray, a second app with render_in_replica false: the replica
+                   renders through the Renderer deployment (a handle call on the gRPC data
+                   plane) before it generates.
 
-Every request sends the same prompt token ids, decodes greedily with ignore_eos, and produces
-exactly --max-tokens tokens. TTFT: request start to first token (first SSE chunk on HTTP).
-Decode tok/s per request: (tokens - 1) / (last token time - first token time). Throughput: all
-tokens of a level / its wall time. Overhead, for actor and http: path / in-process for TTFT,
-in-process / path for decode speed and throughput; 1.0 means Ray and HTTP cost nothing. The
-round trips of the hops before a first token (proxy to ingress, renderer, LLM server) are timed
-on their own, with no work done.
+Workloads: ids (default) sends the same prompt token ids to /v1/completions, so rendering is a
+pass-through; chat sends a short chat (a system message and a user message) to
+/v1/chat/completions, rendered with the chat template and its instruction boundary. Every
+request decodes greedily with ignore_eos and produces exactly --max-tokens tokens. TTFT: request
+start to first token (first SSE chunk on HTTP). Decode tok/s per request: (tokens - 1) / (last
+token time - first token time). Throughput: all tokens of a level / its wall time. Overhead:
+path / in-process for TTFT, in-process / path for decode speed and throughput; 1.0 means Ray
+and HTTP cost nothing. The round trips before a first token are timed on their own, with no
+work done: the classic path's hops (proxy to ingress, handle calls to the renderer and the LLM
+server) and the lean path's one (HAProxy to the replica); with --workload chat, also the chat's
+rendering in process. The load average at the start and the end goes into the JSON: on a shared
+machine it says how far to trust a run (the TTFT medians above in process are the steadier
+figure).
 
-The process that runs the model (the LLM server replica, the worker actor) runs torch with
-worker_num_cpus threads; the in-process path is given the same count, so the comparison is
-like for like. For every level it also records where the host's CPU went: CPU milliseconds per output token
-of each process role (the Ray worker processes by actor class, raylet, the benchmark's own
-python process, which is the engine on the in-process and actor paths and the HTTP client on
-the http path). On a 2-core machine that is the cost the serving path adds to every token.
-Prints a table and writes JSON (--out, default benchmarks/results/serve_latency.json).
+Every app has the same AppConfig except the path's keys (checkpoints off: every request sends
+the same prompt). The process that runs the model (an LLM server replica, the worker actor)
+runs torch with worker_num_cpus threads, and so does the in-process path. The lean apps' LLM
+server replicas ask 0.6 Ray CPUs (ray_actor_options) so that two fit the 2 CPUs serve_main's
+Ray has; the thread count is the same. For every level it also records where the host's CPU
+went: CPU milliseconds per output token of each process role (harness.process_cpu_seconds;
+every process of the host, other users' included on a shared machine). Prints a table and
+writes JSON (--out, default benchmarks/results/serve_latency.json).
 """
 
 from __future__ import annotations
@@ -38,17 +55,23 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
+import tempfile
 import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
 from harness import add_out_argument, cpu_seconds_between, process_cpu_seconds, write_result
+from lean_cluster import serve_main_server
 
 MIN_CPU_MS_SHOWN = 0.05
 HOP_CALLS = 30
 PROMPT = "The quick brown fox jumps over the lazy dog while hybrid models keep a recurrent state. "
+CHAT_USER = "Tell me about the fox and the dog, briefly."
+LEAN_APPS = {"lean": "/lean", "lean renderer": "/lean-renderer"}  # path name -> route prefix
 
 
 @dataclass(frozen=True)
@@ -98,15 +121,23 @@ def summarize(path: str, concurrency: int, timings: list[RequestTiming], wall_s:
 # ----- the two paths: each returns one RequestTiming per request
 
 
-async def time_in_process(engine, prompt_ids: list[int], max_tokens: int) -> RequestTiming:
+async def time_in_process(engine, prompt_ids: list[int], max_tokens: int,
+                          render=None) -> RequestTiming:
+    """One request on an AsyncLLMEngine; with `render` (a callable returning a RenderedPrompt),
+    the prompt is rendered first, inside the timed span, as the replica renders a chat."""
     from engine.interfaces.generation_request import GenerationRequest
     from engine.interfaces.sampling_params import SamplingParams
 
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     start = time.perf_counter()
+    boundary = None
+    if render is not None:
+        rendered = render()
+        prompt_ids, boundary = list(rendered.token_ids), rendered.instruction_boundary
     first = last = None
     num_tokens = 0
-    async for out in engine.generate(GenerationRequest(uuid.uuid4().hex, prompt_ids, sampling)):
+    request = GenerationRequest(uuid.uuid4().hex, prompt_ids, sampling, instruction_boundary=boundary)
+    async for out in engine.generate(request):
         now = time.perf_counter() - start
         first = now if first is None else first
         last = now
@@ -114,13 +145,24 @@ async def time_in_process(engine, prompt_ids: list[int], max_tokens: int) -> Req
     return RequestTiming(first, last, num_tokens)
 
 
-async def time_http(client, prefix: str, model: str, prompt_ids: list[int], max_tokens: int) -> RequestTiming:
-    body = {"model": model, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+def request_body(workload: str, model: str, prompt_ids: list[int], max_tokens: int) -> tuple[str, dict]:
+    """(route, body) of one streamed request of the workload."""
+    body = {"model": model, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    if workload == "chat":
+        return "/v1/chat/completions", {**body, "messages": chat_messages()}
+    return "/v1/completions", {**body, "prompt": prompt_ids}
+
+
+def chat_messages() -> list[dict]:
+    return [{"role": "system", "content": PROMPT}, {"role": "user", "content": CHAT_USER}]
+
+
+async def time_http(client, prefix: str, route: str, body: dict) -> RequestTiming:
     start = time.perf_counter()
     first = last = None
     num_tokens = 0
-    async with client.stream("POST", f"{prefix}/v1/completions", json=body) as response:
+    async with client.stream("POST", f"{prefix}{route}", json=body) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -178,61 +220,95 @@ async def median_ms(call: Callable[[], Awaitable[object]], times: int = HOP_CALL
     return statistics.median(samples)
 
 
-async def measure_hops(client, app: str, prefix: str) -> dict[str, float]:
+async def measure_hops(client, app: str, prefix: str, lean_url: str) -> dict[str, float]:
     """Round trips of the serving hops a request crosses before its first token, each doing
-    (almost) no work: HTTP proxy -> ingress (GET /v1/models), a handle call to the renderer
-    (tokenize_prompt of three ids, which pass through) and to the LLM server (model_info)."""
+    (almost) no work. Classic: HTTP proxy -> ingress (GET /v1/models), a handle call to the
+    renderer (tokenize_prompt of three ids, which pass through) and to the LLM server
+    (model_info). Lean: HAProxy -> LLM server replica (GET /v1/models)."""
     from ray import serve
 
     renderer = serve.get_deployment_handle("Renderer", app_name=app)
     llm_server = serve.get_deployment_handle("LLMServer", app_name=app)
 
-    async def models():
-        (await client.get(f"{prefix}/v1/models")).raise_for_status()
+    async def get(url: str):
+        (await client.get(url)).raise_for_status()
 
     return {
-        "http proxy -> ingress": await median_ms(models),
-        "handle -> renderer": await median_ms(lambda: renderer.tokenize_prompt.remote([5, 6, 7])),
-        "handle -> LLM server": await median_ms(lambda: llm_server.model_info.remote()),
+        "classic: http proxy -> ingress": await median_ms(lambda: get(f"{prefix}/v1/models")),
+        "classic: handle -> renderer": await median_ms(lambda: renderer.tokenize_prompt.remote([5, 6, 7])),
+        "classic: handle -> LLM server": await median_ms(lambda: llm_server.model_info.remote()),
+        "lean: HAProxy -> LLM server": await median_ms(
+            lambda: get(f"{lean_url}{LEAN_APPS['lean']}/v1/models")),
     }
 
 
 async def measure(config, prompt_ids: list[int], args) -> tuple[list[LevelResult], dict[str, float]]:
     """Start the in-process engine and the actor path's engine beside the running Serve apps
-    (one per stream interval, `http_apps`), warm every path up, time the hops, then run every
-    level (run_levels); shut the engines down."""
+    (the classic ones in this process's Ray, the lean ones behind args.lean_port), warm every
+    path up, time the hops, then run every level (run_levels); shut the engines down."""
     import httpx
 
+    from deployments.prompts.rendering import PromptRenderer
     from deployments.worker_group import RayWorkerExecutor, WorkerGroup
     from engine.core.async_engine import AsyncLLMEngine
     from engine.core.llm_engine import LLMEngine
 
     in_process = AsyncLLMEngine(LLMEngine(config.engine))
-    group = await WorkerGroup.start(config.engine, config.worker_num_cpus)
-    actor = AsyncLLMEngine(LLMEngine(config.engine, executor=RayWorkerExecutor(group.ranks)))
-    limits = httpx.Limits(max_connections=max(args.concurrency) + 4)
+    render = None
+    if args.workload == "chat":
+        renderer = PromptRenderer.from_pretrained(config.engine.model_dir)
+        render = lambda: renderer.render_chat(chat_messages())  # noqa: E731
+    group = actor = None
+    if args.actor:
+        group = await WorkerGroup.start(config.engine, config.worker_num_cpus)
+        actor = AsyncLLMEngine(LLMEngine(config.engine, executor=RayWorkerExecutor(group.ranks)))
+    limits = httpx.Limits(max_connections=2 * max(args.concurrency) + 4)
+    lean_url = f"http://127.0.0.1:{args.lean_port}"
     try:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{args.port}", timeout=600,
                                      limits=limits) as client:
-            paths = [
-                ServingPath("in-process", lambda n: time_in_process(in_process, prompt_ids, n)),
-                ServingPath("actor", lambda n: time_in_process(actor, prompt_ids, n)),
-            ]
-            for interval in args.stream_intervals:
-                prefix = f"/si{interval}"
-                paths.append(ServingPath(
-                    f"http si={interval}",
-                    lambda n, prefix=prefix: time_http(client, prefix, config.served_model_name,
-                                                       prompt_ids, n)))
+            def http_path(name: str, url_prefix: str) -> ServingPath:
+                def one(n: int) -> Awaitable[RequestTiming]:
+                    route, body = request_body(args.workload, config.served_model_name, prompt_ids, n)
+                    return time_http(client, url_prefix, route, body)
+                return ServingPath(name, one)
+
+            paths = [ServingPath("in-process",
+                                 lambda n: time_in_process(in_process, prompt_ids, n, render))]
+            if actor is not None:
+                paths.append(ServingPath("actor",
+                                         lambda n: time_in_process(actor, prompt_ids, n, render)))
+            paths += [http_path(f"classic si={i}", f"/si{i}") for i in args.stream_intervals]
+            paths += [http_path(name, f"{lean_url}{prefix}") for name, prefix in LEAN_APPS.items()]
             for path in paths:
                 await path.one_request(4)  # warm-up
             first = args.stream_intervals[0]
-            hops = await measure_hops(client, f"serve-latency-si{first}", f"/si{first}")
+            hops = await measure_hops(client, f"serve-latency-si{first}", f"/si{first}", lean_url)
+            if render is not None:
+                async def render_once():
+                    render()
+                hops["render the chat in process (PromptRenderer)"] = await median_ms(render_once)
             return await run_levels(paths, args.concurrency, args.rounds, args.max_tokens), hops
     finally:
         in_process.shutdown()
-        actor.shutdown()
-        group.shutdown()
+        if actor is not None:
+            actor.shutdown()
+            group.shutdown()
+
+
+def lean_serve_config(config, lean_port: int) -> dict:
+    """A Serve config file for serve_main: the lean apps of LEAN_APPS on `config`'s AppConfig."""
+    apps = []
+    for name, prefix in LEAN_APPS.items():
+        args = config.model_copy(update={"direct_ingress": True,
+                                         "render_in_replica": name == "lean"})
+        apps.append({"name": prefix.strip("/"), "route_prefix": prefix,
+                     "import_path": "deployments.app:build_app",
+                     "args": args.model_dump(mode="json"),
+                     "deployments": [{"name": "LLMServer", "num_replicas": 1,
+                                      "ray_actor_options": {"num_cpus": 0.6}}]})
+    return {"proxy_location": "HeadOnly", "http_options": {"host": "127.0.0.1", "port": lean_port},
+            "applications": apps}
 
 
 # ----- report
@@ -240,12 +316,14 @@ async def measure(config, prompt_ids: list[int], args) -> tuple[list[LevelResult
 
 def overheads(results: list[LevelResult]) -> list[dict]:
     """Cost of every path relative to in-process at the same level (1.0 = no cost; TTFT also
-    as milliseconds above in-process)."""
+    as milliseconds above in-process, of the means and of the medians: on a shared machine the
+    median is the steadier)."""
     base = {r.concurrency: r for r in results if r.path == "in-process"}
     return [
         {"concurrency": r.concurrency, "path": r.path,
          "ttft_ratio": r.ttft_ms_mean / base[r.concurrency].ttft_ms_mean,
          "ttft_ms_above": r.ttft_ms_mean - base[r.concurrency].ttft_ms_mean,
+         "ttft_p50_ms_above": r.ttft_ms_p50 - base[r.concurrency].ttft_ms_p50,
          "decode_ratio": base[r.concurrency].decode_tok_s_mean / r.decode_tok_s_mean,
          "throughput_ratio": base[r.concurrency].throughput_tok_s / r.throughput_tok_s}
         for r in results if r.path != "in-process"
@@ -253,11 +331,11 @@ def overheads(results: list[LevelResult]) -> list[dict]:
 
 
 def table(results: list[LevelResult], ratios: list[dict], hops: dict[str, float]) -> str:
-    head = (f"{'path':<12} {'conc':>4} {'reqs':>4} {'TTFT mean ms':>12} {'p50 ms':>8} {'max ms':>8} "
+    head = (f"{'path':<14} {'conc':>4} {'reqs':>4} {'TTFT mean ms':>12} {'p50 ms':>8} {'max ms':>8} "
             f"{'decode tok/s/req':>16} {'total tok/s':>11}")
     lines = [head, "-" * len(head)]
     for r in results:
-        lines.append(f"{r.path:<12} {r.concurrency:>4} {r.num_requests:>4} {r.ttft_ms_mean:>12.1f} "
+        lines.append(f"{r.path:<14} {r.concurrency:>4} {r.num_requests:>4} {r.ttft_ms_mean:>12.1f} "
                      f"{r.ttft_ms_p50:>8.1f} {r.ttft_ms_max:>8.1f} {r.decode_tok_s_mean:>16.1f} "
                      f"{r.throughput_tok_s:>11.1f}")
     lines += ["", "CPU ms per output token, by process role (every process of the host; "
@@ -266,17 +344,18 @@ def table(results: list[LevelResult], ratios: list[dict], hops: dict[str, float]
         shown = {role: ms for role, ms in r.cpu_ms_per_token.items() if ms >= MIN_CPU_MS_SHOWN}
         other = sum(r.cpu_ms_per_token.values()) - sum(shown.values())
         parts = [f"{role} {ms:.2f}" for role, ms in sorted(shown.items(), key=lambda kv: -kv[1])]
-        lines.append(f"  {r.path:<12} {r.concurrency:>2}: total {sum(r.cpu_ms_per_token.values()):.2f}"
+        lines.append(f"  {r.path:<14} {r.concurrency:>2}: total {sum(r.cpu_ms_per_token.values()):.2f}"
                      f" = {', '.join(parts)}, other {other:.2f}")
     lines += ["", "Overhead vs in-process (1.0 = free): TTFT path/in-process; decode speed and "
               "throughput in-process/path"]
     for o in ratios:
-        lines.append(f"  {o['path']:<10} concurrency {o['concurrency']:>2}: TTFT x{o['ttft_ratio']:.2f}"
-                     f" ({o['ttft_ms_above']:+.1f} ms)   decode x{o['decode_ratio']:.2f}"
+        lines.append(f"  {o['path']:<14} concurrency {o['concurrency']:>2}: TTFT x{o['ttft_ratio']:.2f}"
+                     f" ({o['ttft_ms_above']:+.1f} ms, p50 {o['ttft_p50_ms_above']:+.1f} ms)"
+                     f"   decode x{o['decode_ratio']:.2f}"
                      f" ({100 / o['decode_ratio']:.0f}% of in-process)"
                      f"   throughput x{o['throughput_ratio']:.2f}")
     lines += ["", f"Hop round trips before the first token (median of {HOP_CALLS}, no work done):"]
-    lines += [f"  {hop:<22} {ms:6.2f} ms" for hop, ms in hops.items()]
+    lines += [f"  {hop:<32} {ms:6.2f} ms" for hop, ms in hops.items()]
     return "\n".join(lines)
 
 
@@ -292,7 +371,12 @@ def parse_args() -> argparse.Namespace:
                    help="one http path per AppConfig.stream_interval "
                         "(default: the app's default, then 1)")
     p.add_argument("--ray-cpus", type=int, default=4, help="logical CPUs given to ray.init")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--workload", choices=("ids", "chat"), default="ids",
+                   help="ids: /v1/completions with token ids; chat: /v1/chat/completions, rendered")
+    p.add_argument("--no-actor", dest="actor", action="store_false",
+                   help="leave out the rank-actor path")
+    p.add_argument("--port", type=int, default=8000, help="the classic apps' Serve HTTP port")
+    p.add_argument("--lean-port", type=int, default=8010, help="the lean server's HTTP port")
     add_out_argument(p, "serve_latency")
     return p.parse_args()
 
@@ -316,6 +400,11 @@ def main() -> None:
         args.stream_intervals = list(dict.fromkeys([config.stream_interval, 1]))
     tokenizer = AutoTokenizer.from_pretrained(config.engine.model_dir)
     prompt_ids = tokenizer.encode(PROMPT * args.prompt_repeats, add_special_tokens=False)
+    if args.workload == "chat":  # what the chat renders to (the ids workload's ids are unused)
+        prompt_tokens = len(tokenizer.apply_chat_template(chat_messages(), add_generation_prompt=True,
+                                                          tokenize=True, return_dict=False))
+    else:
+        prompt_tokens = len(prompt_ids)
 
     import ray
     import torch
@@ -324,32 +413,47 @@ def main() -> None:
     from deployments.app import build_app
 
     torch.set_num_threads(max(1, int(args.worker_num_cpus)))  # as many as the model's process
-    ray.init(address="local", num_cpus=args.ray_cpus, object_store_memory=256 * 1024 * 1024,
-             include_dashboard=False, log_to_driver=False)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": args.port})
-        for interval in args.stream_intervals:
-            app_config = config.model_copy(update={"stream_interval": interval})
-            serve.run(build_app(app_config.model_dump()), name=f"serve-latency-si{interval}",
-                      route_prefix=f"/si{interval}")
-        results, hops = asyncio.run(measure(config, prompt_ids, args))
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    load_at_start = os.getloadavg()  # a shared machine's other work shows here
+    log_dir = Path(tempfile.mkdtemp(prefix="serve-latency-"))
+    with serve_main_server(lean_serve_config(config, args.lean_port), log_dir / "lean.log") as lean:
+        # this process's Ray: the classic path (started without the lean path's switches)
+        ray.init(address="local", num_cpus=args.ray_cpus, object_store_memory=256 * 1024 * 1024,
+                 include_dashboard=False, log_to_driver=False)
+        try:
+            serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+            for interval in args.stream_intervals:
+                app_config = config.model_copy(update={"stream_interval": interval,
+                                                       "direct_ingress": False})
+                serve.run(build_app(app_config.model_dump()), name=f"serve-latency-si{interval}",
+                          route_prefix=f"/si{interval}")
+            results, hops = asyncio.run(measure(config, prompt_ids, args))
+        finally:
+            serve.shutdown()
+            ray.shutdown()
+        lean_log = [line for line in (log_dir / "lean.log").read_text().splitlines()
+                    if "serving path" in line]
+    if lean.returncode not in (0, None):
+        print(f"warning: the lean server exited with {lean.returncode}")
     ratios = overheads(results)
     report = table(results, ratios, hops)
-    print(f"\nmodel {config.engine.model_dir}, prompt {len(prompt_ids)} tokens, {args.max_tokens} output "
+    print(f"\nload average {load_at_start[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end "
+          f"(this machine's {os.cpu_count()} cores)")
+    print(f"model {config.engine.model_dir}, prompt {prompt_tokens} tokens, {args.max_tokens} output "
           f"tokens, {args.rounds} rounds per level, worker threads {int(args.worker_num_cpus)}; "
-          f"'http si=N': the app with stream_interval N\n")
+          f"workload {args.workload}; 'classic si=N': the classic app with stream_interval N; "
+          f"the lean apps stream_interval {config.stream_interval}\n")
     print(report)
 
     out = write_result(args.out, "serve_latency", {
         "args": vars(args),
         "app_config": config.model_dump(),
-        "prompt_tokens": len(prompt_ids),
+        "lean_serve_config": lean_serve_config(config, args.lean_port),
+        "lean_server_log": lean_log,
+        "prompt_tokens": prompt_tokens,
         "results": [asdict(r) for r in results],
         "overhead": ratios,
         "hops_ms": hops,
+        "load_average_1_5_15_min": {"start": load_at_start, "end": os.getloadavg()},
         "table": report,
     })
     print(f"\nwrote {out}")

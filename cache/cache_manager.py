@@ -2,9 +2,10 @@
 checkpoints (lookup, reserve, publish).
 
 The scheduler sees only return values (new block ids, a slot, a Hit, a bundle id, or None when
-something does not fit), never the pools or the ledger themselves. When KV blocks run out, the
-least recently used unpinned checkpoints are evicted first (their blocks come back); the ids of
-every bundle the ledger forgot are collected for the workers to free.
+something does not fit), never the pools or the ledger themselves. When KV blocks run out,
+unpinned checkpoints are evicted first (their blocks come back), in the ledger's eviction order
+(cache/eviction.py); the ids of every bundle the ledger forgot are collected for the workers to
+free.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from dataclasses import dataclass
 
 from cache.block_pool import BlockPool
 from cache.checkpoint_keys import CheckpointKind, Namespace
-from cache.checkpoint_ledger import BundleListener, CheckpointLedger, Hit, PublishOutcome
+from cache.checkpoint_ledger import Bundle, BundleListener, CheckpointLedger, Hit, PublishOutcome
+from cache.eviction import EvictionOrder
 from cache.state_pool import StatePool
 
 
@@ -66,14 +68,17 @@ class CacheManager:
         checkpoint_bytes: int = 0,
         sizing: BundleSizing | None = None,
         listener: BundleListener | None = None,
+        order: EvictionOrder | None = None,
     ) -> None:
         """listener: told of every bundle published and every published one dropped
-        (CheckpointLedger)."""
+        (CheckpointLedger). order: the checkpoints' eviction order (default least recently
+        used)."""
         self.block_size = block_size
         self.blocks = BlockPool(num_blocks)
         self.state_slots = StatePool(num_state_slots)
-        self.ledger = CheckpointLedger(self.blocks, block_size, checkpoint_bytes, listener)
         self.sizing = sizing or BundleSizing(0, 0, 0)
+        self.ledger = CheckpointLedger(self.blocks, block_size, checkpoint_bytes, listener, order,
+                                       block_bytes=self.sizing.kv_bytes_per_token * block_size)
         self._dropped_bundles: list[int] = []
 
     # ------------------------------------------------------------------ blocks and slots
@@ -81,8 +86,8 @@ class CacheManager:
     def allocate_blocks(self, num_blocks_held: int, num_tokens: int, owner: str | None = None) -> list[int] | None:
         """New blocks so that a request holding `num_blocks_held` covers `num_tokens` positions.
 
-        Evicts unpinned checkpoints (least recently used first; those of the request's tenant
-        `owner`, or above their fair share, before others: CheckpointLedger.evict_lru) while
+        Evicts unpinned checkpoints (in the eviction order; those of the request's tenant
+        `owner`, or above their fair share, before others: CheckpointLedger.evict_one) while
         blocks are short. Returns
         the new block ids (possibly empty), or None if they still do not fit; on None no block
         was allocated (checkpoints may have been evicted).
@@ -91,7 +96,7 @@ class CacheManager:
         if missing <= 0:
             return []
         while self.blocks.num_free < missing:
-            evicted = self.ledger.evict_lru(owner)
+            evicted = self.ledger.evict_one(owner)
             if evicted is None:
                 return None
             self._dropped_bundles.append(evicted)
@@ -135,13 +140,13 @@ class CacheManager:
         owner: str = "",
     ) -> int | None:
         """A pending bundle id, owned by `owner`, for a capture of token_ids by a request holding
-        block_ids, or None when it is not worth it (already published there) or does not fit
-        the byte budget even after the evictions the fair-share rule allows
-        (CheckpointLedger.evict_until)."""
+        block_ids, or None when it is not worth it (already published there, or worth less
+        than the checkpoints it would evict) or does not fit the byte budget even after the
+        evictions the fair-share rule allows (CheckpointLedger.evict_until)."""
         if self.ledger.has_checkpoint(namespace, token_ids):
             return None
         num_bytes = self.sizing.bundle_bytes(len(token_ids) % self.block_size)
-        evicted = self.ledger.evict_until(num_bytes, owner)
+        evicted = self.ledger.evict_until(num_bytes, owner, newcomer=(namespace, token_ids))
         if evicted is None:
             return None
         self._dropped_bundles.extend(evicted)
@@ -156,7 +161,7 @@ class CacheManager:
         workers and then published (or dropped) like a capture. The bundle holds the only
         reference to those blocks.
 
-        Evicts least recently used checkpoints for the blocks (allocate_blocks) and the bytes
+        Evicts checkpoints for the blocks (allocate_blocks) and the bytes
         (CheckpointLedger.evict_until) as a capture would. None when they still do not fit:
         then no block is held (checkpoints may have been evicted). The caller checks that the
         endpoint is not published yet."""
@@ -186,6 +191,21 @@ class CacheManager:
         """Ids of bundles forgotten since the last call (the workers free their tensors)."""
         dropped, self._dropped_bundles = self._dropped_bundles, []
         return tuple(dropped)
+
+    def keep_evicted(self) -> None:
+        """From now on, remember every bundle evicted (not dropped otherwise) until
+        take_evicted: a lower tier copies them out before their blocks are written again."""
+        if self.ledger.evicted is None:
+            self.ledger.evicted = []
+
+    def take_evicted(self) -> list[Bundle]:
+        """The records of the bundles evicted since the last call (keep_evicted), oldest first.
+        Their block ids still hold their K/V, and the workers their tensors, until the next step
+        is submitted; nothing references them any more."""
+        evicted = self.ledger.evicted or []
+        if evicted:
+            self.ledger.evicted = []
+        return evicted
 
     def return_dropped_bundles(self, bundle_ids: tuple[int, ...]) -> None:
         """Bundle ids taken for a step that failed: the next take_dropped_bundles yields them

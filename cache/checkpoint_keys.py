@@ -32,6 +32,7 @@ class CheckpointKind(str, Enum):
     PROMPT = "prompt"  # after the last prompt token
     RESPONSE = "response"  # after the last computed token of a request that finished by stop or length
     INSTRUCTION = "instruction"  # after the leading system/developer messages (verified boundary)
+    BREAKPOINT = "breakpoint"  # at a client's cache_control marker (verified like the instruction boundary)
 
     def __str__(self) -> str:  # "prompt", in labels, logs and f-strings alike
         return self.value

@@ -10,8 +10,10 @@ Life of a bundle:
   publish -> PUBLISHED (every rank confirmed, endpoint new): visible to lookup, in the radix index.
           -> dropped (a rank missing, or a duplicate endpoint). A capture that failed or was
              abandoned is published with no confirmations, so it is dropped the same way.
-  lookup pins a published bundle until unpin; evict_lru / evict_until drop unpinned published ones,
-  each tenant (owner) keeping its fair share of the budget against other tenants (evict_until).
+  lookup pins a published bundle until unpin; evict_one / evict_until drop unpinned published ones
+  in the ledger's eviction order (cache/eviction.py: least recently used, or least prefill
+  compute saved per byte with recency), each tenant (owner) keeping its fair share of the budget
+  against other tenants (evict_until).
 A BundleListener given to the ledger hears of every bundle that becomes visible and of every
 visible one that goes (engine/checkpoints/capture_events.py turns that into the engine's event feed);
 pending bundles that never publish are not reported.
@@ -26,7 +28,7 @@ block from under one.
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -34,6 +36,7 @@ from typing import Protocol
 
 from cache.block_pool import BlockPool
 from cache.checkpoint_keys import CheckpointKind, Namespace
+from cache.eviction import EvictionOrder, LruOrder, choose_victims, fair_share
 from cache.radix_index import BundleId, RadixIndex
 
 
@@ -89,7 +92,7 @@ class Hit:
 class KindCounters:
     captured: int = 0  # published
     hit: int = 0  # returned by lookup
-    evicted: int = 0  # dropped by evict_lru / evict_until
+    evicted: int = 0  # dropped by evict_one / evict_until
     deduplicated: int = 0  # dropped at publish, endpoint already present
     dropped: int = 0  # never published: a rank did not confirm (or the capture was abandoned)
 
@@ -97,8 +100,13 @@ class KindCounters:
 class CheckpointLedger:
     def __init__(
         self, blocks: BlockPool, block_size: int, budget_bytes: int,
-        listener: BundleListener | None = None,
+        listener: BundleListener | None = None, order: EvictionOrder | None = None,
+        block_bytes: int = 0,
     ) -> None:
+        """order: the eviction order of published bundles (default least recently used); it
+        is told what each bundle covers beyond the longest published bundle that is a prefix
+        of it, and the bytes it holds beyond that one: its own bytes plus `block_bytes` per
+        full KV block past that one's (_value_figures)."""
         if block_size < 1 or budget_bytes < 0:
             raise ValueError(f"bad block_size {block_size} or budget_bytes {budget_bytes}")
         self.blocks = blocks
@@ -108,7 +116,10 @@ class CheckpointLedger:
         self.index = RadixIndex()
         self.counters = {kind: KindCounters() for kind in CheckpointKind}
         self._bundles: dict[BundleId, Bundle] = {}
-        self._lru: OrderedDict[BundleId, None] = OrderedDict()  # published; least recent first
+        self.order: EvictionOrder = order if order is not None else LruOrder()  # published ones
+        self.block_bytes = block_bytes
+        # the bundles evict_one / evict_until dropped, for a lower tier to take (keep_evicted)
+        self.evicted: list[Bundle] | None = None
         self._bundle_refs: Counter[int] = Counter()  # block -> references bundles hold (> 0)
         self._next_id = 0
         self._bytes_held = 0
@@ -215,6 +226,7 @@ class CheckpointLedger:
             self._drop(bundle)
             counters.dropped += 1
             return PublishOutcome.UNCONFIRMED
+        figures = self._value_figures(bundle.namespace, bundle.token_ids, bundle.num_bytes)
         existing = self.index.insert(bundle.namespace, bundle.token_ids, bundle_id)
         if existing is not None:
             self._drop(bundle)
@@ -222,8 +234,7 @@ class CheckpointLedger:
             counters.deduplicated += 1
             return PublishOutcome.DUPLICATE
         bundle.state = BundleState.PUBLISHED
-        self._lru[bundle_id] = None
-        self._touch(bundle)
+        self.order.add(bundle_id, *figures)
         counters.captured += 1
         if self.listener is not None:
             self.listener.published(bundle)
@@ -258,67 +269,75 @@ class CheckpointLedger:
 
     # ---- eviction --------------------------------------------------------------------------------
 
-    def evict_lru(self, owner: str | None = None) -> BundleId | None:
-        """Drop the least recently used unpinned published bundle; its id, or None if there is none.
+    def evict_one(self, owner: str | None = None) -> BundleId | None:
+        """Drop the first unpinned published bundle of the eviction order; its id, or None if
+        there is none.
 
         With `owner` (a request of that tenant needs KV blocks), the bundles the fair-share rule
         of evict_until lets it evict go first; only when there is none does another go, since a
         running request comes before any checkpoint. Releases the bundle's block references
         (the caller may then find blocks freed in the BlockPool).
         """
-        unpinned = (self._bundles[b] for b in self._lru if self._bundles[b].pin_count == 0)
+        unpinned = (self._bundles[b] for b in self.order if self._bundles[b].pin_count == 0)
         victim = next(unpinned, None)
         if victim is None:
             return None
         if owner is not None and victim.owner != owner:  # look for one the rule allows
-            held, fair_share = self._holdings(owner)
-            allowed = (b for b in unpinned if b.owner == owner or held[b.owner] - b.num_bytes >= fair_share)
-            if held[victim.owner] - victim.num_bytes < fair_share:
+            held, share = self._holdings(owner)
+            allowed = (b for b in unpinned if b.owner == owner or held[b.owner] - b.num_bytes >= share)
+            if held[victim.owner] - victim.num_bytes < share:
                 victim = next(allowed, victim)
         self._evict(victim)
         return victim.bundle_id
 
-    def evict_until(self, bytes_needed: int, owner: str = "") -> list[BundleId] | None:
-        """Evict least recently used unpinned bundles until free_bytes >= bytes_needed, for a
+    def evict_until(self, bytes_needed: int, owner: str = "",
+                    newcomer: tuple[Namespace, Sequence[int]] | None = None) -> list[BundleId] | None:
+        """Evict unpinned bundles in the eviction order until free_bytes >= bytes_needed, for a
         capture owned by `owner`, under the fair-share rule: `owner`'s own bundles may all be
         evicted, another owner's only while that owner keeps at least its fair share of the
         budget, budget_bytes / the number of owners holding bundles (`owner` counted). So a
         tenant whose checkpoints fit its share never loses them to another tenant's captures;
-        with one owner (no API keys) this is plain LRU.
+        with one owner (no API keys) the order alone decides. `newcomer` (namespace, token ids):
+        the capture the room is for; only bundles the order ranks below it may go
+        (EvictionOrder.below), so a capture worth less than what it would evict is not taken.
 
-        Returns the evicted ids, least recent first (empty if there was room already), or None
+        Returns the evicted ids, in eviction order (empty if there was room already), or None
         when the evictions allowed would not make room: then nothing was evicted. Pinned and
         pending bundles are never evicted.
         """
         shortfall = bytes_needed - self.free_bytes
         if shortfall <= 0:
             return []
-        held, fair_share = self._holdings(owner)
-        victims: list[Bundle] = []
-        for bundle_id in self._lru:
-            if shortfall <= 0:
-                break
-            bundle = self._bundles[bundle_id]
-            if bundle.pin_count:
-                continue
-            if bundle.owner != owner and held[bundle.owner] - bundle.num_bytes < fair_share:
-                continue  # it would take that owner below its share
-            held[bundle.owner] -= bundle.num_bytes
-            victims.append(bundle)
-            shortfall -= bundle.num_bytes
-        if shortfall > 0:
+        held, share = self._holdings(owner)
+        bundles = self._bundles
+        order = self.order if newcomer is None else self.order.below(
+            *self._value_figures(newcomer[0], tuple(newcomer[1]), bytes_needed))
+        victims = choose_victims(
+            order, shortfall, owner, held, share,
+            bytes_of=lambda b: bundles[b].num_bytes, owner_of=lambda b: bundles[b].owner,
+            evictable=lambda b: bundles[b].pin_count == 0)
+        if victims is None:
             return None
-        for bundle in victims:
-            self._evict(bundle)
-        return [bundle.bundle_id for bundle in victims]
+        for bundle_id in victims:
+            self._evict(bundles[bundle_id])
+        return victims
+
+    def _value_figures(self, namespace: Namespace, token_ids: tuple[int, ...], num_bytes: int) -> tuple[int, int, int]:
+        """(tokens, bytes held beyond the prefix, prefix tokens) of a bundle at token_ids
+        holding num_bytes, for the eviction order: the prefix is the longest published bundle
+        that covers fewer of its tokens (0 without one), and the bytes count its own plus
+        block_bytes per full block past the prefix's. Reads the index only."""
+        prefix = self.index.longest_prefix(namespace, token_ids[:-1]) if len(token_ids) > 1 else None
+        prefix_tokens = 0 if prefix is None else prefix.num_tokens
+        blocks = len(token_ids) // self.block_size - prefix_tokens // self.block_size
+        return len(token_ids), num_bytes + blocks * self.block_bytes, prefix_tokens
 
     # ---- internals -------------------------------------------------------------------------------
 
     def _holdings(self, owner: str) -> tuple[dict[str, int], float]:
         """Bytes held by each owner holding bundles, and by `owner` (maybe 0), and the fair
         share of the budget: budget_bytes / the number of those owners. O(owners)."""
-        held = {owner: 0, **self._owner_bytes}
-        return held, self.budget_bytes / len(held)
+        return fair_share(self._owner_bytes, owner, self.budget_bytes)
 
     def _pending(self, bundle_id: BundleId) -> Bundle:
         bundle = self._bundles.get(bundle_id)
@@ -327,12 +346,14 @@ class CheckpointLedger:
         return bundle
 
     def _touch(self, bundle: Bundle) -> None:
-        """Make `bundle` the most recently used (last to be evicted)."""
-        self._lru.move_to_end(bundle.bundle_id)
+        """`bundle` was just used (the eviction order counts it recent)."""
+        self.order.touch(bundle.bundle_id)
 
     def _evict(self, bundle: Bundle) -> None:
         assert bundle.pin_count == 0 and bundle.state is BundleState.PUBLISHED
         self.counters[bundle.kind].evicted += 1
+        if self.evicted is not None:
+            self.evicted.append(bundle)
         self._drop(bundle)
 
     def _drop(self, bundle: Bundle) -> None:
@@ -341,7 +362,7 @@ class CheckpointLedger:
         assert bundle.pin_count == 0
         if bundle.state is BundleState.PUBLISHED:
             self.index.remove(bundle.namespace, bundle.bundle_id)
-            del self._lru[bundle.bundle_id]
+            self.order.remove(bundle.bundle_id)
             if self.listener is not None:
                 self.listener.dropped(bundle)
         refs = self._bundle_refs

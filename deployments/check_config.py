@@ -29,6 +29,7 @@ def check_serve_config(path: str | Path) -> list[str]:
     from deployments.app import build_app
     from deployments.config import parse_app_config
     from deployments.placement import PlacementError, check_placement
+    from deployments.serving_path import serving_path
 
     config = yaml.safe_load(Path(path).read_text()) or {}
     checked = []
@@ -39,8 +40,10 @@ def check_serve_config(path: str | Path) -> list[str]:
         try:
             build_app(app.get("args") or {})  # the placement of one replica each, among others
             replicas, actor_options = starting_replicas(app.get("deployments") or [])
+            app_config = parse_app_config(app.get("args") or {})
             try:
-                check_placement(parse_app_config(app.get("args") or {}), replicas, actor_options)
+                check_placement(app_config, replicas, actor_options,
+                                lean=serving_path(app_config).lean)
             except PlacementError as exc:
                 raise PlacementError(exc.key, f"invalid hybrid-serve app args: {exc}") from None
         except PlacementError as exc:

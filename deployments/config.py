@@ -41,6 +41,21 @@ class AppConfig(BaseModel):
                     "delta costs the LLM server, ingress and proxy CPU, so fewer deltas leave "
                     "more for the model (docs/design.md section 6).")
 
+    direct_ingress: bool = Field(
+        True,
+        description="The lean serving path (docs/design.md section 6): the LLM server replicas "
+                    "serve the OpenAI routes themselves behind Ray Serve's HAProxy ingress, so "
+                    "streamed tokens cross one process boundary before the client. It needs "
+                    "RAY_SERVE_ENABLE_HA_PROXY=1 in Ray's environment before Ray starts (`make "
+                    "serve` and the k8s manifests set it, where HAProxy can run); without it, or "
+                    "false: the classic path, Serve's proxy -> ingress -> renderer -> LLM server.")
+    render_in_replica: bool = Field(
+        True,
+        description="On the lean path, render prompts (chat template, tokenizer, instruction "
+                    "boundary) in the LLM server replica; false: through the Renderer "
+                    "deployment, a hop more per request, which keeps that CPU off the replica "
+                    "that generates (benchmarks/serve_latency.py measures both).")
+
     api_keys_file: str | None = Field(
         None,
         description="File of API keys, one a line; with it (or HYBRID_SERVE_API_KEYS set in the "
@@ -61,6 +76,12 @@ class AppConfig(BaseModel):
                               "HTTP 400.")
     max_stop_string_chars: int = Field(
         256, ge=1, description="Longest stop string accepted; a longer one gets HTTP 400.")
+    max_cache_breakpoints: int = Field(
+        4, ge=1,
+        description="cache_control markers (on messages and text content parts) one chat request "
+                    "may carry; more get HTTP 400. Each accepted marker is a checkpoint the "
+                    "engine keeps where the renderer verified it (README.md, Cache breakpoints); "
+                    "with the breakpoint slot off they are accepted and ignored.")
     max_prompt_tokens: int | None = Field(
         None, ge=1,
         description="Longest prompt accepted, in tokens; a longer one gets HTTP 400. Unset: "

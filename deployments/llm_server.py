@@ -45,6 +45,7 @@ from deployments.cluster.index_mirror import ActorIndexSource, IndexMirror
 from deployments.cluster.reporter import ActorIndexClient, CheckpointReporter
 from deployments.cluster.tier import CheckpointTier, TierCounters, TierSettings
 from deployments.config import AppConfig
+from deployments.frontend import ModelInfo
 from deployments.http.errors import as_api_error
 from deployments.metrics import EngineMetricsExporter, TierMetrics
 from deployments.worker_group import RayWorkerExecutor, WorkerGroup
@@ -114,14 +115,6 @@ async def coalesce(
         await asyncio.gather(reader, return_exceptions=True)
 
 
-@dataclass(frozen=True)
-class ModelInfo:
-    """What the API layer needs to know about the loaded model."""
-
-    max_model_len: int
-    model_dir: str
-
-
 async def replica_health(engine: AsyncLLMEngine, executor: RayWorkerExecutor | None) -> None:
     """Raise if the step loop or the executor died (a rank failed mid-step), a step has run for
     over STEP_STALL_S (TimeoutError: a hang no collective timeout catches), or, with rank actors
@@ -189,9 +182,10 @@ def checkpoint_reporter(engine: AsyncLLMEngine, config: AppConfig,
         client, drain_hits=engine.drain_checkpoint_hits, listener=tier)
 
 
-@serve.deployment
-class LLMServer:
+class LLMServerReplica:
     """One model replica: runs the engine (and with one rank the model), streams generations.
+    The classic path's LLMServer deployment; the lean path's LLMServerIngress
+    (deployments/llm_server_ingress.py) is this class serving the OpenAI routes too.
 
     With tensor_parallel_size > 1 the replica starts and owns the rank actors and their
     placement group, so they go with it. `check_health` fails when the step loop or any rank
@@ -322,3 +316,7 @@ class LLMServer:
                 self._workers.shutdown()
         except Exception:  # interpreter shutdown, actors already gone
             pass
+
+
+# The classic path's deployment (the lean path's is LLMServerIngress, under the same name).
+LLMServer = serve.deployment(name="LLMServer")(LLMServerReplica)

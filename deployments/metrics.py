@@ -8,7 +8,7 @@ Each replica's series are its own, so `sum(...)` in PromQL adds up replicas and 
 
     ingress replica      RequestMetrics: requests by status, output tokens, time to first
                          token, inter-token and end-to-end latency (it sees each whole stream),
-                         instruction boundary rejections
+                         instruction boundary and cache breakpoint rejections
     LLM server replica   EngineMetricsExporter: every EXPORT_PERIOD_S, on the replica's event
                          loop, the engine's cumulative counters (EngineStats) become Counter
                          increments (the delta since the last export) and its pools and queues
@@ -111,12 +111,16 @@ BOUNDARY_REJECTIONS = MetricSpec(
     "hybrid_serve_instruction_boundary_rejections", "counter",
     "Chat prompts without an instruction boundary, by reason (docs/design.md section 3).",
     ("reason",))
+BREAKPOINT_REJECTIONS = MetricSpec(
+    "hybrid_serve_cache_breakpoint_rejections", "counter",
+    "cache_control markers dropped because the renderer could not verify their position "
+    "(not_a_prefix, render_error; docs/design.md section 3).", ("reason",))
 
 # ----- exported by each LLM server replica from its engine
 CHECKPOINT_EVENTS_TOTAL = MetricSpec(
     "hybrid_serve_checkpoint_events", "counter",
-    "Checkpoint events by kind (prompt, response, instruction) and event (captured, hit, "
-    "evicted, deduplicated, dropped).", ("kind", "event"))
+    "Checkpoint events by kind (prompt, response, instruction, breakpoint) and event (captured, "
+    "hit, evicted, deduplicated, dropped).", ("kind", "event"))
 PROMPT_TOKENS_RESTORED = MetricSpec(
     "hybrid_serve_prompt_tokens_restored", "counter",
     "Prompt tokens restored from checkpoints (at first admission).")
@@ -256,7 +260,7 @@ FETCH_FAILURES = MetricSpec(
     "malformed, rejected (the engine refused it), error.", ("reason",))
 
 METRICS = (REQUESTS, OUTPUT_TOKENS, TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY, REQUEST_LATENCY,
-           BOUNDARY_REJECTIONS, CHECKPOINT_EVENTS_TOTAL, PROMPT_TOKENS_RESTORED,
+           BOUNDARY_REJECTIONS, BREAKPOINT_REJECTIONS, CHECKPOINT_EVENTS_TOTAL, PROMPT_TOKENS_RESTORED,
            PROMPT_TOKENS_COMPUTED, PREEMPTIONS, FAILED_STEPS, REQUESTS_FAILED, ENGINE_REQUESTS,
            KV_BLOCKS, STATE_SLOTS, CHECKPOINTS, CHECKPOINT_BYTES,
            SPECULATIVE_VERIFICATION_CHUNKS, SPECULATIVE_DRAFTS_PROPOSED,
@@ -276,20 +280,27 @@ def exported_names() -> frozenset[str]:
 
 
 class RequestMetrics:
-    """The ingress replica's metrics. Create inside the replica (Serve's tags)."""
+    """The ingress replica's metrics. Create inside the replica (Serve's tags); `create` makes
+    each metric (Ray's, MetricSpec.create; a test passes one that records what is recorded)."""
 
-    def __init__(self) -> None:
-        self._requests = REQUESTS.create()
-        self._output_tokens = OUTPUT_TOKENS.create()
-        self._ttft = TIME_TO_FIRST_TOKEN.create()
-        self._itl = INTER_TOKEN_LATENCY.create()
-        self._latency = REQUEST_LATENCY.create()
-        self._boundary_rejections = BOUNDARY_REJECTIONS.create()
+    def __init__(self, create: Callable[[MetricSpec], Any] = MetricSpec.create) -> None:
+        self._requests = create(REQUESTS)
+        self._output_tokens = create(OUTPUT_TOKENS)
+        self._ttft = create(TIME_TO_FIRST_TOKEN)
+        self._itl = create(INTER_TOKEN_LATENCY)
+        self._latency = create(REQUEST_LATENCY)
+        self._boundary_rejections = create(BOUNDARY_REJECTIONS)
+        self._breakpoint_rejections = create(BREAKPOINT_REJECTIONS)
 
     def count_boundary_rejection(self, reason: str | None) -> None:
         """Count a chat prompt's RenderedPrompt.boundary_rejection (None: it has a boundary)."""
         if reason is not None:
             self._boundary_rejections.inc(tags={"reason": str(reason)})
+
+    def count_breakpoint_rejections(self, reasons: tuple[str, ...]) -> None:
+        """Count a chat prompt's RenderedPrompt.breakpoint_rejections, one per dropped marker."""
+        for reason in reasons:
+            self._breakpoint_rejections.inc(tags={"reason": str(reason)})
 
     def record_request(self, record: RequestRecord) -> None:
         """Record an ended request from its RequestRecord (deployments/http/request_log.py):

@@ -127,10 +127,11 @@ def llm_server_resources(config: AppConfig) -> dict:
 
 
 def app_demand(config: AppConfig, replicas: Mapping[str, int] | None = None,
-               actor_options: Mapping[str, Mapping] | None = None) -> Demand:
+               actor_options: Mapping[str, Mapping] | None = None, lean: bool = False) -> Demand:
     """What `config` asks when it starts: replicas (deployment class name -> starting replicas,
     1 when absent), actor_options (name -> the serve config file's ray_actor_options, which
-    override build_app's). Pure."""
+    override build_app's); lean: the lean path's graph (no OpenAIIngress; with
+    checkpoint_routing a CheckpointIngressRouter), deployments/serving_path.py. Pure."""
     replicas, actor_options = replicas or {}, actor_options or {}
     engine = config.engine
     tp, on_gpu = engine.tensor_parallel_size, engine.device.startswith("cuda")
@@ -156,8 +157,9 @@ def app_demand(config: AppConfig, replicas: Mapping[str, int] | None = None,
         units.append(Unit(key, f"one {name} replica ({what})", num_cpus, num_gpus))
         bundles.extend({"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus else {})} for _ in range(n))
 
-    deployment("OpenAIIngress", "ingress_num_cpus", config.ingress_num_cpus, 0,
-               f"ingress_num_cpus {num(config.ingress_num_cpus)}")
+    if not lean or config.checkpoint_routing:
+        deployment("CheckpointIngressRouter" if lean else "OpenAIIngress", "ingress_num_cpus",
+                   config.ingress_num_cpus, 0, f"ingress_num_cpus {num(config.ingress_num_cpus)}")
     deployment("Renderer", "renderer_num_cpus", config.renderer_num_cpus, 0,
                f"renderer_num_cpus {num(config.renderer_num_cpus)}")
     llm = llm_server_resources(config)  # what build_app gives the LLM server replica
@@ -241,15 +243,16 @@ def autoscaling_wait_s(config: AppConfig, environ: Mapping[str, str] = os.enviro
 
 
 def check_placement(config: AppConfig, replicas: Mapping[str, int] | None = None,
-                    actor_options: Mapping[str, Mapping] | None = None,
+                    actor_options: Mapping[str, Mapping] | None = None, lean: bool = False,
                     capacity: Callable[[], Capacity | None] | None = None,
                     wait_s: float | None = None, sleep: Callable[[float], None] = time.sleep,
                     request_resources: Callable[[list[dict]], None] | None = None) -> None:
     """Raise PlacementError when the app cannot be placed. With wait_s > 0 (default
     autoscaling_wait_s(config)) and Ray initialised, first ask the autoscaler for the bundles
-    and wait up to wait_s for capacity, logging one line when the wait starts. capacity:
+    and wait up to wait_s for capacity, logging one line when the wait starts. lean: as
+    app_demand's. capacity:
     default current_capacity; request_resources: default the autoscaler SDK's."""
-    demand = app_demand(config, replicas, actor_options)
+    demand = app_demand(config, replicas, actor_options, lean)
     capacity = capacity or current_capacity
     have = capacity()
     problem = placement_problem(demand, have) if have is not None else None

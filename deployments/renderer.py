@@ -1,7 +1,7 @@
 """Renderer deployment: chat template + tokenizer, CPU only, scales independently of the model.
 
 It turns API input into the exact token ids the engine will see, and for chat requests the
-verified instruction boundary (docs/design.md section 3), with the Ray-free PromptRenderer
+verified instruction boundary and cache breakpoints (docs/design.md section 3), with the Ray-free PromptRenderer
 (deployments/prompts/rendering.py) that the benchmark's in-process target and tests call too.
 It never touches the engine, so prompt counts in `usage` are by construction the ids rendered
 here.

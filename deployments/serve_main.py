@@ -4,7 +4,15 @@ foreground or the background.
 
     python -m deployments.serve_main serve_config.yaml [serve run options]
 
-The file is first checked as `python -m deployments.check_config` does (exit status 2 and the
+The lean serving path (deployments/serving_path.py) needs Ray Serve's switches in the
+environment before Ray starts: unless the file's hybrid-serve applications all set
+`direct_ingress: false`, or RAY_SERVE_ENABLE_HA_PROXY is already in the environment (then it is
+left as given), this sets them, with HAProxy's files in a directory of this run (removed at
+exit) and its stats and metrics on free ports, where HAProxy can run; where it cannot (no
+binary, not Linux) it sets none and build_app logs the reason with the classic path it builds.
+Joining a running cluster (`--address`, RAY_ADDRESS), the cluster's environment decides.
+
+The file is then checked as `python -m deployments.check_config` does (exit status 2 and the
 refused key), because `serve run` on a config file blocks even when the application fails to
 build. Then `serve run` starts a local Ray (or joins the one `--address` / RAY_ADDRESS names)
 and deploys the file.
@@ -21,11 +29,14 @@ the embedded model, idle):
   and died of SIGABRT (a segmentation fault in other runs) after 3 s.
 - A shell starts a background command with SIGINT ignored, and Python leaves an ignored SIGINT
   ignored, so `serve run &` in a script did not stop on SIGINT at all.
+With HAProxy on, the same held, and more: Serve's HAProxy manager actor starts `haproxy` as a
+child, and each reload starts another that lingers up to its hard-stop-after (120 s).
 So this launcher takes both signals itself, again right after `ray.init` (it wraps `ray.init`
 for `serve run`), and makes itself a child subreaper, so that every process Ray starts below it
 (a worker whose raylet exits first included) stays its descendant. On the first signal:
 SIGTERM to the raylet, which stops its workers, agents and object store (0.1-0.5 s), then
-SIGKILL to every descendant left (GCS, dashboard, log monitor, autoscaler monitor), and exit
+SIGKILL to every descendant left (GCS, dashboard, log monitor, autoscaler monitor, HAProxy),
+and exit
 status 0, without Ray's atexit `ray.shutdown()`: 0.2-1.8 s in all. Serve's graceful shutdown
 is skipped, since the whole cluster goes with it: requests in flight are cut. When `serve run`
 joined another cluster (`--address`), none of its processes runs below this one: Serve is shut
@@ -38,13 +49,21 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shutil
 import signal
+import socket
 import sys
+import tempfile
 import threading
 import time
 import traceback
+from pathlib import Path
 
+import yaml
+
+from deployments.check_config import IMPORT_PATH
 from deployments.check_config import main as check_config
+from deployments.serving_path import UNAVAILABLE_ENV, haproxy_problem, lean_environment
 
 RAYLET_GRACE_S = 2.0  # after SIGTERM to the raylet, before SIGKILL to everything
 KILL_WAIT_S = 1.0  # after SIGKILL, for the kernel to take them
@@ -52,6 +71,7 @@ REMOTE_SERVE_SHUTDOWN_TIMEOUT_S = 30.0  # Serve's own client timeout, on a clust
 PR_SET_CHILD_SUBREAPER = 36
 
 _stopping = False
+_state_dirs: list[str] = []  # HAProxy's files of this run, removed at exit
 
 
 def _say(text: str) -> None:
@@ -176,8 +196,52 @@ def _shut_serve_down_on_the_cluster() -> None:
         thread.join(REMOTE_SERVE_SHUTDOWN_TIMEOUT_S)
 
 
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        return probe.getsockname()[1]
+
+
+def _wants_lean_path(config_path: str) -> bool:
+    """Whether any hybrid-serve application of the file keeps direct_ingress on (the default);
+    a file that cannot be read is left to check_config to refuse."""
+    try:
+        config = yaml.safe_load(Path(config_path).read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return False
+    return any((app.get("args") or {}).get("direct_ingress", True)
+               for app in config.get("applications") or [] if app.get("import_path") == IMPORT_PATH)
+
+
+def set_lean_environment(config_path: str, argv: list[str],
+                         environ: dict[str, str] | os._Environ = os.environ) -> None:
+    """Put the lean path's switches in `environ` before Ray starts, where it applies (see the
+    module docstring); where HAProxy cannot run, its reason instead (UNAVAILABLE_ENV), which
+    build_app's log line gives."""
+    if "RAY_SERVE_ENABLE_HA_PROXY" in environ:
+        return  # the caller chose
+    if any(arg == "--address" or arg.startswith("--address=") or arg == "-a" for arg in argv) \
+            or environ.get("RAY_ADDRESS"):
+        return  # a cluster elsewhere: its environment decides
+    if not _wants_lean_path(config_path):
+        return
+    problem = haproxy_problem(environ)
+    if problem is not None:
+        environ[UNAVAILABLE_ENV] = f"HAProxy cannot run here: {problem}"
+        return
+    state_dir = tempfile.mkdtemp(prefix="hs-hap-")  # short: unix socket paths go below it
+    _state_dirs.append(state_dir)
+    environ.update(lean_environment(Path(state_dir), _free_port(), _free_port()))
+
+
+def _remove_state_dirs() -> None:
+    for path in _state_dirs:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def _exit(status: int) -> None:
     """Exit now: Ray's atexit `ray.shutdown()` would take seconds for what is already gone."""
+    _remove_state_dirs()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -229,8 +293,10 @@ def main(argv: list[str]) -> int:
         print("usage: python -m deployments.serve_main SERVE_CONFIG.yaml [serve run options]",
               file=sys.stderr)
         return 2
+    set_lean_environment(argv[0], argv[1:])
     status = check_config(argv[:1])
     if status != 0:
+        _remove_state_dirs()
         return status
     _become_subreaper()
     _take_signals()

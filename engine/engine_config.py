@@ -6,9 +6,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cache.checkpoint_keys import CheckpointKind
+from cache.eviction import EvictionPolicy
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "tiny-granite-hybrid"
 CHECKPOINT_SLOTS = tuple(kind.value for kind in CheckpointKind)  # the order captures keep
+EVICTION_POLICIES = tuple(policy.value for policy in EvictionPolicy)
+DEFAULT_BUDGET_BYTES = 64 * 1024 * 1024  # each cache budget given neither in bytes nor by memory_utilization
 SPECULATIVE_DRAFTERS = ("ngram", "mtp")
 MAX_SPECULATIVE_TOKENS = 16
 
@@ -42,18 +45,49 @@ class EngineConfig:
                                           "plus decode tokens).")
     max_num_seqs: int = _option(16, "Most requests running at once (also caps the recurrent "
                                 "state slots).")
-    kv_cache_bytes: int = _option(64 * 1024 * 1024, "Memory for KV blocks, per rank; the block "
-                                  "count is derived from it and must hold one request of "
-                                  "max_model_len tokens.")
-    state_cache_bytes: int = _option(64 * 1024 * 1024, "Memory for recurrent state slots, per "
-                                     "rank; the slot count is derived from it.")
+    memory_utilization: float | None = _option(None, "Share of memory the cache budgets not "
+                                               "given in bytes take, in (0, 1]: on cuda of the "
+                                               "device memory free once the weights are "
+                                               "loaded, on cpu of a quarter of the RAM "
+                                               "available; split between KV blocks, recurrent "
+                                               "state and checkpoints (docs/checkpoints.md, "
+                                               "Memory). Unset: each budget not "
+                                               "given is 64 MiB.")
+    kv_cache_bytes: int | None = _option(None, "Memory for KV blocks, per rank; the block count "
+                                         "is derived from it and must hold one request of "
+                                         "max_model_len tokens. Unset: from memory_utilization, "
+                                         "else 64 MiB.")
+    state_cache_bytes: int | None = _option(None, "Memory for recurrent state slots, per rank; "
+                                            "the slot count is derived from it. Unset: from "
+                                            "memory_utilization, else 64 MiB.")
     checkpoint_slots: tuple[str, ...] = _option(CHECKPOINT_SLOTS, "Request-boundary checkpoints "
                                                 "to capture: any subset of prompt, response, "
-                                                "instruction; empty turns checkpoint caching off.")
-    checkpoint_cache_bytes: int = _option(64 * 1024 * 1024, "Memory for checkpoint tensors held "
-                                          "outside the KV blocks (recurrent state, attention "
-                                          "tail, hidden row), per rank; the KV blocks they "
-                                          "reference count against kv_cache_bytes.")
+                                                "instruction, breakpoint (at the clients' "
+                                                "cache_control markers); empty turns checkpoint "
+                                                "caching off.")
+    checkpoint_cache_bytes: int | None = _option(None, "Memory for checkpoint tensors held "
+                                                 "outside the KV blocks (recurrent state, "
+                                                 "attention tail, hidden row), per rank; the KV "
+                                                 "blocks they reference count against "
+                                                 "kv_cache_bytes. Unset: from "
+                                                 "memory_utilization, else 64 MiB.")
+    host_checkpoint_bytes: int | None = _option(None, "Host memory (pinned on cuda, plain RAM on "
+                                                "cpu) for checkpoints evicted from the "
+                                                "device's budgets: a request that needs one "
+                                                "waits while it is copied back, instead of "
+                                                "recomputing it (docs/checkpoints.md, Memory); "
+                                                "0 turns this tier off. One rank only for now. "
+                                                "Unset: from memory_utilization, else off.")
+    checkpoint_eviction: str = _option("value", "Which checkpoint goes first when a budget is "
+                                       "full: value (least prefill compute saved per byte "
+                                       "held, halved every checkpoint_value_half_life uses of "
+                                       "the tier since it was last used) or lru (least "
+                                       "recently used). Each tenant keeps its fair share "
+                                       "either way.")
+    checkpoint_value_half_life: float = _option(128.0, "With checkpoint_eviction value: after "
+                                                "this many checkpoint publications and hits "
+                                                "without a use, a checkpoint counts half as "
+                                                "valuable.")
     dtype: str = _option("float32", "Model dtype: float32, bfloat16 or float16.")
     device: str = _option("cpu", "cpu, or cuda (one GPU per rank).")
     seed: int = _option(0, "torch seed of the workers, and of sampling for requests without "
@@ -67,6 +101,12 @@ class EngineConfig:
     async_scheduling: bool = _option(True, "Schedule and submit each step before the previous "
                                      "one's tokens are back, so the device never waits for the "
                                      "host; false runs one step at a time.")
+    cpu_compile_decode: bool = _option(False, "CPU, one rank: run decode-only steps through the "
+                                       "model compiled by torch.compile (inductor), about "
+                                       "twice as fast a step on small models; compiling takes "
+                                       "a minute or more when the engine starts (cached on "
+                                       "disk afterwards), and the engine falls back to eager "
+                                       "steps if it fails.")
     num_speculative_tokens: int | None = _option(None, "Draft tokens verified per step for "
                                                  "greedy requests (speculative decoding, exact: "
                                                  "the output is the same as without; "
@@ -102,8 +142,7 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.kv_cache_bytes <= 0 or self.state_cache_bytes <= 0:
-            raise ValueError("kv_cache_bytes and state_cache_bytes must be positive")
+        self._check_budgets()
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if isinstance(self.checkpoint_slots, str):
@@ -117,13 +156,44 @@ class EngineConfig:
         # configs that ask for the same slots compare equal
         canonical = tuple(slot for slot in CHECKPOINT_SLOTS if slot in self.checkpoint_slots)
         object.__setattr__(self, "checkpoint_slots", canonical)
-        if self.checkpoint_cache_bytes < 0:
-            raise ValueError("checkpoint_cache_bytes must be >= 0")
+        if self.checkpoint_eviction not in EVICTION_POLICIES:
+            raise ValueError(f"checkpoint_eviction must be one of {list(EVICTION_POLICIES)}, "
+                             f"got {self.checkpoint_eviction!r}")
+        half_life = self.checkpoint_value_half_life
+        if isinstance(half_life, bool) or not isinstance(half_life, (int, float)) or not half_life > 0:
+            raise ValueError(f"checkpoint_value_half_life must be a number > 0, got {half_life!r}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         self._check_speculation()
+
+    def _check_budgets(self) -> None:
+        """Byte budgets are integers (kv and state > 0, checkpoints >= 0) or unset;
+        memory_utilization a number in (0, 1] or unset. Without memory_utilization an unset
+        budget becomes DEFAULT_BUDGET_BYTES here (the host tier's 0: off); with it, the worker
+        sizes it from memory (engine/parallel/memory_budget.py). The host tier needs one
+        rank."""
+        share = self.memory_utilization
+        if share is not None and (isinstance(share, bool) or not isinstance(share, (int, float))
+                                  or not 0 < share <= 1):
+            raise ValueError(f"memory_utilization must be a number in (0, 1] or unset, got {share!r}")
+        for name, least in (("kv_cache_bytes", 1), ("state_cache_bytes", 1), ("checkpoint_cache_bytes", 0)):
+            value = getattr(self, name)
+            if value is None:
+                if share is None:
+                    object.__setattr__(self, name, DEFAULT_BUDGET_BYTES)
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{name} must be an integer >= {least} or unset, got {value!r}")
+        host = self.host_checkpoint_bytes
+        if host is None and share is None:
+            object.__setattr__(self, "host_checkpoint_bytes", 0)
+        elif host is not None and (isinstance(host, bool) or not isinstance(host, int) or host < 0):
+            raise ValueError(f"host_checkpoint_bytes must be an integer >= 0 or unset, got {host!r}")
+        elif host and self.tensor_parallel_size > 1:
+            raise ValueError("host_checkpoint_bytes > 0 needs tensor_parallel_size 1 for now (the host "
+                             "tier copies evicted checkpoints out of the model in this process); set it to 0")
 
     def _check_speculation(self) -> None:
         """Speculative decoding (engine/speculative/): k unset (engine/speculative/policy.py

@@ -12,5 +12,9 @@ Modules, one responsibility each:
   report.py      the result JSON, the Markdown report and the plots, under one folder
   policies.py    hybrid-serve in process, one Serve app per checkpoint_slots setting
   engine_target.py  the engine in process with no Ray and no HTTP, one per setting (--in-process)
+  launcher.py    one server process in a session of its own: start, wait until it answers, stop all of it
+  peer_servers.py   the commands compare-servers --launch runs: hybrid-serve, vLLM's CPU server
+  peer_suite.py  the passes run against each launched server, and the peer table
+  compare_launched.py  compare-servers --launch: each server in turn, one table, peers.json
   cli.py         `hybrid-serve-bench run | compare-servers | compare-policies`
 """

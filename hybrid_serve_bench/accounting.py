@@ -27,7 +27,13 @@ Per workload this is:
                        turn's assistant message opens with it);
   few-shot             the system prompt and all examples (an instruction checkpoint covers only
                        the leading system/developer messages: the examples are user/assistant
-                       turns, so that slot reaches a part of this);
+                       turns, so that slot reaches a part of this), and the template tokens that
+                       open the next user message;
+  few-shot-marked      the same: the marker on the last example's answer lets a breakpoint
+                       checkpoint cover all but those few opening tokens;
+  document-qa(-marked) for every request but the first of its document, the system prompt and the
+                       document (the marked part's end), and the first words of the question
+                       part that every question starts with;
   no-sharing           the first template tokens at most (the role marker of the system message).
 """
 

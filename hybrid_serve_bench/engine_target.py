@@ -5,8 +5,9 @@ stack do not travel to the device machine; torch, transformers, httpx and tqdm d
 EngineChat does what the ingress and renderer do for one chat request, then streams
 AsyncLLMEngine.generate into the StreamResult the HTTP client returns:
   render     deployments/prompts/rendering.py's PromptRenderer, the Renderer deployment's own
-             code: the model's chat template with the generation prompt, and the verified
-             instruction boundary, the instruction renderings remembered;
+             code: the model's chat template with the generation prompt, the verified
+             instruction boundary and cache breakpoints (the messages' cache_control
+             markers), the prefix renderings remembered;
   request    extra_body's cache_salt and ignore_eos become GenerationRequest.cache_salt and
              SamplingParams.ignore_eos; temperature and max_tokens pass as they are;
   times      seconds from the engine submission, which is AFTER rendering (an HTTP server's
@@ -62,7 +63,8 @@ class EngineChat:
                 request_id=uuid.uuid4().hex, prompt_token_ids=prompt.token_ids,
                 sampling=SamplingParams(max_tokens=request.max_tokens, temperature=request.temperature,
                                         ignore_eos=bool(extra.get("ignore_eos"))),
-                instruction_boundary=prompt.instruction_boundary, cache_salt=extra.get("cache_salt"))
+                instruction_boundary=prompt.instruction_boundary,
+                cache_breakpoints=prompt.cache_breakpoints, cache_salt=extra.get("cache_salt"))
         except Exception as exc:  # template refusal, invalid sampling
             return _failed(rendered, f"{type(exc).__name__}: {exc}")
         start = time.perf_counter()

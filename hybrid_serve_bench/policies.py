@@ -17,7 +17,8 @@ from collections.abc import Iterator
 from hybrid_serve_bench.runner import Target
 
 POLICIES: tuple[tuple[str, ...], ...] = ((), ("prompt",), ("prompt", "response"),
-                                         ("prompt", "response", "instruction"))
+                                         ("prompt", "response", "instruction"),
+                                         ("prompt", "response", "instruction", "breakpoint"))
 
 
 def policy_label(slots: tuple[str, ...]) -> str:

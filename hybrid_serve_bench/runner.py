@@ -72,6 +72,15 @@ class Pass:
     wall_s: float = 0.0
 
 
+def salted(*parts: object) -> str:
+    """A cache_salt made of `parts`, joined by ":", with the characters vLLM refuses in a salt
+    ("@", "/", "\\", NUL) replaced by "_" (a sweep's workload is named shared-instructions@L)."""
+    text = ":".join(str(p) for p in parts)
+    for refused in ("@", "/", "\\", "\0"):
+        text = text.replace(refused, "_")
+    return text
+
+
 async def server_identity(client: httpx.AsyncClient, base_url: str) -> dict:
     """GET {base_url}/v1/models: the response JSON, or {"error": ...} when it fails."""
     try:
@@ -100,7 +109,7 @@ class _PassState:
         if settings.ignore_eos:
             extra["ignore_eos"] = True
         if settings.cache_salt:
-            extra["cache_salt"] = f"{settings.cache_salt}/{workload.name}/{rate}"
+            extra["cache_salt"] = salted(settings.cache_salt, workload.name, rate)
         self.extra_body = extra
         self.records: list[dict] = []
         self.summary = Pass(target.label, workload.name, rate)

@@ -52,9 +52,21 @@ class TokenizerCounter:
     def chat_ids(self, messages: list[dict], add_generation_prompt: bool) -> tuple[int, ...]:
         if not messages:
             return ()
-        ids = self._tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+        ids = self._tokenizer.apply_chat_template(without_cache_control(messages),
+                                                  add_generation_prompt=add_generation_prompt,
                                                   tokenize=True, return_dict=False)
         return tuple(map(int, ids))
+
+
+def without_cache_control(messages: list[dict]) -> list[dict]:
+    """`messages` without their cache_control markers (on messages and content parts): a server
+    that honours them, as hybrid-serve does, renders the messages without them, so its prompt
+    ids are the template's rendering of these."""
+    def strip(item):
+        return {k: v for k, v in item.items() if k != "cache_control"} if isinstance(item, dict) else item
+
+    return [{**strip(m), **({"content": [strip(p) for p in m["content"]]} if isinstance(m.get("content"), list)
+                            else {})} for m in messages]
 
 
 def has_tokenizer(model_dir: str | Path) -> bool:

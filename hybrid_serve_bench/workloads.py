@@ -16,6 +16,12 @@ turn resends it. Single-request workloads are conversations of one turn.
                        `tools` field, and text works on every server.
   few-shot             one system prompt plus E fixed example exchanges (user/assistant), then a
                        distinct question per request.
+  few-shot-marked      few-shot's very messages, with `cache_control: {"type": "ephemeral"}` on
+                       the last example's answer: the client says where the shared part ends.
+  document-qa          D documents of document_tokens; request i asks a distinct question about
+                       document i % D, in one user message of two text parts (the document, then
+                       the question), after a short system prompt.
+  document-qa-marked   document-qa's very messages, with cache_control on the document part.
   no-sharing           the control: every request has its own system prompt of L tokens and its
                        own user message; nothing is shared.
 
@@ -30,7 +36,9 @@ from dataclasses import dataclass, field, replace
 
 from hybrid_serve_bench.tokens import TokenCounter
 
-WORKLOAD_KINDS = ("shared-instructions", "multi-turn", "agent-loop", "few-shot", "no-sharing")
+WORKLOAD_KINDS = ("shared-instructions", "multi-turn", "agent-loop", "few-shot", "few-shot-marked",
+                  "document-qa", "document-qa-marked", "no-sharing")
+CACHE_CONTROL = {"type": "ephemeral"}  # the marker of a client-directed checkpoint
 
 WORDS = ("model state token layer cache prefix request answer system user policy rule tool data "
          "query budget latency memory block chunk stream batch order review audit account "
@@ -61,6 +69,8 @@ class Sizes:
     tool_result_tokens: tuple[int, int] = (50, 200)
     examples: int = 6                      # E (few-shot)
     example_tokens: int = 120
+    documents: int = 4                     # D (document-qa)
+    document_tokens: int = 2000
 
 
 @dataclass(frozen=True)
@@ -171,7 +181,8 @@ def agent_loop(sizes: Sizes, counter: TokenCounter) -> Workload:
                      "tool_result_tokens": list(sizes.tool_result_tokens)})
 
 
-def few_shot(sizes: Sizes, counter: TokenCounter) -> Workload:
+def few_shot(sizes: Sizes, counter: TokenCounter, marked: bool = False) -> Workload:
+    """few-shot, or few-shot-marked (the same messages, the last example's answer marked)."""
     rng = random.Random(f"{sizes.seed}/few-shot")
     head: list[dict] = [{"role": "system", "content": make_text(rng, 200, counter,
                                                                 "Classify each request. Examples follow.")}]
@@ -179,12 +190,35 @@ def few_shot(sizes: Sizes, counter: TokenCounter) -> Workload:
         head.append({"role": "user", "content": make_text(rng, sizes.example_tokens, counter,
                                                           f"Example {e}:")})
         head.append({"role": "assistant", "content": f"label {rng.choice(WORDS)}"})
+    if marked:
+        head[-1] = {**head[-1], "cache_control": CACHE_CONTROL}
+    name = "few-shot-marked" if marked else "few-shot"
     conversations = tuple(
-        Conversation(f"few-shot/{i}", (Turn((*head, {"role": "user", "content": make_text(
+        Conversation(f"{name}/{i}", (Turn((*head, {"role": "user", "content": make_text(
             rng, _tokens(rng, sizes.user_tokens), counter, f"Question {i}:")}),),))
         for i in range(sizes.requests))
-    return Workload("few-shot", "few-shot", conversations,
+    return Workload(name, name, conversations,
                     {"examples": sizes.examples, "example_tokens": sizes.example_tokens,
+                     "requests": sizes.requests, "user_tokens": list(sizes.user_tokens)})
+
+
+def document_qa(sizes: Sizes, counter: TokenCounter, marked: bool = False) -> Workload:
+    """document-qa, or document-qa-marked (the same messages, the document part marked)."""
+    rng = random.Random(f"{sizes.seed}/document-qa")
+    system = {"role": "system", "content": "Answer the question from the document, briefly."}
+    documents = [make_text(rng, sizes.document_tokens, counter, f"Document {d}:")
+                 for d in range(sizes.documents)]
+    name = "document-qa-marked" if marked else "document-qa"
+    conversations = []
+    for i in range(sizes.requests):
+        document = {"type": "text", "text": documents[i % sizes.documents],
+                    **({"cache_control": CACHE_CONTROL} if marked else {})}
+        question = {"type": "text", "text": make_text(rng, _tokens(rng, sizes.user_tokens), counter,
+                                                      f"Question {i}:")}
+        conversations.append(Conversation(f"{name}/{i}", (Turn((
+            system, {"role": "user", "content": [document, question]}),),)))
+    return Workload(name, name, tuple(conversations),
+                    {"documents": sizes.documents, "document_tokens": sizes.document_tokens,
                      "requests": sizes.requests, "user_tokens": list(sizes.user_tokens)})
 
 
@@ -219,8 +253,10 @@ def build_workloads(kinds: list[str], sizes: Sizes, counter: TokenCounter,
             workloads.append(multi_turn(sizes, counter))
         elif kind == "agent-loop":
             workloads.append(agent_loop(sizes, counter))
-        elif kind == "few-shot":
-            workloads.append(few_shot(sizes, counter))
+        elif kind in ("few-shot", "few-shot-marked"):
+            workloads.append(few_shot(sizes, counter, marked=kind.endswith("-marked")))
+        elif kind in ("document-qa", "document-qa-marked"):
+            workloads.append(document_qa(sizes, counter, marked=kind.endswith("-marked")))
         elif kind == "no-sharing":
             workloads.append(no_sharing(sizes, counter))
         else:

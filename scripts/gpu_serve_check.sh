@@ -91,6 +91,7 @@ deadline=${GPU_SERVE_DEADLINE_S:-420}
 timeout -k 10 $(( deadline + 30 )) "$PYTHON" benchmarks/gpu_serve.py run --config "$BENCH_CONFIG" --out "$OUT" \
   --deadline-s "$deadline" "${run_flags[@]}" "${parts[@]}"
 say "driver exit status $?"
+say "$(grep -m1 -o 'hybrid-serve: [a-z]* serving path.*' "$OUT/serve.log")"
 
 say "stopping Serve and Ray"
 # `serve shutdown` goes through the dashboard's REST API (it can refuse: Ray 2.60 asked for an

@@ -1,26 +1,30 @@
 """Checkpoint-aware request routing for the LLM server (a Ray Serve custom request router).
 
-Serve runs one router per deployment handle, in the process that holds the handle (the
-ingress replica, for `LLMServer.generate`). For each request this router:
+Serve runs one router per deployment handle, in the process that holds the handle: on the
+classic path the ingress replica, for `LLMServer.generate`; on the lean path the ingress
+request router (deployments/cluster/ingress_router.py), which HAProxy asks where each HTTP
+request goes. For each request this router:
 
-1. reads the GenerationRequest from the call's arguments (the renderer's token ids, the
-   cache_salt: the engine's namespace is (model_dir, cache_salt or "")),
+1. reads the GenerationRequest from the call's arguments, or the PromptKey the ingress request
+   router rendered from the HTTP body (the renderer's token ids, the cache_salt: the engine's
+   namespace is (model_dir, cache_salt or "")),
 2. looks up, in its local mirror of the application's cluster index (deployments/
    index_mirror.py; no actor call per request), the replicas that hold the longest checkpoint
    whose tokens are a prefix of the prompt,
 3. sends the request to the least loaded of those holders whose queue length (requests in
    flight there, probed for each request) is below `queue_threshold`,
-4. when no replica holds a prefix yet but the request has an instruction boundary, sends it
-   where this router sent the same instructions (namespace and tokens up to the boundary) in
-   the last PLACEMENT_TTL_S seconds, if that replica is below the threshold ("recent
-   placement"): the first requests of a new system prompt then meet on one replica, which
+4. when no replica holds a prefix yet (or the mirror is not current: its first sync, the index
+   down) but the request has an instruction boundary, sends it where this router sent the
+   same instructions (namespace and tokens up to the boundary) in the last PLACEMENT_TTL_S
+   seconds, if that replica is below the threshold ("recent placement"): the first requests of a new system prompt then meet on one replica, which
    captures its checkpoint once, instead of each replica computing it before the index
    hears of the first capture. The first of them goes to the less loaded of power-of-two's
    pair, probed here, and is remembered;
 5. sends it to a random pair of the other replicas when every holder is at the threshold or
    above ("overloaded"),
 6. and otherwise leaves it to Serve's power-of-two choices: no holder, no token ids, a call
-   that is not a generation (model info, pool usage), or no current mirror (index actor down).
+   that is not a generation (model info, pool usage), or no current mirror (index actor down),
+   for requests without an instruction boundary.
 
 Power-of-two choices is also the rank after the holders: a holder that turns out full
 (max_ongoing_requests) passes the request on to it in the same routing attempt. A digest
@@ -35,7 +39,10 @@ guess it makes, per router, for the seconds before the index confirms a capture
 (benchmarks/cluster_routing.py compares both).
 
 Built on Ray 2.60's RequestRouter API (ray.serve.request_router); the power-of-two fallback
-calls Serve's PowerOfTwoChoicesRequestRouter.choose_replicas (ray.serve._private).
+calls Serve's PowerOfTwoChoicesRequestRouter.choose_replicas (ray.serve._private). Serve
+pickles this module by value into every process that routes (RequestRouterConfig), so the
+types a caller passes in (GenerationRequest, PromptKey) live in other modules: a class of this
+module would be a copy there, and isinstance would never match.
 """
 
 from __future__ import annotations
@@ -63,6 +70,7 @@ from cache.checkpoint_keys import Namespace
 from cache.index_messages import LookupResult, token_digest
 from deployments.cluster.index import get_index
 from deployments.cluster.index_mirror import ActorIndexSource, IndexMirror
+from deployments.cluster.prompt_key import PromptKey
 from deployments.metrics import RoutingMetrics
 from engine.interfaces.generation_request import GenerationRequest
 
@@ -87,7 +95,7 @@ class RecentPlacements:
         self._placed: OrderedDict[bytes, tuple[str, float]] = OrderedDict()
 
     @staticmethod
-    def key(namespace: tuple[str, str], request: GenerationRequest) -> bytes | None:
+    def key(namespace: tuple[str, str], request: GenerationRequest | PromptKey) -> bytes | None:
         """The placement key of a request with an instruction boundary, else None."""
         boundary = request.instruction_boundary
         if not boundary:
@@ -134,12 +142,13 @@ def choose_holders(match: LookupResult | None, queue_lens: dict[str, int | None]
     return HolderChoice(tuple(r for _, r in ready), "holder", match.length)
 
 
-def generation_request(pending_request: PendingRequest | None) -> GenerationRequest | None:
-    """The GenerationRequest a `generate` call carries, or None (another method)."""
+def generation_request(pending_request: PendingRequest | None) -> GenerationRequest | PromptKey | None:
+    """The GenerationRequest a `generate` call carries, or the PromptKey an ingress request
+    router's pick carries; None for anything else (another method)."""
     if pending_request is None:
         return None
     args = list(pending_request.args or ()) + list((pending_request.kwargs or {}).values())
-    return next((a for a in args if isinstance(a, GenerationRequest)), None)
+    return next((a for a in args if isinstance(a, (GenerationRequest, PromptKey))), None)
 
 
 class CheckpointAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
@@ -159,6 +168,10 @@ class CheckpointAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             return ActorIndexSource(await asyncio.to_thread(get_index, app))
 
         self._mirror = IndexMirror(connect)
+        try:  # sync before the first request where the router starts on a running loop
+            self._mirror.start()
+        except RuntimeError:  # no running loop here: the first routed request starts it
+            pass
         self._placements = RecentPlacements()
         self._metrics = RoutingMetrics()
         self._counted: OrderedDict[str, None] = OrderedDict()
@@ -204,7 +217,7 @@ class CheckpointAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
 
     # ---- internals ----------------------------------------------------------------------------
 
-    async def _choose_holders(self, request: GenerationRequest,
+    async def _choose_holders(self, request: GenerationRequest | PromptKey,
                               candidates: list[RunningReplica]) -> HolderChoice:
         if not request.prompt_token_ids:
             return HolderChoice((), "no_tokens")
@@ -217,15 +230,16 @@ class CheckpointAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             queue_lens = await self._queue_lens([by_id[r] for r in match.replica_ids])
         choice = choose_holders(match, queue_lens, self._queue_threshold)
         key = RecentPlacements.key(namespace, request)
-        if choice.reason != "no_holder" or key is None:
+        if choice.reason not in ("no_holder", "index_unavailable") or key is None:
             return choice
-        return await self._place(key, candidates, by_id) or choice
+        return await self._place(key, candidates, by_id, choice.reason) or choice
 
     async def _place(self, key: bytes, candidates: list[RunningReplica],
-                     by_id: dict[str, RunningReplica]) -> HolderChoice | None:
-        """Instructions no replica holds yet: their recent placement if it is below the
-        threshold; else the less loaded of a fresh power-of-two pair, remembered. None: leave
-        it to power-of-two choices (nothing answered the probe)."""
+                     by_id: dict[str, RunningReplica], reason: Reason) -> HolderChoice | None:
+        """Instructions no replica is known to hold (none does, or the mirror is not current:
+        its first sync, the index down): their recent placement if it is below the threshold;
+        else the less loaded of a fresh power-of-two pair, remembered, with `reason`. None:
+        leave it to power-of-two choices (nothing answered the probe)."""
         placed = self._placements.get(key)
         if placed is not None and placed in by_id:
             queue_len = (await self._queue_lens([by_id[placed]])).get(placed)
@@ -238,7 +252,7 @@ class CheckpointAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             return None
         chosen = min(lens, key=lambda r: (lens[r], r))
         self._placements.record(key, chosen)
-        return HolderChoice((chosen,), "no_holder")
+        return HolderChoice((chosen,), reason)
 
     async def _queue_lens(self, replicas: list[RunningReplica]) -> dict[str, int | None]:
         """Each holder's requests in flight, probed now (None when it does not answer in

@@ -323,6 +323,8 @@ class TierFetch:
     """A CheckpointFetch of the object-store tier: a fetch running on the replica's event loop
     (shared by the requests that want the same copy), seen from the engine's step thread."""
 
+    verified = False  # from another process: checked in full on import
+
     def __init__(self, tier: CheckpointTier, future: concurrent.futures.Future, num_tokens: int,
                  deadline: float, locator: str) -> None:
         self._tier = tier

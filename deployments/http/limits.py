@@ -1,7 +1,7 @@
 """Request limits at the HTTP edge, before a request costs anything.
 
 check_stop_limits: the stop conditions of one request (the ingress checks them first, for HTTP
-and handle calls alike). Its prompt length and max_tokens are checked against max_prompt_tokens
+and handle calls alike); check_cache_markers: a chat request's cache_control markers. Its prompt length and max_tokens are checked against max_prompt_tokens
 and max_output_tokens by engine.interfaces.sampling_params.output_budget, with the context.
 
 RequestLimitsMiddleware (ASGI, in front of the ingress's routes; its limits are
@@ -24,7 +24,9 @@ from dataclasses import dataclass
 from starlette.exceptions import HTTPException
 
 from deployments.http.errors import APIError, send_error
-from deployments.http.protocol import SamplingFields
+from deployments.http.protocol import ChatCompletionRequest, SamplingFields
+
+MAX_CACHE_BREAKPOINTS = 4  # cache_control markers a chat request may carry (AppConfig's default)
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,7 @@ class RequestLimits:
     max_stop_string_chars: int
     max_prompt_tokens: int | None  # None: as many as the context leaves room for
     max_output_tokens: int
+    max_cache_breakpoints: int = MAX_CACHE_BREAKPOINTS  # cache_control markers a chat request may carry
 
 
 def check_stop_limits(fields: SamplingFields, limits: RequestLimits) -> None:
@@ -52,6 +55,18 @@ def check_stop_limits(fields: SamplingFields, limits: RequestLimits) -> None:
     if len(fields.stop_token_ids or ()) > limits.max_stop_strings:
         raise APIError.bad_request(
             f"at most {limits.max_stop_strings} stop token ids are accepted", "stop_token_ids")
+
+
+def check_cache_markers(request: ChatCompletionRequest, limits: RequestLimits) -> None:
+    """Raise APIError 400 (param "messages") for more cache_control markers than
+    limits.max_cache_breakpoints: each is one more rendering of the conversation's head and, when
+    breakpoint checkpoints are on, one more checkpoint and prefill chunk edge. Counted whether
+    or not the engine captures breakpoints: the same request is valid or not on every replica."""
+    markers = request.num_cache_markers()
+    if markers > limits.max_cache_breakpoints:
+        raise APIError.bad_request(
+            f"at most {limits.max_cache_breakpoints} cache_control breakpoints are accepted per "
+            f"request, got {markers}", "messages")
 
 
 class BodyTooLarge(HTTPException):

@@ -4,7 +4,10 @@ Requests validate shape and ranges here (pydantic); the FastAPI ingress turns ev
 error into an OpenAI error body with HTTP 400. The same objects are the Python handle API:
 `await handle.chat.remote(ChatCompletionRequest(...))` returns a ChatCompletionResponse.
 
-Supported beyond OpenAI (as in vLLM): top_k, stop_token_ids, ignore_eos, min_tokens, cache_salt.
+Supported beyond OpenAI (as in vLLM): top_k, stop_token_ids, ignore_eos, min_tokens, cache_salt;
+and, as in Anthropic's Messages API, `cache_control: {"type": "ephemeral"}` on a chat message or
+a text content part: a checkpoint at the end of it (deployments/prompts/cache_breakpoints.py),
+at most max_cache_breakpoints a request (deployments/http/limits.py).
 Numbers must be finite (no NaN or infinities), temperature at most 2 (as in OpenAI), every
 string valid Unicode (no lone surrogates: the tokenizer and the JSON answers cannot carry them),
 a seed a 64-bit integer, and stop token ids non-negative (the engine checks them against the
@@ -48,6 +51,17 @@ Text = Annotated[str, AfterValidator(_unicode_text)]
 REQUEST_CONFIG = ConfigDict(extra="ignore", allow_inf_nan=False, revalidate_instances="always")
 
 
+class CacheControl(BaseModel):
+    """A cache breakpoint marker: what precedes it, up to the end of the message or content part
+    that carries it, is shared by later requests, and a checkpoint is kept there when the
+    renderer can verify its position (docs/design.md section 3). Only "ephemeral" exists;
+    eviction decides how long a checkpoint lives, so no ttl is accepted."""
+
+    model_config = ConfigDict(extra="forbid", revalidate_instances="always")
+
+    type: Literal["ephemeral"]
+
+
 class TextContentPart(BaseModel):
     """One part of a list-valued message content; only text parts are supported."""
 
@@ -55,6 +69,7 @@ class TextContentPart(BaseModel):
 
     type: Literal["text"]
     text: Text
+    cache_control: CacheControl | None = None
 
 
 class ChatMessage(BaseModel):
@@ -65,6 +80,12 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant"]
     content: Text | list[TextContentPart]
     name: Text | None = None
+    cache_control: CacheControl | None = None
+
+    def num_cache_markers(self) -> int:
+        """cache_control markers on this message and its content parts."""
+        parts = self.content if isinstance(self.content, list) else []
+        return (self.cache_control is not None) + sum(p.cache_control is not None for p in parts)
 
 
 class StreamOptions(BaseModel):
@@ -168,6 +189,10 @@ class ChatCompletionRequest(SamplingFields):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def num_cache_markers(self) -> int:
+        """cache_control markers on the messages and their content parts."""
+        return sum(message.num_cache_markers() for message in self.messages)
 
 
 class CompletionRequest(SamplingFields):

@@ -8,6 +8,8 @@
     shards.py          one rank's part of a bundle as a transferable shard
     transfer.py        the exported format of a checkpoint (header, shards, digest)
     import_checks.py   what an import is checked for before it touches any cache
+    host_tier.py       the host tier: checkpoints evicted from the device, promoted back
+    prefill_cost.py    the prefill compute a checkpoint saves (the value eviction order's)
 
 May import interfaces/, parallel/, kernels/ and cache/; never execution/, routes/ or core/.
 """

@@ -19,7 +19,9 @@ The checks run in a fixed order and the first failure names the rejection:
 The engine adds `disabled` (its checkpoints are off), `no_space` (the KV blocks or checkpoint
 bytes do not fit after evictions) and `worker` (a rank refused or failed the copy).
 
-Shards by value are checked here in full (`check_exported`). Shards by reference (RemoteShard)
+Shards by value are checked here in full (`check_exported`), but for a checkpoint that never
+left this process (the host tier's, `verified`): its tensors may already be on the engine's
+device and its checksum is not recomputed. Shards by reference (RemoteShard)
 are never in the engine's process: the engine checks the header (`check_header`) and each rank
 checks the shard it resolved with `check_shard` (shape, length, checksum), the same checks.
 """
@@ -95,11 +97,13 @@ def expected_shard_layout(
     )
 
 
-def check_exported(exported: object, expected: ImportExpectations) -> Rejected | None:
+def check_exported(exported: object, expected: ImportExpectations, verified: bool = False) -> Rejected | None:
     """The first check `exported` (shards by value) fails, in the order of the module doc, or
     None if it passes them all. Reads only; checksums cost one pass over the shards' bytes.
-    Shards by reference pass only the header's checks here (see check_header)."""
-    rejected = check_header(exported, expected)
+    Shards by reference pass only the header's checks here (see check_header). verified: the
+    checkpoint never left this process; its tensors may be on any device and their checksums
+    are not recomputed."""
+    rejected = check_header(exported, expected, verified)
     if rejected is not None or exported.by_reference:
         return rejected
     header = exported.header
@@ -108,22 +112,20 @@ def check_exported(exported: object, expected: ImportExpectations) -> Rejected |
         if rejected is not None:
             return rejected
     for rank, shard in enumerate(exported.shards):
-        if shard_checksum(rank, header.digest, shard.tensors()) != shard.checksum:
+        if not verified and shard_checksum(rank, header.digest, shard.tensors()) != shard.checksum:
             return Rejected(ImportRejection.CHECKSUM, f"rank {rank}'s shard does not match its checksum")
     return None
 
 
-def check_header(exported: object, expected: ImportExpectations) -> Rejected | None:
+def check_header(exported: object, expected: ImportExpectations, verified: bool = False) -> Rejected | None:
     """The checks of the module doc up to `shape` for the layouts (malformed, model,
     tensor_parallel, block_size, namespace, digest, the header's layouts), none of a shard's
-    tensors: what the engine checks of a checkpoint whose shards are references. Reads only."""
+    tensors: what the engine checks of a checkpoint whose shards are references. Reads only.
+    verified: shards by value may hold tensors on any device."""
     if not isinstance(exported, ExportedCheckpoint):
         return Rejected(ImportRejection.MALFORMED, f"not an ExportedCheckpoint: {type(exported).__name__}")
-    for check in (_check_header, _check_identity):
-        rejected = check(exported, expected)
-        if rejected is not None:
-            return rejected
-    return None
+    rejected = _check_header(exported, expected, verified)
+    return rejected if rejected is not None else _check_identity(exported, expected)
 
 
 def check_shard(shard: object, rank: int, layout: ShardLayout, num_tokens: int, digest: str) -> Rejected | None:
@@ -144,7 +146,7 @@ def check_shard(shard: object, rank: int, layout: ShardLayout, num_tokens: int, 
     return None
 
 
-def _check_header(exported: ExportedCheckpoint, expected: ImportExpectations) -> Rejected | None:
+def _check_header(exported: ExportedCheckpoint, expected: ImportExpectations, verified: bool) -> Rejected | None:
     """The header is well formed and there is one shard per rank, in order."""
     header = exported.header
     bad = lambda detail: Rejected(ImportRejection.MALFORMED, detail)  # noqa: E731
@@ -169,7 +171,8 @@ def _check_header(exported: ExportedCheckpoint, expected: ImportExpectations) ->
     for rank, shard in enumerate(exported.shards):
         if not isinstance(shard, CheckpointShard) or shard.rank != rank:
             return bad(f"shard {rank} is not rank {rank}'s")
-        if any(not isinstance(t, torch.Tensor) or t.device.type != "cpu" for t in shard.tensors().values()):
+        if any(not isinstance(t, torch.Tensor) or (t.device.type != "cpu" and not verified)
+               for t in shard.tensors().values()):
             return bad(f"rank {rank}'s shard holds something that is not a CPU tensor")
     return None
 

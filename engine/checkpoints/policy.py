@@ -5,7 +5,8 @@ The scheduler keeps progress, budget, blocks, slots and preemption, and asks thi
 fixed points of its step:
 
     Scheduler.add_request        pause_positions          where prefill chunks must end
-    Scheduler._make_chunk        reserve_after_chunk      instruction boundary, prompt end
+    Scheduler._make_chunk        reserve_after_chunk      instruction boundary, cache
+                                                          breakpoints, prompt end
     Scheduler.finish_request     reserve_at_finish        response, on stop or length only
     Scheduler.schedule           take_reserved,           the captures the step takes
                                  in_pass_captures
@@ -16,7 +17,8 @@ fixed points of its step:
 
 The worker executes two kinds of capture (CaptureOp):
   cut      a prefill chunk ends at the position; the capture is reserved then and taken at the
-           start of the next step, from the state that chunk left behind.
+           start of the next step, from the state that chunk left behind. Cache breakpoints
+           (the client's cache_control markers) are always captured this way.
   in-pass  the position lies strictly inside a chunk, which is not cut; the worker takes the
            capture during that chunk's forward pass. Only the instruction boundary is captured
            this way, and only when `in_pass_capture` is on: the worker reports that it can
@@ -77,26 +79,34 @@ class CheckpointPolicy:
     def pause_positions(self, request: Request) -> tuple[int, ...]:
         """request.pause_positions plus the positions where its prefill chunks must end so a
         cut capture can be taken there: its instruction boundary, when instruction checkpoints
-        are on and not captured in-pass. The prompt end needs no pause (no chunk crosses the
-        end of the known tokens). Mutates nothing."""
+        are on and not captured in-pass, and its cache breakpoints, when breakpoint checkpoints
+        are on (a chunk holds at most one in-pass capture, and the instruction boundary may
+        share a chunk with a breakpoint: breakpoints are always cut). The prompt end needs no
+        pause (no chunk crosses the end of the known tokens). Mutates nothing."""
         pauses = set(request.pause_positions)
         boundary = request.instruction_boundary
         if boundary is not None and CheckpointKind.INSTRUCTION in self.kinds and not self.in_pass_capture:
             pauses.add(boundary)
+        if CheckpointKind.BREAKPOINT in self.kinds:
+            pauses.update(request.cache_breakpoints)
         return tuple(sorted(pauses))
 
     # ----------------------------------------------------------------- captures
 
     def reserve_after_chunk(self, request: Request, chunk: ScheduledChunk) -> None:
         """`chunk` of `request` was just scheduled: reserve the cut captures that fall due where
-        it ends, at the instruction boundary and at the end of the prompt, for the next step
-        to take. A chunk of no tokens (a restore covered them) reserves nothing. Mutates the
-        reserved captures and, for each reservation, the cache (a pending bundle)."""
+        it ends, at the instruction boundary, at a cache breakpoint and at the end of the
+        prompt, for the next step to take (an endpoint that is both the instruction boundary
+        and a breakpoint is captured once, as the instruction checkpoint). A chunk of no
+        tokens (a restore covered them) reserves nothing. Mutates the reserved captures and,
+        for each reservation, the cache (a pending bundle)."""
         if not chunk.token_ids:
             return
         end = chunk.start_position + len(chunk.token_ids)
         if end == request.instruction_boundary:
             self._reserve_cut(request, CheckpointKind.INSTRUCTION, end)
+        if end in request.cache_breakpoints:
+            self._reserve_cut(request, CheckpointKind.BREAKPOINT, end)
         if end == request.num_prompt_tokens:
             self._reserve_cut(request, CheckpointKind.PROMPT, end)
 

@@ -110,6 +110,30 @@ def gather_shard(
     """Rank `rank`'s shard of `bundle`: its state and hidden row, and the K/V of all num_tokens
     tokens (the full blocks' rows from the caches, then the bundle's tail), copied to the CPU.
     Reads only."""
+    kv = _bundle_kv(caches, bundle, block_ids, num_tokens)
+    return make_shard(rank, digest, bundle.conv_state, bundle.ssm_state, kv, bundle.hidden_row)
+
+
+def gather_host_shard(
+    caches: ModelCaches, bundle: BundleTensors, block_ids: tuple[int, ...], num_tokens: int, rank: int,
+) -> CheckpointShard:
+    """gather_shard for the host tier (engine/checkpoints/host_tier.py), without waiting for
+    the device: on cuda the tensors are copied into pinned memory by non-blocking copies queued
+    on the current stream, valid once it has passed them (record an event after this); on cpu
+    the K/V rows are gathered and the bundle's own tensors, which nothing changes, are shared.
+    No checksum (""): the shard stays in this process. Reads only."""
+    kv = _bundle_kv(caches, bundle, block_ids, num_tokens)
+    tensors = {"conv_state": bundle.conv_state, "ssm_state": bundle.ssm_state, "kv": kv,
+               "hidden_row": bundle.hidden_row}
+    if kv.device.type == "cuda":
+        tensors = {name: torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                   for name, t in tensors.items()}
+    return CheckpointShard(rank=rank, checksum="", **tensors)
+
+
+def _bundle_kv(caches: ModelCaches, bundle: BundleTensors, block_ids: tuple[int, ...], num_tokens: int) -> torch.Tensor:
+    """(2, L_a, p, Hkv, Dh): the K/V of the bundle's p = num_tokens tokens, the full blocks'
+    rows from the caches (a copy), then the bundle's tail."""
     block_size = caches.block_size
     if len(block_ids) != num_tokens // block_size:
         raise ValueError(f"{num_tokens} tokens need {num_tokens // block_size} full blocks, got {len(block_ids)}")
@@ -118,7 +142,7 @@ def gather_shard(
     kv = kv_blocks.reshape(two, layers, n * block_size, heads, head_dim)
     if bundle.tail_kv is not None:
         kv = torch.cat([kv, bundle.tail_kv.to(kv.dtype)], dim=2)  # (2, L_a, p, Hkv, Dh)
-    return make_shard(rank, digest, bundle.conv_state, bundle.ssm_state, kv, bundle.hidden_row)
+    return kv
 
 
 def shard_misfit(caches: ModelCaches, shard: CheckpointShard, op: ImportShardOp, hidden_size: int) -> str | None:

@@ -3,7 +3,8 @@
 This engine's own published checkpoints are the first place a request's prefix is looked up
 (CheckpointPolicy.lookup, which pins what it finds). A CheckpointSource is any other place that
 may hold a longer one: the object-store tier shared by the replicas (deployments/cluster/
-tier.py), and later a host-memory tier. Every source answers the same question in the same way,
+tier.py) and the host tier (engine/checkpoints/host_tier.py), asked first. Every source answers
+the same question in the same way,
 at the same moment: when the scheduler is about to admit a request for the first time.
 
     Scheduler (step thread)                 CheckpointSource
@@ -34,10 +35,13 @@ if TYPE_CHECKING:
 
 class CheckpointFetch(Protocol):
     """A checkpoint on its way from a source. num_tokens: the prefix it covers; deadline: the
-    time.monotonic() after which the engine stops waiting and recomputes."""
+    time.monotonic() after which the engine stops waiting and recomputes; verified: the
+    checkpoint never left this engine's process (the host tier), so its tensors may be on the
+    engine's device already and its checksums are not recomputed on import."""
 
     num_tokens: int
     deadline: float
+    verified: bool
 
     def done(self) -> bool:
         """The fetch has ended, with a checkpoint or without one. Never blocks."""

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,6 +95,13 @@ class ShardLayout:
     def kv_shape(self, num_tokens: int) -> tuple[int, ...]:
         layers, heads, head_dim = self.kv_row
         return (2, layers, num_tokens, heads, head_dim)
+
+    def nbytes(self, num_tokens: int) -> int:
+        """Tensor bytes of a shard of this layout covering num_tokens tokens."""
+        size = getattr(torch, self.dtype).itemsize
+        count = lambda shape: math.prod(shape)  # noqa: E731
+        return (size * (count(self.conv_state) + count(self.kv_shape(num_tokens)) + self.hidden_size)
+                + getattr(torch, self.ssm_dtype).itemsize * count(self.ssm_state))
 
 
 @dataclass(frozen=True)

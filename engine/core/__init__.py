@@ -6,6 +6,7 @@
     output_processor.py     stop strings, detokenized deltas, finished requests
     detokenizer.py          incremental detokenization
     checkpoint_exchange.py  exporting and importing published checkpoints between engines
+    host_demotion.py        copying the checkpoints the device evicts into the host tier
 
 May import every other package of engine/ and cache/; nothing below imports it.
 """

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cache.cache_manager import CacheManager
+from cache.checkpoint_ledger import Bundle
 from cache.checkpoint_keys import CheckpointKind
 from engine.checkpoints.import_checks import ImportExpectations, ImportRejection, Rejected, check_exported
 from engine.checkpoints.shards import ExportShardOp, ImportShardOp, StageShardOp
@@ -74,8 +75,12 @@ class CheckpointExchange:
 
     def __init__(
         self, cache: CacheManager, executor: ModelExecutor, expected: ImportExpectations,
-        world_size: int, enabled: bool,
+        world_size: int, enabled: bool, before_write: Callable[[], None] | None = None,
     ) -> None:
+        """before_write: called once an import has reserved its blocks and before the ranks
+        write them (the blocks may have been a just-evicted bundle's, which the host tier
+        copies out first)."""
+        self.before_write = before_write
         self.cache = cache
         self.executor = executor
         self.expected = expected
@@ -93,28 +98,36 @@ class CheckpointExchange:
         bundle = self.cache.ledger.published_at(namespace, tokens)
         if bundle is None:
             return None
-        digest = checkpoint_digest(namespace, tokens)
-        shards = self.executor.export_shards(
-            ExportShardOp(bundle.bundle_id, bundle.block_ids, len(tokens), digest))
+        header = self.header_for(bundle)
+        shards = self.executor.export_shards(self.export_op(bundle, header))
         if any(shard is None for shard in shards):
             logger.warning("bundle %d is published but a rank holds no shard of it", bundle.bundle_id)
             return None
-        header = CheckpointHeader(
-            namespace=namespace, token_ids=tokens, digest=digest, kind=bundle.kind,
-            owner=bundle.owner, model=self.expected.model,
-            tensor_parallel_size=self.expected.tensor_parallel_size,
-            block_size=self.expected.block_size, layouts=self.expected.layouts,
-        )
         exported = ExportedCheckpoint(header, tuple(shards))
         self.counters.exported += 1
         self.counters.exported_bytes += exported.nbytes
         return exported
 
-    def import_checkpoint(self, exported: object) -> ImportResult:
+    def header_for(self, bundle: Bundle) -> CheckpointHeader:
+        """The header of `bundle` exported from this engine."""
+        return CheckpointHeader(
+            namespace=bundle.namespace, token_ids=bundle.token_ids,
+            digest=checkpoint_digest(bundle.namespace, bundle.token_ids), kind=bundle.kind,
+            owner=bundle.owner, model=self.expected.model,
+            tensor_parallel_size=self.expected.tensor_parallel_size,
+            block_size=self.expected.block_size, layouts=self.expected.layouts,
+        )
+
+    @staticmethod
+    def export_op(bundle: Bundle, header: CheckpointHeader) -> ExportShardOp:
+        return ExportShardOp(bundle.bundle_id, bundle.block_ids, header.num_tokens, header.digest)
+
+    def import_checkpoint(self, exported: object, verified: bool = False) -> ImportResult:
         """Check `exported` in full, then publish it here (see the module doc). A rejection is
         counted by reason and leaves the caches unchanged; raises ExecutorDiedError only when a
-        rank is gone."""
-        rejected = check_exported(exported, self.expected)
+        rank is gone. verified: it never left this process (the host tier's): tensors on any
+        device, checksums not recomputed."""
+        rejected = check_exported(exported, self.expected, verified)
         if rejected is None and not self.enabled:
             rejected = Rejected(ImportRejection.DISABLED, "this engine's checkpoints are off")
         if rejected is not None:
@@ -162,6 +175,8 @@ class CheckpointExchange:
                                          "fit the KV blocks or checkpoint bytes"), exported)
         bundle_id, block_ids = reserved
         try:
+            if self.before_write is not None:
+                self.before_write()
             confirmed = write(ImportShardOp(bundle_id, block_ids, header.num_tokens))
         except ExecutorDiedError:
             self.cache.publish(bundle_id, set(), self.world_size)  # dropped: nothing to free it on

@@ -26,16 +26,20 @@ from transformers import AutoTokenizer
 from cache.cache_manager import CacheManager, PoolUsage
 from cache.checkpoint_keys import CheckpointKind, Namespace
 from cache.checkpoint_ledger import KindCounters
+from cache.eviction import make_order
 from engine.checkpoints.capture_events import CheckpointEvent, CheckpointEventFeed
+from engine.checkpoints.host_tier import DeviceStaging, HostTier, HostTierCounters
 from engine.checkpoints.import_checks import ImportExpectations, expected_shard_layout
 from engine.checkpoints.policy import CheckpointPolicy
+from engine.checkpoints.prefill_cost import prefill_cost
 from engine.checkpoints.sources import CheckpointSource
 from engine.checkpoints.transfer import ExportedCheckpoint, model_identity
 from engine.core.checkpoint_exchange import CheckpointExchange, ImportResult, TransferCounters
+from engine.core.host_demotion import HostDemotion
 from engine.core.output_processor import OutputProcessor, RequestOutput
 from engine.core.scheduler import Scheduler, SchedulerStats
 from engine.engine_config import EngineConfig
-from engine.execution.executor import ExecutorDiedError, ModelExecutor
+from engine.execution.executor import DemotesToHost, ExecutorDiedError, ModelExecutor
 from engine.execution.worker import Worker
 from engine.interfaces.generation_request import GenerationRequest
 from engine.interfaces.request import FinishReason, Request
@@ -67,6 +71,8 @@ class EngineStats:
     num_checkpoints: int
     checkpoint_events_lost: int = 0  # events the bounded feed forgot, nobody having drained them
     transfers: TransferCounters = field(default_factory=TransferCounters)  # exports and imports
+    host_tier: HostTierCounters | None = None  # None: no host tier
+    host_tier_bytes: int = 0
     speculation: SpeculationStats = field(default_factory=SpeculationStats)  # drafts proposed, accepted
 
 
@@ -107,9 +113,11 @@ class LLMEngine:
             capacity.num_blocks,
             capacity.num_state_slots,
             capacity.block_size,
-            checkpoint_bytes=config.checkpoint_cache_bytes,
+            checkpoint_bytes=capacity.checkpoint_bytes,
             sizing=capacity.bundle_sizing,
             listener=self.checkpoint_events,
+            order=make_order(config.checkpoint_eviction, prefill_cost(model_config),
+                             config.checkpoint_value_half_life),
         )
         checkpoints = CheckpointPolicy(
             cache,
@@ -129,7 +137,18 @@ class LLMEngine:
         self.transfers = CheckpointExchange(
             cache, self.executor, _import_expectations(config, model_config, capacity),
             world_size=capacity.world_size, enabled=bool(config.checkpoint_slots),
+            before_write=self._demote_evicted,
         )
+        # The host tier (docs/design.md section 5, Tiers): asked first of the checkpoint sources
+        self.host_tier: HostTier | None = None
+        self._demotion: HostDemotion | None = None
+        if capacity.host_checkpoint_bytes > 0 and config.checkpoint_slots and isinstance(self.executor, DemotesToHost):
+            self.host_tier = HostTier(
+                capacity.host_checkpoint_bytes,
+                make_order(config.checkpoint_eviction, prefill_cost(model_config), config.checkpoint_value_half_life),
+                DeviceStaging(torch.device(config.device)))
+            self._demotion = HostDemotion(cache, self.executor, self.transfers, self.host_tier)
+            self.scheduler.add_source(self.host_tier)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.last_step: StepTrace | None = None
         # Steps submitted to the executor and not yet collected, oldest first (at most one
@@ -140,8 +159,8 @@ class LLMEngine:
     def add_request(self, request: GenerationRequest) -> None:
         """Queue `request`. Raises InvalidRequestError if it can never run: an empty prompt,
         prompt or stop token ids outside the vocabulary, prompt + max_tokens beyond
-        max_model_len, a request id still in use, or pause positions / an instruction boundary
-        outside the prompt."""
+        max_model_len, a request id still in use, or pause positions / an instruction boundary /
+        cache breakpoints outside the prompt."""
         prompt = request.prompt_token_ids
         if not prompt:
             raise InvalidRequestError("the prompt is empty")
@@ -170,6 +189,9 @@ class LLMEngine:
         boundary = request.instruction_boundary
         if boundary is not None and not 0 < boundary < len(prompt):
             raise InvalidRequestError(f"instruction_boundary must lie in [1, {len(prompt) - 1}]")
+        breakpoints = tuple(sorted(set(request.cache_breakpoints)))
+        if any(not 0 < b < len(prompt) for b in breakpoints):
+            raise InvalidRequestError(f"cache_breakpoints must lie in [1, {len(prompt) - 1}]")
         pauses = set(request.pause_positions)
         tracked = Request(
             request_id=request_id,
@@ -179,6 +201,7 @@ class LLMEngine:
             namespace=namespace,
             tenant=request.tenant,
             instruction_boundary=boundary,
+            cache_breakpoints=breakpoints,
         )
         self.scheduler.add_request(tracked)
         self.output_processor.add_request(tracked)
@@ -225,6 +248,8 @@ class LLMEngine:
             num_checkpoints=len(ledger),
             checkpoint_events_lost=self.checkpoint_events.num_lost,
             transfers=self.transfers.counters.copy(),
+            host_tier=None if self.host_tier is None else self.host_tier.counters.copy(),
+            host_tier_bytes=0 if self.host_tier is None else self.host_tier.bytes_held,
             speculation=self.scheduler.speculation.stats.copy(),
         )
 
@@ -286,6 +311,7 @@ class LLMEngine:
             scheduler_output = self.scheduler.schedule()
             if scheduler_output.has_work:
                 unsubmitted = scheduler_output
+                self._demote_evicted()  # before this step may write the evicted bundles' blocks
                 _runner_call(self.executor.submit, scheduler_output)
                 unsubmitted = None
                 self._in_flight.append(scheduler_output)
@@ -314,7 +340,8 @@ class LLMEngine:
             if fetched.checkpoint is None:
                 continue
             try:
-                result = self.import_checkpoint(fetched.checkpoint)
+                self._collect_in_flight()
+                result = self.transfers.import_checkpoint(fetched.checkpoint, verified=fetched.fetch.verified)
             except ExecutorDiedError:
                 raise
             except Exception:
@@ -323,6 +350,12 @@ class LLMEngine:
                 fetched.fetch.settle(False, 0)
                 continue
             fetched.fetch.settle(result.accepted, result.num_bytes)
+
+    def _demote_evicted(self) -> None:
+        """Copy the bundles the ledger evicted into the host tier, if there is one
+        (engine/core/host_demotion.py)."""
+        if self._demotion is not None:
+            self._demotion.demote_evicted()
 
     def _collect_in_flight(self) -> None:
         """Collect every step in flight, so the ranks are idle; their outputs wait in

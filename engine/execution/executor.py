@@ -71,6 +71,20 @@ class ExecutorDiedError(RuntimeError):
     """
 
 
+class DemotesToHost(ABC):
+    """An executor that copies a published bundle to host memory while steps are in flight
+    (the model in this process): what the host tier needs to take a bundle the ledger just
+    evicted before the next step reuses its blocks (docs/design.md section 5, Tiers)."""
+
+    @abstractmethod
+    def demote_shards(self, op: ExportShardOp) -> tuple[list[CheckpointShard | None], object | None]:
+        """Every rank's shard of bundle op.bundle_id in host memory (None where a rank does
+        not hold it), without checksums, and the event the copies record (None when they are
+        done already): the tensors may be read on the host only after it. The copies are
+        ordered after the steps in flight and before any step submitted later, so the bundle's
+        blocks may be handed out again in the next step."""
+
+
 class ShardsByReference(ABC):
     """An executor whose ranks take shards from an object store themselves (its export_shards
     gives RemoteShards each rank put). Importing references is two-phase, all with no step in

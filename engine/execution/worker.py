@@ -8,8 +8,9 @@ the tokens its previous step sampled (which a PENDING_TOKEN stands for).
 
 A step's forward pass runs through the first of its forward routes that accepts the step
 (with speculation on, the verification graphs and pass of engine/speculative/; then
-engine/routes/forward_routes.py's decode and prefill CUDA graphs, the capturing pass, the eager
-pass), each of which builds its own inputs. With the MTP drafter (engine/speculative/mtp.py)
+engine/routes/forward_routes.py's decode and prefill CUDA graphs, on the CPU with
+cpu_compile_decode the compiled decode pass of engine/routes/cpu_decode.py, the capturing pass,
+the eager pass), each of which builds its own inputs. With the MTP drafter (engine/speculative/mtp.py)
 the worker also runs the model's MTP head after the forward and proposes drafts after
 sampling. The worker keeps what outlives a step: the caches,
 the checkpoints (CheckpointStore), every request's last hidden row (RowRef), the sampled
@@ -26,16 +27,21 @@ from dataclasses import dataclass, replace
 import torch
 
 from engine.checkpoints.bundle_store import CheckpointStore
-from engine.checkpoints.shards import ExportShardOp, ImportShardOp, gather_shard, scatter_shard, shard_misfit
+from engine.checkpoints.shards import (
+    ExportShardOp, ImportShardOp, gather_host_shard, gather_shard, scatter_shard, shard_misfit,
+)
 from engine.checkpoints.transfer import CheckpointShard
 from engine.engine_config import EngineConfig
+from engine.execution.executor import DemotesToHost
 from engine.execution.loader import load_model
 from engine.execution.sampler import Sampler
 from engine.execution.token_readback import PendingTokens, TokenReadback
 from engine.interfaces.output_rows import RowRef, gather_rows
 from engine.interfaces.step_io import CaptureOp, RunnerOutput, ScheduledChunk, SchedulerOutput
 from engine.parallel.cache_capacity import CacheCapacity, size_caches
+from engine.parallel.memory_budget import needs_free_memory, rank_free_memory
 from engine.parallel.tensor_parallel import TensorParallel
+from engine.routes.cpu_decode import CompiledDecodePass
 from engine.routes.forward_routes import CapturingPass, EagerPass, ForwardRoute, GraphScratch, SampledTokens
 from engine.routes.graph_routes import capture_graph_routes
 from engine.speculative import worker_setup as speculation
@@ -61,7 +67,7 @@ def store_sampled(pool: torch.Tensor, tokens: torch.Tensor) -> None:
     pool[: tokens.shape[0]].copy_(tokens)
 
 
-class Worker:
+class Worker(DemotesToHost):
     """tp: the tensor-parallel rank this worker is (None: the only one). Every rank loads only
     its shard and allocates its own KV heads and state channels. The cache byte budgets are per
     rank; every rank holds as many KV heads, Mamba heads and groups as the others, so the
@@ -76,7 +82,9 @@ class Worker:
         self.rank = self.model.tp.rank
         # speculation left unset: the policy's choice, as LLMEngine resolves it (policy.py)
         config, _ = resolve_speculation(config, self.model_config)
-        self.capacity = size_caches(config, self.model_config, self.model.tp)
+        # budgets from memory_utilization are sized from what the weights left free
+        memory = rank_free_memory(self.device, self.model.tp) if needs_free_memory(config) else None
+        self.capacity = size_caches(config, self.model_config, self.model.tp, memory)
         # On one CUDA device decode steps and short single-chunk prefill steps replay CUDA
         # graphs (engine/routes/decode_graphs.py, engine/routes/prefill_graphs.py), whose padding rows need a
         # state slot and a KV block that the scheduler never hands out: one of each is
@@ -114,6 +122,11 @@ class Worker:
             )
         self.capturing_pass = CapturingPass(self.model, self.caches, self.device)
         self.eager_pass = EagerPass(self.model, self.caches, self.device)
+        # The CPU's counterpart of the decode graphs, compiled here (engine/routes/cpu_decode.py).
+        self.compiled_decode = None
+        if config.cpu_compile_decode and self.device.type == "cpu" and self.model.tp.world_size == 1:
+            self.compiled_decode = CompiledDecodePass(self.model, self.caches, self.eager_pass, config.max_num_seqs)
+            self.compiled_decode.warm_up()
         speculative = speculation.build(config, self.model, self.caches, speculation_needs, self.eager_pass,
                                         first_scratch_slot, first_draft_block, scratch)
         self.verification, self.verify_pass = speculative.verification, speculative.verify_pass
@@ -280,6 +293,22 @@ class Worker:
         self.checkpoints.insert(op.bundle_id, scatter_shard(self.caches, shard, op.block_ids))
         return True
 
+    def demote_shards(self, op: ExportShardOp) -> tuple[list[CheckpointShard | None], object | None]:
+        """DemotesToHost: this rank's shard of bundle op.bundle_id in host memory (pinned on
+        cuda, copied by non-blocking copies on the current stream), and the event that follows
+        them (None off cuda). Steps may be in flight: a published bundle's full blocks and
+        tensors are written by no step (a request writes K/V only past its restored tokens),
+        and the copies are queued before the next step's kernels."""
+        bundle = self.checkpoints.get(op.bundle_id)
+        if bundle is None:
+            return [None], None
+        shard = gather_host_shard(self.caches, bundle, op.block_ids, op.num_tokens, self.rank)
+        if self.device.type != "cuda":
+            return [shard], None
+        event = torch.cuda.Event()
+        event.record()
+        return [shard], event
+
     def export_shards(self, op: ExportShardOp) -> list[CheckpointShard | None]:
         """ModelExecutor: the shards of every rank, in rank order (here: this one)."""
         return [self.export_shard(op)]
@@ -296,7 +325,8 @@ class Worker:
         """The forward routes in the order submit() tries them (the verification routes and
         the graphs where they exist; the verification routes first, as a lone verification
         chunk would fit a prefill graph); the eager pass takes any step."""
-        optional = (self.verify_graphs, self.verify_pass, self.decode_graphs, self.prefill_graphs)
+        optional = (self.verify_graphs, self.verify_pass, self.decode_graphs, self.prefill_graphs,
+                    self.compiled_decode)
         return [*(route for route in optional if route is not None), self.capturing_pass, self.eager_pass]
 
     def _capture(

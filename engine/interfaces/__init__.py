@@ -5,6 +5,7 @@
     request.py             the scheduler's record of one request's progress
     step_io.py             a step's SchedulerOutput (chunks, captures, restores) and RunnerOutput
     forward_batch.py       the batch one forward pass sees, and the caches it reads and writes
+    decode_rows.py         a batch's one-token chunks laid out once for every layer (CPU path)
     host_index.py          the integer index arrays of a step, built on the host
     output_rows.py         rows of a step's output kept by reference (hidden rows, logits)
 

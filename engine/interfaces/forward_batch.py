@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.interfaces.decode_rows import DecodeRows, decode_rows
 from engine.interfaces.host_index import concat_ranges, cumulative_bounds, flat_int64, int64_array, range_index, to_device
 from engine.interfaces.step_io import ScheduledChunk
 
@@ -49,10 +50,25 @@ class ForwardBatch:
     slot_mapping: torch.Tensor  # (T,) int64, block_id * block_size + offset where K/V are written
     chunks: tuple[SequenceChunk, ...]
     cu_seqlens: tuple[int, ...]  # (S + 1,) chunk boundaries in the flat token axis
+    # The decode rows laid out by a route that builds them itself (engine/routes/cpu_decode.py,
+    # whose batch has no chunks); None: built from `chunks` on first use (decode).
+    decode_rows: DecodeRows | None = None
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+    @property
+    def decode(self) -> DecodeRows | None:
+        """The batch's one-token chunks, laid out once for every layer of the PyTorch path
+        (engine/interfaces/decode_rows.py); None when it has none. decode_rows when given,
+        else built from the chunks on first use and kept (a batch rebuilt with other chunks,
+        dataclasses.replace, builds its own)."""
+        if self.decode_rows is not None:
+            return self.decode_rows
+        if "_decode" not in self.__dict__:  # frozen: memoised beside the fields
+            self.__dict__["_decode"] = decode_rows(self.chunks, self.cu_seqlens, self.input_ids.device)
+        return self.__dict__["_decode"]
 
 
 @dataclass

@@ -24,6 +24,9 @@ class GenerationRequest:
     instruction_boundary: the renderer-verified end of the leading system/developer messages
         (0 < boundary < len(prompt_token_ids)), where an instruction checkpoint may be
         captured; None when there is none (docs/design.md section 3).
+    cache_breakpoints: the renderer-verified prompt positions of the client's cache_control
+        markers (each 0 < position < len(prompt_token_ids)), where breakpoint checkpoints may be
+        captured; empty when there are none (docs/design.md section 3).
     cache_salt: checkpoints are shared only between requests with the same salt (and model);
         None or "" is the shared namespace.
     tenant: who owns the checkpoints the request captures, for the checkpoint budget's fair
@@ -44,6 +47,7 @@ class GenerationRequest:
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
     instruction_boundary: int | None = None
+    cache_breakpoints: tuple[int, ...] = ()
     cache_salt: str | None = None
     tenant: str = ""
     arrival_time: float = field(default_factory=time.time)
@@ -53,3 +57,4 @@ class GenerationRequest:
         # tuples of plain ints, so the object pickles small and compares by value
         object.__setattr__(self, "prompt_token_ids", tuple(map(int, self.prompt_token_ids)))
         object.__setattr__(self, "pause_positions", tuple(int(p) for p in self.pause_positions))
+        object.__setattr__(self, "cache_breakpoints", tuple(int(p) for p in self.cache_breakpoints))

@@ -50,6 +50,8 @@ class Request:
     namespace: checkpoints are shared only within one namespace (model id, cache_salt).
     instruction_boundary: prompt position after the leading system/developer messages, as
     verified by the renderer; None when there is none.
+    cache_breakpoints: prompt positions of the client's verified cache_control markers (sorted,
+    unique, inside the prompt); () when there are none.
     num_cached_tokens: prompt tokens restored from a checkpoint at first admission.
     namespace and the prompt are what the checkpoint sources are asked for, once, before the first
     admission (Scheduler._fetch_elsewhere).
@@ -62,6 +64,7 @@ class Request:
     namespace: Namespace = Namespace("", "")
     tenant: str = ""  # owner of its checkpoints (GenerationRequest.tenant)
     instruction_boundary: int | None = None
+    cache_breakpoints: tuple[int, ...] = ()
     num_cached_tokens: int | None = None
     asked_sources: bool = False  # the scheduler asked the checkpoint sources (once, at first admission)
     output_token_ids: list[int] = field(default_factory=list)

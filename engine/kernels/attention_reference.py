@@ -58,41 +58,38 @@ def paged_attention(
     return torch.einsum("hqk,khd->qhd", probs, values)  # (n, H, D)
 
 
-def decode_key_slots(block_tables: list[tuple[int, ...]], num_keys: list[int], block_size: int) -> torch.Tensor:
-    """(B, S) int64, S = max(num_keys): the flat cache slot of key position s of sequence b
-    (block_tables[b][s // block_size] * block_size + s % block_size) for s < num_keys[b], and
-    slot 0 past it (a padding read, masked by paged_decode_attention)."""
-    width = max(num_keys)
-    num_blocks = -(-width // block_size)
-    tables = torch.zeros(len(block_tables), num_blocks, dtype=torch.int64)
-    for b, (table, keys) in enumerate(zip(block_tables, num_keys, strict=True)):
-        used = -(-keys // block_size)
-        tables[b, :used] = torch.tensor(table[:used], dtype=torch.int64)
-    positions = torch.arange(width)
-    slots = tables[:, positions // block_size] * block_size + positions % block_size  # (B, S)
-    return slots.masked_fill(positions[None, :] >= torch.tensor(num_keys)[:, None], 0)
-
-
 def paged_decode_attention(
     query: torch.Tensor,  # (B, H, D): the one new token of each of B sequences
-    key_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D)
-    value_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D)
-    key_slots: torch.Tensor,  # (B, S) int64: decode_key_slots
-    num_keys: torch.Tensor,  # (B,) int64: keys of each sequence, its new token's included
+    key_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D), contiguous
+    value_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D), contiguous
+    key_rows: torch.Tensor,  # (B * Hkv * S,) int64: DecodeKeys.rows
+    padding: torch.Tensor,  # (B, 1, 1, S) bool: DecodeKeys.padding
     scale: float,
+    current: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """paged_attention of B one-token chunks (first_key 0) in one batched pass: query b attends
-    to the first num_keys[b] keys of its sequence; the padding past them is masked out before
-    the softmax, so it adds exactly nothing. Same dtypes as paged_attention. Returns (B, H, D)."""
+    to its sequence's keys, which key_rows lists per KV head (engine/interfaces/decode_rows.py
+    DecodeKeys: rows of the cache viewed as (num_blocks * block_size * Hkv, D), so the gathered
+    keys come out as (B, Hkv, S, D), the layout both products take without a copy); the
+    padding past a sequence's keys is masked out before the softmax, so it adds exactly
+    nothing. Same dtypes as paged_attention. Returns (B, H, D).
+
+    current: (key (B, Hkv, D), value, last (B,) int64) when the caches do not hold the new
+    tokens' K/V yet (a pass whose cache writes are deferred, DecodeKeys.last): they are read in
+    place of the cache at each sequence's last position, what write_kv would have stored."""
     batch, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
-    flat = (-1, num_kv_heads, head_dim)
-    keys = key_cache.view(flat)[key_slots]  # (B, S, Hkv, D)
-    values = value_cache.view(flat)[key_slots]  # (B, S, Hkv, D)
-    grouped = query.view(batch, num_kv_heads, group, head_dim)  # query head h reads KV head h // group
-    scores = torch.einsum("bkgd,bskd->bkgs", grouped, keys) * scale  # (B, Hkv, G, S)
-    padding = torch.arange(key_slots.shape[1], device=key_slots.device) >= num_keys[:, None]  # (B, S)
-    scores = scores.masked_fill(padding[:, None, None, :], float("-inf"))
+    width = padding.shape[-1]
+    keys = key_cache.view(-1, head_dim).index_select(0, key_rows).view(batch, num_kv_heads, width, head_dim)
+    values = value_cache.view(-1, head_dim).index_select(0, key_rows).view(batch, num_kv_heads, width, head_dim)
+    if current is not None:
+        key, value, last = current
+        sequences = torch.arange(batch, device=query.device)
+        keys[sequences, :, last] = key.to(keys.dtype)
+        values[sequences, :, last] = value.to(values.dtype)
+    grouped = query.reshape(batch, num_kv_heads, group, head_dim)  # query head h reads KV head h // group
+    scores = torch.matmul(grouped, keys.transpose(2, 3)).mul_(scale)  # (B, Hkv, G, S)
+    scores.masked_fill_(padding, float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-    return torch.einsum("bkgs,bskd->bkgd", probs, values).reshape(batch, num_heads, head_dim)
+    return torch.matmul(probs, values).view(batch, num_heads, head_dim)

@@ -41,11 +41,26 @@ def causal_conv1d_step(
     apply_silu: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token for each of S sequences (causal_conv1d with T = 1 over a batch): returns
-    (out (S, C), new_conv_state (S, C, K - 1))."""
-    window = torch.cat([conv_state.to(x.dtype), x[:, :, None]], dim=2)  # (S, C, K)
-    out = (window * weight[None]).sum(dim=2)
+    (out (S, C), new_conv_state (S, C, K - 1) in x's dtype)."""
+    new_state = conv_state.to(x.dtype, copy=True)
+    return causal_conv1d_step_(x, new_state, weight, bias, apply_silu), new_state
+
+
+def causal_conv1d_step_(
+    x: torch.Tensor,  # (S, C), one new input per sequence
+    conv_state: torch.Tensor,  # (S, C, K - 1), advanced by one input in place
+    weight: torch.Tensor,  # (C, K)
+    bias: torch.Tensor | None,  # (C,)
+    apply_silu: bool,
+) -> torch.Tensor:
+    """causal_conv1d_step writing the new conv states into conv_state (a view of the slots
+    or a gathered copy) instead of returning them: returns out (S, C)."""
+    state = conv_state if conv_state.dtype == x.dtype else conv_state.to(x.dtype)
+    window = torch.cat([state, x[:, :, None]], dim=2)  # (S, C, K)
+    out = (window * weight).sum(dim=2)
     if bias is not None:
-        out = out + bias
+        out += bias
     if apply_silu:
-        out = F.silu(out)
-    return out, window[:, :, 1:]
+        out = F.silu(out, inplace=True)
+    conv_state.copy_(window[:, :, 1:])
+    return out

@@ -25,7 +25,11 @@ import torch.nn.functional as F
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """(T, D) -> (T, D) in x's dtype."""
+    """(T, D) -> (T, D) in x's dtype. fp32 x and weight: torch's F.rms_norm, one call that
+    computes the same products in the same order (bitwise equal: tests/numerics/
+    test_norm_layers.py)."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     x32 = x.float()
     normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * normed.to(x.dtype)
@@ -55,11 +59,23 @@ def gated_rms_norm(
     eps: float,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """(T, I) -> (T, I) in out_dtype; I must be whole groups of group_size."""
-    gated = y.float() * F.silu(gate.float())
-    grouped = gated.view(*gated.shape[:-1], -1, group_size)  # (T, I / group_size, group_size)
-    grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + eps)
-    return (weight.float() * grouped.view_as(gated)).to(out_dtype)
+    """(T, I) -> (T, I) in out_dtype; I must be whole groups of group_size. The normalisation
+    of each group is F.rms_norm's, the same products in the same order in fp32 as
+    `grouped * rsqrt(mean(grouped^2) + eps)` (bitwise equal: tests/numerics/test_norm_layers.py);
+    then the weight, then the cast."""
+    gated = _fp32(y) * F.silu(_fp32(gate))
+    weight32 = _fp32(weight)
+    if group_size == gated.shape[-1]:
+        normed = F.rms_norm(gated, (group_size,), weight32, eps)
+    else:
+        grouped = gated.view(*gated.shape[:-1], -1, group_size)  # (T, I / group_size, group_size)
+        normed = weight32 * F.rms_norm(grouped, (group_size,), None, eps).view_as(gated)
+    return normed if out_dtype == torch.float32 else normed.to(out_dtype)
+
+
+def _fp32(t: torch.Tensor) -> torch.Tensor:
+    """t in fp32 (t itself when it is: no call through the dispatcher)."""
+    return t if t.dtype == torch.float32 else t.float()
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

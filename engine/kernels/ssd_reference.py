@@ -44,16 +44,34 @@ def ssd_step_batched(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token for each of S sequences (ssd_step over a batch): returns
     (y (S, H, P) fp32, new_state (S, H, P, N) fp32)."""
-    heads_per_group = x.shape[1] // B.shape[1]
-    x, dt = x.float(), dt.float()
-    B_h = B.float().repeat_interleave(heads_per_group, dim=1)  # (S, H, N)
-    C_h = C.float().repeat_interleave(heads_per_group, dim=1)  # (S, H, N)
-    decay = torch.exp(dt * A.float())  # (S, H)
-    new_state = state * decay[:, :, None, None] + (dt[:, :, None] * x)[:, :, :, None] * B_h[:, :, None, :]
-    y = torch.einsum("shpn,shn->shp", new_state, C_h)
+    new_state = state.to(torch.float32, copy=True)
+    return ssd_step_(x, dt, A, B, C, D, new_state), new_state
+
+
+def ssd_step_(
+    x: torch.Tensor,  # (S, H, P)
+    dt: torch.Tensor,  # (S, H)
+    A: torch.Tensor,  # (H,) negative
+    B: torch.Tensor,  # (S, G, N)
+    C: torch.Tensor,  # (S, G, N)
+    D: torch.Tensor | None,  # (H,)
+    state: torch.Tensor,  # (S, H, P, N) fp32 contiguous, updated in place
+) -> torch.Tensor:
+    """ssd_step_batched updating `state` in place (a view of the state slots or a gathered
+    copy): returns y (S, H, P) fp32. The group of each head is broadcast, never copied per
+    head, and y is a multiply and a sum over N rather than S * H matrix-vector products (which
+    cost several times more on the CPU at these sizes)."""
+    num_seqs, num_heads, head_dim = x.shape
+    num_groups, state_size = B.shape[1], B.shape[2]
+    grouped = (num_seqs, num_groups, num_heads // num_groups, head_dim)
+    x, dt, A, B, C = (t if t.dtype == torch.float32 else t.float() for t in (x, dt, A, B, C))
+    state.mul_(torch.exp(dt * A)[:, :, None, None])
+    by_group = state.view(*grouped, state_size)  # (S, G, H/G, P, N)
+    by_group += (dt[:, :, None] * x).view(*grouped, 1) * B[:, :, None, None, :]
+    y = (by_group * C[:, :, None, None, :]).sum(-1).view(num_seqs, num_heads, head_dim)
     if D is not None:
-        y = y + D.float()[None, :, None] * x
-    return y, new_state
+        y += (D if D.dtype == torch.float32 else D.float())[None, :, None] * x
+    return y
 
 
 def ssd_recurrent(

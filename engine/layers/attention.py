@@ -6,7 +6,8 @@ import torch
 from torch import nn
 
 from engine.interfaces.forward_batch import ForwardBatch
-from engine.kernels.attention_reference import decode_key_slots, paged_attention, paged_decode_attention, write_kv
+from engine.interfaces.decode_rows import DecodeRows
+from engine.kernels.attention_reference import paged_attention, paged_decode_attention, write_kv
 from engine.kernels.gpu.batch_plan import GpuBatchPlan
 from engine.layers.norm import RMSNorm
 from engine.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear, linear, routes_to_skinny
@@ -148,7 +149,9 @@ class PagedAttention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor] | None,  # (cos, sin), each (T, rotary_dim <= Dh); None = NoPE
         gpu_plan: GpuBatchPlan | None = None,
     ) -> torch.Tensor:
-        """Writes every token's K/V to its slot, then attends each chunk over its own sequence.
+        """Writes every token's K/V to its slot, then attends each chunk over its own sequence
+        (with deferred writes, batch.decode.deferred, records the K/V instead and attends to
+        them in place of the cache's).
 
         gpu_plan: given on CUDA; q, k and v are then projected as it chose (stacked_qkv), all
         decode chunks go through one Triton launch, the prefill chunks with cached keys through
@@ -168,26 +171,40 @@ class PagedAttention(nn.Module):
             write_kv_gpu(key_cache, value_cache, batch.slot_mapping, key, value)
             output = self.attend_gpu(query, key, value, key_cache, value_cache, gpu_plan)
             return self.o_proj(self.gated(output, gate).view(num_tokens, self.num_heads * self.head_dim))
+        decode = batch.decode if batch.decode is not None and batch.decode.first_key_zero else None
+        if decode is not None and decode.deferred is not None:  # written after the pass
+            decode.deferred.kv.append((key_cache, value_cache, key, value))
+            output = self.attend_decode(query, key_cache, value_cache, decode, current=(key, value))
+            return self.o_proj(self.gated(output, gate).reshape(num_tokens, self.num_heads * self.head_dim))
         write_kv(key_cache, value_cache, batch.slot_mapping, key, value)
-        output = torch.empty_like(query)  # (T, H, Dh)
-        decode = [i for i, chunk in enumerate(batch.chunks) if chunk.num_tokens == 1 and chunk.first_key == 0]
-        if len(decode) > 1:  # the one-token chunks in one batched pass, the others one by one
-            rows = torch.tensor([batch.cu_seqlens[i] for i in decode], dtype=torch.int64, device=hidden.device)
-            num_keys = [batch.chunks[i].start_position + 1 for i in decode]
-            slots = decode_key_slots([batch.chunks[i].block_table for i in decode], num_keys, key_cache.shape[1])
-            output[rows] = paged_decode_attention(
-                query[rows], key_cache, value_cache, slots.to(hidden.device),
-                torch.tensor(num_keys, dtype=torch.int64, device=hidden.device), self.scale)
-        batched = set(decode) if len(decode) > 1 else set()
-        for index, (chunk, start, end) in enumerate(zip(batch.chunks, batch.cu_seqlens[:-1], batch.cu_seqlens[1:])):
-            if index in batched:
-                continue
-            block_table = torch.tensor(chunk.block_table, dtype=torch.int64, device=hidden.device)
-            output[start:end] = paged_attention(
-                query[start:end], key_cache, value_cache, block_table, chunk.start_position, self.scale,
-                first_key=chunk.first_key,
-            )
-        return self.o_proj(self.gated(output, gate).view(num_tokens, self.num_heads * self.head_dim))
+        if decode is not None and decode.identity:  # every chunk one token: one batched pass
+            output = self.attend_decode(query, key_cache, value_cache, decode)
+        else:
+            output = torch.empty_like(query)  # (T, H, Dh)
+            if decode is not None:  # the one-token chunks in one batched pass, the others one by one
+                decode.put(output, self.attend_decode(decode.take(query), key_cache, value_cache, decode))
+            batched = set(decode.chunk_indices) if decode is not None else set()
+            for index, (chunk, start, end) in enumerate(zip(batch.chunks, batch.cu_seqlens[:-1], batch.cu_seqlens[1:])):
+                if index in batched:
+                    continue
+                block_table = torch.tensor(chunk.block_table, dtype=torch.int64, device=hidden.device)
+                output[start:end] = paged_attention(
+                    query[start:end], key_cache, value_cache, block_table, chunk.start_position, self.scale,
+                    first_key=chunk.first_key,
+                )
+        return self.o_proj(self.gated(output, gate).reshape(num_tokens, self.num_heads * self.head_dim))
+
+    def attend_decode(
+        self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, decode: DecodeRows,
+        current: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """The decode rows' attention output (n, H, Dh) from their queries (n, H, Dh), in one
+        batched pass over their keys (DecodeRows.keys, laid out once per batch for every
+        attention layer). current: the rows' own (key, value) (n, Hkv, Dh) when the caches do
+        not hold them yet (deferred writes)."""
+        keys = decode.keys(key_cache.shape[1], self.num_kv_heads)
+        new = None if current is None else (*current, keys.last)
+        return paged_decode_attention(query, key_cache, value_cache, keys.rows, keys.padding, self.scale, new)
 
     @staticmethod
     def gated(output: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:

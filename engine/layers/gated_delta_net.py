@@ -9,14 +9,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.interfaces.forward_batch import ForwardBatch
-from engine.kernels.conv_reference import causal_conv1d, causal_conv1d_step
+from engine.kernels.conv_reference import causal_conv1d, causal_conv1d_step_
 from engine.kernels.gated_delta_rule_reference import (
-    chunk_gated_delta_rule, gated_delta_rule_step, l2_normalize,
+    chunk_gated_delta_rule, gated_delta_rule_step_, l2_normalize,
 )
 from engine.kernels.gpu.batch_plan import GpuBatchPlan
 from engine.kernels.norm_reference import rms_norm_then_gate
 from engine.layers.mamba2 import DepthwiseConv1dWeights
 from engine.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
+from engine.layers.recurrent_chunks import mix_chunks
 from engine.model_config import HybridModelConfig
 from engine.parallel.shard_layout import RankShardLayout, width
 from engine.parallel.tensor_parallel import ShardedModule, TensorParallel, TensorShard, scaled
@@ -153,44 +154,12 @@ class GatedDeltaNet(ShardedModule):
 
         captures: with gpu_plan.in_pass, this layer's (conv (Sc, C, K-1), recurrent (Sc, Hv, dk,
         dv) fp32) buffers of the in-pass captures, written (mix_chunks_gpu)."""
-        T = hidden.shape[0]
         qkv, z, b, a = self.project(hidden)
         if gpu_plan is not None:
             y = self.mix_chunks_gpu(qkv, b, a, conv_state, recurrent_state, gpu_plan, captures)
             return self.out_proj(self.norm.forward_gpu(y.to(hidden.dtype), z, hidden.dtype))
-        y = hidden.new_empty(T, self.num_value_heads, self.value_head_dim, dtype=torch.float32)
-        decode_rows, decode_slots, decode_resets = [], [], []
-        for chunk, start, end in zip(batch.chunks, batch.cu_seqlens[:-1], batch.cu_seqlens[1:]):
-            if chunk.position_state_slots:  # speculative verification: chunk.state_slot only read
-                from engine.layers.verification import mix_verification
-
-                y[start:end] = mix_verification(
-                    self.mix_decode, (qkv[start:end], b[start:end], a[start:end]), conv_state,
-                    recurrent_state, chunk,
-                )
-                continue
-            if end - start == 1:
-                decode_rows.append(start)
-                decode_slots.append(chunk.state_slot)
-                decode_resets.append(chunk.reset_state)
-                continue
-            slot = chunk.state_slot
-            conv_in = torch.zeros_like(conv_state[slot]) if chunk.reset_state else conv_state[slot]
-            rec_in = torch.zeros_like(recurrent_state[slot]) if chunk.reset_state else recurrent_state[slot]
-            y[start:end], conv_out, rec_out = self.mix_sequence(
-                qkv[start:end], b[start:end], a[start:end], conv_in, rec_in
-            )
-            conv_state[slot].copy_(conv_out)
-            recurrent_state[slot].copy_(rec_out)
-        if decode_rows:
-            rows = torch.tensor(decode_rows, device=hidden.device)
-            slots = torch.tensor(decode_slots, device=hidden.device)
-            keep = ~torch.tensor(decode_resets, device=hidden.device)  # a reset slot may hold NaN
-            conv_in = torch.where(keep[:, None, None], conv_state.index_select(0, slots), 0.0)
-            rec_in = torch.where(keep[:, None, None, None], recurrent_state.index_select(0, slots), 0.0)
-            y[rows], conv_out, rec_out = self.mix_decode(qkv[rows], b[rows], a[rows], conv_in, rec_in)
-            conv_state.index_copy_(0, slots, conv_out.to(conv_state.dtype))
-            recurrent_state.index_copy_(0, slots, rec_out)
+        y = mix_chunks(self, (qkv, b, a), conv_state, recurrent_state, batch,
+                       (self.num_value_heads, self.value_head_dim))
         # the rule's output in the model dtype before the norm, as transformers rounds it
         return self.out_proj(self.norm(y.to(hidden.dtype), z, hidden.dtype))
 
@@ -219,11 +188,23 @@ class GatedDeltaNet(ShardedModule):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One token of each of S requests: (y (S, Hv, dv) fp32, new conv states (S, C, K-1),
         new recurrent states (S, Hv, dk, dv))."""
+        new_conv, new_state = conv_state.to(qkv.dtype, copy=True), recurrent_state.to(torch.float32, copy=True)
+        return self.mix_decode_(qkv, b, a, new_conv, new_state), new_conv, new_state
+
+    def mix_decode_(
+        self,
+        qkv: torch.Tensor,  # (S, C), one pre-conv token per sequence
+        b: torch.Tensor,  # (S, Hv)
+        a: torch.Tensor,  # (S, Hv)
+        conv_state: torch.Tensor,  # (S, C, K-1), advanced in place
+        recurrent_state: torch.Tensor,  # (S, Hv, dk, dv) fp32, advanced in place
+    ) -> torch.Tensor:
+        """mix_decode advancing the states in place (views of the slots or gathered copies):
+        returns y (S, Hv, dv) fp32."""
         weight = self.conv1d.weight[:, 0, :]  # (C, K)
-        qkv, new_conv_state = causal_conv1d_step(qkv, conv_state, weight, None, apply_silu=True)
+        qkv = causal_conv1d_step_(qkv, conv_state, weight, None, apply_silu=True)
         q, k, v, g, beta = self.rule_inputs(qkv, b, a)
-        y, new_state = gated_delta_rule_step(q, k, v, g, beta, recurrent_state, self.scale)
-        return y, new_conv_state, new_state
+        return gated_delta_rule_step_(q, k, v, g, beta, recurrent_state, self.scale)
 
     def kernel_inputs(
         self, qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor,  # (n, C) post-conv, (n, Hv) x2

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.interfaces.forward_batch import ForwardBatch
-from engine.kernels.conv_reference import causal_conv1d, causal_conv1d_step
+from engine.kernels.conv_reference import causal_conv1d, causal_conv1d_step_
 from engine.kernels.gpu.batch_plan import GpuBatchPlan
-from engine.kernels.ssd_reference import ssd_chunk_scan, ssd_step_batched
+from engine.kernels.ssd_reference import ssd_chunk_scan, ssd_step_
 from engine.layers.norm import GroupParallelGatedRMSNorm, with_head_skip
 from engine.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
+from engine.layers.recurrent_chunks import mix_chunks
 from engine.model_config import (
     MAMBA_GATE_ONLY,
     MAMBA_NORM_FIRST,
@@ -178,40 +181,7 @@ class Mamba2Mixer(ShardedModule):
             else:
                 normed = self.norm.forward_gpu(y, gate, hidden.dtype, skip=(x, self.D))
             return self.out_proj(normed)
-        y = hidden.new_empty(num_tokens, self.num_heads, self.head_dim, dtype=torch.float32)
-        decode_rows, decode_slots, decode_resets = [], [], []
-        for chunk, start, end in zip(batch.chunks, batch.cu_seqlens[:-1], batch.cu_seqlens[1:]):
-            if chunk.position_state_slots:  # speculative verification: chunk.state_slot only read
-                from engine.layers.verification import mix_verification
-
-                y[start:end] = mix_verification(
-                    self.mix_decode, (xBC[start:end], dt_raw[start:end]), conv_state, ssm_state, chunk
-                )
-                continue
-            if end - start == 1:
-                decode_rows.append(start)
-                decode_slots.append(chunk.state_slot)
-                decode_resets.append(chunk.reset_state)
-                continue
-            slot = chunk.state_slot
-            conv_in = torch.zeros_like(conv_state[slot]) if chunk.reset_state else conv_state[slot]
-            ssm_in = torch.zeros_like(ssm_state[slot]) if chunk.reset_state else ssm_state[slot]
-            y_chunk, conv_out, ssm_out = self.mix_sequence(
-                xBC[start:end], dt_raw[start:end], conv_in, ssm_in
-            )
-            y[start:end] = y_chunk
-            conv_state[slot].copy_(conv_out)
-            ssm_state[slot].copy_(ssm_out)
-        if decode_rows:
-            rows = torch.tensor(decode_rows, device=hidden.device)
-            slots = torch.tensor(decode_slots, device=hidden.device)
-            keep = ~torch.tensor(decode_resets, device=hidden.device)  # a reset slot may hold NaN
-            conv_in = torch.where(keep[:, None, None], conv_state.index_select(0, slots), 0.0)
-            ssm_in = torch.where(keep[:, None, None, None], ssm_state.index_select(0, slots), 0.0)
-            y_rows, conv_out, ssm_out = self.mix_decode(xBC[rows], dt_raw[rows], conv_in, ssm_in)
-            y[rows] = y_rows
-            conv_state.index_copy_(0, slots, conv_out)
-            ssm_state.index_copy_(0, slots, ssm_out)
+        y = mix_chunks(self, (xBC, dt_raw), conv_state, ssm_state, batch, (self.num_heads, self.head_dim))
         normed = self.gate_and_norm(y.view(num_tokens, self.intermediate_size), gate, hidden.dtype)
         return self.out_proj(normed)
 
@@ -238,11 +208,22 @@ class Mamba2Mixer(ShardedModule):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One token of each of S requests at once: returns (y (S, H, P) fp32, new conv
         states (S, conv_dim, K-1), new SSM states (S, H, P, N))."""
+        new_conv, new_ssm = conv_state.to(xBC.dtype, copy=True), ssm_state.to(torch.float32, copy=True)
+        return self.mix_decode_(xBC, dt_raw, new_conv, new_ssm), new_conv, new_ssm
+
+    def mix_decode_(
+        self,
+        xBC: torch.Tensor,  # (S, conv_dim), one pre-conv token per sequence
+        dt_raw: torch.Tensor,  # (S, H)
+        conv_state: torch.Tensor,  # (S, conv_dim, K-1), advanced in place
+        ssm_state: torch.Tensor,  # (S, H, P, N) fp32 contiguous, advanced in place
+    ) -> torch.Tensor:
+        """mix_decode advancing the states in place (views of the slots or gathered copies):
+        returns y (S, H, P) fp32."""
         weight = self.conv1d.weight[:, 0, :]  # (conv_dim, K)
-        xBC, new_conv_state = causal_conv1d_step(xBC, conv_state, weight, self.conv1d.bias, apply_silu=True)
+        xBC = causal_conv1d_step_(xBC, conv_state, weight, self.conv1d.bias, apply_silu=True)
         x, B, C, dt, A = self._scan_inputs(xBC, dt_raw)
-        y, new_ssm_state = ssd_step_batched(x, dt, A, B, C, self.D, ssm_state)
-        return y, new_conv_state, new_ssm_state
+        return ssd_step_(x, dt, A, B, C, self.D, ssm_state)
 
     def _scan_inputs(
         self, xBC: torch.Tensor, dt_raw: torch.Tensor  # (n, conv_dim) post-conv, (n, H)
@@ -255,8 +236,10 @@ class Mamba2Mixer(ShardedModule):
         x = x.reshape(n, self.num_heads, self.head_dim)
         B = B.reshape(n, self.num_groups, self.state_size)
         C = C.reshape(n, self.num_groups, self.state_size)
-        dt = F.softplus(dt_raw.float() + self.dt_bias.float())  # (n, H)
-        dt = dt.clamp(min=self.time_step_limit[0], max=self.time_step_limit[1])
+        dt = F.softplus(dt_raw.float() + self.dt_bias.float())  # (n, H), >= 0
+        low, high = self.time_step_limit
+        if low > 0 or high != math.inf:  # (0, inf) leaves softplus's output as it is
+            dt = dt.clamp(min=low, max=high)
         A = -torch.exp(self.A_log.float())  # (H,)
         return x, B, C, dt, A
 

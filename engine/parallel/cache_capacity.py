@@ -1,10 +1,12 @@
 """How many KV blocks and recurrent state slots one rank's byte budgets hold.
 
-Computed from the model's configuration and the rank's shard layout alone, without loading
-weights: the worker sizes its caches with `size_caches`, and `check_cache_budgets` runs the
-same computation for every rank when the application is built, so a configuration the worker
-would refuse (max_model_len beyond the model's context, a budget that cannot hold one
-request) fails `build_app` naming the key, before any replica starts.
+Computed from the model's configuration, the rank's shard layout and, for budgets that come
+from memory_utilization, the rank's free memory (engine/parallel/memory_budget.py), without
+loading weights: the worker sizes its caches with `size_caches`, and `check_cache_budgets`
+runs the same computation for every rank when the application is built, so a configuration
+the worker would refuse (max_model_len beyond the model's context, a budget that cannot hold
+one request) fails `build_app` naming the key, before any replica starts. Budgets from memory
+are checked where the memory is known: when the worker starts.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 
 from cache.cache_manager import BundleSizing
 from engine.engine_config import EngineConfig
+from engine.parallel.memory_budget import FreeMemory, cache_budgets, needs_free_memory
 from engine.model_config import GATED_DELTA_NET, HybridModelConfig
 from engine.parallel.shard_layout import RankShardLayout, rank_shard_layout, width
 from engine.parallel.tensor_parallel import TensorParallel
@@ -33,6 +36,8 @@ class CacheCapacity:
     block_size: int
     max_model_len: int
     bundle_sizing: BundleSizing
+    checkpoint_bytes: int = 0  # the checkpoint budget (checkpoint_cache_bytes, or from memory)
+    host_checkpoint_bytes: int = 0  # the host tier's budget (0: off)
     world_size: int = 1  # tensor-parallel ranks that must confirm each capture
     # The worker can capture at a position inside a prefill chunk during its forward pass
     # (CaptureOp.in_pass): the CUDA path of a single rank.
@@ -103,42 +108,42 @@ def state_bytes_per_slot(config: HybridModelConfig, layout: RankShardLayout, dty
     return len(config.recurrent_layers) * (conv + ssm)
 
 
-def size_caches(config: EngineConfig, model_config: HybridModelConfig, tp: TensorParallel) -> CacheCapacity:
-    """Blocks and state slots of rank tp.rank from the byte budgets. Raises CacheBudgetError
-    naming the key when max_model_len exceeds the model's context, kv_cache_bytes cannot hold
-    one request of max_model_len tokens, or state_cache_bytes not one state slot; ValueError
-    when the model cannot be split tp.world_size ways."""
+def size_caches(config: EngineConfig, model_config: HybridModelConfig, tp: TensorParallel,
+                memory: FreeMemory | None = None) -> CacheCapacity:
+    """Blocks and state slots of rank tp.rank from the byte budgets (engine/parallel/
+    memory_budget.py; `memory`, the rank's free memory, is needed only when a budget comes from
+    memory_utilization). Raises CacheBudgetError naming the key when max_model_len exceeds the
+    model's context, the KV budget cannot hold one request of max_model_len tokens, or the
+    state budget not one state slot; ValueError when the model cannot be split tp.world_size
+    ways."""
     layout = rank_shard_layout(model_config, tp)
     dtype = getattr(torch, config.dtype)
-    model_max_len = model_config.max_position_embeddings
-    max_model_len = config.max_model_len or model_max_len
-    if max_model_len > model_max_len:
-        raise CacheBudgetError(
-            f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
-            f"{model_max_len}; lower max_model_len (or leave it unset for the model's own)"
-        )
+    max_model_len = _max_model_len(config, model_config)
     block_bytes = kv_bytes_per_block(
         model_config, layout, dtype, config.block_size, len(drafter_kv_layers(config, model_config)))
     slot_bytes = state_bytes_per_slot(model_config, layout, dtype)
-    num_blocks = config.kv_cache_bytes // block_bytes
+    budgets = cache_budgets(config, slot_bytes, memory)
+    num_blocks = budgets.kv_bytes // block_bytes
     # a model without recurrent layers holds nothing in a slot: one a sequence, for free
-    num_slots = min(config.max_num_seqs, config.state_cache_bytes // slot_bytes) if slot_bytes else config.max_num_seqs
+    num_slots = min(config.max_num_seqs, budgets.state_bytes // slot_bytes) if slot_bytes else config.max_num_seqs
     if num_blocks * config.block_size < max_model_len:
         raise CacheBudgetError(
-            f"kv_cache_bytes={config.kv_cache_bytes} holds {num_blocks} blocks of "
+            f"{_named('kv_cache_bytes', budgets.kv_bytes, budgets, config)} holds {num_blocks} blocks of "
             f"{config.block_size} tokens, fewer than max_model_len={max_model_len}; "
-            "raise kv_cache_bytes or lower max_model_len"
+            f"raise {_knob('kv_cache_bytes', budgets)} or lower max_model_len"
         )
     if num_slots < 1:
         raise CacheBudgetError(
-            f"state_cache_bytes={config.state_cache_bytes} cannot hold one recurrent state slot "
-            f"({slot_bytes} bytes)"
+            f"{_named('state_cache_bytes', budgets.state_bytes, budgets, config)} cannot hold one "
+            f"recurrent state slot ({slot_bytes} bytes); raise {_knob('state_cache_bytes', budgets)}"
         )
     return CacheCapacity(
         num_blocks=num_blocks,
         num_state_slots=num_slots,
         block_size=config.block_size,
         max_model_len=max_model_len,
+        checkpoint_bytes=budgets.checkpoint_bytes,
+        host_checkpoint_bytes=budgets.host_checkpoint_bytes,
         world_size=tp.world_size,
         in_pass_capture=config.device.startswith("cuda") and tp.world_size == 1,
         bundle_sizing=BundleSizing(
@@ -151,6 +156,33 @@ def size_caches(config: EngineConfig, model_config: HybridModelConfig, tp: Tenso
 
 def check_cache_budgets(config: EngineConfig, model_config: HybridModelConfig) -> None:
     """size_caches for every rank of config, for the model config.model_dir holds (its parsed
-    config.json): raises what the workers would raise when they start."""
+    config.json): raises what the workers would raise when they start. With budgets from
+    memory, only max_model_len is checked here (the memory is the worker's)."""
+    if needs_free_memory(config):
+        _max_model_len(config, model_config)
+        return
     for rank in range(config.tensor_parallel_size):
         size_caches(config, model_config, TensorParallel(rank, config.tensor_parallel_size))
+
+
+def _max_model_len(config: EngineConfig, model_config: HybridModelConfig) -> int:
+    """config.max_model_len, else the model's context; CacheBudgetError beyond the latter."""
+    model_max_len = model_config.max_position_embeddings
+    max_model_len = config.max_model_len or model_max_len
+    if max_model_len > model_max_len:
+        raise CacheBudgetError(
+            f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
+            f"{model_max_len}; lower max_model_len (or leave it unset for the model's own)"
+        )
+    return max_model_len
+
+
+def _named(key: str, value: int, budgets, config: EngineConfig) -> str:
+    """How an error names a budget: `key=value`, or what memory_utilization gave it."""
+    if key in budgets.from_memory:
+        return f"{key} from memory_utilization={config.memory_utilization} ({value} bytes)"
+    return f"{key}={value}"
+
+
+def _knob(key: str, budgets) -> str:
+    return f"memory_utilization or set {key}" if key in budgets.from_memory else key

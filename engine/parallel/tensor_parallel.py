@@ -58,6 +58,15 @@ class TensorParallel:
         dist.all_gather(parts, tensor, group=self.group)
         return torch.cat(parts, dim=dim)
 
+    def min_over_ranks(self, values: tuple[int, ...], device: torch.device) -> tuple[int, ...]:
+        """Elementwise minimum of every rank's `values` (the same length on all ranks), so that
+        all ranks decide alike; at world_size 1 the values themselves."""
+        if self.world_size == 1:
+            return values
+        tensor = torch.tensor(values, dtype=torch.int64, device=device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group)
+        return tuple(int(v) for v in tensor.tolist())
+
     def split_evenly(self, size: int, what: str) -> IndexRange:
         """This rank's range of `size` units split into world_size equal parts; ValueError
         naming `what` if size does not divide."""

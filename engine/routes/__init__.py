@@ -4,6 +4,7 @@
     decode_graphs.py   CUDA graphs of decode-only steps, by batch size
     prefill_graphs.py  CUDA graphs of single-prefill steps, by chunk size
     graph_routes.py    capturing both kinds of graph routes when a worker starts
+    cpu_decode.py      decode-only steps on the CPU through the model compiled by torch.compile
 
 May import interfaces/, kernels/ and models/; never execution/ or speculative/.
 """

@@ -9,6 +9,8 @@ runs the first that accepts the step:
                                                 inputs staged into its graphs' static buffers
   PrefillGraphRunner (engine/routes/prefill_graphs.py) one short prefill chunk, no in-pass capture;
                                                 one CUDA device; its graphs' static buffers
+  CompiledDecodePass (engine/routes/cpu_decode.py) every chunk one token; the CPU, one rank,
+                                                cpu_compile_decode on; graphs compiled at start
   CapturingPass                                 a step with in-pass captures (CUDA, one rank)
   EagerPass                                     any step: a ForwardBatch, and on CUDA a
                                                 GpuBatchPlan copied to the device

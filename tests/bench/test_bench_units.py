@@ -15,7 +15,8 @@ from tests.bench.word_tokenizer import WordTokenizer
 COUNTER = WordTokenizer()  # one token a word: sizes are checkable by hand
 SMALL = Sizes(seed=3, systems=2, instruction_tokens=60, requests=6, user_tokens=(10, 20),
               conversations=2, turns=3, turn_user_tokens=(5, 10), agents=2, agent_turns=3,
-              developer_tokens=150, tool_result_tokens=(5, 10), examples=2, example_tokens=10)
+              developer_tokens=150, tool_result_tokens=(5, 10), examples=2, example_tokens=10,
+              documents=2, document_tokens=40)
 
 
 def test_workloads_are_a_function_of_the_seed():
@@ -49,6 +50,52 @@ def test_workload_shapes_follow_the_sizes():
     assert len(heads) == 1 and len(next(iter(heads))) == 1 + 2 * 2
     lone = by["no-sharing"]
     assert len({c.turns[0].new_messages[0]["content"] for c in lone.conversations}) == 6
+
+
+def test_marked_workloads_are_their_unmarked_twins_with_cache_control_markers():
+    by = {w.name: w for w in build_workloads(list(WORKLOAD_KINDS), SMALL, COUNTER)}
+    mark = {"type": "ephemeral"}
+    for name, marked_at in (("few-shot", (-2, None)), ("document-qa", (-1, 0))):
+        plain, marked = by[name], by[f"{name}-marked"]
+        assert marked.kind == f"{name}-marked" and marked.num_requests == plain.num_requests
+        for p, m in zip(plain.conversations, marked.conversations):
+            sent_plain, sent_marked = p.turns[0].new_messages, m.turns[0].new_messages
+            message, part = marked_at
+            target = sent_marked[message] if part is None else sent_marked[message]["content"][part]
+            assert target["cache_control"] == mark
+            unmarked = [{k: v for k, v in msg.items() if k != "cache_control"} for msg in sent_marked]
+            if part is not None:
+                unmarked[message] = {**unmarked[message], "content": [
+                    {k: v for k, v in q.items() if k != "cache_control"} for q in unmarked[message]["content"]]}
+            assert unmarked == list(sent_plain)
+            assert "cache_control" not in str(sent_plain)
+    documents = [c.turns[0].new_messages[1]["content"][0]["text"] for c in by["document-qa"].conversations]
+    assert len(set(documents)) == 2 and documents[0] == documents[2] != documents[1]
+    assert all(38 <= COUNTER.count(d) <= 40 for d in documents)
+
+
+def test_shareable_document_qa_counts_the_document_after_its_first_use():
+    workload = build_workloads(["document-qa-marked"], SMALL, COUNTER)[0]
+    shareable = _shareable_of(workload, ShareableTracker(COUNTER))
+    documents = [c.turns[0].new_messages[1]["content"][0]["text"] for c in workload.conversations]
+    system = workload.conversations[0].turns[0].new_messages[0]["content"]
+    # the first of each document shares the system message, the user role and "Document"; later
+    # ones also the document and the "Question" word every question opens with
+    opening = COUNTER.count(system) + 2 + 1
+    assert shareable[:2] == [0, opening + 1]
+    assert shareable[2:] == [opening + COUNTER.count(d) + 1 for d in documents[2:]]
+
+
+def test_the_tokenizer_counter_renders_the_messages_without_their_markers():
+    from engine.engine_config import DEFAULT_MODEL_DIR
+    from hybrid_serve_bench.tokens import TokenizerCounter
+
+    counter = TokenizerCounter(str(DEFAULT_MODEL_DIR))
+    workloads = {w.name: w for w in build_workloads(["document-qa", "document-qa-marked"], SMALL, counter)}
+    plain = list(workloads["document-qa"].conversations[0].turns[0].new_messages)
+    marked = list(workloads["document-qa-marked"].conversations[0].turns[0].new_messages)
+    assert plain != marked
+    assert counter.chat_ids(marked, True) == counter.chat_ids(plain, True)
 
 
 def test_instruction_length_sweep_names_each_length():

@@ -13,7 +13,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import cluster_routing as cr  # noqa: E402  (benchmarks/ is a folder of scripts)
 
-APP_FIELDS = ["engine", "checkpoint_routing", "routing_queue_threshold", "checkpoint_transfer"]
+APP_FIELDS = ["engine", "checkpoint_routing", "routing_queue_threshold", "checkpoint_transfer",
+              "direct_ingress"]
 
 
 def record(round_index: int, cached: int | None, shareable: int, ttft_s: float | None = 0.1,
@@ -34,14 +35,18 @@ def counters(imported=0, imported_bytes=0, exported=0, exported_bytes=0, rejecte
                           "deduplicated": 0, "rejected": rejected or {}}}
 
 
-def test_the_four_modes_and_their_keys():
-    assert cr.MODE_NAMES == ("default", "prefix_affinity", "routing", "routing+transfer")
+def test_the_five_modes_and_their_keys():
+    assert cr.MODE_NAMES == ("default", "prefix_affinity", "routing", "routing+transfer",
+                             "ingress_routing")
     keys = {m.name: m.keys for m in cr.MODES}
-    assert keys["default"] == {"checkpoint_routing": False}
-    assert keys["prefix_affinity"] == {"checkpoint_routing": False}  # no checkpoint router
+    classic = {"direct_ingress": False}
+    assert keys["default"] == {"checkpoint_routing": False, **classic}
+    assert keys["prefix_affinity"] == {"checkpoint_routing": False, **classic}  # no checkpoint router
     assert [m.name for m in cr.MODES if m.affinity_router] == ["prefix_affinity"]
-    assert keys["routing"] == {"checkpoint_routing": True}
-    assert keys["routing+transfer"] == {"checkpoint_routing": True, "checkpoint_transfer": True}
+    assert keys["routing"] == {"checkpoint_routing": True, **classic}
+    assert keys["routing+transfer"] == {"checkpoint_routing": True, "checkpoint_transfer": True,
+                                        **classic}
+    assert keys["ingress_routing"] == {"checkpoint_routing": True, "direct_ingress": True}
 
 
 def test_a_mode_whose_key_this_checkout_lacks_is_skipped_with_a_reason():
@@ -67,9 +72,9 @@ def test_prefix_affinity_is_skipped_with_the_reason_its_router_does_not_import(m
 
 
 def test_the_schedule_runs_every_mode_once_a_round_in_rotated_order():
-    a, b, c, d = cr.MODES
+    a, b, c, d, e = cr.MODES
     passes = cr.schedule(cr.MODES, 2)
-    assert passes == [(0, a), (0, b), (0, c), (0, d), (1, b), (1, c), (1, d), (1, a)]
+    assert passes == [(0, a), (0, b), (0, c), (0, d), (0, e), (1, b), (1, c), (1, d), (1, e), (1, a)]
     assert cr.schedule([a, b], 3) == [(0, a), (0, b), (1, b), (1, a), (2, a), (2, b)]
     assert cr.schedule([], 2) == []
 

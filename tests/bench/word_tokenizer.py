@@ -1,6 +1,7 @@
 """A token counter for tests whose counts are checkable by hand: one token a word, and a chat
 template that opens each message with a role token and closes it with END (the generation
-prompt is the assistant role token). Token ids are stable per word within a process."""
+prompt is the assistant role token); list contents are their text parts' words, and any
+cache_control marker is ignored. Token ids are stable per word within a process."""
 
 from __future__ import annotations
 
@@ -23,5 +24,8 @@ class WordTokenizer:
     def chat_ids(self, messages: list[dict], add_generation_prompt: bool) -> tuple[int, ...]:
         ids: list[int] = []
         for m in messages:
-            ids += [ROLE_IDS[m["role"]], *self._word_ids(str(m.get("content") or "")), END]
+            content = m.get("content") or ""
+            if isinstance(content, list):  # text parts, joined by a newline (as the tiny model's template)
+                content = "\n".join(part["text"] for part in content)
+            ids += [ROLE_IDS[m["role"]], *self._word_ids(content), END]
         return tuple(ids + ([ROLE_IDS["assistant"]] if add_generation_prompt else []))

@@ -4,7 +4,7 @@ per pytest session (tests/e2e, tests/cluster_checkpoints).
 Registered for the whole suite by tests/conftest.py (`pytest_plugins`), so each fixture here
 exists once however many directories use it: a directory that deployed the app again would
 redeploy it under the others. The app runs the embedded tiny model with a small config (short
-context, 16 sequences) so the suite stays fast on a 2-core CPU box, with all three checkpoint
+context, 16 sequences) so the suite stays fast on a 2-core CPU box, with all four checkpoint
 slots on. Tests that look at `cached_tokens` send their own fresh `cache_salt` (`new_salt`),
 so checkpoints left by other tests can never hit them.
 """
@@ -34,7 +34,7 @@ E2E_CONFIG = AppConfig(
         max_num_seqs=16,
         kv_cache_bytes=32 * 1024 * 1024,
         state_cache_bytes=32 * 1024 * 1024,
-        checkpoint_slots=("prompt", "response", "instruction"),
+        checkpoint_slots=("prompt", "response", "instruction", "breakpoint"),
         checkpoint_cache_bytes=32 * 1024 * 1024,
     ),
 )

@@ -55,9 +55,10 @@ def test_checkpoint_slots_accept_any_subset_and_reject_unknown_names():
     def slots(value):
         return parse_app_config({"engine": {"checkpoint_slots": value}}).engine.checkpoint_slots
 
-    assert parse_app_config({}).engine.checkpoint_slots == ("prompt", "response", "instruction")
+    assert parse_app_config({}).engine.checkpoint_slots == ("prompt", "response", "instruction", "breakpoint")
     assert slots([]) == ()
     assert slots(["response", "prompt", "response"]) == ("prompt", "response")
+    assert slots(["breakpoint", "instruction"]) == ("instruction", "breakpoint")  # the fixed kinds first
     with pytest.raises(ValueError, match=r"checkpoint_slots may hold only .* got \['instructions'\]"):
         build_app({"engine": {"checkpoint_slots": ["prompt", "instructions"]}})
     with pytest.raises(ValueError, match="checkpoint_slots"):

@@ -1,23 +1,37 @@
-"""`make serve` stops within 5 s of Ctrl-C or SIGTERM, with nothing left behind (issue 43,
-point 6): `python -m deployments.serve_main` on the embedded model, once answering
+"""`make serve` stops within 5 s of Ctrl-C or SIGTERM, with nothing left behind, on both serving
+paths (issue 43): `python -m deployments.serve_main` on the embedded model, once answering
 /v1/models, gets one signal; the process must exit, and every process it started (Serve's
-controller, proxy and replicas, Ray's raylet, GCS, agents and workers) must be gone, within
-STOP_WITHIN_S.
+controller, proxy or HAProxy manager and HAProxy, replicas, Ray's raylet, GCS, agents and
+workers) must be gone, within STOP_WITHIN_S.
 
-SIGINT goes to the server's process group, as Ctrl-C in a terminal sends it; SIGTERM to a server
-started the way a script starts a background job, with SIGINT ignored (tests/e2e/test_serve_main.py
-sends SIGINT to one). Each server runs in a session of its own (start_new_session), so its
-processes are those of that session; Ray's stay in it (its workers make process groups of their
-own, not sessions). A process outside that session whose environment carries the server's
-marker variable (every process Ray starts inherits the driver's environment) counts too: it
-escaped the session. A Ray of another test or user on the machine carries no marker, so it
-never counts. Whatever is still alive at the end is killed, so a failing run leaves nothing
-behind either. The stop times are printed (`pytest -s`).
+The paths: lean (serve_main's default where HAProxy runs: HAProxy in front of the LLM server
+replicas, deployments/serving_path.py) and classic (RAY_SERVE_ENABLE_HA_PROXY=0 in the
+environment, which serve_main leaves as given). Each run also checks that build_app logged one
+line naming its path. Before the signal, the lean runs check the path itself:
+- single replica, SIGINT to the group (Ctrl-C): streamed and plain answers over HTTP, an error
+  body, /health, and the Python handle API from a driver joining the server's Ray with its
+  environment (tests/e2e/lean_driver.py: sync and asyncio calls, streamed and not, by Serve's
+  gRPC data plane, a refused request's APIError);
+- two replicas with checkpoint_routing, SIGTERM: HAProxy asks the CheckpointIngressRouter
+  where each request goes; every follow-up request sharing a system prompt restores the
+  instruction checkpoint, and each system prompt's checkpoint was captured on one replica only.
+
+SIGINT goes to the server's process group, as Ctrl-C in a terminal sends it, or to the server
+alone, started the way a script starts a background job, with SIGINT ignored (Python would leave
+it ignored; serve_main takes it); SIGTERM to such a background server. Each server runs in a
+session of its own (start_new_session), so its processes are those of that session; Ray's stay
+in it (its workers make process groups of their own, not sessions). A process outside that
+session whose environment carries the server's marker variable (every process Ray starts
+inherits the driver's environment) counts too: it escaped the session. A Ray of another test or
+user on the machine carries no marker, so it never counts. Whatever is still alive at the end is
+killed, so a failing run leaves nothing behind either. The stop times are printed (`pytest -s`).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -30,10 +44,14 @@ import httpx
 import pytest
 import yaml
 
+from tests.e2e.lean_driver import FOLLOW_UPS, PROMPTS
+
 from tests.ray_env import SERVE_ON_TWO_CORES_ENV
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 240
+DRIVER_TIMEOUT_S = 180
+APP = "hybrid-serve"
 STOP_WITHIN_S = 5.0
 MARKER = "HYBRID_SERVE_STOP_TEST"
 
@@ -87,41 +105,116 @@ def _started_by(server_sid: int, token: bytes, before: set[int]) -> dict[int, st
     return found
 
 
-def _config(tmp_path: Path, port: int) -> Path:
-    """serve_config.yaml on a free port with a smaller engine, as tests/e2e/test_serve_main.py."""
+def _config(tmp_path: Path, port: int, llm_replicas: int) -> Path:
+    """serve_config.yaml on a free port with a smaller engine; with llm_replicas > 1, that many
+    LLM server replicas and checkpoint_routing on."""
     config = yaml.safe_load((REPO_ROOT / "serve_config.yaml").read_text())
     config["http_options"]["port"] = port
-    args = config["applications"][0]["args"]
+    (app,) = config["applications"]
+    args = app["args"]
     args["engine"].update(max_model_len=256, max_num_seqs=2, kv_cache_bytes=8 << 20,
                           state_cache_bytes=8 << 20, checkpoint_cache_bytes=8 << 20)
     args["worker_num_cpus"] = 0.5
-    path = tmp_path / "serve.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
+    if llm_replicas > 1:
+        args["checkpoint_routing"] = True
+        (llm,) = [d for d in app["deployments"] if d["name"] == "LLMServer"]
+        llm["autoscaling_config"] = {"min_replicas": llm_replicas, "max_replicas": llm_replicas}
+    config_path = tmp_path / "serve.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    return config_path
 
 
-@pytest.mark.timeout(START_TIMEOUT_S + 120)
-@pytest.mark.parametrize("signum, background", [
-    (signal.SIGINT, False),  # Ctrl-C: the terminal signals the foreground process group
-    (signal.SIGTERM, True),  # `make serve &` in a script (SIGINT ignored), then `kill`
-], ids=["SIGINT-foreground-group", "SIGTERM-background"])
-def test_serve_main_stops_within_5s_leaving_nothing(tmp_path, signum, background):
+def _raylet_environment(started: dict[int, str]) -> dict[str, str]:
+    """The environment the server's Ray runs with (its raylet's: serve_main set the lean
+    switches in its own before starting Ray), and RAY_ADDRESS naming that Ray's GCS."""
+    (raylet,) = [pid for pid, cmdline in started.items() if cmdline.split(" ", 1)[0].endswith("/raylet")]
+    env = dict(line.split("=", 1) for line in
+               Path(f"/proc/{raylet}/environ").read_bytes().decode().split("\0") if "=" in line)
+    (address,) = {arg.split("=", 1)[1] for arg in started[raylet].split() if arg.startswith("--gcs-address=")}
+    return {**env, "RAY_ADDRESS": address, "PYTHONPATH": str(REPO_ROOT)}
+
+
+def _drive(started: dict[int, str], *args: str) -> dict:
+    """Run tests/e2e/lean_driver.py against the server; its result."""
+    run = subprocess.run([sys.executable, str(REPO_ROOT / "tests" / "e2e" / "lean_driver.py"), *args],
+                         env=_raylet_environment(started), cwd=REPO_ROOT, capture_output=True,
+                         text=True, timeout=DRIVER_TIMEOUT_S)
+    lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
+    assert run.returncode == 0 and lines, f"driver failed ({run.returncode}): {run.stderr[-3000:]}"
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def _check_lean_http(base_url: str) -> None:
+    """The OpenAI routes, served by the LLM server replica through HAProxy."""
+    body = {"messages": [{"role": "system", "content": "You are terse."},
+                         {"role": "user", "content": "Say hello."}],
+            "max_tokens": 6, "temperature": 0}
+    with httpx.Client(base_url=base_url, timeout=60) as http:
+        plain = http.post("/v1/chat/completions", json=body)
+        assert plain.status_code == 200, plain.text
+        assert plain.json()["usage"]["completion_tokens"] == 6
+        with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as stream:
+            assert stream.status_code == 200
+            assert stream.headers["content-type"].startswith("text/event-stream")
+            events = [line for line in stream.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]" and len(events) >= 3
+        text = "".join(json.loads(e[6:])["choices"][0]["delta"].get("content") or ""
+                       for e in events[:-1] if json.loads(e[6:])["choices"])
+        assert text == plain.json()["choices"][0]["message"]["content"]  # greedy: the same tokens
+        refused = http.post("/v1/chat/completions", json={**body, "messages": []})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "messages"
+        assert http.get("/health").json() == {"status": "ok"}
+
+
+def _check_lean_path(base_url: str, started: dict[int, str], llm_replicas: int) -> None:
+    assert any(cmdline.split(" ", 1)[0].endswith("haproxy") for cmdline in started.values()), \
+        sorted(c[:60] for c in started.values())
+    if llm_replicas == 1:
+        _check_lean_http(base_url)
+        seen = _drive(started, "handles", base_url, APP)
+        assert seen["by_reference"] is False  # Serve's gRPC data plane
+        assert seen["sync_text"] == seen["sync_stream"] == seen["async_text"] == seen["async_stream"]
+        assert seen["sync_text"] and seen["completion_tokens"] == 3
+        assert seen["models"] == ["hybrid-serve-tiny"] and seen["refused"] == 404
+        return
+    seen = _drive(started, "routing", base_url, APP, str(llm_replicas))
+    follow_ups = [r for r in seen["requests"] if r["turn"] > 0]
+    assert len(follow_ups) == PROMPTS * FOLLOW_UPS
+    assert all(r["cached_tokens"] > 0 for r in follow_ups), json.dumps(seen)
+    assert len(seen["instruction_captured"]) == llm_replicas
+    assert sum(seen["instruction_captured"].values()) == PROMPTS, seen
+
+
+@pytest.mark.timeout(START_TIMEOUT_S + DRIVER_TIMEOUT_S + 120)
+@pytest.mark.parametrize("path, signum, background, llm_replicas", [
+    # Ctrl-C: the terminal signals the foreground process group
+    ("lean", signal.SIGINT, False, 1),
+    # `make serve &` in a script (SIGINT ignored), then `kill`
+    ("lean", signal.SIGTERM, True, 2),
+    ("classic", signal.SIGINT, True, 1),
+    ("classic", signal.SIGTERM, True, 1),
+], ids=["lean-SIGINT-foreground-group", "lean-routing-SIGTERM-background",
+        "classic-SIGINT-background", "classic-SIGTERM-background"])
+def test_serve_main_stops_within_5s_leaving_nothing(tmp_path, path, signum, background, llm_replicas):
     port = free_port()
-    path = _config(tmp_path, port)
+    config_path = _config(tmp_path, port, llm_replicas)
     # Its own Ray, never the suite's (RAY_ADDRESS and the like removed), sized for 2 cores.
     env = {key: value for key, value in os.environ.items() if not key.startswith("RAY_")}
     env.update(SERVE_ON_TWO_CORES_ENV)
+    if path == "classic":
+        env["RAY_SERVE_ENABLE_HA_PROXY"] = "0"
     env[MARKER] = uuid.uuid4().hex
     token = f"{MARKER}={env[MARKER]}".encode()
     log_path = tmp_path / "serve.log"
     before = _pids()
     with log_path.open("w") as log:
         server = subprocess.Popen(
-            [sys.executable, "-m", "deployments.serve_main", str(path)], cwd=REPO_ROOT, env=env,
+            [sys.executable, "-m", "deployments.serve_main", str(config_path)], cwd=REPO_ROOT, env=env,
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if background else None,
         )
     left: dict[int, str] = {}
+    state_dir: Path | None = None
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
@@ -140,6 +233,13 @@ def test_serve_main_stops_within_5s_leaving_nothing(tmp_path, signum, background
 
         started = _started_by(server.pid, token, before)
         assert any("raylet" in cmdline for cmdline in started.values()), started
+        path_lines = [line for line in log_path.read_text().splitlines() if "serving path" in line]
+        assert len(path_lines) == 1 and f"{path} serving path" in path_lines[0], path_lines
+        if path == "lean":
+            state_dir = Path(_raylet_environment(started)["RAY_SERVE_HAPROXY_CONFIG_FILE_LOC"]).parent
+            assert state_dir.is_dir()
+            _check_lean_path(f"http://127.0.0.1:{port}", started, llm_replicas)
+            started.update(_started_by(server.pid, token, before))
         signalled = time.monotonic()
         if background:
             server.send_signal(signum)
@@ -159,7 +259,7 @@ def test_serve_main_stops_within_5s_leaving_nothing(tmp_path, signum, background
             if now > STOP_WITHIN_S + 15:
                 break
             time.sleep(0.05)
-        print(f"{signal.Signals(signum).name}: server exited after {exited_after} s "
+        print(f"{path} {signal.Signals(signum).name}: server exited after {exited_after} s "
               f"(status {server.returncode}), every process gone after {gone_after} s")
         log_tail = log_path.read_text()[-3000:]
         assert exited_after is not None and exited_after <= STOP_WITHIN_S, (
@@ -173,7 +273,10 @@ def test_serve_main_stops_within_5s_leaving_nothing(tmp_path, signum, background
         assert "Segmentation fault" not in log_path.read_text(), log_tail  # faulthandler's words
         with pytest.raises(httpx.HTTPError):
             httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2)
+        assert state_dir is None or not state_dir.exists()  # HAProxy's files of the run
     finally:
+        if state_dir is not None:
+            shutil.rmtree(state_dir, ignore_errors=True)
         if server.poll() is None:
             server.kill()
             server.wait()

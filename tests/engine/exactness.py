@@ -1,6 +1,11 @@
 """The exactness suite's workload and checks, shared by the in-process run
 (test_checkpoint_exactness.py) and the tensor-parallel run (test_tensor_parallel_engine.py).
 
+Requests are rendered by the one renderer (PromptRenderer) with random cache_control markers (0
+to 3 a request, on random messages and text parts; some user messages are sent as two text
+parts), so their verified cache breakpoints are captured and restored alongside the
+instruction, prompt and response checkpoints.
+
 Every request runs twice in the same engine and the same batch: once in the shared namespace
 (where it can restore checkpoints) and once under a fresh cache_salt (where nothing can be
 reused). Greedy tokens must be identical and logits equal within LOGITS_RTOL relative; the only
@@ -12,13 +17,14 @@ other difference fails at once.
 
 from __future__ import annotations
 
+import copy
 import math
 import random
 from dataclasses import dataclass
 
 import torch
 
-from deployments.prompts.instruction_boundary import find_instruction_boundary
+from deployments.prompts.rendering import PromptRenderer
 from engine.engine_config import EngineConfig
 from engine.interfaces.generation_request import GenerationRequest
 from engine.core.llm_engine import LLMEngine
@@ -48,11 +54,13 @@ class Tally:
     near_ties: int = 0
 
 
-def run_round(engine: LLMEngine, jobs: list[tuple[str, list[int], int | None, str]], params: SamplingParams):
-    """Submit every job at once (id, prompt, boundary, salt) and run them to completion."""
-    for request_id, prompt, boundary, salt in jobs:
+def run_round(engine: LLMEngine, jobs: list[tuple], params: SamplingParams):
+    """Submit every job at once (id, prompt, boundary, salt[, cache breakpoints]) and run them
+    to completion."""
+    for request_id, prompt, boundary, salt, *breakpoints in jobs:
         engine.add_request(GenerationRequest(request_id, prompt, params, cache_salt=salt,
-                                             instruction_boundary=boundary))
+                                             instruction_boundary=boundary,
+                                             cache_breakpoints=breakpoints[0] if breakpoints else ()))
     outcomes = {request_id: Outcome([], [], "", 0) for request_id, *_ in jobs}
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -108,6 +116,8 @@ def run_workload(engine: LLMEngine, seed: int, num_requests: int, tally: Tally) 
     check each against its from-scratch twin (compare), then the near-ties of this workload
     against their bound (check_near_ties). Returns the shared-namespace outcomes by id."""
     rng = random.Random(seed)
+    marker_rng = random.Random(f"{seed}/markers")
+    renderer = PromptRenderer(engine.tokenizer)
     results: dict[str, Outcome] = {}
     systems = system_prompts(rng, 4)
     conversations: list[list[dict]] = []
@@ -120,20 +130,21 @@ def run_workload(engine: LLMEngine, seed: int, num_requests: int, tally: Tally) 
             growing = [c for c in conversations if len(c) < 7 and len(render(engine.tokenizer, c)) < 300]
             if growing and rng.random() < 0.4:
                 conversation = rng.choice(growing)
-                conversation.append({"role": "user", "content": random_text(rng, 3, 25)})
+                conversation.append({"role": "user", "content": user_content(rng, marker_rng, 3, 25)})
             else:
                 conversation = []
                 if rng.random() < 0.85:
                     conversation.append({"role": "system", "content": rng.choice(systems)})
                     if rng.random() < 0.2:
                         conversation.append({"role": "developer", "content": random_text(rng, 5, 20)})
-                conversation.append({"role": "user", "content": random_text(rng, 3, 30)})
+                conversation.append({"role": "user", "content": user_content(rng, marker_rng, 3, 30)})
                 conversations.append(conversation)
-            prompt = render(engine.tokenizer, conversation)
-            boundary = find_instruction_boundary(engine.tokenizer, conversation, prompt).position
+            rendered = renderer.render_chat(with_random_markers(marker_rng, conversation))
+            prompt, boundary, breakpoints = rendered.token_ids, rendered.instruction_boundary, rendered.cache_breakpoints
+            assert list(prompt) == render(engine.tokenizer, conversation)  # markers change no token
             request_id = f"s{seed}-r{round_index}-{slot}"
-            jobs.append((request_id, prompt, boundary, ""))
-            jobs.append((request_id + "-scratch", prompt, boundary, f"fresh-{request_id}"))
+            jobs.append((request_id, prompt, boundary, "", breakpoints))
+            jobs.append((request_id + "-scratch", prompt, boundary, f"fresh-{request_id}", breakpoints))
             picked.append((request_id, conversation))
         outcomes = run_round(engine, jobs, params)
         for request_id, conversation in picked:
@@ -148,6 +159,29 @@ def run_workload(engine: LLMEngine, seed: int, num_requests: int, tally: Tally) 
         round_index += 1
     check_near_ties(tally, f"workload seed {seed}")
     return results
+
+
+def user_content(rng: random.Random, marker_rng: random.Random, min_words: int, max_words: int) -> str | list[dict]:
+    """A user message's content: random text, sent as two text parts in a third of the
+    messages (marker_rng decides, and where the text is cut)."""
+    text = random_text(rng, min_words, max_words)
+    words = text.split(" ")
+    if len(words) < 2 or marker_rng.random() >= 1 / 3:
+        return text
+    cut = marker_rng.randrange(1, len(words))
+    return [{"type": "text", "text": " ".join(words[:cut])}, {"type": "text", "text": " ".join(words[cut:])}]
+
+
+def with_random_markers(marker_rng: random.Random, conversation: list[dict]) -> list[dict]:
+    """A copy of `conversation` with 0 to 3 cache_control markers, each on a random message or
+    text part (the conversation itself keeps none: a later turn resends it unmarked)."""
+    marked = copy.deepcopy(conversation)
+    places = [(m, None) for m in range(len(marked))]
+    places += [(m, p) for m, message in enumerate(marked) if isinstance(message["content"], list)
+               for p in range(len(message["content"]))]
+    for m, p in marker_rng.sample(places, min(len(places), marker_rng.randint(0, 3))):
+        (marked[m] if p is None else marked[m]["content"][p])["cache_control"] = {"type": "ephemeral"}
+    return marked
 
 
 def tight_config(tensor_parallel_size: int = 1) -> EngineConfig:

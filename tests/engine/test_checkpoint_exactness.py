@@ -2,7 +2,8 @@
 produces the same output as the same request computed from scratch.
 
 Randomized conversations on the embedded model: shared system prompts with different user
-messages, multi-turn continuations that resend the history, several prefill budgets, budgets
+messages, multi-turn continuations that resend the history, random cache_control markers (cache
+breakpoints) on messages and text parts, several prefill budgets, budgets
 small enough to force checkpoint eviction and preemption, many requests in flight at once.
 Every request runs twice in the same engine and the same batch: once in the shared namespace
 (where it can restore checkpoints) and once under a fresh cache_salt (where nothing can be
@@ -38,6 +39,7 @@ from tests.engine.exactness import Tally, run_workload, tight_config
         ("tight: eviction + preemption, budget 64", None, 64, None),
         ("tight: eviction + preemption, budget 64, no async scheduling", {"async_scheduling": False}, 64, 0.05),
         ("budget 256, 4 seqs", EngineConfig(max_num_batched_tokens=256, max_num_seqs=4), 64, 0.5),
+        ("tight, with the host tier", {"host_checkpoint_bytes": 64 << 20}, 64, 0.05),
     ],
 )
 def test_checkpointed_requests_match_requests_computed_from_scratch(label, config, num_requests, min_hit_rate):
@@ -52,9 +54,13 @@ def test_checkpointed_requests_match_requests_computed_from_scratch(label, confi
           f"evicted={ {k: c.evicted for k, c in stats.checkpoints.items()} }")
     if min_hit_rate is not None:  # None: the case is about preemption and eviction (docstring)
         assert tally.hits >= min_hit_rate * tally.requests, "the suite must exercise restores, not pass by missing"
+    if min_hit_rate is not None and min_hit_rate >= 0.5:  # the roomy runs restore cache breakpoints too
+        assert stats.checkpoints["breakpoint"].hit > 0, "the random cache_control markers must be restored"
     if "no async" not in label:
         assert config.async_scheduling
     assert engine.pool_usage().idle
     if "tight" in label:
         assert stats.scheduler.preemptions > 0
         assert sum(c.evicted for c in stats.checkpoints.values()) > 0
+    if "host tier" in label:  # evicted checkpoints were demoted and some came back
+        assert stats.host_tier.demoted > 0 and stats.host_tier.promoted > 0

@@ -38,6 +38,8 @@ OTHER = chat("You count sheep.", "How many are there tonight?")
 class Fetch:
     """A CheckpointFetch that ends when `finish` is called (from any thread)."""
 
+    verified = False
+
     def __init__(self, checkpoint: ExportedCheckpoint | None, deadline: float) -> None:
         self.num_tokens = len(checkpoint.header.token_ids) if checkpoint is not None else 0
         self.deadline = deadline

@@ -107,3 +107,32 @@ def test_continue_from_copied_state_slot(case: Case, stop: int):
     resumed = Request(state_slot=3, block_table=first.block_table, num_computed=stop)
     tail = runner.step([(resumed, prompt[stop:])])[0]
     assert rel_err(torch.cat([head, tail]), case.reference_logits(prompt)) < TOLERANCE
+
+
+def test_decode_rows_on_scattered_and_permuted_slots(case: Case):
+    """Decode steps batch their one-token chunks (engine/interfaces/decode_rows.py): rows whose
+    state slots are not one run are gathered and scattered back; rows whose slots are one run
+    in another order than the chunks advance the slots in place, in slot order. Each request's
+    logits must still be the reference's, also for a one-token prompt started in a slot that
+    holds NaN (a reset row)."""
+    prompts = [case.prompt(n, seed=10 + n) for n in (19, 6, 11)]
+    single = case.prompt(1, seed=9)
+    runner = PagedRunner(case.model, num_slots=5)
+    requests = [Request(state_slot=slot) for slot in (4, 0, 2)]
+    got = [runner.step([(request, prompt[:-2])]) for request, prompt in zip(requests, prompts)]
+    # slots 4, 0, 2: not one run, gathered and scattered back
+    step = runner.step([(request, prompt[-2:-1]) for request, prompt in zip(requests, prompts)])
+    got = [g + [s] for g, s in zip(got, step)]
+    for layer in runner.caches.ssm_state:  # slot 1 held garbage: a reset row must not read it
+        runner.caches.conv_state[layer][1].fill_(float("nan"))
+        runner.caches.ssm_state[layer][1].fill_(float("nan"))
+    fresh = Request(state_slot=1)
+    # slots 2, 1, 0 (the request in slot 4 sits out): one run, in reverse chunk order
+    step = runner.step([(requests[2], prompts[2][-1:]), (fresh, single), (requests[1], prompts[1][-1:])])
+    got[2].append(step[0])
+    got[1].append(step[2])
+    for prompt, logits in zip(prompts[1:], got[1:]):
+        assert rel_err(torch.cat(logits), case.reference_logits(prompt)) < TOLERANCE
+    assert rel_err(torch.cat(got[0]), case.reference_logits(prompts[0][:-1])) < TOLERANCE
+    assert torch.isfinite(step[1]).all()
+    assert rel_err(step[1], case.reference_logits(single)) < TOLERANCE

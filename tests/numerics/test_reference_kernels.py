@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.kernels.attention_reference import decode_key_slots, paged_attention, paged_decode_attention, write_kv
+from engine.interfaces.decode_rows import decode_keys
+from engine.kernels.attention_reference import paged_attention, paged_decode_attention, write_kv
 from engine.kernels.conv_reference import causal_conv1d
 from engine.kernels.ssd_reference import ssd_chunk_scan, ssd_recurrent
 
@@ -86,9 +87,9 @@ def test_batched_decode_attention_equals_one_sequence_at_a_time():
     num_keys = [1, 5, 13, 8]
     tables = [(7,), (3, 11), (0, 9, 2, 23), (15, 1)]
     query = torch.randn(len(num_keys), H, D, generator=g)
-    slots = decode_key_slots(tables, num_keys, block_size)
-    assert slots.shape == (4, 13) and slots[0, 1:].eq(0).all()
-    got = paged_decode_attention(query, key_cache, value_cache, slots, torch.tensor(num_keys), scale=0.3)
+    keys = decode_keys(tables, [n - 1 for n in num_keys], block_size, Hkv, torch.device("cpu"))
+    assert keys.width == 16 and keys.padding[:, 0, 0].sum(-1).tolist() == [16 - n for n in num_keys]
+    got = paged_decode_attention(query, key_cache, value_cache, keys.rows, keys.padding, scale=0.3)
     for b, (table, keys) in enumerate(zip(tables, num_keys)):
         alone = paged_attention(query[b : b + 1], key_cache, value_cache, torch.tensor(table), keys - 1, scale=0.3)
         torch.testing.assert_close(got[b : b + 1], alone, rtol=1e-5, atol=1e-6)

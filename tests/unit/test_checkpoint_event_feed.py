@@ -37,7 +37,7 @@ def test_published_and_evicted_bundles_are_reported_oldest_first():
     second = reserve(pool, ledger, [1, 2, 3, 4, 5], CheckpointKind.RESPONSE, namespace=("m", None))
     ledger.publish(first, {0, 1}, world_size=2)
     ledger.publish(second, {0}, world_size=1)
-    assert ledger.evict_lru() == first
+    assert ledger.evict_one() == first
     assert feed.drain() == [
         CheckpointEvent("published", NS, (1, 2, 3), "instruction", 7, first),
         CheckpointEvent("published", ("m", ""), (1, 2, 3, 4, 5), "response", 10, second),

@@ -116,11 +116,11 @@ def test_lookup_pins_and_pinned_bundles_are_never_evicted():
     assert ledger.evict_until(30) is None  # only b is evictable: 10 free + 10 < 30
     assert ledger.get(b) is not None and ledger.bytes_held == 20  # atomic: nothing evicted
     assert ledger.evict_until(20) == [b]
-    assert ledger.evict_lru() is None
+    assert ledger.evict_one() is None
     ledger.unpin(a)
     with pytest.raises(ValueError):
         ledger.unpin(a)
-    assert ledger.evict_lru() == a
+    assert ledger.evict_one() == a
     assert pool.num_free == 16 and ledger.counters[PROMPT].evicted == 2
 
 
@@ -175,9 +175,9 @@ def test_block_pressure_evicts_the_needy_tenants_own_checkpoints_first():
     pool, ledger = make_ledger(num_blocks=64, budget=100)
     a_old = capture(pool, ledger, (1, 1), owner="a")
     b_own = capture(pool, ledger, (2, 1), owner="b")
-    assert ledger.evict_lru(owner="b") == b_own  # a's is older but within a's share
-    assert ledger.evict_lru(owner="b") == a_old  # nothing else left: a running request comes first
-    assert ledger.evict_lru(owner="b") is None
+    assert ledger.evict_one(owner="b") == b_own  # a's is older but within a's share
+    assert ledger.evict_one(owner="b") == a_old  # nothing else left: a running request comes first
+    assert ledger.evict_one(owner="b") is None
 
 
 def test_a_block_stays_allocated_while_any_bundle_references_it():
@@ -198,14 +198,14 @@ def test_a_block_stays_allocated_while_any_bundle_references_it():
     shared = hit.block_ids[0]
     assert ledger.bundles_for_block(shared) == {a, b, pending} and pool.ref_count(shared) == 3
 
-    assert ledger.evict_lru() == a
+    assert ledger.evict_one() == a
     ledger.publish(pending, set(), world_size=1)  # abandoned: dropped
     assert ledger.bundles_for_block(shared) == {b} and pool.ref_count(shared) == 1
     assert ledger.num_blocks_held_alone() == 3
     assert shared not in pool.allocate(pool.num_free)  # every free block, but not this one
     assert ledger.lookup(NS, [1, 2, 3, 4, 5, 6]).bundle_id == b
     ledger.unpin(b)
-    assert ledger.evict_lru() == b
+    assert ledger.evict_one() == b
     assert pool.ref_count(shared) == 0 and ledger.bundles_for_block(shared) == frozenset()
     assert ledger.num_blocks_held_alone() == 0
     assert ledger.bytes_held == 0 and len(ledger) == 0
@@ -283,9 +283,9 @@ class LedgerMachine(RuleBasedStateMachine):
             self.model.touch(expected)
         return hit
 
-    def check_evict_lru(self):
+    def check_evict_one(self):
         expected = next((b for b in self.model.lru if self.model.pins[b] == 0), None)
-        assert self.ledger.evict_lru() == expected
+        assert self.ledger.evict_one() == expected
         if expected is not None:
             self.model.drop_published(expected)
         return expected
@@ -301,7 +301,7 @@ class LedgerMachine(RuleBasedStateMachine):
         restored = list(hit.block_ids) if hit else []
         self.pool.share(restored)
         missing = -(-len(tokens) // BLOCK_SIZE) - len(restored)
-        while self.pool.num_free < missing and self.check_evict_lru() is not None:
+        while self.pool.num_free < missing and self.check_evict_one() is not None:
             pass  # KV pressure: evict bundles until the request's blocks fit
         if hit:
             self.ledger.unpin(hit.bundle_id)
@@ -425,7 +425,7 @@ class LedgerMachine(RuleBasedStateMachine):
             self.model.pins[bundle_id] = 0
         for bundle_id in list(self.model.pending):
             self.ledger.publish(bundle_id, set(), world_size=1)
-        while self.check_evict_lru() is not None:  # evict_until(BUDGET) would keep 0-byte bundles
+        while self.check_evict_one() is not None:  # evict_until(BUDGET) would keep 0-byte bundles
             pass
         assert self.pool.num_free == NUM_BLOCKS
         assert all(self.pool.ref_count(b) == 0 for b in range(NUM_BLOCKS))

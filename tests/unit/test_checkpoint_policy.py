@@ -22,10 +22,10 @@ def make_policy(kinds=ALL_KINDS, in_pass=False, world_size=1, checkpoint_bytes=1
     return CheckpointPolicy(cache, kinds, world_size=world_size, in_pass_capture=in_pass)
 
 
-def admitted(policy, rid, prompt_len=40, boundary=None, pauses=(), first=0):
+def admitted(policy, rid, prompt_len=40, boundary=None, pauses=(), first=0, breakpoints=()):
     """A request as the scheduler leaves it once admitted: a state slot and blocks for its prompt."""
     request = Request(rid, tuple(range(10, 10 + prompt_len)), PARAMS, pause_positions=pauses,
-                      instruction_boundary=boundary)
+                      instruction_boundary=boundary, cache_breakpoints=breakpoints)
     request.state_slot = policy.cache.acquire_state_slot()
     request.block_ids = policy.cache.allocate_blocks(0, prompt_len)
     request.num_computed_tokens = first
@@ -63,6 +63,16 @@ def test_the_instruction_boundary_is_a_pause_only_when_captured_by_cutting(kinds
     assert request.pause_positions == (10,)  # asked, not changed
 
 
+@pytest.mark.parametrize("in_pass", [False, True])
+@pytest.mark.parametrize("kinds, expected", [
+    (ALL_KINDS, (12, 30)),  # always cut, in-pass capture or not
+    (ALL_KINDS - {CheckpointKind.BREAKPOINT}, ()),  # breakpoint checkpoints off: ignored
+])
+def test_cache_breakpoints_are_pauses_when_breakpoint_checkpoints_are_on(kinds, expected, in_pass):
+    policy = make_policy(kinds - {CheckpointKind.INSTRUCTION}, in_pass=in_pass)
+    assert policy.pause_positions(admitted(policy, "a", breakpoints=(12, 30), boundary=20)) == expected
+
+
 def test_no_boundary_adds_no_pause():
     policy = make_policy()
     assert policy.pause_positions(admitted(policy, "a", pauses=(30, 5))) == (5, 30)
@@ -86,6 +96,25 @@ def test_captures_fall_due_at_the_boundary_and_the_prompt_end_for_the_next_step(
     assert policy.take_reserved() == [] and not policy.has_reserved_captures
     ledger = policy.cache.ledger
     assert [ledger.get(c.bundle_id).kind for c in captures] == [CheckpointKind.INSTRUCTION, CheckpointKind.PROMPT]
+
+
+def test_breakpoint_captures_fall_due_where_chunks_end_at_them():
+    policy = make_policy()
+    request = admitted(policy, "a", prompt_len=40, boundary=8, breakpoints=(8, 20, 30))
+    for start, end in ((0, 8), (8, 20), (20, 25), (25, 30), (30, 40)):
+        policy.reserve_after_chunk(request, chunk_of(request, start, end))
+    captures = policy.take_reserved()
+    ledger = policy.cache.ledger
+    # the breakpoint at the instruction boundary is captured once, as the instruction checkpoint
+    assert [(c.num_tokens, c.in_pass, ledger.get(c.bundle_id).kind) for c in captures] == [
+        (8, False, CheckpointKind.INSTRUCTION), (20, False, CheckpointKind.BREAKPOINT),
+        (30, False, CheckpointKind.BREAKPOINT), (40, False, CheckpointKind.PROMPT)]
+    assert captures[1].tail_block == request.block_ids[1]  # 20 % 16: the partial block
+
+    off = make_policy(ALL_KINDS - {CheckpointKind.BREAKPOINT})
+    request = admitted(off, "b", prompt_len=40, breakpoints=(20,))
+    off.reserve_after_chunk(request, chunk_of(request, 0, 20))
+    assert not off.has_reserved_captures
 
 
 def test_a_chunk_of_no_tokens_reserves_nothing():

@@ -27,6 +27,8 @@ from deployments.config import parse_app_config
 REPO = Path(__file__).resolve().parents[2]
 K8S_DIR = REPO / "k8s"
 SERVE_CONFIG = REPO / "serve_config.yaml"
+# the local config each manifest carries the application of
+LOCAL_CONFIGS = {"rayservice-cpu.yaml": SERVE_CONFIG, "rayservice-gpu.yaml": REPO / "serve_config_gpu.yaml"}
 CRD_FILE = REPO.parent / "shared" / "k8s" / "ray.io_rayservices.yaml"
 
 SERVE_PORT = 8000
@@ -217,26 +219,30 @@ def test_serve_config_is_a_valid_serve_deploy_config(path, service):
 
 
 def _deployment_class_names() -> set[str]:
-    """Classes in deployments/ decorated with @serve.deployment (read from the source)."""
+    """Deployment names in deployments/ (read from the source): classes decorated with
+    @serve.deployment, and `serve.deployment(name=...)(cls)` calls."""
     names = set()
-    for source in (REPO / "deployments").glob("*.py"):
+    for source in (REPO / "deployments").rglob("*.py"):
         for node in ast.walk(ast.parse(source.read_text())):
             if isinstance(node, ast.ClassDef):
                 for decorator in node.decorator_list:
                     target = decorator.func if isinstance(decorator, ast.Call) else decorator
                     if ast.unparse(target) in ("serve.deployment", "deployment"):
                         names.add(node.name)
+            elif isinstance(node, ast.Call) and ast.unparse(node.func) == "serve.deployment":
+                names.update(kw.value.value for kw in node.keywords
+                             if kw.arg == "name" and isinstance(kw.value, ast.Constant))
     return names
 
 
 def test_deployment_classes_are_found():
-    assert {"LLMServer", "Renderer", "OpenAIIngress"} <= _deployment_class_names()
+    assert {"LLMServer", "Renderer", "OpenAIIngress", "CheckpointIngressRouter"} <= _deployment_class_names()
 
 
 @pytest.mark.parametrize("path,service", RAY_SERVICES, ids=RAY_SERVICE_IDS)
 def test_args_parse_and_match_serve_config_yaml(path, service):
     app = _application(service)
-    (local_app,) = yaml.safe_load(SERVE_CONFIG.read_text())["applications"]
+    (local_app,) = yaml.safe_load(LOCAL_CONFIGS[Path(path).name].read_text())["applications"]
     args, local_args = app["args"], local_app["args"]
 
     config = parse_app_config(args)  # pydantic only: model_dir is not opened
@@ -283,6 +289,22 @@ def test_cpu_manifest_serves_the_embedded_model():
 
 
 # ----- pods
+
+
+@pytest.mark.parametrize("path,service", RAY_SERVICES, ids=RAY_SERVICE_IDS)
+def test_every_ray_container_sets_the_lean_path_switches(path, service):
+    """The lean path's switches must be in the environment of every Ray process (Serve reads
+    them when it starts), so in the head's and every worker's Ray container."""
+    from deployments.serving_path import LEAN_CLUSTER_ENV
+
+    assert parse_app_config(_application(service)["args"]).direct_ingress
+    cluster = _cluster(service)
+    templates = [cluster["headGroupSpec"]["template"]] + [
+        group["template"] for group in cluster["workerGroupSpecs"]]
+    for template in templates:
+        env = {var["name"]: var.get("value") for var in _ray_container(template).get("env", [])}
+        assert {k: env.get(k) for k in LEAN_CLUSTER_ENV} == LEAN_CLUSTER_ENV, \
+            _ray_container(template)["name"]
 
 
 @pytest.mark.parametrize("path,service", RAY_SERVICES, ids=RAY_SERVICE_IDS)

@@ -2,8 +2,8 @@
 code (its class, without Serve, called as the ingress calls it through a handle: with
 ChatMessage models) and the benchmark's in-process target (hybrid_serve_bench's EngineChat,
 with the bench's message dicts) submit the same token ids and instruction boundary for the
-same messages, a boundary or none, with the model's template and with templates where the
-boundary fails closed, the first time and from the remembered instructions; they refuse the
+same messages, a boundary or none, and the same cache breakpoints, with the model's template and
+with templates where the boundary fails closed, the first time and from the remembered instructions; they refuse the
 same conversations. And the module renders with no Ray and no HTTP stack imported."""
 
 from __future__ import annotations
@@ -38,6 +38,12 @@ CONVERSATIONS = {
                    {"role": "assistant", "content": "Hello! How can I help?"},
                    {"role": "user", "content": USER}],
     "system-only": [{"role": "system", "content": SYSTEM}],
+    "marked": [{"role": "system", "content": SYSTEM},
+               {"role": "user", "content": [{"type": "text", "text": "A shared document.",
+                                             "cache_control": {"type": "ephemeral"}},
+                                            {"type": "text", "text": USER}]},
+               {"role": "assistant", "content": "An answer.", "cache_control": {"type": "ephemeral"}},
+               {"role": "user", "content": "And then?"}],
 }
 
 # (template, conversation) -> the boundary's rejection (None: a boundary), or "refused": the
@@ -49,6 +55,7 @@ EXPECTED = {
     ("model", "no-system"): "no_leading_instructions",
     ("model", "multi-turn"): None,
     ("model", "system-only"): "all_instructions",
+    ("model", "marked"): None,
     ("merges-system-into-user", "system-user"): "not_a_prefix",
     ("merges-system-into-user", "multi-turn"): "not_a_prefix",
     ("bpe-merge-across-seam", "system-user"): "not_a_prefix",
@@ -109,6 +116,9 @@ def test_the_bench_target_and_the_renderer_deployment_submit_the_same_prompt(mod
         submitted = engine.submitted.pop()
         assert submitted.prompt_token_ids == served.token_ids, attempt
         assert submitted.instruction_boundary == served.instruction_boundary, attempt
+        assert submitted.cache_breakpoints == served.cache_breakpoints, attempt
+    if (template, conversation) == ("model", "marked"):
+        assert len(served.cache_breakpoints) == 2
 
 
 def test_rendering_imports_no_ray_and_no_http_stack():

@@ -17,7 +17,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from deployments.http.errors import as_api_error
-from deployments.prompts.instruction_boundary import BoundaryRejection, InstructionPrefixes, find_instruction_boundary
+from deployments.prompts.instruction_boundary import BoundaryRejection, RenderedPrefixes, find_instruction_boundary
 from deployments.prompts.rendering import PromptRenderer
 from engine.engine_config import DEFAULT_MODEL_DIR, EngineConfig
 from engine.interfaces.generation_request import GenerationRequest
@@ -76,7 +76,7 @@ def messages(*pairs: tuple[str, str]) -> list[dict[str, str]]:
     return [{"role": role, "content": content} for role, content in pairs]
 
 
-def render_chat(tokenizer, conversation, prefixes: InstructionPrefixes | None = None):
+def render_chat(tokenizer, conversation, prefixes: RenderedPrefixes | None = None):
     """PromptRenderer.render_chat; with `prefixes` (None: its own, empty) as its memory."""
     return PromptRenderer(tokenizer, prefixes).render_chat(conversation)
 
@@ -199,9 +199,9 @@ class CountingTemplate:
 
 def test_remembered_instructions_give_the_boundary_without_rendering_them_again(base_tokenizer):
     """The second request with the same instructions takes their rendering from
-    InstructionPrefixes; the boundary and the ids are those of a render without it. Other
+    RenderedPrefixes; the boundary and the ids are those of a render without it. Other
     instructions are rendered; past the capacity the least recently used is forgotten."""
-    tokenizer, prefixes = CountingTemplate(base_tokenizer), InstructionPrefixes(capacity=2)
+    tokenizer, prefixes = CountingTemplate(base_tokenizer), RenderedPrefixes(capacity=2)
     first = messages(("system", SYSTEM), ("developer", "Be brief."), ("user", USER))
     again = messages(("system", SYSTEM), ("developer", "Be brief."), ("user", "Another question?"))
     got = [render_chat(tokenizer, m, prefixes) for m in (first, again)]
@@ -219,10 +219,10 @@ def test_a_remembered_rendering_that_no_longer_matches_is_rendered_again(base_to
     """A template whose output changed since the instructions were remembered (here: the
     system block's date line, past midnight) is not trusted: the instructions are rendered
     again and remembered anew, so that request and the next ones get the boundary a render
-    without InstructionPrefixes gives (an application's instructions, asked for every request,
+    without RenderedPrefixes gives (an application's instructions, asked for every request,
     would otherwise never leave the memory and lose their boundary for good). A template that
     never gives a boundary gives none with it either. A template error is not remembered."""
-    prefixes = InstructionPrefixes()
+    prefixes = RenderedPrefixes()
     template = DATE_TEMPLATE.replace("messages | length > 1", "true")  # the date line always
     yesterday = with_template(base_tokenizer, template)
     conversation = messages(("system", SYSTEM), ("user", USER))
