@@ -113,9 +113,11 @@ def engine_config(model_dir: Path, quick: bool, **changes) -> EngineConfig:
     changes = {"num_speculative_tokens": 0, **changes}
     if quick:
         return EngineConfig(model_dir=str(model_dir), max_model_len=1024, max_num_seqs=64, **changes)
+    # 64 state slots of the 1.5B model are 2.7 GB (each speculating engine adds k + 1 scratch
+    # slots per slot outside the budget); 64 sequences of 500 tokens about 0.3 GB of KV
     return EngineConfig(model_dir=str(model_dir), device="cuda", dtype="bfloat16", max_model_len=2048,
-                        max_num_seqs=64, max_num_batched_tokens=8192, kv_cache_bytes=8 << 30,
-                        state_cache_bytes=4 << 30, checkpoint_cache_bytes=1 << 30, **changes)
+                        max_num_seqs=64, max_num_batched_tokens=8192, kv_cache_bytes=2 << 30,
+                        state_cache_bytes=3 << 30, checkpoint_cache_bytes=1 << 30, **changes)
 
 
 def mtp_changes(model_dir: Path, k: int) -> dict:
@@ -281,20 +283,22 @@ def write_policy_table(path: Path, entry: dict) -> None:
 
 def engine_rows(model_dir: Path, args: argparse.Namespace, save) -> list[dict]:
     """Decode tokens/s at each batch, speculation off, with n-gram drafts, with MTP drafts
-    and as the policy chooses (auto), on span-copying prompts."""
+    and as the policy chooses (auto), on span-copying prompts; one engine at a time (each
+    speculating engine's scratch slots are several times its state budget)."""
     config = engine_config(model_dir, args.quick)
-    off = LLMEngine(config)
-    engines = {"off": off,
-               "ngram": LLMEngine(replace(config, num_speculative_tokens=args.k)),
-               "mtp": LLMEngine(replace(config, **mtp_changes(model_dir, args.k))),
-               "auto": LLMEngine(replace(config, num_speculative_tokens=None))}
-    choice = engines["auto"].speculation_choice
-    print(f"policy: {choice}", flush=True)
     params = SamplingParams(max_tokens=args.output_tokens, temperature=0, ignore_eos=True)
-    prompts = span_copying_prompts(off, max(DECODE_BATCHES), args.span, off.vocab_size, params)
-    rows = []
-    for batch in DECODE_BATCHES:
-        for label, engine in engines.items():
+    configs = {"off": config, "ngram": replace(config, num_speculative_tokens=args.k),
+               "mtp": replace(config, **mtp_changes(model_dir, args.k)),
+               "auto": replace(config, num_speculative_tokens=None)}
+    rows, prompts = [], None
+    for label, changed in configs.items():
+        engine = LLMEngine(changed)
+        if prompts is None:  # the plain engine's continuations
+            prompts = span_copying_prompts(engine, max(DECODE_BATCHES), args.span, engine.vocab_size, params)
+        choice = engine.speculation_choice
+        if label == "auto":
+            print(f"policy: {choice}", flush=True)
+        for batch in DECODE_BATCHES:
             run_batch(engine, prompts[:batch], replace(params, max_tokens=8), f"warm-{label}-{batch}")
             result = run_batch(engine, prompts[:batch], params, f"{label}-{batch}")
             outputs = result.pop("tokens")
@@ -307,13 +311,25 @@ def engine_rows(model_dir: Path, args: argparse.Namespace, save) -> list[dict]:
             print(f"batch {batch} {label}: {result['tokens_per_s']:.1f} tok/s, acceptance "
                   f"{result['acceptance']:.2f} by depth {[round(a, 2) for a in result['acceptance_by_depth']]}", flush=True)
             save(rows)
-        off_row, *speculating = rows[-len(engines):]
-        for row in speculating:
-            row["same_outputs_as_off"] = row["outputs"] == off_row["outputs"]
-            row["speedup_over_off"] = row["tokens_per_s"] / off_row["tokens_per_s"]
-    for engine in engines.values():
         engine.shutdown()
+        del engine
+        release_device_memory()
+    off = {r["batch"]: r for r in rows if r["speculation"] == "off"}
+    for row in rows:
+        if row["speculation"] != "off":
+            row["same_outputs_as_off"] = row["outputs"] == off[row["batch"]]["outputs"]
+            row["speedup_over_off"] = row["tokens_per_s"] / off[row["batch"]]["tokens_per_s"]
+    rows.sort(key=lambda r: (r["batch"], list(configs).index(r["speculation"])))
     return rows
+
+
+def release_device_memory() -> None:
+    """Free what a dropped engine held on the GPU (its caches, graphs and weights)."""
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 # ----------------------------------------------------------------- stage exactness

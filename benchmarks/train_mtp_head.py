@@ -29,6 +29,7 @@ benchmarks/spec_decode.py --train-head runs this first and measures with the tra
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -105,8 +106,8 @@ def engine_config(model_dir: Path, settings: Settings, **changes) -> EngineConfi
     if settings.cpu:
         return EngineConfig(model_dir=str(model_dir), max_num_seqs=16, **changes)
     return EngineConfig(model_dir=str(model_dir), device="cuda", dtype="bfloat16", max_model_len=2048,
-                        max_num_seqs=64, max_num_batched_tokens=8192, kv_cache_bytes=8 << 30,
-                        state_cache_bytes=4 << 30, checkpoint_cache_bytes=1 << 30, **changes)
+                        max_num_seqs=64, max_num_batched_tokens=8192, kv_cache_bytes=2 << 30,
+                        state_cache_bytes=3 << 30, checkpoint_cache_bytes=1 << 30, **changes)
 
 
 def prompts(tokenizer, count: int, vocab: int, rng: random.Random, longest: int) -> list[list[int]]:
@@ -264,11 +265,15 @@ def train(model_dir: Path, out_dir: Path, settings: Settings, log=print) -> dict
         if step % max(1, settings.steps // 10) == 0 or step == settings.steps - 1:
             log(f"step {step}: loss {losses[-1]:.4f}")
     trained = time.perf_counter()
-    teacher.shutdown()
     copy_model(model_dir, out_dir)
     (out_dir / TRAINED_HEAD_FILE).parent.mkdir(exist_ok=True)
     save_file({name: p.detach().to("cpu").contiguous() for name, p in head.named_parameters()},
               str(out_dir / TRAINED_HEAD_FILE))
+    teacher.shutdown()
+    del teacher, model, head, hidden, optimizer, parameters, cache_like  # the GPU memory, before the next engine
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     report = {"model_dir": str(model_dir), "settings": settings.__dict__, "losses": losses,
               "first_loss": losses[0] if losses else None, "final_loss": losses[-1] if losses else None,
               "generate_seconds": generated - started, "train_seconds": trained - generated}
