@@ -1,4 +1,4 @@
-"""hybrid-serve-bench's client against the running app (the session's Serve app, all three
+"""hybrid-serve-bench's client against the running app (the session's Serve app, all four
 checkpoint slots): cached_tokens parsed from the streamed usage, TTFT at the first content
 chunk, the result JSON's schema, and the report's plots. Small sizes: the e2e app's context is
 512 tokens."""
