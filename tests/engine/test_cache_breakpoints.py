@@ -21,7 +21,7 @@ from engine.interfaces.sampling_params import InvalidRequestError
 from tests.engine.exactness import Outcome, Tally, check_near_ties, compare
 from tests.engine.reuse_cases import GREEDY
 from tests.unit.recording_metrics import RecordingMetrics
-from tests.unit.test_cache_breakpoints import HISTORY_REWRITING_TEMPLATE, MARK
+from tests.unit.test_cache_breakpoint_markers import HISTORY_REWRITING_TEMPLATE, MARK
 
 SYSTEM = "Classify each customer request by topic, in two words."
 EXAMPLES = [("My parcel never arrived and the tracking page is empty.", "shipping delay"),
