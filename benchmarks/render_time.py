@@ -1,18 +1,33 @@
-"""The renderer's time per chat request (chat template, tokenization, verified instruction
-boundary), with and without the instruction renderings it remembers (RenderedPrefixes).
+"""The renderer's time per chat request, split by stage, and PromptRenderer.render_chat's time
+with nothing remembered and with the instructions remembered.
 
-    .venv/bin/python benchmarks/render_time.py                     # CPU only, about 20 s
+    .venv/bin/python benchmarks/render_time.py                     # CPU only, about 30 s
     .venv/bin/python benchmarks/render_time.py --out /tmp/r.json
 
-An HTTP client's time to first token includes this: deployments/renderer.py runs it for every
-chat request before the engine sees the request. For each instruction length L, the
-shared-instructions workload of hybrid-serve-bench (its systems and user messages, the
-embedded model's tokenizer and template) is rendered request by request with
-deployments.prompts.rendering.PromptRenderer.render_chat, once with one renderer for the
-workload (the first request of each system renders its instructions, the others take them
-from its RenderedPrefixes) and once with a new renderer per request (nothing remembered);
-both give the same ids and boundaries (checked). Medians over the requests, interleaved per request so both
-columns see the same machine.
+An HTTP client's time to first token includes this: the LLM server replica (lean path) or the
+Renderer deployment (classic path) runs it for every chat request before the engine sees it.
+For each instruction length L, hybrid-serve-bench's shared-instructions workload (2 systems
+of L tokens, user messages of 50-500 tokens; the embedded model's tokenizer and template) is
+rendered request by request, and per request:
+
+  stages, each done from scratch as a renderer without memory does it:
+    template      the chat through the chat template with the generation prompt, to text
+    tokenize      that text tokenized (encode_text: apply_chat_template's own call)
+    boundary      the instructions rendered alone and tokenized (the instruction boundary's
+                  verification, deployments/prompts/instruction_boundary.py)
+    breakpoint    the same for a cache_control marker on the system message (its head is the
+                  instructions again: cache_breakpoints.py renders it as its own)
+  render_chat:
+    cold          a renderer that remembers nothing (every stage above, the marker aside)
+    warm          one renderer for the workload: a request whose instructions were seen
+                  starts from their remembered ids and tokenizes only the rest, where the
+                  exact-cut rule allows it (deployments/prompts/exact_cuts.py)
+    warm marked   the same with the marker on the system message
+
+Every render_chat result is checked against apply_chat_template(tokenize=True). Medians over
+the requests, the first request of each system left out of the warm columns (it fills the
+memory), interleaved per request so every column sees the same machine. Also: the warm
+renderer's counts (chats that started from a remembered prefix, tokens reused).
 Prints a table and writes JSON (--out, default benchmarks/results/render_time.json).
 """
 
@@ -29,31 +44,63 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 from transformers import AutoTokenizer  # noqa: E402
 
+from deployments.prompts.exact_cuts import CutRule, encode_text  # noqa: E402
+from deployments.prompts.instruction_boundary import render_alone  # noqa: E402
 from deployments.prompts.rendering import PromptRenderer  # noqa: E402
 from engine.engine_config import DEFAULT_MODEL_DIR  # noqa: E402
 from harness import add_out_argument, markdown_table, write_result  # noqa: E402
 from hybrid_serve_bench.tokens import TokenizerCounter  # noqa: E402
-from hybrid_serve_bench.workloads import Sizes, shared_instructions  # noqa: E402
+from hybrid_serve_bench.workloads import CACHE_CONTROL, Sizes, shared_instructions  # noqa: E402
 
 LENGTHS = (500, 2000, 8000, 16000)
+SYSTEMS = 2
+COLUMNS = ("template", "tokenize", "boundary", "breakpoint", "cold", "warm", "warm_marked")
 
 
-def measure(tokenizer, counter: TokenizerCounter, length: int, requests: int) -> dict:
-    workload = shared_instructions(Sizes(instruction_tokens=length, requests=requests, systems=2), counter)
-    renderer = PromptRenderer(tokenizer)
-    plain, remembered = [], []
-    for conversation in workload.conversations:
+def timed(fn):
+    started = time.perf_counter()
+    result = fn()
+    return result, time.perf_counter() - started
+
+
+def measure(tokenizer, rule: CutRule, counter: TokenizerCounter, length: int, requests: int) -> dict:
+    workload = shared_instructions(Sizes(instruction_tokens=length, requests=requests, systems=SYSTEMS), counter)
+    warm, warm_marked = PromptRenderer(tokenizer, cuts=rule), PromptRenderer(tokenizer, cuts=rule)
+    seconds: dict[str, list[float]] = {column: [] for column in COLUMNS}
+    prompt_tokens = []
+    for index, conversation in enumerate(workload.conversations):
         messages = [dict(m) for m in conversation.turns[0].new_messages]
-        started = time.perf_counter()
-        want = PromptRenderer(tokenizer).render_chat(messages)
-        plain.append(time.perf_counter() - started)
-        started = time.perf_counter()
-        got = renderer.render_chat(messages)
-        remembered.append(time.perf_counter() - started)
-        assert got == want and got.instruction_boundary is not None, "the remembered rendering differs"
-    plain_ms, remembered_ms = 1e3 * statistics.median(plain), 1e3 * statistics.median(remembered)
-    return {"instruction_tokens": length, "requests": requests, "render_ms": plain_ms,
-            "render_remembered_ms": remembered_ms, "ratio": plain_ms / remembered_ms}
+        marked = [{**messages[0], "cache_control": CACHE_CONTROL}, *messages[1:]]
+        text, t = timed(lambda: tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+        seconds["template"].append(t)
+        want, t = timed(lambda: encode_text(tokenizer, text))
+        seconds["tokenize"].append(t)
+        prompt_tokens.append(len(want))
+        _, t = timed(lambda: encode_text(tokenizer, render_alone(tokenizer, messages[:1])))
+        seconds["boundary"].append(t)
+        _, t = timed(lambda: encode_text(tokenizer, render_alone(tokenizer, marked[:1])))
+        seconds["breakpoint"].append(t)
+        cold = PromptRenderer(tokenizer, cuts=rule)
+        results = {}
+        for column, renderer, chat in (("cold", cold, messages), ("warm", warm, messages),
+                                       ("warm_marked", warm_marked, marked)):
+            results[column], t = timed(lambda: renderer.render_chat(chat))
+            if column == "cold" or index >= SYSTEMS:
+                seconds[column].append(t)
+        reference = tuple(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                        return_dict=False))
+        for column, got in results.items():
+            assert got.token_ids == reference == want, f"{column}: ids differ from apply_chat_template"
+            assert got.instruction_boundary == results["cold"].instruction_boundary is not None, column
+        assert results["warm_marked"].cache_breakpoints == (results["cold"].instruction_boundary,)
+    row = {"instruction_tokens": length, "requests": requests, "prompt_tokens_p50": statistics.median(prompt_tokens)}
+    row.update({f"{column}_ms": 1e3 * statistics.median(values) for column, values in seconds.items()})
+    row["warm_reuses"] = warm.stats.reuses
+    row["warm_chats"] = warm.stats.chats
+    row["warm_reused_tokens"] = warm.stats.reused_tokens
+    row["warm_tokenized_tokens"] = warm.stats.tokenized_tokens
+    row["cold_over_warm"] = row["cold_ms"] / row["warm_ms"]
+    return row
 
 
 def main() -> None:
@@ -62,13 +109,17 @@ def main() -> None:
     add_out_argument(parser, "render_time")
     args = parser.parse_args()
     tokenizer = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)
+    rule = CutRule.of(tokenizer)
+    assert rule.enabled, rule.reason
     counter = TokenizerCounter(str(DEFAULT_MODEL_DIR))
-    rows = [measure(tokenizer, counter, length, args.requests) for length in LENGTHS]
+    rows = [measure(tokenizer, rule, counter, length, args.requests) for length in LENGTHS]
     print(markdown_table(
-        ["instruction tokens", "render ms", "render ms, instructions remembered", "ratio"],
-        [[str(r["instruction_tokens"]), f"{r['render_ms']:.2f}", f"{r['render_remembered_ms']:.2f}",
-          f"{r['ratio']:.2f}"] for r in rows]))
-    write_result(args.out, "render_time", {"tokenizer": str(DEFAULT_MODEL_DIR), "rows": rows})
+        ["instruction tokens", "template ms", "tokenize ms", "boundary ms", "breakpoint ms",
+         "render_chat cold ms", "warm ms", "warm marked ms", "cold / warm", "warm reuses"],
+        [[str(r["instruction_tokens"]), *(f"{r[f'{c}_ms']:.3f}" for c in COLUMNS),
+          f"{r['cold_over_warm']:.1f}", f"{r['warm_reuses']}/{r['warm_chats']}"] for r in rows]))
+    write_result(args.out, "render_time", {"tokenizer": str(DEFAULT_MODEL_DIR), "exact_cuts": rule.enabled,
+                                           "rows": rows})
     print(f"wrote {args.out}")
 
 
