@@ -24,6 +24,12 @@ rendered request by request, and per request:
                   exact-cut rule allows it (deployments/prompts/exact_cuts.py)
     warm marked   the same with the marker on the system message
 
+And whether tokenizing holds the GIL (what LocalPrompts' render threads rely on): while
+another thread tokenizes about 34,000 tokens (encode_text), this thread spins, and its longest
+pause is compared with the encode's time (about the same if the GIL were held throughout, as
+it is by the Rust tokenizer's single-text `encode`, the control; encode_text goes through
+transformers to its `encode_batch`, which releases it).
+
 Every render_chat result is checked against apply_chat_template(tokenize=True). Medians over
 the requests, the first request of each system left out of the warm columns (it fills the
 memory), interleaved per request so every column sees the same machine. Also: the warm
@@ -36,6 +42,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -103,6 +110,42 @@ def measure(tokenizer, rule: CutRule, counter: TokenizerCounter, length: int, re
     return row
 
 
+def longest_pause(work) -> tuple[float, float]:
+    """(seconds work() took in another thread, the longest pause of this thread's Python loop
+    meanwhile). A GIL held through the work pauses this thread for about all of it."""
+    done, took = threading.Event(), []
+
+    def run() -> None:
+        started = time.perf_counter()
+        work()
+        took.append(time.perf_counter() - started)
+        done.set()
+
+    thread = threading.Thread(target=run)
+    last, longest = time.perf_counter(), 0.0
+    thread.start()
+    while not done.is_set():
+        now = time.perf_counter()
+        longest, last = max(longest, now - last), now
+    thread.join()
+    return took[0], longest
+
+
+def gil_check(tokenizer, repeats: int = 5) -> dict:
+    """encode_text of a text of about 34,000 tokens in a thread, `repeats` times: the smallest
+    ratio of this thread's longest pause to the encode's time (the smallest, so that the
+    machine's own scheduling pauses do not count); about 1 if the GIL were held throughout."""
+    text = "The policy says refunds are always reviewed before shipping, unless asked. " * 1000
+    runs = [longest_pause(lambda: encode_text(tokenizer, text)) for _ in range(repeats)]
+    # the control: the Rust tokenizer's single-text encode, which keeps the GIL
+    held = [longest_pause(lambda: tokenizer.backend_tokenizer.encode(text, add_special_tokens=False))
+            for _ in range(repeats)]
+    return {"tokens": len(encode_text(tokenizer, text)), "encode_ms": [1e3 * t for t, _ in runs],
+            "longest_pause_ms": [1e3 * p for _, p in runs],
+            "min_pause_over_encode": min(p / t for t, p in runs),
+            "control_backend_encode_min_pause_over_encode": min(p / t for t, p in held)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=24)
@@ -118,8 +161,13 @@ def main() -> None:
          "render_chat cold ms", "warm ms", "warm marked ms", "cold / warm", "warm reuses"],
         [[str(r["instruction_tokens"]), *(f"{r[f'{c}_ms']:.3f}" for c in COLUMNS),
           f"{r['cold_over_warm']:.1f}", f"{r['warm_reuses']}/{r['warm_chats']}"] for r in rows]))
+    gil = gil_check(tokenizer)
+    print(f"tokenizing {gil['tokens']} tokens in a thread: this thread's longest pause / the encode's time, "
+          f"at least {gil['min_pause_over_encode']:.2f} with encode_text, "
+          f"{gil['control_backend_encode_min_pause_over_encode']:.2f} with the Rust tokenizer's own "
+          "encode (which keeps the GIL)")
     write_result(args.out, "render_time", {"tokenizer": str(DEFAULT_MODEL_DIR), "exact_cuts": rule.enabled,
-                                           "rows": rows})
+                                           "rows": rows, "gil": gil})
     print(f"wrote {args.out}")
 
 

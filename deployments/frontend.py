@@ -91,9 +91,10 @@ class LocalPrompts:
     8,000 instruction tokens); its tokenization (finish_chat) runs inline when at most
     INLINE_CHARS characters are left to tokenize (the usual case once the instructions are
     remembered: a thread's hop would cost more), else on one of the `threads` render threads of
-    its own, so that milliseconds of tokenizing do not hold up the loop's streams. The Rust
-    tokenizer releases the GIL while it encodes, so the render threads tokenize beside the loop
-    and the step thread. Completion prompts likewise,
+    its own, so that milliseconds of tokenizing do not hold up the loop's streams. Tokenizing
+    through transformers releases the GIL while the Rust tokenizer encodes (its encode_batch;
+    benchmarks/render_time.py checks it), so the render threads tokenize beside the loop and
+    the step thread. Completion prompts likewise,
     by their length."""
 
     INLINE_CHARS = 4096  # at most this many characters to tokenize: inline
