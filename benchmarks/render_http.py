@@ -3,6 +3,7 @@ concurrency, and for a short chat one at a time, with the replica's own render t
 
     .venv/bin/python benchmarks/render_http.py                          # CPU, about 3 minutes
     .venv/bin/python benchmarks/render_http.py --levels 1 32 64 --out /tmp/r.json
+    .venv/bin/python benchmarks/render_http.py --against /path/to/other/checkout   # A/B
 
 The server is started as `make serve` starts it (deployments/serve_main.py in a child process,
 benchmarks/lean_cluster.py): HAProxy -> one LLM server replica that renders, in process, and
@@ -17,9 +18,11 @@ a user question, as benchmarks/serve_latency.py --workload chat).
 
 Per request: TTFT (send to first content), and the replica's render time from its
 Server-Timing header (None on a server that sends none). The server runs the code of the
-checkout this file is in: a before/after pair is this file run from two checkouts (one without
-the header needs hybrid_serve_bench/client.py's server_render_s beside it). The load average goes into the JSON: on a shared machine it says
-how far to trust a run. Prints a table and writes JSON (--out, default
+checkout this file is in; with --against DIR a second server runs the code of another checkout
+(its own lean_cluster.py, the same config) at the same time, and every wave and every short
+request goes to both, in alternating order, so that a shared machine's drift hits both alike:
+a before/after comparison in one run. The load average goes into the JSON: on a shared machine
+it says how far to trust a run. Prints a table and writes JSON (--out, default
 benchmarks/results/render_http.json).
 """
 
@@ -27,6 +30,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import importlib.util
 import json
 import os
 import statistics
@@ -84,14 +89,14 @@ async def one_chat(client, messages: list[dict], max_tokens: int) -> dict:
             "cached_tokens": cached}
 
 
-def summary(name: str, level: int, results: list[dict]) -> dict:
+def summary(server: str, name: str, level: int, results: list[dict]) -> dict:
     ttfts = sorted(1e3 * r["ttft_s"] for r in results if r["ttft_s"] is not None)
     renders = sorted(1e3 * r["render_s"] for r in results if r["render_s"] is not None)
 
     def p(values, q):
         return values[min(len(values) - 1, int(q * len(values)))] if values else None
 
-    return {"workload": name, "concurrency": level, "requests": len(results),
+    return {"server": server, "workload": name, "concurrency": level, "requests": len(results),
             "no_content": sum(r["ttft_s"] is None for r in results),
             "ttft_ms_p50": statistics.median(ttfts) if ttfts else None, "ttft_ms_p90": p(ttfts, 0.9),
             "ttft_ms_mean": statistics.fmean(ttfts) if ttfts else None,
@@ -105,24 +110,47 @@ def waves(args, level: int) -> int:
     return max(args.rounds, -(-MIN_REQUESTS // level))
 
 
-async def measure(args, port: int, conversations: list[list[dict]]) -> list[dict]:
+async def measure(args, ports: dict[str, int], conversations: list[list[dict]]) -> list[dict]:
+    """Warm each server up, then per level its waves and then the short chats, every wave (the
+    same requests) and short chat sent to each server in turn, the order alternating."""
     import httpx
 
-    rows = []
     limits = httpx.Limits(max_connections=2 * max(args.levels) + 4)
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=600, limits=limits) as client:
-        for messages in conversations[:2] + [SHORT_CHAT]:  # one per system, and the short chat
-            await one_chat(client, messages, args.max_tokens)
+    clients = {name: httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=600, limits=limits)
+               for name, port in ports.items()}
+
+    def in_turn(index: int) -> list[str]:
+        return list(clients) if index % 2 == 0 else list(clients)[::-1]
+
+    results: dict[tuple[str, str, int], list[dict]] = {}
+    try:
+        for client in clients.values():
+            for messages in conversations[:2] + [SHORT_CHAT]:  # one per system, and the short chat
+                await one_chat(client, messages, args.max_tokens)
         queue = list(conversations[2:])
         for level in args.levels:
-            results = []
-            for _ in range(waves(args, level)):
+            for index in range(waves(args, level)):
                 wave = [queue.pop() for _ in range(level)]
-                results += await asyncio.gather(*(one_chat(client, m, args.max_tokens) for m in wave))
-            rows.append(summary("long", level, results))
-        short = [await one_chat(client, SHORT_CHAT, args.max_tokens) for _ in range(args.short)]
-        rows.append(summary("short", 1, short))
-    return rows
+                for name in in_turn(index):
+                    results.setdefault((name, "long", level), []).extend(await asyncio.gather(
+                        *(one_chat(clients[name], m, args.max_tokens) for m in wave)))
+        for index in range(args.short):
+            for name in in_turn(index):
+                results.setdefault((name, "short", 1), []).append(
+                    await one_chat(clients[name], SHORT_CHAT, args.max_tokens))
+    finally:
+        for client in clients.values():
+            await client.aclose()
+    return [summary(*key, rows) for key, rows in results.items()]
+
+
+def lean_cluster_of(tree: Path):
+    """The lean_cluster module of the checkout `tree` (its serve_main_server runs that code)."""
+    spec = importlib.util.spec_from_file_location(f"lean_cluster_{len(str(tree))}_{tree.name}",
+                                                  tree / "benchmarks" / "lean_cluster.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def main() -> None:
@@ -134,6 +162,8 @@ def main() -> None:
     parser.add_argument("--user-tokens", default="10-40", help="user message tokens, low-high")
     parser.add_argument("--max-tokens", type=int, default=4)
     parser.add_argument("--short", type=int, default=30, help="short chats, one at a time")
+    parser.add_argument("--against", default=None,
+                        help="another checkout: a second server runs its code, interleaved with this one's")
     add_out_argument(parser, "render_http")
     args = parser.parse_args()
 
@@ -147,28 +177,37 @@ def main() -> None:
                                          user_tokens=(low, high)),
                                    TokenizerCounter(str(DEFAULT_MODEL_DIR)))
     conversations = [[dict(m) for m in c.turns[0].new_messages] for c in workload.conversations]
-    port = free_port()
+    trees = {"this": ROOT, **({"against": Path(args.against).resolve()} if args.against else {})}
+    ports = {name: free_port() for name in trees}
+    logs = {name: Path(tempfile.mkdtemp(prefix=f"render-http-{name}-")) / "serve.log" for name in trees}
     load_start = os.getloadavg()
-    log = Path(tempfile.mkdtemp(prefix="render-http-")) / "serve.log"
-    with serve_main_server(server_config(args, port), log):
-        rows = asyncio.run(measure(args, port, conversations))
+    with contextlib.ExitStack() as servers:
+        servers.enter_context(serve_main_server(server_config(args, ports["this"]), logs["this"]))
+        if args.against:
+            # its own fallback proxy ports, whatever that checkout's serve_main sets
+            fallback = {"RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(free_port()),
+                        "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT": str(free_port())}
+            servers.enter_context(lean_cluster_of(trees["against"]).serve_main_server(
+                server_config(args, ports["against"]), logs["against"], fallback))
+        rows = asyncio.run(measure(args, ports, conversations))
     load_end = os.getloadavg()
 
     def cell(value, digits=1):
         return "-" if value is None else f"{value:.{digits}f}"
 
-    print(f"code {ROOT}; load average {load_start[0]:.1f} at the start, {load_end[0]:.1f} at the end "
-          f"({os.cpu_count()} cores)")
+    print(", ".join(f"{name}: {tree}" for name, tree in trees.items()) + f"; load average {load_start[0]:.1f} "
+          f"at the start, {load_end[0]:.1f} at the end ({os.cpu_count()} cores)")
     print(markdown_table(
-        ["workload", "concurrency", "requests", "prompt tokens", "cached", "TTFT p50 ms", "p90", "mean",
+        ["server", "workload", "concurrency", "requests", "prompt tokens", "cached", "TTFT p50 ms", "p90", "mean",
          "render p50 ms", "p90", "mean"],
-        [[r["workload"], str(r["concurrency"]), str(r["requests"]), f"{r['prompt_tokens_p50']:.0f}",
+        [[r["server"], r["workload"], str(r["concurrency"]), str(r["requests"]), f"{r['prompt_tokens_p50']:.0f}",
           f"{r['cached_tokens_p50']:.0f}", cell(r["ttft_ms_p50"]), cell(r["ttft_ms_p90"]), cell(r["ttft_ms_mean"]),
           cell(r["render_ms_p50"], 2), cell(r["render_ms_p90"], 2), cell(r["render_ms_mean"], 2)] for r in rows]))
-    write_result(args.out, "render_http", {"code": str(ROOT), "args": vars(args), "rows": rows,
-                                           "load_average_1min": {"start": load_start[0], "end": load_end[0]},
-                                           "serve_log_lines": [line for line in log.read_text().splitlines()
-                                                               if "serving path" in line]})
+    write_result(args.out, "render_http", {
+        "code": {name: str(tree) for name, tree in trees.items()}, "args": vars(args), "rows": rows,
+        "load_average_1min": {"start": load_start[0], "end": load_end[0]},
+        "serve_log_lines": {name: [line for line in log.read_text().splitlines() if "serving path" in line]
+                            for name, log in logs.items()}})
     print(f"wrote {args.out}")
 
 
