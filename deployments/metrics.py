@@ -127,6 +127,10 @@ PROMPT_TOKENS_RESTORED = MetricSpec(
 PROMPT_TOKENS_COMPUTED = MetricSpec(
     "hybrid_serve_prompt_tokens_computed", "counter",
     "Prompt tokens left to prefill after restoring (at first admission).")
+CAPTURE_WAITS = MetricSpec(
+    "hybrid_serve_capture_waits", "counter",
+    "Requests that waited for a running request's capture of a prefix they share instead of "
+    "computing it again (engine/checkpoints/in_flight.py).")
 PREEMPTIONS = MetricSpec(
     "hybrid_serve_preemptions", "counter",
     "Requests preempted (blocks and state slot freed, requeued to be recomputed).")
@@ -261,7 +265,8 @@ FETCH_FAILURES = MetricSpec(
 
 METRICS = (REQUESTS, OUTPUT_TOKENS, TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY, REQUEST_LATENCY,
            BOUNDARY_REJECTIONS, BREAKPOINT_REJECTIONS, CHECKPOINT_EVENTS_TOTAL, PROMPT_TOKENS_RESTORED,
-           PROMPT_TOKENS_COMPUTED, PREEMPTIONS, FAILED_STEPS, REQUESTS_FAILED, ENGINE_REQUESTS,
+           PROMPT_TOKENS_COMPUTED, CAPTURE_WAITS, PREEMPTIONS, FAILED_STEPS, REQUESTS_FAILED,
+           ENGINE_REQUESTS,
            KV_BLOCKS, STATE_SLOTS, CHECKPOINTS, CHECKPOINT_BYTES,
            SPECULATIVE_VERIFICATION_CHUNKS, SPECULATIVE_DRAFTS_PROPOSED,
            SPECULATIVE_DRAFTS_ACCEPTED, SPECULATIVE_DRAFTS_REJECTED, SPECULATIVE_DRAFTS_TRIMMED,
@@ -340,7 +345,8 @@ class EngineMetricsExporter:
         self._engine = engine
         self._exported: dict[tuple, int] = {}  # (metric name, tag values) -> value exported
         self._counters = {spec.name: create(spec) for spec in (
-            CHECKPOINT_EVENTS_TOTAL, PROMPT_TOKENS_RESTORED, PROMPT_TOKENS_COMPUTED, PREEMPTIONS,
+            CHECKPOINT_EVENTS_TOTAL, PROMPT_TOKENS_RESTORED, PROMPT_TOKENS_COMPUTED, CAPTURE_WAITS,
+            PREEMPTIONS,
             FAILED_STEPS, REQUESTS_FAILED, TRANSFERS, TRANSFER_BYTES, IMPORT_REJECTIONS,
             SPECULATIVE_VERIFICATION_CHUNKS, SPECULATIVE_DRAFTS_PROPOSED,
             SPECULATIVE_DRAFTS_ACCEPTED, SPECULATIVE_DRAFTS_REJECTED, SPECULATIVE_DRAFTS_TRIMMED,
@@ -378,6 +384,7 @@ class EngineMetricsExporter:
                             {"kind": kind, "event": event})
         self._count(PROMPT_TOKENS_RESTORED, stats.scheduler.prompt_tokens_restored)
         self._count(PROMPT_TOKENS_COMPUTED, stats.scheduler.prompt_tokens_computed)
+        self._count(CAPTURE_WAITS, stats.scheduler.capture_waits)
         self._count(PREEMPTIONS, stats.scheduler.preemptions)
         self._count(FAILED_STEPS, stats.scheduler.failed_steps)
         self._count(REQUESTS_FAILED, stats.scheduler.requests_failed)

@@ -133,6 +133,7 @@ class LLMEngine:
             max_model_len=capacity.max_model_len,
             checkpoints=checkpoints,
             speculation=_speculation(config, self.speculation_choice),
+            capture_wait_s=config.capture_wait_s,
         )
         self.transfers = CheckpointExchange(
             cache, self.executor, _import_expectations(config, model_config, capacity),
