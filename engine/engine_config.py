@@ -78,7 +78,7 @@ class EngineConfig:
                                                 "recomputing it (docs/checkpoints.md, Memory); "
                                                 "0 turns this tier off. One rank only for now. "
                                                 "Unset: from memory_utilization, else off.")
-    checkpoint_eviction: str = _option("lru", "Which checkpoint goes first when a budget is "
+    checkpoint_eviction: str = _option("value", "Which checkpoint goes first when a budget is "
                                        "full: value (least prefill compute saved per byte "
                                        "held, halved every checkpoint_value_half_life uses of "
                                        "the tier since it was last used) or lru (least "
