@@ -97,8 +97,9 @@ class Scheduler:
         self.speculation = speculation if speculation is not None else SpeculativeDecoding()
         self.sources: list[CheckpointSource] = list(sources)
         self.fetching: dict[str, PendingFetch] = {}  # request id -> the fetch it waits for
-        self.in_flight = (InFlightCaptures(self.checkpoints, lambda: self.running, max_wait_s=capture_wait_s)
-                          if capture_wait_s > 0 else None)
+        self.captures_in_flight = (
+            InFlightCaptures(self.checkpoints, lambda: self.running, max_wait_s=capture_wait_s)
+            if capture_wait_s > 0 else None)
 
     def add_source(self, source: CheckpointSource) -> None:
         """Ask `source` too, after the others, from the next admission on."""
@@ -405,18 +406,19 @@ class Scheduler:
 
     def _fetch_elsewhere(self, request: Request) -> bool:
         """Before `request`'s admission, look for a longer prefix than this engine holds: a
-        capture in flight here (in_flight: a pending one at every admission; at the first, also
-        one a running request is about to reserve), and, at the first admission only, the
-        checkpoint sources, asked for more than that. When a source starts fetching one, or
+        capture in flight here (captures_in_flight: a pending one at every admission; at the
+        first, also one a running request is about to reserve), and, at the first admission
+        only, the checkpoint sources, asked for more than that. When a source starts fetching one, or
         else when such a capture is in flight, move the request from the head of the queue to
         `fetching` and return True."""
         first = not request.asked_sources
-        if not (self.checkpoints.kinds and (self.in_flight or (first and self.sources))):
+        if not (self.checkpoints.kinds and (self.captures_in_flight or (first and self.sources))):
             return False
         request.asked_sources = True
         have = self.checkpoints.longest(request)
         tokens = request.all_token_ids
-        wait = self.in_flight.lookup(request.namespace, tokens, have, ahead=first) if self.in_flight else None
+        in_flight = self.captures_in_flight
+        wait = in_flight.lookup(request.namespace, tokens, have, ahead=first) if in_flight else None
         soon = have if wait is None else wait.num_tokens
         sources = self.sources if first else ()
         fetch = next((f for f in (s.lookup(request.namespace, tokens, soon) for s in sources)
