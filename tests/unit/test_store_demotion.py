@@ -139,3 +139,43 @@ def _connect(index):
     async def connect():
         return index
     return connect
+
+
+def test_the_replica_wires_the_host_tier_to_the_store_only_when_it_has_one(monkeypatch):
+    """deployments/llm_server.py checkpoint_tier: with a host tier its on_evict becomes the
+    StoreDemotion's demote, bounded by the host budget; without one there is no demotion.
+    (Serve's replica context, the index and Ray's metrics are stand-ins: nothing starts Ray.)"""
+    from types import SimpleNamespace
+
+    import deployments.llm_server as llm_server
+    from deployments.config import AppConfig
+
+    class Mirror:
+        def __init__(self, source):
+            self.started = False
+
+        def start(self):
+            self.started = True
+
+        def stop(self):
+            pass
+
+    context = SimpleNamespace(app_name="app", replica_id=SimpleNamespace(unique_id="replica-7"))
+    monkeypatch.setattr(llm_server.serve, "get_replica_context", lambda: context)
+    monkeypatch.setattr(llm_server, "IndexMirror", Mirror)
+    monkeypatch.setattr(llm_server, "TierMetrics", lambda: None)
+    config = AppConfig(checkpoint_transfer=True)
+
+    async def wire(host_tier):
+        engine = SimpleNamespace(engine=SimpleNamespace(host_tier=host_tier))
+        tier, demotion = llm_server.checkpoint_tier(engine, config)
+        tier.close()
+        if demotion is not None:
+            demotion.close()
+        return tier, demotion
+
+    host = SimpleNamespace(budget_bytes=12345, on_evict=None)
+    tier, demotion = asyncio.run(wire(host))
+    assert host.on_evict == demotion.demote and demotion.max_pending_bytes == 12345
+    assert demotion.replica_id == tier.replica_id == "replica-7"
+    assert asyncio.run(wire(None))[1] is None
