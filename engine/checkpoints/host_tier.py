@@ -11,8 +11,8 @@ request needs one (docs/design.md section 5, Tiers).
         scheduler while the others step; the engine imports the copy as any fetched checkpoint
         (LLMEngine._import_fetched) and the request restores it
     the host budget is full --HostTier evicts in its own order--> on_evict(EvictedCheckpoint):
-        the next tier (the object store, when it is on: deployments/cluster/tier.py
-        CheckpointTier.demote, which hands it to the replica's event loop), or gone
+        the next tier (the object store, when it is on: deployments/cluster/store_demotion.py
+        StoreDemotion.demote, which hands it to the replica's event loop), or gone
 
 The tier is inclusive: a promoted checkpoint stays here, so evicting it from the device again
 costs no copy. Its budget, order (LRU or value per byte, cache/eviction.py, over the bytes it
