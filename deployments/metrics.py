@@ -13,15 +13,17 @@ Each replica's series are its own, so `sum(...)` in PromQL adds up replicas and 
                          loop, the engine's cumulative counters (EngineStats) become Counter
                          increments (the delta since the last export) and its pools and queues
                          gauges; nothing on a request's path, nothing on the step thread. With
-                         speculative decoding on, its counters too, per drafter
+                         a host tier, its counters and size; with speculative decoding on,
+                         its counters too, per drafter
     checkpoint router    RoutingMetrics (in each process that routes to the LLM server, the
                          ingress): requests sent to a checkpoint's holder, fallbacks by reason
     checkpoint index     IndexMetrics (the application's index actor, not a Serve replica: it
                          sets the `application` tag itself): records and bytes it describes,
                          the object-store tier's copies and bytes
     object-store tier    TierMetrics (each LLM server replica with checkpoint_transfer): the
-                         time of exports, fetches and imports, fetch-vs-recompute decisions,
-                         failed fetches; exports, imports, their bytes and import rejections
+                         time of exports, fetches, imports and demotions from the host tier,
+                         fetch-vs-recompute decisions, failed fetches, demotions by outcome;
+                         exports, imports, their bytes and import rejections
                          come from the engine's counters through EngineMetricsExporter
 
 METRICS lists every metric; `exported_names()` the names Prometheus sees (dashboards/ uses
@@ -156,6 +158,28 @@ CHECKPOINT_BYTES = MetricSpec(
     "hybrid_serve_checkpoint_bytes", "gauge",
     "Bytes held by checkpoints outside the shared KV blocks.")
 
+# ----- the host tier (engine/checkpoints/host_tier.py HostTierCounters), exported by each LLM
+# server replica with its engine's counters; no series while it is off (host_checkpoint_bytes 0)
+HOST_TIER_EVENT_NAMES = ("demoted", "already_held", "refused", "promoted", "promotion_failed",
+                         "evicted", "passed_on")
+HOST_TIER_EVENTS = MetricSpec(
+    "hybrid_serve_host_tier_events", "counter",
+    "Host tier events by event: demoted (copied in from the device), already_held (evicted from "
+    "the device while held: no copy), refused (not worth what it would evict, or over the "
+    "budget), promoted (imported back to the device), promotion_failed (no room on the "
+    "device), evicted (out of the host budget), passed_on (of those, handed to the "
+    "object-store tier).", ("event",))
+HOST_TIER_EVENT_BYTES = MetricSpec(
+    "hybrid_serve_host_tier_event_bytes", "counter",
+    "Shard bytes demoted into or promoted out of the host tier, by event (demoted, promoted).",
+    ("event",))
+HOST_TIER_CHECKPOINTS = MetricSpec(
+    "hybrid_serve_host_tier_checkpoints", "gauge", "Checkpoints the host tier holds.")
+HOST_TIER_BYTES = MetricSpec(
+    "hybrid_serve_host_tier_bytes", "gauge",
+    "Bytes the host tier holds (every shard's state, K/V of all its tokens and hidden row), "
+    "within host_checkpoint_bytes.")
+
 # ----- speculative decoding, per drafter (engine/speculative/scheduling.py SpeculationStats);
 # exported by each LLM server replica with its engine's counters, no series while it is off
 SPECULATIVE_VERIFICATION_CHUNKS = MetricSpec(
@@ -251,7 +275,8 @@ IMPORT_REJECTIONS = MetricSpec(
 TRANSFER_SECONDS = MetricSpec(
     "hybrid_serve_checkpoint_transfer_seconds", "histogram",
     "Time of one tier operation: export (engine export and the index's puts), fetch (getting a "
-    "stored copy's objects), import (the engine's checks and restore).", ("operation",),
+    "stored copy's objects), import (the engine's checks and restore), demote (a checkpoint "
+    "the host tier evicted: its checksums and the index's puts).", ("operation",),
     boundaries=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0))
 FETCH_DECISIONS = MetricSpec(
     "hybrid_serve_checkpoint_fetch_decisions", "counter",
@@ -262,19 +287,25 @@ FETCH_FAILURES = MetricSpec(
     "hybrid_serve_checkpoint_fetch_failures", "counter",
     "Fetches of stored copies that did not end in an import, by reason: timeout, lost, "
     "malformed, rejected (the engine refused it), error.", ("reason",))
+DEMOTIONS = MetricSpec(
+    "hybrid_serve_checkpoint_demotions", "counter",
+    "Checkpoints the host tier evicted and passed on to the object-store tier, by outcome: "
+    "stored, already_stored (a copy was there), refused (by the index: a copy exists, over "
+    "checkpoint_store_bytes), dropped (too many bytes waiting to be stored), failed.",
+    ("outcome",))
 
 METRICS = (REQUESTS, OUTPUT_TOKENS, TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY, REQUEST_LATENCY,
            BOUNDARY_REJECTIONS, BREAKPOINT_REJECTIONS, CHECKPOINT_EVENTS_TOTAL, PROMPT_TOKENS_RESTORED,
            PROMPT_TOKENS_COMPUTED, CAPTURE_WAITS, PREEMPTIONS, FAILED_STEPS, REQUESTS_FAILED,
-           ENGINE_REQUESTS,
-           KV_BLOCKS, STATE_SLOTS, CHECKPOINTS, CHECKPOINT_BYTES,
+           ENGINE_REQUESTS, KV_BLOCKS, STATE_SLOTS, CHECKPOINTS, CHECKPOINT_BYTES, HOST_TIER_EVENTS,
+           HOST_TIER_EVENT_BYTES, HOST_TIER_CHECKPOINTS, HOST_TIER_BYTES,
            SPECULATIVE_VERIFICATION_CHUNKS, SPECULATIVE_DRAFTS_PROPOSED,
            SPECULATIVE_DRAFTS_ACCEPTED, SPECULATIVE_DRAFTS_REJECTED, SPECULATIVE_DRAFTS_TRIMMED,
            SPECULATIVE_STEPS_OVER_BATCH_CAP, SPECULATIVE_ACCEPTANCE_LENGTHS,
            SPECULATIVE_DEPTH_PROPOSED, SPECULATIVE_DEPTH_ACCEPTED, ROUTED_TO_HOLDER,
            ROUTING_FALLBACKS, INDEX_RECORDS, INDEX_BYTES, INDEX_STORED_COPIES, INDEX_STORED_BYTES,
            TRANSFERS, TRANSFER_BYTES, IMPORT_REJECTIONS, TRANSFER_SECONDS, FETCH_DECISIONS,
-           FETCH_FAILURES)
+           FETCH_FAILURES, DEMOTIONS)
 ROUTING_FALLBACK_REASONS = ("recent_placement", "no_holder", "overloaded", "no_tokens",
                             "index_unavailable")
 
@@ -348,12 +379,13 @@ class EngineMetricsExporter:
             CHECKPOINT_EVENTS_TOTAL, PROMPT_TOKENS_RESTORED, PROMPT_TOKENS_COMPUTED, CAPTURE_WAITS,
             PREEMPTIONS,
             FAILED_STEPS, REQUESTS_FAILED, TRANSFERS, TRANSFER_BYTES, IMPORT_REJECTIONS,
-            SPECULATIVE_VERIFICATION_CHUNKS, SPECULATIVE_DRAFTS_PROPOSED,
-            SPECULATIVE_DRAFTS_ACCEPTED, SPECULATIVE_DRAFTS_REJECTED, SPECULATIVE_DRAFTS_TRIMMED,
+            HOST_TIER_EVENTS, HOST_TIER_EVENT_BYTES, SPECULATIVE_VERIFICATION_CHUNKS,
+            SPECULATIVE_DRAFTS_PROPOSED, SPECULATIVE_DRAFTS_ACCEPTED, SPECULATIVE_DRAFTS_REJECTED, SPECULATIVE_DRAFTS_TRIMMED,
             SPECULATIVE_STEPS_OVER_BATCH_CAP, SPECULATIVE_ACCEPTANCE_LENGTHS,
             SPECULATIVE_DEPTH_PROPOSED, SPECULATIVE_DEPTH_ACCEPTED)}
         self._gauges = {spec.name: create(spec) for spec in (
-            ENGINE_REQUESTS, KV_BLOCKS, STATE_SLOTS, CHECKPOINTS, CHECKPOINT_BYTES)}
+            ENGINE_REQUESTS, KV_BLOCKS, STATE_SLOTS, CHECKPOINTS, CHECKPOINT_BYTES,
+            HOST_TIER_CHECKPOINTS, HOST_TIER_BYTES)}
 
     async def run(self, period_s: float = EXPORT_PERIOD_S) -> None:
         """Export every `period_s` until cancelled; a failed export logs once per run of
@@ -405,7 +437,20 @@ class EngineMetricsExporter:
             self._count(IMPORT_REJECTIONS, count, {"reason": reason})
         self._gauges[CHECKPOINTS.name].set(stats.num_checkpoints)
         self._gauges[CHECKPOINT_BYTES.name].set(stats.checkpoint_bytes)
+        self._export_host_tier(stats)
         self._count_speculation(stats.speculation)
+
+    def _export_host_tier(self, stats) -> None:
+        """The host tier's counters and size; nothing while there is none (no series)."""
+        host = stats.host_tier
+        if host is None:
+            return
+        for event in HOST_TIER_EVENT_NAMES:
+            self._count(HOST_TIER_EVENTS, getattr(host, event), {"event": event})
+        self._count(HOST_TIER_EVENT_BYTES, host.demoted_bytes, {"event": "demoted"})
+        self._count(HOST_TIER_EVENT_BYTES, host.promoted_bytes, {"event": "promoted"})
+        self._gauges[HOST_TIER_CHECKPOINTS.name].set(stats.host_tier_checkpoints)
+        self._gauges[HOST_TIER_BYTES.name].set(stats.host_tier_bytes)
 
     def _count_speculation(self, speculation: SpeculationStats) -> None:
         """Speculative decoding's counters, tagged with the drafter. Off (no drafter), they
@@ -483,6 +528,7 @@ class TierMetrics:
         self._seconds = TRANSFER_SECONDS.create()
         self._decisions = FETCH_DECISIONS.create()
         self._failures = FETCH_FAILURES.create()
+        self._demotions = DEMOTIONS.create()
 
     def observe(self, operation: str, seconds: float) -> None:
         self._seconds.observe(seconds, tags={"operation": operation})
@@ -492,3 +538,7 @@ class TierMetrics:
 
     def failed(self, reason: str) -> None:
         self._failures.inc(tags={"reason": reason})
+
+    def demoted(self, outcome: str) -> None:
+        """A checkpoint the host tier passed on (deployments/cluster/store_demotion.py)."""
+        self._demotions.inc(tags={"outcome": outcome})

@@ -76,6 +76,8 @@ class EngineConfig:
                                                 "device's budgets: a request that needs one "
                                                 "waits while it is copied back, instead of "
                                                 "recomputing it (docs/checkpoints.md, Memory); "
+                                                "what it evicts goes to the object-store tier "
+                                                "when checkpoint_transfer is on. "
                                                 "0 turns this tier off. One rank only for now. "
                                                 "Unset: from memory_utilization, else off.")
     checkpoint_eviction: str = _option("value", "Which checkpoint goes first when a budget is "
