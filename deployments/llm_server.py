@@ -50,7 +50,8 @@ from deployments.cluster.tier import CheckpointTier, TierCounters, TierSettings
 from deployments.config import AppConfig
 from deployments.frontend import ModelInfo
 from deployments.http.errors import as_api_error
-from deployments.metrics import EngineMetricsExporter, TierMetrics
+from deployments.engine_metrics import EngineMetricsExporter
+from deployments.metrics import TierMetrics
 from deployments.worker_group import RayWorkerExecutor, WorkerGroup
 from engine.core.async_engine import AsyncLLMEngine
 from engine.core.llm_engine import EngineStats, LLMEngine, PoolUsage, RequestOutput

@@ -14,8 +14,11 @@ import pickle
 import pytest
 from transformers import AutoTokenizer
 
-from deployments.metrics import (HOST_TIER_BYTES, HOST_TIER_CHECKPOINTS, HOST_TIER_EVENT_BYTES, HOST_TIER_EVENT_NAMES,
-                                 HOST_TIER_EVENTS, EngineMetricsExporter)
+from deployments.engine_metrics import EngineMetricsExporter
+from deployments.metrics import (
+    HOST_TIER_BYTES, HOST_TIER_CHECKPOINTS, HOST_TIER_EVENT_BYTES, HOST_TIER_EVENT_NAMES,
+    HOST_TIER_EVENTS,
+)
 from deployments.prompts.instruction_boundary import find_instruction_boundary
 from engine.checkpoints.host_tier import with_checksums
 from engine.checkpoints.import_checks import expected_shard_layout

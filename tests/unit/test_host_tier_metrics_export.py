@@ -12,8 +12,11 @@ from dataclasses import replace
 from types import SimpleNamespace
 
 from cache.cache_manager import PoolUsage
-from deployments.metrics import (HOST_TIER_BYTES, HOST_TIER_CHECKPOINTS, HOST_TIER_EVENT_BYTES,
-                                 HOST_TIER_EVENT_NAMES, HOST_TIER_EVENTS, EngineMetricsExporter)
+from deployments.engine_metrics import EngineMetricsExporter
+from deployments.metrics import (
+    HOST_TIER_BYTES, HOST_TIER_CHECKPOINTS, HOST_TIER_EVENT_BYTES, HOST_TIER_EVENT_NAMES,
+    HOST_TIER_EVENTS,
+)
 from engine.checkpoints.host_tier import HostTierCounters
 from engine.core.llm_engine import EngineStats
 from engine.core.scheduler import SchedulerStats
