@@ -316,15 +316,19 @@ def benchy_ttfts(raw: dict) -> dict:
 
 async def stream_until_done(client, url: str, body: dict, first_text: asyncio.Event | None = None) -> dict:
     """One streamed chat request to its end (hybrid_serve_bench/client.py's rules: TTFT at the
-    first non-empty content, usage from the last event); sets first_text at the first content."""
+    first non-empty content, usage from the last event, render_s from the Server-Timing
+    header); sets first_text at the first content."""
+    from hybrid_serve_bench.client import server_render_s
+
     start = time.perf_counter()
-    out = {"ttft_s": None, "usage": None, "finish_reason": None, "error": None}
+    out = {"ttft_s": None, "render_s": None, "usage": None, "finish_reason": None, "error": None}
     parts = []
     try:
         async with client.stream("POST", url, json=body) as response:
             if response.status_code != 200:
                 out["error"] = f"HTTP {response.status_code}: {(await response.aread())[:300]!r}"
                 return {**out, "e2e_s": time.perf_counter() - start, "reply": ""}
+            out["render_s"] = server_render_s(response.headers.get("server-timing"))
             async for line in response.aiter_lines():
                 if not line.startswith("data:") or line[5:].strip() in ("", "[DONE]"):
                     continue
@@ -389,6 +393,7 @@ async def concurrency_test(args, model: str, tokenizer_dir: str, text: str, quic
     def view(r: dict) -> dict:
         usage = r["usage"] or {}
         return {"error": r["error"], "ttft_ms": None if r["ttft_s"] is None else 1000 * r["ttft_s"],
+                "render_ms": None if r["render_s"] is None else 1000 * r["render_s"],
                 "e2e_ms": 1000 * r["e2e_s"], "prompt_tokens": usage.get("prompt_tokens"),
                 "completion_tokens": usage.get("completion_tokens"),
                 "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
@@ -508,7 +513,8 @@ def compare(args, model: str, model_dir: str, inproc_targets, quick: bool, limit
     result = json.loads(Path(paths["json"]).read_text())
     shutil.rmtree(run.out_dir, ignore_errors=True)  # the plots stay behind: 8 files come back
     table = {f"{r['target']} | {r['workload']}": {k: r[k] for k in (
-        "requests", "errors", "ttft_p50_ms", "ttft_p95_ms", "token_hit_rate", "output_tok_s")} for r in rows}
+        "requests", "errors", "ttft_p50_ms", "ttft_p95_ms", "render_p50_ms", "token_hit_rate",
+        "output_tok_s")} for r in rows}
     return {"note": "hybrid-serve-bench compare-servers against the two applications of the running "
                     "Serve (the two checkpoint_slots settings compare-policies compares), plus the "
                     "same two settings in process (benchmarks/gpu_serve.py compare)",
@@ -669,7 +675,8 @@ def report(results: Path) -> str:
                       f"second sent at {conc['second_sent_at_s']:.2f} s, done at {conc['second_done_at_s']:.2f} s, "
                       f"long done at {conc['long_done_at_s']:.2f} s; second cached_tokens "
                       f"{conc['second']['cached_tokens']} of {conc['second']['prompt_tokens']} prompt tokens, "
-                      f"system {conc['system_tokens']} tokens; TTFT restored {conc['second']['ttft_ms']:.1f} ms, "
+                      f"system {conc['system_tokens']} tokens; TTFT restored {conc['second']['ttft_ms']:.1f} ms "
+                      f"(render {conc['second'].get('render_ms') or float('nan'):.2f} ms), "
                       f"cold {conc['second_cold']['ttft_ms']:.1f} ms; restored text == cold text: "
                       f"{conc['second_text_equals_cold']})"]
         lines += [f"  {k}: {v}" for k, v in conc["checks"].items()]
@@ -690,10 +697,13 @@ def report(results: Path) -> str:
         lines += ["", f"throughput: {thr.get('error')}"]
     comp = load("compare")
     if comp and "table" in comp:
-        lines += ["", "shared-instructions, concurrency 1 (hybrid-serve-bench; TTFT p50 / p95 ms, token hit rate)"]
+        lines += ["", "shared-instructions, concurrency 1 (hybrid-serve-bench; TTFT p50 / p95 ms, render p50 ms "
+                      "(HTTP: the replica's Server-Timing, inside TTFT; in process: before the engine "
+                      "submission, outside TTFT), token hit rate)"]
         for name, row in comp["table"].items():
-            hit = row["token_hit_rate"]
+            hit, render = row["token_hit_rate"], row.get("render_p50_ms")
             lines.append(f"  {name:<62} {row['ttft_p50_ms'] or float('nan'):>8.1f} {row['ttft_p95_ms'] or float('nan'):>8.1f}"
+                         f"  render {'-' if render is None else f'{render:.2f}'}"
                          f"  hit {'-' if hit is None else f'{hit:.0%}'}  errors {row['errors']}/{row['requests']}")
         for length in sorted({n.split('@')[-1] for n in comp["table"]}):
             def p50(label):

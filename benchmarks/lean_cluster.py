@@ -45,7 +45,7 @@ def lean_env() -> dict[str, str]:
 
     state_dir = tempfile.mkdtemp(prefix="hs-hap-")
     atexit.register(shutil.rmtree, state_dir, True)
-    return lean_environment(Path(state_dir), free_port(), free_port())
+    return lean_environment(Path(state_dir), *(free_port() for _ in range(4)))
 
 
 @contextmanager

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -55,7 +56,7 @@ from deployments.http.protocol import (
     now,
 )
 from deployments.http.request_log import RequestRecord, log_request
-from deployments.http.streaming import first_output_ready, json_response, sse_response
+from deployments.http.streaming import first_output_ready, json_response, server_timing, sse_response
 from deployments.metrics import METRICS_CONTENT_TYPE, METRICS_ELSEWHERE, RequestMetrics
 from deployments.prompts.rendering import PromptRenderer, RenderedPrompt
 from engine.core.llm_engine import RequestOutput
@@ -85,27 +86,34 @@ class PromptSource(Protocol):
 
 
 class LocalPrompts:
-    """A PromptSource in this process: the replica's own PromptRenderer. A short prompt is
-    rendered on the event loop (a fraction of a millisecond, less than the hop to a thread); a
-    long one in a thread of the default executor, so that its milliseconds of tokenizing do
-    not hold up the event loop's other streams (benchmarks/render_time.py: 8,000 instruction
-    tokens take 5-10 ms)."""
+    """A PromptSource in this process: the replica's own PromptRenderer. A chat's templates
+    render on the event loop (PromptRenderer.prepare_chat: a fraction of a millisecond even at
+    8,000 instruction tokens); its tokenization (finish_chat) runs inline when at most
+    INLINE_CHARS characters are left to tokenize (the usual case once the instructions are
+    remembered: a thread's hop would cost more), else on one of the `threads` render threads of
+    its own, so that milliseconds of tokenizing do not hold up the loop's streams. Tokenizing
+    through transformers releases the GIL while the Rust tokenizer encodes (its encode_batch;
+    benchmarks/render_time.py checks it), so the render threads tokenize beside the loop and
+    the step thread. Completion prompts likewise,
+    by their length."""
 
-    INLINE_CHARS = 4096  # prompt text up to this many characters is rendered inline
+    INLINE_CHARS = 4096  # at most this many characters to tokenize: inline
+    RENDER_THREADS = 2
 
-    def __init__(self, renderer: PromptRenderer) -> None:
+    def __init__(self, renderer: PromptRenderer, threads: int = RENDER_THREADS) -> None:
         self._renderer = renderer
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="hybrid-serve-render")
 
     async def render_chat(self, messages: list[ChatMessage]) -> RenderedPrompt:
-        conversation = [m.model_dump(exclude_none=True) for m in messages]
-        if len(str(conversation)) <= self.INLINE_CHARS:
-            return self._renderer.render_chat(conversation)
-        return await asyncio.to_thread(self._renderer.render_chat, conversation)
+        draft = self._renderer.prepare_chat([m.model_dump(exclude_none=True) for m in messages])
+        if draft.pending_chars <= self.INLINE_CHARS:
+            return self._renderer.finish_chat(draft)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._renderer.finish_chat, draft)
 
     async def tokenize_prompt(self, prompt: str | list[int]) -> RenderedPrompt:
         if not isinstance(prompt, str) or len(prompt) <= self.INLINE_CHARS:
             return self._renderer.tokenize_prompt(prompt)
-        return await asyncio.to_thread(self._renderer.tokenize_prompt, prompt)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._renderer.tokenize_prompt, prompt)
 
 
 class RendererPrompts:
@@ -195,12 +203,13 @@ class OpenAIFrontend:
         body with its status."""
         try:
             meta, outputs = await start(body, tenant)
+            headers = server_timing(meta.render_s)
             if not body.stream:
-                return json_response(full_response(meta, await collect(outputs)))
+                return json_response(full_response(meta, await collect(outputs)), headers)
             outputs = await first_output_ready(outputs)
         except Exception as exc:
             return error_json(as_api_error(exc))
-        return sse_response(chunks(meta, outputs, body.include_usage))
+        return sse_response(chunks(meta, outputs, body.include_usage), headers)
 
     # ----- one request
 
@@ -209,11 +218,12 @@ class OpenAIFrontend:
         try:
             self._check_request(request)
             check_cache_markers(request, self._limits)
+            rendering = time.perf_counter()
             prompt = await self._prompts.render_chat(request.messages)
-            self._metrics.count_boundary_rejection(prompt.boundary_rejection)
-            self._metrics.count_breakpoint_rejections(prompt.breakpoint_rejections)
+            render_s = time.perf_counter() - rendering
+            self._metrics.record_render("chat", render_s, prompt)
             return self._start(new_request_id("chatcmpl"), prompt, request,
-                               request.requested_max_tokens(), arrival_time, tenant)
+                               request.requested_max_tokens(), arrival_time, tenant, render_s)
         except Exception as exc:
             raise refused(exc, arrival_time, self._metrics) from None
 
@@ -221,17 +231,20 @@ class OpenAIFrontend:
         arrival_time = time.time()
         try:
             self._check_request(request)
+            rendering = time.perf_counter()
             prompt = await self._prompts.tokenize_prompt(request.prompt)
+            render_s = time.perf_counter() - rendering
+            self._metrics.record_render("completion", render_s, prompt)
             return self._start(new_request_id("cmpl"), prompt, request,
-                               request.requested_max_tokens(), arrival_time, tenant)
+                               request.requested_max_tokens(), arrival_time, tenant, render_s)
         except Exception as exc:
             raise refused(exc, arrival_time, self._metrics) from None
 
     def _start(self, request_id: str, prompt: RenderedPrompt, fields: SamplingFields,
-               max_tokens: int | None, arrival_time: float, tenant: str) -> Started:
+               max_tokens: int | None, arrival_time: float, tenant: str, render_s: float) -> Started:
         """Validate the prompt and sampling against the limits and the context, build the
         engine's GenerationRequest (its cache salt scoped to the tenant) and open (lazily) its
-        output stream."""
+        output stream; render_s (the prompt's rendering) goes into its meta and log record."""
         max_tokens = output_budget(
             len(prompt.token_ids), max_tokens, self.info.max_model_len,
             max_prompt_tokens=self._limits.max_prompt_tokens,
@@ -247,15 +260,16 @@ class OpenAIFrontend:
             tenant=tenant,
             arrival_time=arrival_time,
         )
-        meta = ResponseMeta(id=request_id, created=now(), model=self._model_name)
-        return meta, self._generate(request)
+        meta = ResponseMeta(id=request_id, created=now(), model=self._model_name, render_s=render_s)
+        return meta, self._generate(request, render_s)
 
-    async def _generate(self, request: GenerationRequest) -> AsyncGenerator[RequestOutput, None]:
+    async def _generate(self, request: GenerationRequest,
+                        render_s: float | None = None) -> AsyncGenerator[RequestOutput, None]:
         """The request's outputs; closed before the last one, the stream is closed too, which
         aborts the request. Measures the time to first token from request.arrival_time; when
-        the request ends, logs its RequestRecord and records it as metrics
+        the request ends, logs its RequestRecord (with render_s) and records it as metrics
         (deployments/http/request_log.py, deployments/metrics.py)."""
-        record = RequestRecord(request.request_id)
+        record = RequestRecord(request.request_id, render_s=render_s)
         try:
             async with aclosing(self._generate_fn(request)) as outputs:
                 async for out in outputs:

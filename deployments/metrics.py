@@ -8,6 +8,7 @@ Each replica's series are its own, so `sum(...)` in PromQL adds up replicas and 
 
     ingress replica      RequestMetrics: requests by status, output tokens, time to first
                          token, inter-token and end-to-end latency (it sees each whole stream),
+                         render time, prompt tokens reused or tokenized by the renderer,
                          instruction boundary and cache breakpoint rejections
     LLM server replica   EngineMetricsExporter (deployments/engine_metrics.py): every
                          EXPORT_PERIOD_S, on the replica's event
@@ -105,6 +106,15 @@ REQUEST_LATENCY = MetricSpec(
     "hybrid_serve_request_latency_seconds", "histogram",
     "End-to-end: from the ingress receiving a request to its stream ending.",
     boundaries=(0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0))
+RENDER_SECONDS = MetricSpec(
+    "hybrid_serve_render_seconds", "histogram",
+    "Time a request's prompt took to render (chat template and tokenizer, or a completion "
+    "prompt's tokenizer), by route (chat, completion); part of the time to first token.",
+    ("route",), boundaries=(0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0))
+RENDER_PROMPT_TOKENS = MetricSpec(
+    "hybrid_serve_render_prompt_tokens", "counter",
+    "Chat prompt tokens by where the renderer got their ids: reused (a remembered rendering of "
+    "the prompt's leading messages, not tokenized again), tokenized.", ("source",))
 BOUNDARY_REJECTIONS = MetricSpec(
     "hybrid_serve_instruction_boundary_rejections", "counter",
     "Chat prompts without an instruction boundary, by reason (docs/design.md section 3).",
@@ -291,10 +301,11 @@ DEMOTIONS = MetricSpec(
     ("outcome",))
 
 METRICS = (REQUESTS, OUTPUT_TOKENS, TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY, REQUEST_LATENCY,
-           BOUNDARY_REJECTIONS, BREAKPOINT_REJECTIONS, CHECKPOINT_EVENTS_TOTAL, PROMPT_TOKENS_RESTORED,
-           PROMPT_TOKENS_COMPUTED, CAPTURE_WAITS, PREEMPTIONS, FAILED_STEPS, REQUESTS_FAILED,
-           ENGINE_REQUESTS, KV_BLOCKS, STATE_SLOTS, CHECKPOINTS, CHECKPOINT_BYTES, HOST_TIER_EVENTS,
-           HOST_TIER_EVENT_BYTES, HOST_TIER_CHECKPOINTS, HOST_TIER_BYTES,
+           RENDER_SECONDS, RENDER_PROMPT_TOKENS, BOUNDARY_REJECTIONS, BREAKPOINT_REJECTIONS,
+           CHECKPOINT_EVENTS_TOTAL, PROMPT_TOKENS_RESTORED, PROMPT_TOKENS_COMPUTED, CAPTURE_WAITS,
+           PREEMPTIONS, FAILED_STEPS, REQUESTS_FAILED, ENGINE_REQUESTS, KV_BLOCKS, STATE_SLOTS,
+           CHECKPOINTS, CHECKPOINT_BYTES, HOST_TIER_EVENTS, HOST_TIER_EVENT_BYTES,
+           HOST_TIER_CHECKPOINTS, HOST_TIER_BYTES,
            SPECULATIVE_VERIFICATION_CHUNKS, SPECULATIVE_DRAFTS_PROPOSED,
            SPECULATIVE_DRAFTS_ACCEPTED, SPECULATIVE_DRAFTS_REJECTED, SPECULATIVE_DRAFTS_TRIMMED,
            SPECULATIVE_STEPS_OVER_BATCH_CAP, SPECULATIVE_ACCEPTANCE_LENGTHS,
@@ -323,6 +334,22 @@ class RequestMetrics:
         self._latency = create(REQUEST_LATENCY)
         self._boundary_rejections = create(BOUNDARY_REJECTIONS)
         self._breakpoint_rejections = create(BREAKPOINT_REJECTIONS)
+        self._render = create(RENDER_SECONDS)
+        self._render_tokens = create(RENDER_PROMPT_TOKENS)
+
+    def record_render(self, route: str, seconds: float, prompt) -> None:
+        """A rendered prompt (a RenderedPrompt of deployments/prompts): its render time by route
+        ("chat" or "completion"); for a chat, also its boundary and breakpoint rejections and
+        its tokens by source (reused_tokens from the renderer's memory, the rest tokenized)."""
+        self._render.observe(max(0.0, seconds), tags={"route": route})
+        if route != "chat":
+            return
+        self.count_boundary_rejection(prompt.boundary_rejection)
+        self.count_breakpoint_rejections(prompt.breakpoint_rejections)
+        if prompt.reused_tokens > 0:
+            self._render_tokens.inc(prompt.reused_tokens, tags={"source": "reused"})
+        if len(prompt.token_ids) > prompt.reused_tokens:
+            self._render_tokens.inc(len(prompt.token_ids) - prompt.reused_tokens, tags={"source": "tokenized"})
 
     def count_boundary_rejection(self, reason: str | None) -> None:
         """Count a chat prompt's RenderedPrompt.boundary_rejection (None: it has a boundary)."""

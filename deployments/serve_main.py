@@ -8,8 +8,9 @@ The lean serving path (deployments/serving_path.py) needs Ray Serve's switches i
 environment before Ray starts: unless the file's hybrid-serve applications all set
 `direct_ingress: false`, or RAY_SERVE_ENABLE_HA_PROXY is already in the environment (then it is
 left as given), this sets them, with HAProxy's files in a directory of this run (removed at
-exit) and its stats and metrics on free ports, where HAProxy can run; where it cannot (no
-binary, not Linux) it sets none and build_app logs the reason with the classic path it builds.
+exit) and its stats, its metrics and the Serve proxy it falls back to on free ports, where
+HAProxy can run; where it cannot (no binary, not Linux) it sets none and build_app logs the
+reason with the classic path it builds.
 Joining a running cluster (`--address`, RAY_ADDRESS), the cluster's environment decides.
 
 The file is then checked as `python -m deployments.check_config` does (exit status 2 and the
@@ -231,7 +232,7 @@ def set_lean_environment(config_path: str, argv: list[str],
         return
     state_dir = tempfile.mkdtemp(prefix="hs-hap-")  # short: unix socket paths go below it
     _state_dirs.append(state_dir)
-    environ.update(lean_environment(Path(state_dir), _free_port(), _free_port()))
+    environ.update(lean_environment(Path(state_dir), *(_free_port() for _ in range(4))))
 
 
 def _remove_state_dirs() -> None:

@@ -90,11 +90,15 @@ def haproxy_problem(environ: Mapping[str, str] = os.environ) -> str | None:
     return None
 
 
-def lean_environment(state_dir: Path, stats_port: int, metrics_port: int) -> dict[str, str]:
+def lean_environment(state_dir: Path, stats_port: int, metrics_port: int, fallback_http_port: int,
+                     fallback_grpc_port: int) -> dict[str, str]:
     """The variables that turn the lean path on for a Ray started with them: LEAN_CLUSTER_ENV,
     and HAProxy's files and ports for one instance. Ray's defaults put every instance's config and
-    admin socket under /tmp/haproxy-serve and its stats and metrics on ports 8404 and 9101, so
-    two servers on one machine would overwrite each other's."""
+    admin socket under /tmp/haproxy-serve, its stats and metrics on ports 8404 and 9101, and the
+    Serve proxy that HAProxy falls back to (its `backup` server, used while the replicas' health
+    checks fail) on ports 8500 and 9500: two servers on one machine would overwrite each other's
+    files, and one's HAProxy would send requests to the other's proxy, whose applications answer
+    them."""
     return {
         **LEAN_CLUSTER_ENV,
         "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": str(state_dir / "haproxy.cfg"),
@@ -104,6 +108,8 @@ def lean_environment(state_dir: Path, stats_port: int, metrics_port: int) -> dic
         "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": str(state_dir / "metrics.sock"),
         "RAY_SERVE_HAPROXY_STATS_PORT": str(stats_port),
         "RAY_SERVE_HAPROXY_METRICS_PORT": str(metrics_port),
+        "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(fallback_http_port),
+        "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT": str(fallback_grpc_port),
     }
 
 

@@ -8,7 +8,9 @@ Times are seconds from just before the request is sent:
   e2e_s          the end of the stream;
   itl_s          inter-token latency: (last content event - first content event) /
                  (completion tokens - 1); without a usage count, per content event instead.
-Token counts come from the final usage event: prompt_tokens, completion_tokens and
+render_s is the server's own time to render the prompt, from its Server-Timing header
+(`render;dur=<ms>`, which hybrid-serve sends); None for a server that sends none. Token counts
+come from the final usage event: prompt_tokens, completion_tokens and
 usage.prompt_tokens_details.cached_tokens. A server that sends no usage, or usage without
 prompt_tokens_details.cached_tokens, leaves them None (never 0: "not reported" is not "none
 cached").
@@ -26,7 +28,7 @@ import httpx
 # counted_prompt_tokens: the prompt's tokens as the bench's tokenizer renders it (runner.py),
 # beside the server's prompt_tokens: they differ when the tokenizer is not the served model's.
 RECORD_FIELDS = ("workload", "target", "conversation", "turn", "rate", "start_s", "first_chunk_s",
-                 "ttft_s", "itl_s", "e2e_s", "prompt_tokens", "counted_prompt_tokens", "completion_tokens",
+                 "ttft_s", "itl_s", "e2e_s", "render_s", "prompt_tokens", "counted_prompt_tokens", "completion_tokens",
                  "cached_tokens", "shareable_tokens", "finish_reason", "error")
 
 
@@ -62,6 +64,7 @@ class StreamResult:
     finish_reason: str | None
     reply: str
     error: str | None
+    render_s: float | None = None
 
 
 def cached_tokens_of(usage: dict | None) -> int | None:
@@ -94,6 +97,7 @@ async def stream_chat(client: httpx.AsyncClient, url: str, request: ChatRequest)
             if response.status_code != 200:
                 body = (await response.aread()).decode(errors="replace")
                 return _failed(start, f"HTTP {response.status_code}: {body[:300]}")
+            render_s = server_render_s(response.headers.get("server-timing"))
             async for line in response.aiter_lines():
                 data = sse_data(line)
                 if data is None or data == "" or data == "[DONE]":
@@ -124,7 +128,25 @@ async def stream_chat(client: httpx.AsyncClient, url: str, request: ChatRequest)
         e2e_s=e2e, prompt_tokens=usage.get("prompt_tokens") if usage else None,
         completion_tokens=completion_tokens, cached_tokens=cached_tokens_of(usage),
         finish_reason=finish_reason, reply="".join(parts),
-        error=error if error else (None if first_content is not None else "no content in the stream"))
+        error=error if error else (None if first_content is not None else "no content in the stream"),
+        render_s=render_s)
+
+
+def server_render_s(header: str | None) -> float | None:
+    """Seconds of the `render` metric of a Server-Timing header (`render;dur=1.234`, in ms);
+    None when the header or the metric or its duration is absent or malformed."""
+    for metric in (header or "").split(","):
+        name, *params = (part.strip() for part in metric.split(";"))
+        if name != "render":
+            continue
+        for param in params:
+            key, _, value = param.partition("=")
+            if key.strip() == "dur":
+                try:
+                    return float(value.strip().strip('"')) / 1000
+                except ValueError:
+                    return None
+    return None
 
 
 def _inter_token_latency(first: float | None, last: float | None, tokens: int | None,

@@ -11,8 +11,9 @@ AsyncLLMEngine.generate into the StreamResult the HTTP client returns:
   request    extra_body's cache_salt and ignore_eos become GenerationRequest.cache_salt and
              SamplingParams.ignore_eos; temperature and max_tokens pass as they are;
   times      seconds from the engine submission, which is AFTER rendering (an HTTP server's
-             TTFT includes its rendering; here it is kept apart, in render_s, so the table
-             measures the engine): first_chunk_s at the first output, ttft_s at the first
+             TTFT includes its rendering; here it is kept apart, in the result's render_s,
+             as an HTTP server's is in its Server-Timing header, so the table measures the
+             engine): first_chunk_s at the first output, ttft_s at the first
              output with non-empty text (with ttft_at_first_token, at the first output with a
              token, text or not: a random-weight model may generate only ids that decode to
              no text, such as its end-of-text id), itl_s as client.py computes it;
@@ -92,7 +93,7 @@ class EngineChat:
             itl_s=_inter_token_latency(first_content, last_content, last.num_output_tokens, content_events),
             e2e_s=e2e, prompt_tokens=last.num_prompt_tokens, completion_tokens=last.num_output_tokens,
             cached_tokens=last.num_cached_tokens, finish_reason=last.finish_reason,
-            reply="".join(parts), error=error)
+            reply="".join(parts), error=error, render_s=self.render_s[-1])
 
     def render_p50_s(self) -> float | None:
         return statistics.median(self.render_s) if self.render_s else None

@@ -135,6 +135,7 @@ async def _run_conversation(client: httpx.AsyncClient, state: _PassState, conver
                   "conversation": conversation.key, "turn": index, "rate": state.rate,
                   "start_s": start_s, "first_chunk_s": result.first_chunk_s,
                   "ttft_s": result.ttft_s, "itl_s": result.itl_s, "e2e_s": result.e2e_s,
+                  "render_s": result.render_s,
                   "prompt_tokens": result.prompt_tokens, "counted_prompt_tokens": len(prompt_ids),
                   "completion_tokens": result.completion_tokens,
                   "cached_tokens": result.cached_tokens, "shareable_tokens": shareable,

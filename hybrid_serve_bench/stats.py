@@ -4,6 +4,9 @@ Row fields (SUMMARY_FIELDS; None means "not reported" or "not defined", never 0)
   requests, errors          requests sent, and those that failed (not in the latencies)
   ttft_p50/p95/p99_ms       time to first content token, nearest-rank percentiles
   itl_p50_ms, e2e_p50_ms    inter-token latency and end-to-end time, medians
+  render_p50_ms             the prompt's render time as the server reported it (records'
+                            render_s; part of an HTTP TTFT, outside an in-process one), median;
+                            None when no request reported it
   prompt_tokens             sum of usage.prompt_tokens (None if the server reported no usage)
   cached_tokens             sum of usage.prompt_tokens_details.cached_tokens: the tokens restored
                             (None when no request of the pass reported it)
@@ -25,7 +28,7 @@ import math
 from collections.abc import Sequence
 
 SUMMARY_FIELDS = ("target", "workload", "rate", "requests", "errors", "ttft_p50_ms", "ttft_p95_ms",
-                  "ttft_p99_ms", "itl_p50_ms", "e2e_p50_ms", "prompt_tokens", "cached_tokens",
+                  "ttft_p99_ms", "itl_p50_ms", "e2e_p50_ms", "render_p50_ms", "prompt_tokens", "cached_tokens",
                   "prompt_tokens_computed", "shareable_tokens", "token_hit_rate", "output_tok_s",
                   "requests_s", "goodput_rps", "target_ttft_ms", "wall_s")
 
@@ -79,6 +82,7 @@ def summarize_pass(target: str, workload: str, rate: float | None, records: list
     """The summary row of one pass's records (all of the same target, workload and rate)."""
     ok = [r for r in records if r["error"] is None]
     ttfts = [r["ttft_s"] for r in ok]
+    renders = [r["render_s"] for r in ok if r.get("render_s") is not None]
     prompt = _sum_reported([r["prompt_tokens"] for r in ok])
     cached = _sum_reported([r["cached_tokens"] for r in ok])
     shareable = sum(r["shareable_tokens"] or 0 for r in ok)
@@ -92,6 +96,7 @@ def summarize_pass(target: str, workload: str, rate: float | None, records: list
         "ttft_p99_ms": _ms(percentile(ttfts, 99)),
         "itl_p50_ms": _ms(percentile([r["itl_s"] for r in ok if r["itl_s"] is not None], 50)),
         "e2e_p50_ms": _ms(percentile([r["e2e_s"] for r in ok], 50)),
+        "render_p50_ms": _ms(percentile(renders, 50)),
         "prompt_tokens": prompt, "cached_tokens": cached,
         "prompt_tokens_computed": None if prompt is None or cached is None else prompt - cached,
         "shareable_tokens": shareable,

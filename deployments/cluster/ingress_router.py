@@ -25,9 +25,9 @@ not forward the Authorization header to the router, so with API keys the router 
 the namespace to the tenant: lookups miss and only the recent placements (per router, keyed by
 instructions) keep a tenant's shared instructions on one replica.
 
-The replica renders the prompt again: a short chat costs well under a millisecond; a
-prompt of 8,000 instruction tokens 5 ms with its instructions remembered
-(benchmarks/render_time.py), paid once more per routed request.
+The replica renders the prompt again: a short chat costs well under a millisecond, and so
+does a prompt of 8,000 instruction tokens once its instructions are remembered (the renderer
+then tokenizes only the rest: benchmarks/render_time.py), paid once more per routed request.
 """
 
 from __future__ import annotations

@@ -79,11 +79,13 @@ def usage_of(final: RequestOutput) -> Usage:
 
 @dataclass(frozen=True)
 class ResponseMeta:
-    """Fields every chunk and response of one request repeats."""
+    """Fields every chunk and response of one request repeats; render_s: the seconds its prompt
+    took to render (deployments/frontend.py; sent as the Server-Timing header, not in bodies)."""
 
     id: str
     created: int
     model: str
+    render_s: float | None = None
 
 
 @dataclass

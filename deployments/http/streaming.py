@@ -33,13 +33,22 @@ async def first_output_ready(
     return chained()
 
 
-def json_response(model: BaseModel) -> JSONResponse:
-    return JSONResponse(model.model_dump(mode="json"))
+def server_timing(render_s: float | None) -> dict[str, str]:
+    """The W3C Server-Timing header of a generation response: `render;dur=<ms>`, the time its
+    prompt took to render in this server (clients split their time to first token with it:
+    hybrid_serve_bench's client reads it); no header when unknown."""
+    return {} if render_s is None else {"Server-Timing": f"render;dur={1000 * render_s:.3f}"}
 
 
-def sse_response(chunks: AsyncGenerator[BaseModel, None]) -> StreamingResponse:
+def json_response(model: BaseModel, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(model.model_dump(mode="json"), headers=headers)
+
+
+def sse_response(chunks: AsyncGenerator[BaseModel, None],
+                 headers: dict[str, str] | None = None) -> StreamingResponse:
     """Server-sent events: one `data:` line per chunk, then `data: [DONE]`. An error after the
-    headers went out is reported in-band as an OpenAI error object before [DONE]."""
+    headers went out is reported in-band as an OpenAI error object before [DONE]. `headers`
+    go out with the first chunk, beside Cache-Control."""
 
     async def events() -> AsyncGenerator[str, None]:
         async with aclosing(chunks):
@@ -51,4 +60,4 @@ def sse_response(chunks: AsyncGenerator[BaseModel, None]) -> StreamingResponse:
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache"})
+                             headers={"Cache-Control": "no-cache", **(headers or {})})

@@ -18,11 +18,11 @@ comes back to be counted: fail closed, never an approximate position.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from deployments.prompts.instruction_boundary import BoundaryRejection, RenderedPrefixes, verified_prefix
+from deployments.prompts.instruction_boundary import BoundaryRejection, VerifiedPosition, verified_prefix
 from engine.interfaces.sampling_params import InvalidRequestError
 
 CACHE_CONTROL = "cache_control"
@@ -85,21 +85,35 @@ def _marked(value: Any, where: str) -> bool:
     return True
 
 
+def marker_head(conversation: list[dict[str, Any]], marker: CacheMarker) -> list[dict[str, Any]]:
+    """The messages a marker covers, to render alone: up to its message; for a part, that
+    message's parts up to the marked one (rendered with continue_final = marker.part is not
+    None)."""
+    head = conversation[: marker.message + 1]
+    if marker.part is not None:
+        message = conversation[marker.message]
+        head = [*head[:-1], {**message, "content": list(message["content"][: marker.part + 1])}]
+    return head
+
+
 def find_cache_breakpoints(
     tokenizer: Any, conversation: list[dict[str, Any]], markers: Sequence[CacheMarker],
-    prompt_ids: Sequence[int], prefixes: RenderedPrefixes | None = None,
+    prompt_ids: Sequence[int],
 ) -> CacheBreakpoints:
     """The verified position of each marker in `conversation` (without markers, as
     split_cache_markers leaves it, rendered to `prompt_ids` with the generation prompt), by
-    verified_prefix with `prefixes` as its memory. Never raises."""
+    verified_prefix. Never raises."""
+    return collect_breakpoints(
+        verified_prefix(tokenizer, marker_head(conversation, marker), prompt_ids,
+                        continue_final=marker.part is not None)
+        for marker in markers)
+
+
+def collect_breakpoints(verdicts: Iterable[VerifiedPosition]) -> CacheBreakpoints:
+    """The markers' verdicts, in the conversation's order, as CacheBreakpoints."""
     positions: set[int] = set()
     rejections: list[BoundaryRejection] = []
-    for marker in markers:
-        head = conversation[: marker.message + 1]
-        if marker.part is not None:
-            message = conversation[marker.message]
-            head = [*head[:-1], {**message, "content": list(message["content"][: marker.part + 1])}]
-        verdict = verified_prefix(tokenizer, head, prompt_ids, prefixes, continue_final=marker.part is not None)
+    for verdict in verdicts:
         if verdict.position is None:
             rejections.append(verdict.rejection)
         else:

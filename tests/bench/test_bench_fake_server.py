@@ -137,6 +137,7 @@ def test_report_says_not_reported_and_ttft_skips_the_role_chunk(fake_server, tmp
     for r in records:
         assert r["error"] is None
         assert r["cached_tokens"] is None  # not reported is not 0
+        assert r["render_s"] is None  # no Server-Timing header
         assert (r["prompt_tokens"], r["completion_tokens"]) == (12, 2)
         # the first content is written ROLE_TO_CONTENT_S after the request arrived (a causal
         # bound, not a timing guess); the role chunk, sent at once, must not count as TTFT
@@ -144,6 +145,7 @@ def test_report_says_not_reported_and_ttft_skips_the_role_chunk(fake_server, tmp
         assert r["first_chunk_s"] < r["ttft_s"]
     for row in result["summary"]:
         assert row["cached_tokens"] is None and row["token_hit_rate"] is None
+        assert row["render_p50_ms"] is None
         assert row["prompt_tokens_computed"] is None
         assert row["shareable_tokens"] > 0
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from hybrid_serve_bench.accounting import ShareableTracker
-from hybrid_serve_bench.client import cached_tokens_of, sse_data
+from hybrid_serve_bench.client import cached_tokens_of, server_render_s, sse_data
 from hybrid_serve_bench.stats import SUMMARY_FIELDS, RestoredBeyondShareable, percentile, summarize_pass
 from hybrid_serve_bench.workloads import WORKLOAD_KINDS, Sizes, build_workloads, make_text
 
@@ -180,11 +180,29 @@ def test_percentile_is_nearest_rank():
         percentile([1], 0)
 
 
-def _record(ttft, prompt=100, cached=None, shareable=0, completion=4, error=None):
-    return {"ttft_s": ttft, "itl_s": 0.01, "e2e_s": (ttft or 0) + 0.05, "prompt_tokens": prompt,
-            "counted_prompt_tokens": prompt, "cached_tokens": cached, "shareable_tokens": shareable,
-            "completion_tokens": completion,
+def _record(ttft, prompt=100, cached=None, shareable=0, completion=4, error=None, render=None):
+    return {"ttft_s": ttft, "itl_s": 0.01, "e2e_s": (ttft or 0) + 0.05, "render_s": render,
+            "prompt_tokens": prompt, "counted_prompt_tokens": prompt, "cached_tokens": cached,
+            "shareable_tokens": shareable, "completion_tokens": completion,
             "error": error}
+
+
+def test_render_time_is_the_median_of_what_was_reported():
+    rows = [summarize_pass("t", "w", None, records, 1.0, 150) for records in (
+        [_record(0.1, render=0.004), _record(0.1, render=0.002), _record(0.1), _record(0.1, render=0.003)],
+        [_record(0.1), _record(0.1)],
+        [_record(0.1, render=0.001, error="boom"), _record(0.1, render=0.005)])]
+    assert [row["render_p50_ms"] for row in rows] == [pytest.approx(3.0), None, pytest.approx(5.0)]
+
+
+def test_server_timing_parsing():
+    from deployments.http.streaming import server_timing
+
+    assert server_render_s(server_timing(0.00123)["Server-Timing"]) == pytest.approx(0.00123)
+    assert server_timing(None) == {}
+    assert server_render_s('db;dur=3, render;desc="x";dur=2.5') == pytest.approx(0.0025)
+    for header in (None, "", "render", "render;desc=x", "render;dur=abc", "db;dur=3"):
+        assert server_render_s(header) is None, header
 
 
 def test_summary_row_keeps_not_reported_apart_from_zero():

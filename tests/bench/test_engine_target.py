@@ -32,6 +32,8 @@ def test_engine_target_records_match_the_http_clients_and_report_cached_tokens()
             targets, workloads, [None], RunSettings(concurrency=1, max_tokens=3, rounds=1,
                                                     cache_salt="t"), counter))
         assert all(len(t.chat.render_s) == 4 for t in targets)  # warm-up + 3 requests
+        rendered = sorted(s for t in targets for s in t.chat.render_s[1:])
+    assert sorted(r["render_s"] for r in records) == rendered  # each record's own render time
     assert len(records) == 6 and all(tuple(r) == RECORD_FIELDS for r in records)
     assert all(r["error"] is None and r["completion_tokens"] == 3 for r in records)
     assert all(0 <= r["first_chunk_s"] <= r["ttft_s"] <= r["e2e_s"] for r in records)

@@ -45,6 +45,7 @@ def test_bench_client_against_the_app(serve_app, tmp_path):
         assert r["error"] is None
         assert isinstance(r["cached_tokens"], int)  # parsed from the streamed usage
         assert r["first_chunk_s"] <= r["ttft_s"] <= r["e2e_s"]
+        assert 0 < r["render_s"] < r["ttft_s"]  # the server's Server-Timing header
         assert r["completion_tokens"] == 4
 
     # one at a time, so each system prompt's instruction checkpoint exists before its reuse:

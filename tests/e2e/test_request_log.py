@@ -18,13 +18,14 @@ SECRET_TEXT = "zebra-violet-8842"  # in the prompt; must never reach the log
 
 def test_a_record_renders_as_one_json_line():
     line = RequestRecord("cmpl-1", status="ok", finish_reason="length", prompt_tokens=9,
-                         cached_tokens=4, output_tokens=3, ttft_s=0.012345, duration_s=0.5).line()
+                         cached_tokens=4, output_tokens=3, ttft_s=0.012345, duration_s=0.5,
+                         render_s=0.00123).line()
     assert line.startswith(PREFIX) and "\n" not in line
     fields = json.loads(line[len(PREFIX):])
     assert abs(fields.pop("end_time") - time.time()) < 60
     assert fields == {"request_id": "cmpl-1", "status": "ok", "http_status": None,
                       "finish_reason": "length", "prompt_tokens": 9, "cached_tokens": 4,
-                      "output_tokens": 3, "ttft_s": 0.0123, "duration_s": 0.5}
+                      "output_tokens": 3, "ttft_s": 0.0123, "duration_s": 0.5, "render_s": 0.0012}
 
 
 def ingress_log_records(ray_session) -> list[dict]:
@@ -60,6 +61,7 @@ def test_finished_and_refused_requests_are_logged_without_their_text(ray_session
     assert record["prompt_tokens"] == done.usage.prompt_tokens
     assert record["output_tokens"] == done.usage.completion_tokens == 3
     assert 0 < record["ttft_s"] <= record["duration_s"]
+    assert 0 < record["render_s"] < record["ttft_s"]  # the prompt's tokenizing, inside the TTFT
 
     sent = time.time()
 

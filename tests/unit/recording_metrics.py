@@ -13,12 +13,17 @@ def tag_key(tags: dict[str, str] | None) -> Tags:
 
 
 class RecordingMetric:
-    """One counter or gauge: a counter's series hold the sum of its increments, a gauge's the
-    last value set. inc() refuses what Ray's Counter refuses (a value not above zero)."""
+    """One counter, gauge or histogram: a counter's series hold the sum of its increments, a
+    gauge's the last value set, a histogram's the list of values observed. inc() refuses what
+    Ray's Counter refuses (a value not above zero)."""
 
     def __init__(self, spec: MetricSpec) -> None:
         self.spec = spec
-        self.series: dict[Tags, float] = {}
+        self.series: dict[Tags, float | list[float]] = {}
+
+    def observe(self, value: float, tags: dict[str, str] | None = None) -> None:
+        assert self.spec.kind == "histogram", self.spec.name
+        self.series.setdefault(tag_key(tags), []).append(value)
 
     def inc(self, value: float = 1.0, tags: dict[str, str] | None = None) -> None:
         assert self.spec.kind == "counter", self.spec.name
@@ -42,6 +47,6 @@ class RecordingMetrics:
         metric = self.metrics[spec.name] = RecordingMetric(spec)
         return metric
 
-    def series(self, spec: MetricSpec) -> dict[Tags, float]:
+    def series(self, spec: MetricSpec) -> dict[Tags, float | list[float]]:
         """Every series of `spec` recorded so far (none: {})."""
         return dict(self.metrics[spec.name].series)

@@ -36,7 +36,7 @@ def test_the_installed_ray_is_in_the_pinned_range():
 def test_the_environment_switches_are_read_by_serve():
     """Every variable the lean path sets is one Serve reads (a renamed one would be ignored)."""
     source = inspect.getsource(constants)
-    for name in {**LEAN_CLUSTER_ENV, **lean_environment(Path("/tmp/x"), 1, 2)}:
+    for name in {**LEAN_CLUSTER_ENV, **lean_environment(Path("/tmp/x"), 1, 2, 3, 4)}:
         assert f'"{name}"' in source, name
     for name in ("RAY_SERVE_ENABLE_HA_PROXY", "RAY_SERVE_ENABLE_DIRECT_INGRESS",
                  "RAY_SERVE_THROUGHPUT_OPTIMIZED", "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY",

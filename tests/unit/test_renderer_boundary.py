@@ -17,7 +17,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from deployments.http.errors import as_api_error
-from deployments.prompts.instruction_boundary import BoundaryRejection, RenderedPrefixes, find_instruction_boundary
+from deployments.prompts.instruction_boundary import BoundaryRejection, find_instruction_boundary
+from deployments.prompts.prefix_memory import RenderedPrefixes
 from deployments.prompts.rendering import PromptRenderer
 from engine.engine_config import DEFAULT_MODEL_DIR, EngineConfig
 from engine.interfaces.generation_request import GenerationRequest
@@ -181,64 +182,53 @@ def test_requests_without_a_boundary_are_still_exact(base_tokenizer, engine, nam
     assert shared == scratch
 
 
-class CountingTemplate:
-    """A tokenizer whose apply_chat_template calls are counted by whether they render the
-    instructions alone (no generation prompt) or a full conversation."""
-
-    def __init__(self, tokenizer) -> None:
-        self.tokenizer = tokenizer
-        self.alone = self.full = 0
-
-    def apply_chat_template(self, conversation, add_generation_prompt=False, **kwargs):
-        if add_generation_prompt:
-            self.full += 1
-        else:
-            self.alone += 1
-        return self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, **kwargs)
-
-
-def test_remembered_instructions_give_the_boundary_without_rendering_them_again(base_tokenizer):
-    """The second request with the same instructions takes their rendering from
-    RenderedPrefixes; the boundary and the ids are those of a render without it. Other
-    instructions are rendered; past the capacity the least recently used is forgotten."""
-    tokenizer, prefixes = CountingTemplate(base_tokenizer), RenderedPrefixes(capacity=2)
+def test_remembered_instructions_are_not_tokenized_again(base_tokenizer):
+    """The second request with the same instructions takes their ids from RenderedPrefixes and
+    tokenizes only the rest; the ids and the boundary are those of a render without it. Other
+    instructions are tokenized; past the capacity the least recently used are forgotten."""
+    prefixes = RenderedPrefixes(entries=2)
+    renderer = PromptRenderer(base_tokenizer, prefixes)
     first = messages(("system", SYSTEM), ("developer", "Be brief."), ("user", USER))
     again = messages(("system", SYSTEM), ("developer", "Be brief."), ("user", "Another question?"))
-    got = [render_chat(tokenizer, m, prefixes) for m in (first, again)]
-    assert tokenizer.alone == 1 and tokenizer.full == 2 and len(prefixes) == 1
+    got = [renderer.render_chat(m) for m in (first, again)]
     assert got == [render_chat(base_tokenizer, m) for m in (first, again)]
     assert got[1].instruction_boundary is not None
-    render_chat(tokenizer, messages(("system", "Other."), ("user", USER)), prefixes)
-    render_chat(tokenizer, messages(("system", "Third."), ("user", USER)), prefixes)
-    assert tokenizer.alone == 3 and len(prefixes) == 2  # the first instructions were forgotten
-    render_chat(tokenizer, again, prefixes)
-    assert tokenizer.alone == 4
+    assert [p.reused_tokens for p in got] == [0, got[1].instruction_boundary]
+    assert len(prefixes) == 1 and renderer.stats.reuses == 1
+    renderer.render_chat(messages(("system", "Other."), ("user", USER)))
+    renderer.render_chat(messages(("system", "Third."), ("user", USER)))
+    assert len(prefixes) == 2  # the first instructions were forgotten
+    assert renderer.render_chat(again).reused_tokens == 0
+    assert renderer.render_chat(again).reused_tokens == got[1].instruction_boundary
 
 
-def test_a_remembered_rendering_that_no_longer_matches_is_rendered_again(base_tokenizer):
-    """A template whose output changed since the instructions were remembered (here: the
-    system block's date line, past midnight) is not trusted: the instructions are rendered
-    again and remembered anew, so that request and the next ones get the boundary a render
-    without RenderedPrefixes gives (an application's instructions, asked for every request,
-    would otherwise never leave the memory and lose their boundary for good). A template that
-    never gives a boundary gives none with it either. A template error is not remembered."""
+def test_a_template_whose_output_changed_is_tokenized_anew(base_tokenizer):
+    """The memory is keyed by the rendered text: a template whose output changed since the
+    instructions were remembered (here: the system block's date line, past midnight) renders
+    another text, which is tokenized and remembered anew, so that request and the next ones
+    get what a render without RenderedPrefixes gives. A template that never gives a boundary
+    gives none with it either. A template error is not remembered."""
     prefixes = RenderedPrefixes()
     template = DATE_TEMPLATE.replace("messages | length > 1", "true")  # the date line always
     yesterday = with_template(base_tokenizer, template)
     conversation = messages(("system", SYSTEM), ("user", USER))
     assert render_chat(yesterday, conversation, prefixes).instruction_boundary is not None
-    today = CountingTemplate(with_template(base_tokenizer, template.replace("2026-01-01", "2026-01-02")))
-    want = render_chat(today.tokenizer, conversation)
+    today = with_template(base_tokenizer, template.replace("2026-01-01", "2026-01-02"))
+    want = render_chat(today, conversation)
     assert want.instruction_boundary is not None
-    assert [render_chat(today, conversation, prefixes) for _ in range(3)] == [want] * 3
-    assert today.alone == 1 and len(prefixes) == 1  # rendered again once, then remembered
+    renderer = PromptRenderer(today, prefixes)
+    got = [renderer.render_chat(conversation) for _ in range(3)]
+    assert got == [want] * 3
+    assert [p.reused_tokens for p in got] == [0, want.instruction_boundary, want.instruction_boundary]
+    assert len(prefixes) == 2  # yesterday's text and today's
     merging = with_template(base_tokenizer, MERGING_TEMPLATE)
     for _ in range(2):
         prompt = render_chat(merging, conversation, prefixes)
         assert prompt == render_chat(merging, conversation)
         assert prompt.boundary_rejection == BoundaryRejection.NOT_A_PREFIX.value
+        assert prompt.reused_tokens == 0
     failing, before = with_template(base_tokenizer, NEEDS_USER_TEMPLATE), len(prefixes)
     other = messages(("system", "New."), ("user", USER))
-    ids = tuple(failing.apply_chat_template(other, add_generation_prompt=True, tokenize=True, return_dict=False))
-    assert find_instruction_boundary(failing, other, ids, prefixes).rejection is BoundaryRejection.RENDER_ERROR
+    prompt = render_chat(failing, other, prefixes)
+    assert prompt.boundary_rejection == BoundaryRejection.RENDER_ERROR.value
     assert len(prefixes) == before

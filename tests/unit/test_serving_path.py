@@ -81,9 +81,12 @@ def test_a_missing_or_broken_haproxy_binary_is_a_reason(tmp_path):
 
 
 def test_lean_environment_keeps_each_instances_files_and_ports_apart(tmp_path):
-    env = lean_environment(tmp_path, 41001, 41002)
+    env = lean_environment(tmp_path, 41001, 41002, 41003, 41004)
     assert {k: env[k] for k in LEAN_CLUSTER_ENV} == LEAN_CLUSTER_ENV
     assert env["RAY_SERVE_HAPROXY_STATS_PORT"] == "41001" and env["RAY_SERVE_HAPROXY_METRICS_PORT"] == "41002"
+    # the Serve proxy HAProxy falls back to: another server's would answer this one's requests
+    assert env["RAY_SERVE_FALLBACK_PROXY_HTTP_PORT"] == "41003"
+    assert env["RAY_SERVE_FALLBACK_PROXY_GRPC_PORT"] == "41004"
     for key in ("RAY_SERVE_HAPROXY_CONFIG_FILE_LOC", "RAY_SERVE_HAPROXY_SOCKET_PATH",
                 "RAY_SERVE_HAPROXY_SERVER_STATE_BASE", "RAY_SERVE_HAPROXY_SERVER_STATE_FILE",
                 "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH"):
