@@ -116,7 +116,8 @@ def sized_config(config: EngineConfig, num_requests: int, blocks_per_seq: int) -
     layout = cache_capacity.rank_shard_layout(model_config, TensorParallel.single())
     dtype = getattr(torch, config.dtype)
     block_bytes = cache_capacity.kv_bytes_per_block(
-        model_config, layout, dtype, config.block_size, len(cache_capacity.drafter_kv_layers(config, model_config)))
+        model_config, layout, cache_capacity.kv_storage_dtype(config), config.block_size,
+        len(cache_capacity.drafter_kv_layers(config, model_config)))
     return replace(
         config,
         max_num_seqs=num_requests,

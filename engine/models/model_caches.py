@@ -31,7 +31,8 @@ class RankCaches:
         return cache_capacity.recurrent_state_shape(self.config, self.layout)
 
     def kv_bytes_per_block(self, block_size: int) -> int:
-        """Bytes of one KV block on this rank (engine/parallel/cache_capacity.py)."""
+        """Bytes of one KV block of model-dtype K/V on this rank (engine/parallel/cache_capacity.py;
+        FP8 blocks take kv_bytes_per_block with their own dtype)."""
         return cache_capacity.kv_bytes_per_block(self.config, self.layout, self.dtype, block_size)
 
     def state_bytes_per_slot(self) -> int:

@@ -120,12 +120,12 @@ def _fp8_paged_setup(device, seq_lens, num_kv_heads, head_dim=128, block_size=16
 
 
 def _poison_before(caches, tables, first_key, block_size=16):
-    """FP8 NaN into each sequence's positions before first_key (read under a zero weight, they
-    still give NaN)."""
+    """FP8 NaN (byte 0x7F) into each sequence's positions before first_key (read under a zero
+    weight, they still give NaN)."""
     for blocks in tables:
         for position in range(first_key):
             for cache in caches:
-                cache[blocks[position // block_size], position % block_size] = float("nan")
+                _bytes(cache)[blocks[position // block_size], position % block_size] = 0x7F
 
 
 @pytest.mark.parametrize("dtype", QUERY_DTYPES)
@@ -247,10 +247,10 @@ def test_attention_layer_reads_back_what_it_wrote(device):
             out = layer(hidden, batch, key_cache, value_cache, None, plan, kv_scale)
             query, key, value = layer.project_qkv(hidden, stacked=plan is not None and plan.stacked_qkv)
             flat = (-1, num_kv_heads, layer.head_dim)
-            stored_k = key_cache.view(flat)[batch.slot_mapping]
-            stored_v = value_cache.view(flat)[batch.slot_mapping]
-            assert torch.equal(_bytes(stored_k), _bytes(quantize_kv(key, kv_scale[0]))), f"step {step} keys"
-            assert torch.equal(_bytes(stored_v), _bytes(quantize_kv(value, kv_scale[1]))), f"step {step} values"
+            stored_k = _bytes(key_cache).view(flat)[batch.slot_mapping]
+            stored_v = _bytes(value_cache).view(flat)[batch.slot_mapping]
+            assert torch.equal(stored_k, _bytes(quantize_kv(key, kv_scale[0]))), f"step {step} keys"
+            assert torch.equal(stored_v, _bytes(quantize_kv(value, kv_scale[1]))), f"step {step} values"
             attended = torch.empty_like(query)
             for chunk, a, b in zip(batch.chunks, batch.cu_seqlens[:-1], batch.cu_seqlens[1:]):
                 attended[a:b] = paged_attention(query[a:b], key_cache, value_cache,

@@ -58,6 +58,12 @@ def engine(model_dir) -> LLMEngine:
     return LLMEngine(config(model_dir))
 
 
+@pytest.fixture(scope="module")
+def auto_engine(model_dir) -> LLMEngine:
+    """The same engine with K/V in the model dtype (fp32)."""
+    return LLMEngine(config(model_dir, kv_cache_dtype="auto"))
+
+
 def assert_fp8_exact(served: Alone, scratch: Alone, label: str) -> int:
     """Greedy tokens equal and logits within FP8_LOGITS_RTOL, but past a near-tie (the
     from-scratch top-2 gap within 2 x FP8_LOGITS_RTOL of the largest logit), where the rest is
@@ -77,15 +83,15 @@ def assert_fp8_exact(served: Alone, scratch: Alone, label: str) -> int:
     return 0
 
 
-def test_fp8_blocks_hold_twice_the_blocks_with_the_model_dirs_scales(engine, model_dir):
+def test_fp8_blocks_hold_twice_the_blocks_with_the_model_dirs_scales(engine, auto_engine):
     caches = engine.executor.caches
     assert caches.kv_stack.dtype == torch.float8_e4m3fn
     assert torch.equal(caches.kv_scale[2][0].cpu(), torch.tensor([0.05, 0.125]))  # layer 2's key scales
     assert torch.equal(caches.kv_scale[5][1].cpu(), torch.tensor([0.01, 0.07]))  # layer 5's value scales
-    auto = LLMEngine(config(model_dir, kv_cache_dtype="auto"))
-    assert auto.executor.caches.kv_stack.dtype == torch.float32 and not auto.executor.caches.kv_scale
-    # the same kv_cache_bytes: FP8 takes 1 byte an element against fp32's 4
-    assert engine.executor.cache_capacity().num_blocks == 4 * auto.executor.cache_capacity().num_blocks
+    auto = auto_engine.executor
+    assert auto.caches.kv_stack.dtype == torch.float32 and not auto.caches.kv_scale
+    # the same kv_cache_bytes: FP8 takes 1 byte an element against fp32's 4 (bf16's 2: twice)
+    assert engine.executor.cache_capacity().num_blocks == 4 * auto.cache_capacity().num_blocks
 
 
 def test_restored_requests_give_what_scratch_gives(engine):
@@ -100,22 +106,21 @@ def test_restored_requests_give_what_scratch_gives(engine):
     assert engine.pool_usage().idle
 
 
-def test_fp8_is_close_to_the_model_dtype_cache(engine, model_dir):
+def test_fp8_is_close_to_the_model_dtype_cache(engine, auto_engine):
     """Not exact (FP8 rounds each K/V element to 4 significant bits), but close: a wrong scale
     or a head's scale applied to another would move the logits far more."""
-    auto = LLMEngine(config(model_dir, kv_cache_dtype="auto"))
-    got, want = run(engine, "close-fp8", FIRST, "close"), run(auto, "close-auto", FIRST, "close")
+    got, want = run(engine, "close-fp8", FIRST, "close"), run(auto_engine, "close-auto", FIRST, "close")
     error = float((got.logits[0] - want.logits[0]).abs().max() / want.logits[0].abs().max())
     print(f"first-token logits, FP8 against fp32 K/V: {error:.2e} relative; tokens equal: {got.tokens == want.tokens}")
     assert 0 < error < 5e-2
 
 
-def test_checkpoints_cross_only_between_engines_of_one_kv_format(engine, model_dir):
+def test_checkpoints_cross_only_between_engines_of_one_kv_format(engine, auto_engine, model_dir):
     first = run(engine, "x-first", FIRST, "x-fp8")
     exported = engine.export_checkpoint((engine.config.model_dir, "x-fp8"), first.prompt[: first.boundary])
     assert exported.shards[0].kv.dtype == torch.float8_e4m3fn and exported.header.kv_cache.startswith("fp8_e4m3:")
 
-    auto = LLMEngine(config(model_dir, kv_cache_dtype="auto"))
+    auto = auto_engine
     assert auto.import_checkpoint(exported).rejection is ImportRejection.KV_CACHE
     auto_first = run(auto, "x-auto-first", FIRST, "x-auto")
     from_auto = auto.export_checkpoint((auto.config.model_dir, "x-auto"), auto_first.prompt[: auto_first.boundary])
