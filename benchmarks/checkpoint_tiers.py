@@ -1,10 +1,12 @@
-"""Checkpoint tiers (device, host) and eviction by value on many long instructions: the
-acceptance workload of issue 46.
+"""Checkpoint tiers (device, host, object store) and eviction by value on many long
+instructions: the acceptance workload of issue 46.
 
     # one H200 (or H100), the 1.5B random-weight model written on the fly:
     python benchmarks/checkpoint_tiers.py --device cuda
     # the CPU version: the embedded model, smaller sizes
     .venv/bin/python benchmarks/checkpoint_tiers.py --cpu
+    # a smoke run (CPU, tiny sizes, about a minute; writes under /tmp unless --out is given)
+    .venv/bin/python benchmarks/checkpoint_tiers.py --quick
 
 Workload: --instructions distinct instructions of --instruction-tokens tokens, each asked by
 --users users (the instruction plus a user message of --user-tokens tokens, one output token),
@@ -13,13 +15,20 @@ all shuffled (--seed), --concurrency requests in flight. Only instruction checkp
 them (checkpoint_cache_bytes; the KV budget holds their full blocks and the running requests').
 Three configurations:
 
-    (a) device, lru     no host tier, LRU eviction
-    (b) tiers, lru      a host tier holding every instruction checkpoint, LRU in both tiers
-    (c) tiers, value    the same, evicting by prefill compute saved per byte with recency
+    (a) device, lru            no host tier, LRU eviction
+    (b) tiers, lru             a host tier holding every instruction checkpoint, LRU in both tiers
+    (c) tiers, value           the same, evicting by prefill compute saved per byte with recency
+    (d) tiers + store, value   a host tier of --host-bundles checkpoints only, and below it a
+                               stand-in for the object-store tier (benchmarks/in_process_store.py:
+                               what the host tier evicts is checksummed and pickled on a worker
+                               thread, a hit is unpickled there and imported checked in full;
+                               Ray's own copy and transfer are left out, so it runs where Ray
+                               is not installed)
 
 For each: the instruction hit rate (follow-ups, i.e. requests after their instruction's first,
 that restored at least the instruction), time to first token p50 / p95 (from add_request to the
-first token, queueing included), promotions and demotions. Then the promotion time of one
+first token, queueing included), promotions and demotions, and for (d) the copies stored and
+fetched and the median time from a store lookup to the copy's import. Then the promotion time of one
 instruction checkpoint from the host tier: from the lookup that starts its copy to the device
 until it is published there (the copy, then the import), median of --promotions, with the
 copy alone and the bytes moved. Each configuration first serves one request of its own in
@@ -53,15 +62,20 @@ from engine.parallel.cache_capacity import kv_bytes_per_block, state_bytes_per_s
 from engine.parallel.shard_layout import rank_shard_layout  # noqa: E402
 from engine.parallel.tensor_parallel import TensorParallel  # noqa: E402
 from harness import default_out, markdown_table, middle, write_result  # noqa: E402
+from in_process_store import InProcessStore  # noqa: E402
 
 ONE_TOKEN = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-CONFIGURATIONS = (("(a) device, lru", "lru", False), ("(b) tiers, lru", "lru", True),
-                  ("(c) tiers, value", "value", True))
-SIZES = {  # --cpu, else the acceptance sizes
-    True: dict(instructions=16, instruction_tokens=500, users=4, user_tokens=24, device_bundles=4,
-               concurrency=2, batch_tokens=512),
-    False: dict(instructions=64, instruction_tokens=8000, users=4, user_tokens=64, device_bundles=8,
-                concurrency=4, batch_tokens=8192),
+# (label, eviction, tiers: None (device only), "host" (host tier for all), "store" (a small
+# host tier over the stand-in store))
+CONFIGURATIONS = (("(a) device, lru", "lru", None), ("(b) tiers, lru", "lru", "host"),
+                  ("(c) tiers, value", "value", "host"), ("(d) tiers + store, value", "value", "store"))
+SIZES = {  # the acceptance sizes, --cpu and --quick
+    "acceptance": dict(instructions=64, instruction_tokens=8000, users=4, user_tokens=64, device_bundles=8,
+                       host_bundles=16, concurrency=4, batch_tokens=8192, promotions=20),
+    "cpu": dict(instructions=16, instruction_tokens=500, users=4, user_tokens=24, device_bundles=4,
+                host_bundles=4, concurrency=2, batch_tokens=512, promotions=20),
+    "quick": dict(instructions=6, instruction_tokens=160, users=3, user_tokens=8, device_bundles=2,
+                  host_bundles=2, concurrency=2, batch_tokens=256, promotions=5),
 }
 
 
@@ -97,11 +111,11 @@ def engine_config(args: argparse.Namespace, model_dir: str, eviction: str, host_
         state_cache_bytes=slot_bytes * (args.concurrency + 1), host_checkpoint_bytes=host_bytes)
 
 
-def host_bytes_for(args: argparse.Namespace, model_dir: str) -> int:
-    """A host tier holding every instruction checkpoint (the K/V of all their tokens), and the
-    warm-up's."""
+def host_bytes_for(args: argparse.Namespace, model_dir: str, bundles: int) -> int:
+    """A host tier holding `bundles` instruction checkpoints (the K/V of all their tokens), and
+    the warm-up's."""
     layout = expected_shard_layout(load_model_config(model_dir), TensorParallel.single(), args.dtype)
-    return (args.instructions + 1) * layout.nbytes(args.instruction_tokens)
+    return (bundles + 1) * layout.nbytes(args.instruction_tokens)
 
 
 def serve(engine: LLMEngine, requests, args: argparse.Namespace, salt: str) -> dict:
@@ -136,24 +150,37 @@ def serve(engine: LLMEngine, requests, args: argparse.Namespace, salt: str) -> d
             "ttft_p50_ms": 1e3 * middle(times), "ttft_p95_ms": 1e3 * times[int(0.95 * (len(times) - 1))]}
 
 
-def run_configuration(args, model_dir: str, label: str, eviction: str, tiers: bool, host_bytes: int, requests) -> dict:
-    engine = LLMEngine(engine_config(args, model_dir, eviction, host_bytes if tiers else 0))
+def run_configuration(args, model_dir: str, label: str, eviction: str, tiers: str | None, requests) -> dict:
+    host_bytes = {None: 0, "host": host_bytes_for(args, model_dir, args.instructions),
+                  "store": host_bytes_for(args, model_dir, args.host_bundles)}[tiers]
+    engine = LLMEngine(engine_config(args, model_dir, eviction, host_bytes))
+    store = None
+    if tiers == "store":
+        store = InProcessStore()
+        engine.host_tier.on_evict = store.demote
+        engine.add_checkpoint_source(store)  # asked after the host tier
     serve(engine, requests[:1], args, "warmup")
     started = time.perf_counter()
     result = serve(engine, requests, args, "run")
     stats = engine.stats()
     engine.shutdown()
     host = stats.host_tier
-    return {"configuration": label, **result, "seconds": time.perf_counter() - started,
-            "evicted_from_device": stats.checkpoints["instruction"].evicted,
-            "promoted": host.promoted if host else 0, "demoted": host.demoted if host else 0,
-            "host_evicted": host.evicted if host else 0}
+    row = {"configuration": label, **result, "seconds": time.perf_counter() - started,
+           "host_checkpoint_bytes": host_bytes, "evicted_from_device": stats.checkpoints["instruction"].evicted,
+           "promoted": host.promoted if host else 0, "demoted": host.demoted if host else 0,
+           "host_evicted": host.evicted if host else 0}
+    if store is not None:
+        store.close()
+        row.update(stored=store.stored, stored_pickled_bytes=store.stored_bytes, fetched=store.fetched,
+                   store_restore_ms_median=1e3 * statistics.median(store.restore_seconds)
+                   if store.restore_seconds else None)
+    return row
 
 
-def promotion_time(args, model_dir: str, host_bytes: int, requests) -> dict:
+def promotion_time(args, model_dir: str, requests) -> dict:
     """Promote one instruction checkpoint from the host tier --promotions times (it is evicted
     from the device again in between, which costs no copy: the host tier keeps it)."""
-    config = engine_config(args, model_dir, "lru", host_bytes)
+    config = engine_config(args, model_dir, "lru", host_bytes_for(args, model_dir, args.instructions))
     engine = LLMEngine(config)
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     by_instruction = {}
@@ -196,22 +223,29 @@ def promotion_time(args, model_dir: str, host_bytes: int, requests) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cpu", action="store_true", help="the embedded model on the CPU, smaller sizes")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: the embedded model on the CPU, tiny "
+                        "sizes, written under /tmp unless --out is given")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--model-dir", default=None, help="default: the 1.5B random model (cuda), the embedded one (--cpu)")
-    for name, value in SIZES[False].items():
+    for name, value in SIZES["acceptance"].items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, help=f"default {value}, "
-                            f"{SIZES[True][name]} with --cpu")
-    parser.add_argument("--promotions", type=int, default=20)
+                            f"{SIZES['cpu'][name]} with --cpu, {SIZES['quick'][name]} with --quick")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    for name, value in SIZES[args.cpu].items():
+    sizes_of = "quick" if args.quick else "cpu" if args.cpu else "acceptance"
+    for name, value in SIZES[sizes_of].items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    if args.cpu:
+    if args.cpu or args.quick:
         args.device = "cpu"
     args.dtype = "float32" if args.device == "cpu" else "bfloat16"
-    out = args.out or default_out("checkpoint_tiers_cpu" if args.cpu else "checkpoint_tiers")
+    if args.out is not None:
+        out = args.out
+    elif args.quick:
+        out = Path(tempfile.gettempdir()) / "checkpoint_tiers_quick.json"
+    else:
+        out = default_out("checkpoint_tiers_cpu" if args.cpu else "checkpoint_tiers")
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model_dir
@@ -222,10 +256,9 @@ def main() -> None:
 
             model_dir = str(model_dir_of(argparse.Namespace(quick=False), Path(tmp)))
         requests = workload(args, load_model_config(model_dir).vocab_size)
-        host_bytes = host_bytes_for(args, model_dir)
-        rows = [run_configuration(args, model_dir, label, eviction, tiers, host_bytes, requests)
+        rows = [run_configuration(args, model_dir, label, eviction, tiers, requests)
                 for label, eviction, tiers in CONFIGURATIONS]
-        promotion = promotion_time(args, model_dir, host_bytes, requests)
+        promotion = promotion_time(args, model_dir, requests)
 
     print(markdown_table(
         ["configuration", "instruction hit rate", "TTFT p50 ms", "TTFT p95 ms", "promoted", "demoted",
@@ -233,13 +266,19 @@ def main() -> None:
         [[r["configuration"], f"{r['hits']}/{r['follow_ups']} = {r['hit_rate']:.1%}", f"{r['ttft_p50_ms']:.1f}",
           f"{r['ttft_p95_ms']:.1f}", str(r["promoted"]), str(r["demoted"]), str(r["evicted_from_device"]),
           f"{r['seconds']:.1f}"] for r in rows]))
+    for row in rows:
+        if "stored" in row:
+            restore = row["store_restore_ms_median"]
+            print(f"{row['configuration']}: host tier of {args.host_bundles} checkpoints; the stand-in store kept "
+                  f"{row['stored']} ({row['stored_pickled_bytes'] / 2**20:.1f} MiB pickled) and served {row['fetched']} "
+                  f"hits, lookup to import {'-' if restore is None else f'{restore:.1f}'} ms median")
     print(f"promotion of a {promotion['tokens']}-token checkpoint ({promotion['bytes'] / 2**20:.1f} MiB) from the "
           f"host tier: {promotion['promotion_ms_median']:.2f} ms median (copy {promotion['copy_ms_median']:.2f} ms), "
           f"min {promotion['promotion_ms_min']:.2f} ms over {promotion['repeats']}")
-    sizes = {name: getattr(args, name) for name in SIZES[False]}
+    sizes = {name: getattr(args, name) for name in SIZES["acceptance"]}
     path = write_result(out, "checkpoint_tiers", {
         "model_dir": model_dir, "device": args.device, "dtype": args.dtype, "sizes": sizes, "seed": args.seed,
-        "host_checkpoint_bytes": host_bytes, "configurations": rows, "promotion": promotion,
+        "configurations": rows, "promotion": promotion,
     }, machine_extra={"torch": torch.__version__,
                       "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None})
     print(f"wrote {path}")

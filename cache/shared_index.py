@@ -28,7 +28,10 @@ StoredCopy, an exported copy of its bundle that outlives the replica. Their byte
 within `store_budget_bytes`: attaching one beyond it detaches the least recently used copies
 first (recency: attached, or hit on any replica), and a record left with neither a replica
 nor a copy goes. The index actor keeps one copy per checkpoint (namespace, length, digest):
-`can_store` refuses a second before anything is put.
+`can_store` refuses a second before anything is put. A copy may also come with its record, for a
+checkpoint its replica no longer holds (evicted from the device, then from the replica's host
+tier, and passed on to this tier): the record is put with on_replica False if the index has
+forgotten it, and attached to as usual if the replica's drop has not been reported yet.
 Hits: replicas report how often each of their bundles was restored (ReplicaReport.hits); the
 index sums them per checkpoint (`hottest_stored` ranks stored copies by them for warm starts).
 Hits are not versioned changes: mirrors do not see them.
@@ -240,24 +243,33 @@ class SharedIndex:
 
     # ---- stored copies (the object-store tier) -------------------------------------------------
 
-    def can_store(self, key: RecordKey, num_bytes: int) -> bool:
-        """Whether a new copy of `num_bytes` for `key` is worth storing: the record exists, the
-        copy fits the budget, and no record of the same checkpoint has a copy yet (the index
-        actor asks before it puts anything)."""
-        record = self._records.get(key)
-        if record is None or not self._fits(num_bytes):
+    def can_store(self, key: RecordKey, num_bytes: int,
+                  record: CheckpointRecord | None = None) -> bool:
+        """Whether a new copy of `num_bytes` for `key` is worth storing: the record exists (or,
+        for a checkpoint no replica reports any more, `record` describes it), the copy fits the
+        budget, and no record of the same checkpoint has a copy yet (the index actor asks
+        before it puts anything)."""
+        record = self._records.get(key, record)
+        if record is None or record.key != key or not self._fits(num_bytes):
             return False
-        twins = self._namespaces[record.namespace].by_length[record.length][record.digest] - {key}
-        return not any(self._records[twin].stored_copy is not None for twin in twins)
+        space = self._namespaces.get(record.namespace)
+        twins = set() if space is None else space.by_length.get(record.length, {}).get(record.digest, set())
+        return not any(self._records[twin].stored_copy is not None for twin in twins - {key})
 
-    def set_stored_copy(self, key: RecordKey, copy: StoredCopy | None) -> bool:
+    def set_stored_copy(self, key: RecordKey, copy: StoredCopy | None,
+                        record: CheckpointRecord | None = None) -> bool:
         """Attach (or, with None, detach) a stored copy to the record `key`; a record left with
         neither a replica nor a copy goes. Attaching makes room within store_budget_bytes by
-        detaching the least recently used copies. False, and nothing changed, when the index
-        has no such record or the copy alone exceeds the budget (see can_store for the
-        one-copy-per-checkpoint rule the actor applies first)."""
-        record = self._records.get(key)
-        if record is None:
+        detaching the least recently used copies. `record`: the checkpoint's record when the
+        index may no longer have it (one its replica evicted, reported dropped, and passed on
+        to this tier): put with on_replica False if the index has no record `key`. False, and
+        nothing changed, when the index has no such record (and none is given) or the copy
+        alone exceeds the budget (see can_store for the one-copy-per-checkpoint rule the actor
+        applies first)."""
+        known = self._records.get(key)
+        if known is None and copy is not None and record is not None and record.key == key:
+            known = replace(record, on_replica=False)
+        if known is None:
             return False
         if copy is None:
             self._detach(key)
@@ -265,7 +277,7 @@ class SharedIndex:
         if not self._fits(copy.num_bytes):
             return False
         budget = self.store_budget_bytes
-        self._put(replace(record, stored_copy=copy))
+        self._put(replace(known, stored_copy=copy))
         self._stored.move_to_end(key)
         while budget is not None and self._stored_bytes > budget:
             self._detach(next(iter(self._stored)))

@@ -4,7 +4,7 @@ serves HTTP itself behind HAProxy (llm_server_ingress.py), or the classic ingres
 API both serve (frontend.py), the tensor-parallel rank actors (worker_group.py), the
 application builder and its configuration (app.py, config.py, check_config.py, placement.py:
 whether the cluster can hold what the app asks, config_reference.py, serve_main.py) and the
-metrics (metrics.py).
+metrics (metrics.py; engine_metrics.py exports an engine's from its replica).
 
     http/      the OpenAI-compatible wire (protocol, errors, limits, streaming, API keys, log)
     cluster/   sharing checkpoints between replicas (index, router, object-store tier)

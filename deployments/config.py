@@ -114,7 +114,8 @@ class AppConfig(BaseModel):
     checkpoint_transfer: bool = Field(
         False,
         description="The object-store tier (README.md, Checkpoints across replicas): LLM server "
-                    "replicas export instruction checkpoints and hit checkpoints into the Ray "
+                    "replicas export instruction checkpoints, hit checkpoints and (with a host "
+                    "tier) what their host tier evicts into the Ray "
                     "object store, owned by the application's cluster index actor, fetch a "
                     "stored copy when a request about to be admitted would save enough prefill (the "
                     "request waits in the scheduler meanwhile), import the "

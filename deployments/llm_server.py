@@ -25,7 +25,9 @@ engine holds, and FetchPolicy says it pays, the scheduler's request waits while 
 fetched and imported, then restores it (`generate` only submits and streams); the
 constructor imports the application's hottest stored instruction checkpoints (warm start), and
 `__del__`, which Serve awaits on a graceful stop after draining requests, exports what is worth
-keeping within drain_export_timeout_s before the engine stops.
+keeping within drain_export_timeout_s before the engine stops. With a host tier too, what the
+host tier evicts is stored there (deployments/cluster/store_demotion.py), below the device and
+the host: checkpoint_tier wires the host tier's on_evict before the engine serves requests.
 """
 
 from __future__ import annotations
@@ -43,11 +45,13 @@ from deployments.cluster.fetch_policy import FetchPolicy
 from deployments.cluster.index import get_or_create_index
 from deployments.cluster.index_mirror import ActorIndexSource, IndexMirror
 from deployments.cluster.reporter import ActorIndexClient, CheckpointReporter
+from deployments.cluster.store_demotion import DemotionCounters, StoreDemotion
 from deployments.cluster.tier import CheckpointTier, TierCounters, TierSettings
 from deployments.config import AppConfig
 from deployments.frontend import ModelInfo
 from deployments.http.errors import as_api_error
-from deployments.metrics import EngineMetricsExporter, TierMetrics
+from deployments.engine_metrics import EngineMetricsExporter
+from deployments.metrics import TierMetrics
 from deployments.worker_group import RayWorkerExecutor, WorkerGroup
 from engine.core.async_engine import AsyncLLMEngine
 from engine.core.llm_engine import EngineStats, LLMEngine, PoolUsage, RequestOutput
@@ -134,6 +138,7 @@ class ReplicaStats:
     replica_id: str
     engine: EngineStats
     tier: TierCounters | None  # None without checkpoint_transfer
+    demotion: DemotionCounters | None = None  # None without checkpoint_transfer and a host tier
 
 
 def index_connector(config: AppConfig):
@@ -148,9 +153,10 @@ def index_connector(config: AppConfig):
     return connect
 
 
-def checkpoint_tier(engine: AsyncLLMEngine, config: AppConfig) -> CheckpointTier:
-    """This replica's side of the object-store tier, its IndexMirror started. Call inside a
-    Serve replica, on its event loop."""
+def checkpoint_tier(engine: AsyncLLMEngine, config: AppConfig) -> tuple[CheckpointTier, StoreDemotion | None]:
+    """This replica's side of the object-store tier, its IndexMirror started, and, when the
+    engine has a host tier, what the host tier evicts goes to (set as its on_evict). Call
+    inside a Serve replica, on its event loop, before the engine serves requests."""
     connect = index_connector(config)
 
     async def source() -> ActorIndexSource:
@@ -163,9 +169,17 @@ def checkpoint_tier(engine: AsyncLLMEngine, config: AppConfig) -> CheckpointTier
         fetch_timeout_s=config.fetch_timeout_s,
         warm_start_max_checkpoints=config.warm_start_max_checkpoints,
         warm_start_max_bytes=config.warm_start_max_bytes)
-    return CheckpointTier(engine, serve.get_replica_context().replica_id.unique_id,
-                          config.engine.model_dir, settings, mirror, connect, TierMetrics(),
-                          shards_by_reference=config.engine.tensor_parallel_size > 1)
+    replica_id = serve.get_replica_context().replica_id.unique_id
+    metrics = TierMetrics()
+    tier = CheckpointTier(engine, replica_id, config.engine.model_dir, settings, mirror, connect,
+                          metrics, shards_by_reference=config.engine.tensor_parallel_size > 1)
+    host = engine.engine.host_tier
+    if host is None:
+        return tier, None
+    # what may wait to be stored: as much again as the host tier holds
+    demotion = StoreDemotion(replica_id, mirror, connect, host.budget_bytes, metrics)
+    host.on_evict = demotion.demote
+    return tier, demotion
 
 
 def checkpoint_reporter(engine: AsyncLLMEngine, config: AppConfig,
@@ -218,8 +232,9 @@ class LLMServerReplica:
         self._reporter: CheckpointReporter | None = None
         self._tier: CheckpointTier | None = None
         self._drain_export_timeout_s = config.drain_export_timeout_s
+        self._demotion: StoreDemotion | None = None
         if config.checkpoint_transfer:
-            self._tier = checkpoint_tier(self._engine, config)
+            self._tier, self._demotion = checkpoint_tier(self._engine, config)
             await self._tier.warm_start(config.warm_start_timeout_s)
             await self._engine.add_checkpoint_source(self._tier)
         self._checkpoint_events: asyncio.Task | None = None
@@ -268,7 +283,8 @@ class LLMServerReplica:
         """This replica's id, engine counters and tier counters."""
         return ReplicaStats(serve.get_replica_context().replica_id.unique_id,
                             self._engine.engine.stats(),
-                            replace(self._tier.counters) if self._tier is not None else None)
+                            replace(self._tier.counters) if self._tier is not None else None,
+                            self._demotion.stats() if self._demotion is not None else None)
 
     def num_aborted_requests(self) -> int:
         """Streams that ended before their final output (client gone, cancelled, error)."""
@@ -286,24 +302,36 @@ class LLMServerReplica:
     async def __del__(self) -> None:
         """Serve awaits this once on a graceful stop, after the replica's requests drained
         (ray/serve/_private/replica.py, call_destructor; an async __del__ is accepted there).
-        With the tier: one last report, whose exports keep what is worth keeping, bounded by
+        With the tier: the checkpoints the host tier passed on and not yet stored are stored,
+        then one last report, whose exports keep what is worth keeping, all bounded by
         drain_export_timeout_s. Then the index forgets this replica (its stored copies stay),
         and the engine and rank actors stop."""
         events = getattr(self, "_checkpoint_events", None)
         if events is not None:
             events.cancel()
         tier, reporter = getattr(self, "_tier", None), getattr(self, "_reporter", None)
+        demotion = getattr(self, "_demotion", None)
         if tier is not None and reporter is not None:
             try:
-                await asyncio.wait_for(reporter.report_once(), self._drain_export_timeout_s)
+                await asyncio.wait_for(self._drain_exports(reporter, demotion),
+                                       self._drain_export_timeout_s)
             except Exception:  # timeout, index gone: what was not exported is lost, no more
                 pass
         self._close()
+
+    @staticmethod
+    async def _drain_exports(reporter: CheckpointReporter, demotion: StoreDemotion | None) -> None:
+        if demotion is not None:
+            await demotion.drained()
+        await reporter.report_once()
 
     def _close(self) -> None:
         tier = getattr(self, "_tier", None)
         if tier is not None:
             tier.close()
+        demotion = getattr(self, "_demotion", None)
+        if demotion is not None:
+            demotion.close()
         reporter = getattr(self, "_reporter", None)
         if reporter is not None:
             reporter.close()  # the index forgets this replica's checkpoints (fire and forget)

@@ -9,19 +9,22 @@ Each replica's series are its own, so `sum(...)` in PromQL adds up replicas and 
     ingress replica      RequestMetrics: requests by status, output tokens, time to first
                          token, inter-token and end-to-end latency (it sees each whole stream),
                          instruction boundary and cache breakpoint rejections
-    LLM server replica   EngineMetricsExporter: every EXPORT_PERIOD_S, on the replica's event
+    LLM server replica   EngineMetricsExporter (deployments/engine_metrics.py): every
+                         EXPORT_PERIOD_S, on the replica's event
                          loop, the engine's cumulative counters (EngineStats) become Counter
                          increments (the delta since the last export) and its pools and queues
                          gauges; nothing on a request's path, nothing on the step thread. With
-                         speculative decoding on, its counters too, per drafter
+                         a host tier, its counters and size; with speculative decoding on,
+                         its counters too, per drafter
     checkpoint router    RoutingMetrics (in each process that routes to the LLM server, the
                          ingress): requests sent to a checkpoint's holder, fallbacks by reason
     checkpoint index     IndexMetrics (the application's index actor, not a Serve replica: it
                          sets the `application` tag itself): records and bytes it describes,
                          the object-store tier's copies and bytes
     object-store tier    TierMetrics (each LLM server replica with checkpoint_transfer): the
-                         time of exports, fetches and imports, fetch-vs-recompute decisions,
-                         failed fetches; exports, imports, their bytes and import rejections
+                         time of exports, fetches, imports and demotions from the host tier,
+                         fetch-vs-recompute decisions, failed fetches, demotions by outcome;
+                         exports, imports, their bytes and import rejections
                          come from the engine's counters through EngineMetricsExporter
 
 METRICS lists every metric; `exported_names()` the names Prometheus sees (dashboards/ uses
@@ -31,16 +34,11 @@ are exact. A counter appears once it has been incremented (Ray cannot export a z
 
 from __future__ import annotations
 
-import asyncio
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from deployments.http.request_log import RequestRecord
-from engine.speculative.scheduling import SpeculationStats
-
-logger = logging.getLogger("ray.serve")
 
 # What GET /metrics at the ingress answers: a valid exposition without samples, since a
 # replica's own numbers are not the application's once there are several.
@@ -127,6 +125,10 @@ PROMPT_TOKENS_RESTORED = MetricSpec(
 PROMPT_TOKENS_COMPUTED = MetricSpec(
     "hybrid_serve_prompt_tokens_computed", "counter",
     "Prompt tokens left to prefill after restoring (at first admission).")
+CAPTURE_WAITS = MetricSpec(
+    "hybrid_serve_capture_waits", "counter",
+    "Requests that waited for a running request's capture of a prefix they share instead of "
+    "computing it again (engine/checkpoints/in_flight.py).")
 PREEMPTIONS = MetricSpec(
     "hybrid_serve_preemptions", "counter",
     "Requests preempted (blocks and state slot freed, requeued to be recomputed).")
@@ -151,6 +153,28 @@ CHECKPOINTS = MetricSpec(
 CHECKPOINT_BYTES = MetricSpec(
     "hybrid_serve_checkpoint_bytes", "gauge",
     "Bytes held by checkpoints outside the shared KV blocks.")
+
+# ----- the host tier (engine/checkpoints/host_tier.py HostTierCounters), exported by each LLM
+# server replica with its engine's counters; no series while it is off (host_checkpoint_bytes 0)
+HOST_TIER_EVENT_NAMES = ("demoted", "already_held", "refused", "promoted", "promotion_failed",
+                         "evicted", "passed_on")
+HOST_TIER_EVENTS = MetricSpec(
+    "hybrid_serve_host_tier_events", "counter",
+    "Host tier events by event: demoted (copied in from the device), already_held (evicted from "
+    "the device while held: no copy), refused (not worth what it would evict, or over the "
+    "budget), promoted (imported back to the device), promotion_failed (no room on the "
+    "device), evicted (out of the host budget), passed_on (of those, handed to the "
+    "object-store tier).", ("event",))
+HOST_TIER_EVENT_BYTES = MetricSpec(
+    "hybrid_serve_host_tier_event_bytes", "counter",
+    "Shard bytes demoted into or promoted out of the host tier, by event (demoted, promoted).",
+    ("event",))
+HOST_TIER_CHECKPOINTS = MetricSpec(
+    "hybrid_serve_host_tier_checkpoints", "gauge", "Checkpoints the host tier holds.")
+HOST_TIER_BYTES = MetricSpec(
+    "hybrid_serve_host_tier_bytes", "gauge",
+    "Bytes the host tier holds (every shard's state, K/V of all its tokens and hidden row), "
+    "within host_checkpoint_bytes.")
 
 # ----- speculative decoding, per drafter (engine/speculative/scheduling.py SpeculationStats);
 # exported by each LLM server replica with its engine's counters, no series while it is off
@@ -247,7 +271,8 @@ IMPORT_REJECTIONS = MetricSpec(
 TRANSFER_SECONDS = MetricSpec(
     "hybrid_serve_checkpoint_transfer_seconds", "histogram",
     "Time of one tier operation: export (engine export and the index's puts), fetch (getting a "
-    "stored copy's objects), import (the engine's checks and restore).", ("operation",),
+    "stored copy's objects), import (the engine's checks and restore), demote (a checkpoint "
+    "the host tier evicted: its checksums and the index's puts).", ("operation",),
     boundaries=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0))
 FETCH_DECISIONS = MetricSpec(
     "hybrid_serve_checkpoint_fetch_decisions", "counter",
@@ -258,18 +283,25 @@ FETCH_FAILURES = MetricSpec(
     "hybrid_serve_checkpoint_fetch_failures", "counter",
     "Fetches of stored copies that did not end in an import, by reason: timeout, lost, "
     "malformed, rejected (the engine refused it), error.", ("reason",))
+DEMOTIONS = MetricSpec(
+    "hybrid_serve_checkpoint_demotions", "counter",
+    "Checkpoints the host tier evicted and passed on to the object-store tier, by outcome: "
+    "stored, already_stored (a copy was there), refused (by the index: a copy exists, over "
+    "checkpoint_store_bytes), dropped (too many bytes waiting to be stored), failed.",
+    ("outcome",))
 
 METRICS = (REQUESTS, OUTPUT_TOKENS, TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY, REQUEST_LATENCY,
            BOUNDARY_REJECTIONS, BREAKPOINT_REJECTIONS, CHECKPOINT_EVENTS_TOTAL, PROMPT_TOKENS_RESTORED,
-           PROMPT_TOKENS_COMPUTED, PREEMPTIONS, FAILED_STEPS, REQUESTS_FAILED, ENGINE_REQUESTS,
-           KV_BLOCKS, STATE_SLOTS, CHECKPOINTS, CHECKPOINT_BYTES,
+           PROMPT_TOKENS_COMPUTED, CAPTURE_WAITS, PREEMPTIONS, FAILED_STEPS, REQUESTS_FAILED,
+           ENGINE_REQUESTS, KV_BLOCKS, STATE_SLOTS, CHECKPOINTS, CHECKPOINT_BYTES, HOST_TIER_EVENTS,
+           HOST_TIER_EVENT_BYTES, HOST_TIER_CHECKPOINTS, HOST_TIER_BYTES,
            SPECULATIVE_VERIFICATION_CHUNKS, SPECULATIVE_DRAFTS_PROPOSED,
            SPECULATIVE_DRAFTS_ACCEPTED, SPECULATIVE_DRAFTS_REJECTED, SPECULATIVE_DRAFTS_TRIMMED,
            SPECULATIVE_STEPS_OVER_BATCH_CAP, SPECULATIVE_ACCEPTANCE_LENGTHS,
            SPECULATIVE_DEPTH_PROPOSED, SPECULATIVE_DEPTH_ACCEPTED, ROUTED_TO_HOLDER,
            ROUTING_FALLBACKS, INDEX_RECORDS, INDEX_BYTES, INDEX_STORED_COPIES, INDEX_STORED_BYTES,
            TRANSFERS, TRANSFER_BYTES, IMPORT_REJECTIONS, TRANSFER_SECONDS, FETCH_DECISIONS,
-           FETCH_FAILURES)
+           FETCH_FAILURES, DEMOTIONS)
 ROUTING_FALLBACK_REASONS = ("recent_placement", "no_holder", "overloaded", "no_tokens",
                             "index_unavailable")
 
@@ -323,116 +355,6 @@ class RequestMetrics:
             self._itl.observe(decode_s / (record.output_tokens - 1))
 
 
-class EngineMetricsExporter:
-    """Exports one engine's numbers from an LLM server replica: counters as increments since
-    the last export, pools and queues as gauges. Create inside the replica, then run `run()` as
-    a task of its event loop.
-
-    Reads the engine from the event loop's thread while the step thread runs, as
-    LLMServer.engine_stats does: each number is one the engine held, the set may be a step
-    apart. A read that fails (a structure resized mid-read) is retried at the next export.
-    """
-
-    def __init__(self, engine, create: Callable[[MetricSpec], Any] = MetricSpec.create) -> None:
-        """engine: the replica's LLMEngine (read only: stats(), pool_usage(), its scheduler's
-        running and waiting queues). create: makes each metric (Ray's, MetricSpec.create; a
-        test passes one that records the increments and values)."""
-        self._engine = engine
-        self._exported: dict[tuple, int] = {}  # (metric name, tag values) -> value exported
-        self._counters = {spec.name: create(spec) for spec in (
-            CHECKPOINT_EVENTS_TOTAL, PROMPT_TOKENS_RESTORED, PROMPT_TOKENS_COMPUTED, PREEMPTIONS,
-            FAILED_STEPS, REQUESTS_FAILED, TRANSFERS, TRANSFER_BYTES, IMPORT_REJECTIONS,
-            SPECULATIVE_VERIFICATION_CHUNKS, SPECULATIVE_DRAFTS_PROPOSED,
-            SPECULATIVE_DRAFTS_ACCEPTED, SPECULATIVE_DRAFTS_REJECTED, SPECULATIVE_DRAFTS_TRIMMED,
-            SPECULATIVE_STEPS_OVER_BATCH_CAP, SPECULATIVE_ACCEPTANCE_LENGTHS,
-            SPECULATIVE_DEPTH_PROPOSED, SPECULATIVE_DEPTH_ACCEPTED)}
-        self._gauges = {spec.name: create(spec) for spec in (
-            ENGINE_REQUESTS, KV_BLOCKS, STATE_SLOTS, CHECKPOINTS, CHECKPOINT_BYTES)}
-
-    async def run(self, period_s: float = EXPORT_PERIOD_S) -> None:
-        """Export every `period_s` until cancelled; a failed export logs once per run of
-        failures and is retried."""
-        failing = False
-        while True:
-            try:
-                self.export()
-                failing = False
-            except Exception:
-                if not failing:
-                    logger.warning("exporting the engine's metrics failed; retrying", exc_info=True)
-                failing = True
-            await asyncio.sleep(period_s)
-
-    def export(self) -> None:
-        """Record the engine's numbers now."""
-        stats = self._engine.stats()
-        usage = self._engine.pool_usage()
-        scheduler = self._engine.scheduler
-        running = len(scheduler.running)
-        waiting = list(scheduler.waiting)  # one C-level copy: never sees the deque mid-change
-        preempted = sum(1 for request in waiting if request.num_preemptions > 0)
-
-        for kind, counters in stats.checkpoints.items():
-            for event in CHECKPOINT_EVENTS:
-                self._count(CHECKPOINT_EVENTS_TOTAL, getattr(counters, event),
-                            {"kind": kind, "event": event})
-        self._count(PROMPT_TOKENS_RESTORED, stats.scheduler.prompt_tokens_restored)
-        self._count(PROMPT_TOKENS_COMPUTED, stats.scheduler.prompt_tokens_computed)
-        self._count(PREEMPTIONS, stats.scheduler.preemptions)
-        self._count(FAILED_STEPS, stats.scheduler.failed_steps)
-        self._count(REQUESTS_FAILED, stats.scheduler.requests_failed)
-
-        held_by_requests = usage.total_blocks - usage.free_blocks - usage.checkpoint_only_blocks
-        self._set(ENGINE_REQUESTS, {"running": running, "waiting": len(waiting) - preempted,
-                                    "preempted": preempted})
-        self._set(KV_BLOCKS, {"free": usage.free_blocks, "requests": held_by_requests,
-                              "checkpoints": usage.checkpoint_only_blocks})
-        self._set(STATE_SLOTS, {"free": usage.free_state_slots,
-                                "used": usage.total_state_slots - usage.free_state_slots})
-        transfers = stats.transfers
-        self._count(TRANSFERS, transfers.exported, {"direction": "export"})
-        self._count(TRANSFERS, transfers.imported, {"direction": "import"})
-        self._count(TRANSFER_BYTES, transfers.exported_bytes, {"direction": "export"})
-        self._count(TRANSFER_BYTES, transfers.imported_bytes, {"direction": "import"})
-        for reason, count in transfers.rejected.items():
-            self._count(IMPORT_REJECTIONS, count, {"reason": reason})
-        self._gauges[CHECKPOINTS.name].set(stats.num_checkpoints)
-        self._gauges[CHECKPOINT_BYTES.name].set(stats.checkpoint_bytes)
-        self._count_speculation(stats.speculation)
-
-    def _count_speculation(self, speculation: SpeculationStats) -> None:
-        """Speculative decoding's counters, tagged with the drafter. Off (no drafter), they
-        stay zero and nothing is recorded: no series until speculation verifies a chunk."""
-        if not speculation.drafter:
-            return
-        drafter = {"drafter": speculation.drafter}
-        self._count(SPECULATIVE_VERIFICATION_CHUNKS, speculation.verification_chunks, drafter)
-        self._count(SPECULATIVE_DRAFTS_PROPOSED, speculation.draft_tokens_proposed, drafter)
-        self._count(SPECULATIVE_DRAFTS_ACCEPTED, speculation.draft_tokens_accepted, drafter)
-        self._count(SPECULATIVE_DRAFTS_REJECTED, speculation.draft_tokens_rejected, drafter)
-        self._count(SPECULATIVE_DRAFTS_TRIMMED, speculation.draft_tokens_trimmed, drafter)
-        self._count(SPECULATIVE_STEPS_OVER_BATCH_CAP, speculation.steps_over_batch_cap, drafter)
-        for accepted, chunks in enumerate(speculation.acceptance_lengths):
-            self._count(SPECULATIVE_ACCEPTANCE_LENGTHS, chunks,
-                        {**drafter, "accepted": str(accepted)})
-        for depth, (proposed, accepted) in enumerate(
-                zip(speculation.depth_proposed, speculation.depth_accepted), start=1):
-            self._count(SPECULATIVE_DEPTH_PROPOSED, proposed, {**drafter, "depth": str(depth)})
-            self._count(SPECULATIVE_DEPTH_ACCEPTED, accepted, {**drafter, "depth": str(depth)})
-
-    def _count(self, spec: MetricSpec, total: int, tags: dict[str, str] | None = None) -> None:
-        """Increment `spec`'s counter by what `total` (the engine's cumulative value) grew."""
-        key = (spec.name, tuple(sorted((tags or {}).items())))
-        delta = total - self._exported.get(key, 0)
-        if delta > 0:
-            self._counters[spec.name].inc(delta, tags=tags)
-            self._exported[key] = total
-
-    def _set(self, spec: MetricSpec, by_state: dict[str, int]) -> None:
-        for state, value in by_state.items():
-            self._gauges[spec.name].set(value, tags={"state": state})
-
-
 class RoutingMetrics:
     """The checkpoint-aware router's decisions. Create in the routing process (the ingress
     replica, which adds Serve's tags)."""
@@ -476,6 +398,7 @@ class TierMetrics:
         self._seconds = TRANSFER_SECONDS.create()
         self._decisions = FETCH_DECISIONS.create()
         self._failures = FETCH_FAILURES.create()
+        self._demotions = DEMOTIONS.create()
 
     def observe(self, operation: str, seconds: float) -> None:
         self._seconds.observe(seconds, tags={"operation": operation})
@@ -485,3 +408,7 @@ class TierMetrics:
 
     def failed(self, reason: str) -> None:
         self._failures.inc(tags={"reason": reason})
+
+    def demoted(self, outcome: str) -> None:
+        """A checkpoint the host tier passed on (deployments/cluster/store_demotion.py)."""
+        self._demotions.inc(tags={"outcome": outcome})

@@ -77,9 +77,11 @@ class EngineConfig:
                                                 "device's budgets: a request that needs one "
                                                 "waits while it is copied back, instead of "
                                                 "recomputing it (docs/checkpoints.md, Memory); "
+                                                "what it evicts goes to the object-store tier "
+                                                "when checkpoint_transfer is on. "
                                                 "0 turns this tier off. One rank only for now. "
                                                 "Unset: from memory_utilization, else off.")
-    checkpoint_eviction: str = _option("lru", "Which checkpoint goes first when a budget is "
+    checkpoint_eviction: str = _option("value", "Which checkpoint goes first when a budget is "
                                        "full: value (least prefill compute saved per byte "
                                        "held, halved every checkpoint_value_half_life uses of "
                                        "the tier since it was last used) or lru (least "
@@ -89,6 +91,10 @@ class EngineConfig:
                                                 "this many checkpoint publications and hits "
                                                 "without a use, a checkpoint counts half as "
                                                 "valuable.")
+    capture_wait_s: float = _option(10.0, "A request that shares a longer prefix with a running "
+                                    "request about to capture it waits up to this long for that "
+                                    "checkpoint instead of computing the prefix again "
+                                    "(engine/checkpoints/in_flight.py). 0 turns waiting off.")
     dtype: str = _option("float32", "Model dtype: float32, bfloat16 or float16.")
     device: str = _option("cpu", "cpu, or cuda (one GPU per rank).")
     kv_cache_dtype: str = _option("auto", "How KV blocks store keys and values: auto (the "
@@ -171,6 +177,9 @@ class EngineConfig:
         half_life = self.checkpoint_value_half_life
         if isinstance(half_life, bool) or not isinstance(half_life, (int, float)) or not half_life > 0:
             raise ValueError(f"checkpoint_value_half_life must be a number > 0, got {half_life!r}")
+        wait = self.capture_wait_s
+        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not wait >= 0:
+            raise ValueError(f"capture_wait_s must be a number >= 0, got {wait!r}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.dtype not in ("float32", "bfloat16", "float16"):

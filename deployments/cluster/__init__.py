@@ -8,6 +8,7 @@
                       pickled by value)
     ingress_router.py the lean path's ingress request router: HAProxy asks it which replica
     tier.py           the object-store tier: copies of checkpoints any replica can import
+    store_demotion.py what the replica's host tier evicts, stored in the object-store tier
     object_copies.py  a stored checkpoint copy as separate Ray objects
     fetch_policy.py   when fetching a copy beats recomputing its prefix
     rank_shards.py    a Ray rank actor's side of moving shards through the object store

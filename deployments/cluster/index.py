@@ -12,7 +12,8 @@ empty under a new incarnation id, the replicas' next reports are refused, they s
 full holdings, and routers' mirrors take a snapshot. Until then lookups miss, never mislead.
 
 With checkpoint_transfer it also owns the object-store tier (deployments/cluster/object_copies.py):
-`store_copy` puts a replica's exported checkpoint as objects this actor owns, within the
+`store_copy` puts a replica's exported checkpoint (one it publishes or that was hit, or one its
+host tier evicted) as objects this actor owns, within the
 tier's byte budget (SharedIndex's store_budget_bytes: least recently used copies go first),
 and `hottest_stored` ranks them for a starting replica's warm start.
 
@@ -90,24 +91,28 @@ class CheckpointIndex:
         self._index.remove_replica(replica_id)
         self._after_change(version)
 
-    async def set_stored_copy(self, key: RecordKey, copy: StoredCopy | None) -> bool:
+    async def set_stored_copy(self, key: RecordKey, copy: StoredCopy | None,
+                              record: CheckpointRecord | None = None) -> bool:
         """SharedIndex.set_stored_copy (for the object-store tier)."""
         version = self._index.version
-        found = self._index.set_stored_copy(key, copy)
+        found = self._index.set_stored_copy(key, copy, record)
         self._after_change(version)
         return found
 
-    async def store_copy(self, key: RecordKey, num_bytes: int, header, *shards) -> bool:
+    async def store_copy(self, key: RecordKey, num_bytes: int, header, *shards,
+                         record: CheckpointRecord | None = None) -> bool:
         """Keep a replica's exported checkpoint (header and rank-ordered shards, resolved from
         the object store by Ray: with tensor parallelism the caller passes the refs of the
         objects its ranks put, so the shards come here straight from the ranks' objects, never
         through the replica) as the stored copy of record `key`: put as objects this actor
-        owns, then attached (SharedIndex.set_stored_copy). False, nothing kept, when the record
-        is unknown, its checkpoint already has a copy, or it exceeds the budget."""
-        if not self._index.can_store(key, num_bytes):
+        owns, then attached (SharedIndex.set_stored_copy). `record`: the checkpoint's record,
+        for one the replica no longer holds (passed on by its host tier), put if the index has
+        forgotten it. False, nothing kept, when the record is unknown (and none is given), its
+        checkpoint already has a copy, or it exceeds the budget."""
+        if not self._index.can_store(key, num_bytes, record):
             return False
         locator = await asyncio.to_thread(put_stored, header, shards)
-        return await self.set_stored_copy(key, StoredCopy(locator, num_bytes))
+        return await self.set_stored_copy(key, StoredCopy(locator, num_bytes), record)
 
     async def hottest_stored(self, model_dir: str, kinds: list[str], max_count: int,
                              max_bytes: int) -> list[HotCopy]:

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import ray
 
-from cache.index_messages import RecordKey
+from cache.index_messages import CheckpointRecord, RecordKey
 from engine.checkpoints.transfer import CheckpointShard, ExportedCheckpoint, RemoteShard
 
 
@@ -61,14 +61,16 @@ class FetchFailed(Exception):
         self.reason = reason
 
 
-async def store_exported(index, key: RecordKey, exported: ExportedCheckpoint) -> bool:
+async def store_exported(index, key: RecordKey, exported: ExportedCheckpoint,
+                         record: CheckpointRecord | None = None) -> bool:
     """Ask the index actor (`index`: its handle) to keep `exported` as the stored copy of the
     record `key`; True when it did (False: no such record, a copy of that checkpoint exists,
-    or it exceeds the tier's budget). Shards by reference go as the call's top-level
-    arguments, their refs only: Ray resolves them inside the index actor, from the object
-    store. Raises what the actor call raises."""
+    or it exceeds the tier's budget). `record`: the record to put if the index has none (a
+    checkpoint the replica no longer holds, CheckpointIndex.store_copy). Shards by reference
+    go as the call's top-level arguments, their refs only: Ray resolves them inside the index
+    actor, from the object store. Raises what the actor call raises."""
     shards = [shard.ref if isinstance(shard, RemoteShard) else shard for shard in exported.shards]
-    return await index.store_copy.remote(key, exported.nbytes, exported.header, *shards)
+    return await index.store_copy.remote(key, exported.nbytes, exported.header, *shards, record=record)
 
 
 def put_stored(header, shards: tuple) -> StoredLocator:

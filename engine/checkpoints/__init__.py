@@ -2,6 +2,8 @@
 
     policy.py          the scheduler's side: which checkpoint to restore at admission, where to
                        capture, when a capture is published
+    in_flight.py       captures about to be published, a source requests wait on instead of
+                       recomputing the prefix
     capture_events.py  what was captured, published, restored and evicted, for metrics and the
                        cluster index
     bundle_store.py    the worker's side: gather a request's state into a bundle, scatter it back

@@ -10,14 +10,16 @@ request needs one (docs/design.md section 5, Tiers).
         to the device started on a stream of its own (DeviceStaging); the request waits in the
         scheduler while the others step; the engine imports the copy as any fetched checkpoint
         (LLMEngine._import_fetched) and the request restores it
-    the host budget is full --HostTier evicts in its own order--> on_evict (the next tier, the
-        object store, when it is on), or gone
+    the host budget is full --HostTier evicts in its own order--> on_evict(EvictedCheckpoint):
+        the next tier (the object store, when it is on: deployments/cluster/store_demotion.py
+        StoreDemotion.demote, which hands it to the replica's event loop), or gone
 
 The tier is inclusive: a promoted checkpoint stays here, so evicting it from the device again
 costs no copy. Its budget, order (LRU or value per byte, cache/eviction.py, over the bytes it
 holds here) and tenants' fair shares are its own. A copy here never leaves the process unless
 on_evict takes it, so its shards carry no checksum (`verified` fetches skip the import's
-checksum, which would cost a pass over every byte) until it does (`with_checksums`).
+checksum, which would cost a pass over every byte); whoever takes it out of the process adds
+them (`with_checksums`), off the step thread.
 
 Step thread only.
 """
@@ -44,10 +46,12 @@ logger = logging.getLogger(__name__)
 @dataclass
 class HostEntry:
     """A checkpoint held in the host tier. `ready`: the event its copy off the device records
-    (None when the copy was synchronous); its tensors may be read on the host only after it."""
+    (None when the copy was synchronous); its tensors may be read on the host only after it.
+    bundle_id: the device bundle it was demoted from."""
 
     exported: ExportedCheckpoint
     num_bytes: int
+    bundle_id: int
     ready: object | None = None
 
     @property
@@ -76,6 +80,17 @@ class HostTierCounters:
 
     def copy(self) -> HostTierCounters:
         return dataclasses.replace(self)
+
+
+@dataclass(frozen=True)
+class EvictedCheckpoint:
+    """What on_evict is given: a checkpoint the host tier evicted, its tensors on the host and
+    its copy off the device finished, without checksums (with_checksums adds them: a pass over
+    every byte, for the receiver to make off the step thread). bundle_id: the device bundle it
+    was demoted from (unique in this engine: the ledger never reuses an id)."""
+
+    exported: ExportedCheckpoint
+    bundle_id: int
 
 
 class DeviceStaging:
@@ -126,13 +141,15 @@ class HostTier:
     """A CheckpointSource over the checkpoints demoted from the device (see the module doc).
 
     budget_bytes: what the held shards may take. order: the tier's eviction order. staging:
-    how a promotion reaches the device. on_evict: told of each checkpoint evicted from here
-    (with checksums), e.g. to keep it in the object-store tier; None drops it.
-    fetch_timeout_s: how long the scheduler waits for a promotion before recomputing.
+    how a promotion reaches the device. on_evict: given each checkpoint evicted from here, e.g.
+    to keep it in the object-store tier; called on the step thread, it must return at once
+    (hand the work to another thread) and its exceptions cost that checkpoint only; None drops
+    it. Set it before the engine serves requests. fetch_timeout_s: how long the scheduler waits
+    for a promotion before recomputing.
     """
 
     def __init__(self, budget_bytes: int, order: EvictionOrder, staging: DeviceStaging,
-                 on_evict: Callable[[ExportedCheckpoint], None] | None = None,
+                 on_evict: Callable[[EvictedCheckpoint], None] | None = None,
                  fetch_timeout_s: float = 30.0) -> None:
         self.budget_bytes = budget_bytes
         self.order = order
@@ -179,10 +196,10 @@ class HostTier:
         evictions the order and the tenants' shares allow are made. Changes nothing."""
         return self._victims(namespace, token_ids, num_bytes, owner) is not None
 
-    def add(self, exported: ExportedCheckpoint, ready: object | None = None) -> bool:
+    def add(self, exported: ExportedCheckpoint, bundle_id: int, ready: object | None = None) -> bool:
         """Keep `exported` (its tensors on the host; `ready` the event its copy records),
-        evicting what the order ranks below it; False, nothing changed, when it is not worth
-        that or does not fit."""
+        demoted from the device's bundle `bundle_id`, evicting what the order ranks below it;
+        False, nothing changed, when it is not worth that or does not fit."""
         header = exported.header
         if self.holds(header.namespace, header.token_ids):
             return True
@@ -196,7 +213,7 @@ class HostTier:
         entry_id = next(self._ids)
         figures = self._value_figures(header.namespace, header.token_ids, num_bytes)
         self.index.insert(header.namespace, header.token_ids, entry_id)
-        self._entries[entry_id] = HostEntry(exported, num_bytes, ready)
+        self._entries[entry_id] = HostEntry(exported, num_bytes, bundle_id, ready)
         self.order.add(entry_id, *figures)
         self._bytes_held += num_bytes
         self._owner_bytes[header.owner] = self._owner_bytes.get(header.owner, 0) + num_bytes
@@ -258,7 +275,7 @@ class HostTier:
             return
         try:
             entry.wait()
-            self.on_evict(with_checksums(entry.exported))
+            self.on_evict(EvictedCheckpoint(entry.exported, entry.bundle_id))
         except Exception:  # the next tier's failure costs this checkpoint, never the step
             logger.exception("passing an evicted checkpoint on from the host tier failed")
             return

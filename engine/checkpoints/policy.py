@@ -9,7 +9,7 @@ fixed points of its step:
                                                           breakpoints, prompt end
     Scheduler.finish_request     reserve_at_finish        response, on stop or length only
     Scheduler.schedule           take_reserved,           the captures the step takes
-                                 in_pass_captures
+                                 take_in_pass
     Scheduler._admit             lookup, restore_op,      what the request starts from
                                  cancel_restore
     Scheduler.update_from_output settle                   publish or drop; unpin restores
@@ -67,6 +67,7 @@ class CheckpointPolicy:
         self.world_size = world_size
         self.in_pass_capture = in_pass_capture
         self._reserved: list[CaptureOp] = []  # cut captures for the next step to take
+        self._in_pass: list[CaptureOp] = []  # in-pass captures of the step being scheduled
         self._pending_endpoints: dict[int, Endpoint] = {}  # bundle id -> endpoint, until settled
 
     @property
@@ -91,19 +92,55 @@ class CheckpointPolicy:
             pauses.update(request.cache_breakpoints)
         return tuple(sorted(pauses))
 
+    def capture_positions(self, request: Request) -> tuple[int, ...]:
+        """The prompt positions at which `request` is to capture a checkpoint as its prefill
+        reaches them (sorted): its instruction boundary, its cache breakpoints and its prompt
+        end, each when its kind is on. Whether the cache accepts a capture is decided only
+        when it is reserved. Mutates nothing."""
+        positions = set()
+        if request.instruction_boundary is not None and CheckpointKind.INSTRUCTION in self.kinds:
+            positions.add(request.instruction_boundary)
+        if CheckpointKind.BREAKPOINT in self.kinds:
+            positions.update(request.cache_breakpoints)
+        if CheckpointKind.PROMPT in self.kinds:
+            positions.add(request.num_prompt_tokens)
+        positions.discard(0)
+        return tuple(sorted(positions))
+
+    def is_pending(self, namespace: Namespace, token_ids: tuple[int, ...]) -> bool:
+        """A capture of exactly `token_ids` in `namespace` is reserved and not yet settled."""
+        return (namespace, token_ids) in self._pending_endpoints.values()
+
+    def longest_pending(self, namespace: Namespace, token_ids: tuple[int, ...]) -> int:
+        """Tokens of the longest capture reserved and not yet settled in `namespace` whose
+        tokens are a prefix of `token_ids` (0: none). Mutates nothing."""
+        longest = 0
+        for pending_namespace, pending in self._pending_endpoints.values():
+            size = len(pending)
+            if size > longest and pending_namespace == namespace and token_ids[:size] == pending:
+                longest = size
+        return longest
+
     # ----------------------------------------------------------------- captures
 
     def reserve_after_chunk(self, request: Request, chunk: ScheduledChunk) -> None:
-        """`chunk` of `request` was just scheduled: reserve the cut captures that fall due where
-        it ends, at the instruction boundary, at a cache breakpoint and at the end of the
-        prompt, for the next step to take (an endpoint that is both the instruction boundary
-        and a breakpoint is captured once, as the instruction checkpoint). A chunk of no
-        tokens (a restore covered them) reserves nothing. Mutates the reserved captures and,
-        for each reservation, the cache (a pending bundle)."""
+        """`chunk` of `request` was just scheduled: reserve the in-pass instruction capture when
+        in_pass_capture is on and the boundary lies strictly inside the chunk, for this step
+        to take (take_in_pass), and the cut captures that fall due where it ends, at the
+        instruction boundary, at a cache breakpoint and at the end of the prompt, for the next
+        step to take (an endpoint that is both the instruction boundary and a breakpoint is
+        captured once, as the instruction checkpoint). A chunk of no tokens (a restore covered
+        them) reserves nothing. Mutates the reserved captures and, for each reservation, the
+        cache (a pending bundle)."""
         if not chunk.token_ids:
             return
         end = chunk.start_position + len(chunk.token_ids)
-        if end == request.instruction_boundary:
+        boundary = request.instruction_boundary
+        if self.in_pass_capture and boundary is not None and chunk.start_position < boundary < end:
+            capture = self._reserve(request, CheckpointKind.INSTRUCTION, boundary, in_pass=True)
+            if capture is not None:
+                self._in_pass.append(capture)
+        if end == boundary:
             self._reserve_cut(request, CheckpointKind.INSTRUCTION, end)
         if end in request.cache_breakpoints:
             self._reserve_cut(request, CheckpointKind.BREAKPOINT, end)
@@ -125,25 +162,12 @@ class CheckpointPolicy:
         reserved, self._reserved = self._reserved, []
         return reserved
 
-    def in_pass_captures(
-        self, chunks: Iterable[ScheduledChunk], requests: Mapping[str, Request]
-    ) -> list[CaptureOp]:
-        """In-pass instruction captures for this step's chunks whose request's instruction
-        boundary lies strictly inside the chunk (a boundary at a chunk's end is captured the
-        cut way, reserve_after_chunk); none unless in_pass_capture is on. Each reserves a
-        pending bundle in the cache; the same skips apply as to a cut capture."""
-        if not self.in_pass_capture:
-            return []
-        captures = []
-        for chunk in chunks:
-            request = requests[chunk.request_id]
-            boundary = request.instruction_boundary
-            end = chunk.start_position + len(chunk.token_ids)
-            if boundary is not None and chunk.start_position < boundary < end:
-                capture = self._reserve(request, CheckpointKind.INSTRUCTION, boundary, in_pass=True)
-                if capture is not None:
-                    captures.append(capture)
-        return captures
+    def take_in_pass(self) -> list[CaptureOp]:
+        """The in-pass captures reserve_after_chunk reserved for the chunks of the step being
+        scheduled, for that same step to take during its forward pass, and forgets them. Call
+        once all the step's chunks are made."""
+        in_pass, self._in_pass = self._in_pass, []
+        return in_pass
 
     # ----------------------------------------------------------------- restores
 
@@ -232,14 +256,13 @@ class CheckpointPolicy:
         # past num_known_tokens only; scanning the tokens for it took 50 us at 8,000)
         assert position <= request.num_known_tokens, "a capture covers only tokens whose values are known"
         tokens = request.token_slice(0, position)
-        endpoint = (request.namespace, tokens)
-        if endpoint in self._pending_endpoints.values():
+        if self.is_pending(request.namespace, tokens):
             return None
         bundle_id = self.cache.reserve_checkpoint(request.namespace, tokens, kind, request.block_ids,
                                                   owner=request.tenant)
         if bundle_id is None:
             return None
-        self._pending_endpoints[bundle_id] = endpoint
+        self._pending_endpoints[bundle_id] = (request.namespace, tokens)
         tail_block = self._tail_block(request, position)
         return CaptureOp(bundle_id, request.request_id, request.state_slot, position, tail_block, in_pass=in_pass)
 

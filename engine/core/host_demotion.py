@@ -54,4 +54,4 @@ class HostDemotion:
             if any(shard is None for shard in shards):
                 logger.warning("evicted bundle %d: a rank holds no shard of it", bundle.bundle_id)
                 continue
-            self.host.add(ExportedCheckpoint(header, tuple(shards)), ready)
+            self.host.add(ExportedCheckpoint(header, tuple(shards)), bundle.bundle_id, ready)

@@ -73,7 +73,8 @@ class EngineStats:
     checkpoint_events_lost: int = 0  # events the bounded feed forgot, nobody having drained them
     transfers: TransferCounters = field(default_factory=TransferCounters)  # exports and imports
     host_tier: HostTierCounters | None = None  # None: no host tier
-    host_tier_bytes: int = 0
+    host_tier_bytes: int = 0  # what the host tier holds now
+    host_tier_checkpoints: int = 0
     speculation: SpeculationStats = field(default_factory=SpeculationStats)  # drafts proposed, accepted
 
 
@@ -134,6 +135,7 @@ class LLMEngine:
             max_model_len=capacity.max_model_len,
             checkpoints=checkpoints,
             speculation=_speculation(config, self.speculation_choice),
+            capture_wait_s=config.capture_wait_s,
         )
         self.transfers = CheckpointExchange(
             cache, self.executor, _import_expectations(config, model_config, capacity),
@@ -251,6 +253,7 @@ class LLMEngine:
             transfers=self.transfers.counters.copy(),
             host_tier=None if self.host_tier is None else self.host_tier.counters.copy(),
             host_tier_bytes=0 if self.host_tier is None else self.host_tier.bytes_held,
+            host_tier_checkpoints=0 if self.host_tier is None else len(self.host_tier),
             speculation=self.scheduler.speculation.stats.copy(),
         )
 

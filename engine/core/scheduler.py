@@ -17,9 +17,11 @@ where a request's prefill chunks must end, which captures a chunk or a finish ma
 admitted request restores, and hands it each step's outcome to publish or drop.
 
 Checkpoints held elsewhere (engine/checkpoints/sources.py): before a request's first admission
-the scheduler asks each CheckpointSource for a longer prefix than this engine holds. A source
-that has one starts fetching it and the request waits off the queue (`fetching`) while the
-others step; when the fetch ends (take_fetched) the engine imports it and the request goes back
+the scheduler asks each CheckpointSource for a longer prefix than this engine holds, or will
+hold once a capture in flight here is published (InFlightCaptures, engine/checkpoints/
+in_flight.py, asked at every admission: when no source has more, the request waits for that
+capture). A source that has one starts fetching it and the request waits off the queue
+(`fetching`) while the others step; when the fetch ends (take_fetched) the engine imports it and the request goes back
 to the head of the queue, to restore it or, when the fetch failed or ran late, to recompute.
 
 Speculative decoding (docs/design.md section 10) is SpeculativeDecoding's: it says which
@@ -37,6 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from cache.cache_manager import CacheManager, PoolUsage
+from engine.checkpoints.in_flight import InFlightCaptures
 from engine.checkpoints.policy import CheckpointPolicy
 from engine.checkpoints.sources import CheckpointSource, FetchedCheckpoint, PendingFetch
 from engine.interfaces.request import FinishReason, Request, RequestStatus, token_stop_reason
@@ -59,6 +62,7 @@ class SchedulerStats:
     requests_failed: int = 0  # requests failed by requeue_failed
     fetches_started: int = 0  # requests that waited for a checkpoint source (fetching)
     fetches_restored: int = 0  # of those, ended with a checkpoint to import
+    capture_waits: int = 0  # requests that waited for a capture in flight here (InFlightCaptures)
 
 
 class Scheduler:
@@ -71,11 +75,13 @@ class Scheduler:
         checkpoints: CheckpointPolicy | None = None,
         speculation: SpeculativeDecoding | None = None,
         sources: Sequence[CheckpointSource] = (),
+        capture_wait_s: float = 0.0,
     ) -> None:
         """checkpoints: the policy of the request-boundary checkpoints, reserving in `cache`;
         None turns checkpoints off. speculation: None turns speculative decoding off.
         sources: where checkpoints this engine does not hold may come from, asked in order
-        (add_source adds one later)."""
+        (add_source adds one later). capture_wait_s: how long a request may wait for a
+        running request's capture of a longer shared prefix (0: never waits)."""
         self.cache = cache
         self.checkpoints = checkpoints if checkpoints is not None else CheckpointPolicy(cache)
         assert self.checkpoints.cache is cache, "the policy reserves in the scheduler's cache"
@@ -91,6 +97,9 @@ class Scheduler:
         self.speculation = speculation if speculation is not None else SpeculativeDecoding()
         self.sources: list[CheckpointSource] = list(sources)
         self.fetching: dict[str, PendingFetch] = {}  # request id -> the fetch it waits for
+        self.captures_in_flight = (
+            InFlightCaptures(self.checkpoints, lambda: self.running, max_wait_s=capture_wait_s)
+            if capture_wait_s > 0 else None)
 
     def add_source(self, source: CheckpointSource) -> None:
         """Ask `source` too, after the others, from the next admission on."""
@@ -200,7 +209,7 @@ class Scheduler:
 
         self.speculation.end_step(bool(chunks))
         finished, self._finished_since_last_step = self._finished_since_last_step, []
-        captures += self.checkpoints.in_pass_captures(chunks, self.requests)
+        captures += self.checkpoints.take_in_pass()
         return SchedulerOutput(
             chunks=tuple(chunks),
             finished_request_ids=tuple(finished),
@@ -396,24 +405,34 @@ class Scheduler:
                 return False
 
     def _fetch_elsewhere(self, request: Request) -> bool:
-        """Before `request`'s first admission, ask the checkpoint sources for a longer prefix
-        than this engine holds; when one starts fetching it, move the request from the head of
-        the queue to `fetching` and return True. Asks once per request: a request back from a
-        fetch, or preempted, is admitted on what this engine holds."""
-        if request.asked_sources or not self.sources or not self.checkpoints.kinds:
+        """Before `request`'s admission, look for a longer prefix than this engine holds: a
+        capture in flight here (captures_in_flight: a pending one at every admission; at the
+        first, also one a running request is about to reserve), and, at the first admission
+        only, the checkpoint sources, asked for more than that. When a source starts fetching one, or
+        else when such a capture is in flight, move the request from the head of the queue to
+        `fetching` and return True."""
+        first = not request.asked_sources
+        if not (self.checkpoints.kinds and (self.captures_in_flight or (first and self.sources))):
             return False
         request.asked_sources = True
         have = self.checkpoints.longest(request)
         tokens = request.all_token_ids
-        for source in self.sources:
-            fetch = source.lookup(request.namespace, tokens, have)
-            if fetch is not None:
-                self.waiting.popleft()
-                request.status = RequestStatus.FETCHING
-                self.fetching[request.request_id] = PendingFetch(request, fetch)
-                self.stats.fetches_started += 1
-                return True
-        return False
+        in_flight = self.captures_in_flight
+        wait = in_flight.lookup(request.namespace, tokens, have, ahead=first) if in_flight else None
+        soon = have if wait is None else wait.num_tokens
+        sources = self.sources if first else ()
+        fetch = next((f for f in (s.lookup(request.namespace, tokens, soon) for s in sources)
+                      if f is not None), None)
+        if fetch is None and wait is None:
+            return False
+        self.waiting.popleft()
+        request.status = RequestStatus.FETCHING
+        self.fetching[request.request_id] = PendingFetch(request, fetch or wait)
+        if fetch is not None:
+            self.stats.fetches_started += 1
+        else:
+            self.stats.capture_waits += 1
+        return True
 
     def _admit(
         self, request: Request, budget: int, restores: list[RestoreOp]

@@ -54,16 +54,28 @@ class Tally:
     near_ties: int = 0
 
 
+# A round in which no request finishes for this many steps is stuck (requests preempting each
+# other in a cycle): fail it instead of running into the suite's timeout.
+MAX_STEPS_WITHOUT_A_FINISH = 3_000
+
+
 def run_round(engine: LLMEngine, jobs: list[tuple], params: SamplingParams):
     """Submit every job at once (id, prompt, boundary, salt[, cache breakpoints]) and run them
-    to completion."""
+    to completion; AssertionError when no request finishes for MAX_STEPS_WITHOUT_A_FINISH
+    steps."""
     for request_id, prompt, boundary, salt, *breakpoints in jobs:
         engine.add_request(GenerationRequest(request_id, prompt, params, cache_salt=salt,
                                              instruction_boundary=boundary,
                                              cache_breakpoints=breakpoints[0] if breakpoints else ()))
     outcomes = {request_id: Outcome([], [], "", 0) for request_id, *_ in jobs}
+    steps_since_a_finish = 0
     while engine.has_unfinished_requests():
+        steps_since_a_finish += 1
+        assert steps_since_a_finish <= MAX_STEPS_WITHOUT_A_FINISH, (
+            f"no request finished in {MAX_STEPS_WITHOUT_A_FINISH} steps: "
+            f"{engine.scheduler.stats.preemptions} preemptions so far")
         for out in engine.step():
+            steps_since_a_finish = 0 if out.finished else steps_since_a_finish
             outcome = outcomes[out.request_id]
             outcome.token_ids += out.new_token_ids
             outcome.text += out.new_text

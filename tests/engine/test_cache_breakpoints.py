@@ -12,7 +12,8 @@ import copy
 import pytest
 
 from cache.checkpoint_keys import CheckpointKind
-from deployments.metrics import CHECKPOINT_EVENTS_TOTAL, EngineMetricsExporter
+from deployments.engine_metrics import EngineMetricsExporter
+from deployments.metrics import CHECKPOINT_EVENTS_TOTAL
 from deployments.prompts.rendering import PromptRenderer, RenderedPrompt
 from engine.core.llm_engine import LLMEngine
 from engine.engine_config import EngineConfig

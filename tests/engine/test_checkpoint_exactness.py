@@ -40,6 +40,7 @@ from tests.engine.exactness import Tally, run_workload, tight_config
         ("tight: eviction + preemption, budget 64, no async scheduling", {"async_scheduling": False}, 64, 0.05),
         ("budget 256, 4 seqs", EngineConfig(max_num_batched_tokens=256, max_num_seqs=4), 64, 0.5),
         ("tight, with the host tier", {"host_checkpoint_bytes": 64 << 20}, 64, 0.05),
+        ("tight, LRU eviction", {"checkpoint_eviction": "lru"}, 64, None),
     ],
 )
 def test_checkpointed_requests_match_requests_computed_from_scratch(label, config, num_requests, min_hit_rate):

@@ -17,11 +17,12 @@ import pytest
 import torch
 
 from deployments.prompts.instruction_boundary import find_instruction_boundary
-from deployments.metrics import (SPECULATIVE_ACCEPTANCE_LENGTHS, SPECULATIVE_DEPTH_ACCEPTED,
-                                 SPECULATIVE_DEPTH_PROPOSED, SPECULATIVE_DRAFTS_ACCEPTED,
-                                 SPECULATIVE_DRAFTS_PROPOSED, SPECULATIVE_DRAFTS_REJECTED,
-                                 SPECULATIVE_DRAFTS_TRIMMED, SPECULATIVE_VERIFICATION_CHUNKS,
-                                 EngineMetricsExporter)
+from deployments.engine_metrics import EngineMetricsExporter
+from deployments.metrics import (
+    SPECULATIVE_ACCEPTANCE_LENGTHS, SPECULATIVE_DEPTH_ACCEPTED, SPECULATIVE_DEPTH_PROPOSED,
+    SPECULATIVE_DRAFTS_ACCEPTED, SPECULATIVE_DRAFTS_PROPOSED, SPECULATIVE_DRAFTS_REJECTED,
+    SPECULATIVE_DRAFTS_TRIMMED, SPECULATIVE_VERIFICATION_CHUNKS,
+)
 from engine.engine_config import EngineConfig
 from engine.interfaces.generation_request import GenerationRequest
 from engine.core.llm_engine import LLMEngine

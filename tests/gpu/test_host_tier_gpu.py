@@ -56,7 +56,7 @@ def test_the_staged_copy_lands_on_the_device():
     first = run(engine, "first", FIRST, "staged")
     instructions = first.prompt[: first.boundary]
     exported = engine.export_checkpoint((engine.config.model_dir, "staged"), instructions)
-    assert engine.host_tier.add(exported)
+    assert engine.host_tier.add(exported, bundle_id=0)
     fetch = engine.host_tier.lookup((engine.config.model_dir, "staged"), tuple(first.prompt), have=0)
     while not fetch.done():
         pass

@@ -197,7 +197,7 @@ def test_a_chunk_crossing_the_boundary_captures_in_pass_only_with_the_capability
         request = admitted(policy, "a", prompt_len=40, boundary=25)
         chunk = chunk_of(request, 0, 40)
         policy.reserve_after_chunk(request, chunk)
-        captures = policy.in_pass_captures([chunk], {"a": request})
+        captures = policy.take_in_pass()
         if in_pass:
             (capture,) = captures
             assert (capture.num_tokens, capture.in_pass, capture.tail_block) == (25, True, request.block_ids[1])
@@ -211,7 +211,10 @@ def test_a_boundary_at_a_chunk_end_or_outside_it_is_not_captured_in_pass():
     policy = make_policy(in_pass=True)
     request = admitted(policy, "a", prompt_len=40, boundary=20)
     ends_there, after_it = chunk_of(request, 0, 20), chunk_of(request, 20, 40)
-    assert policy.in_pass_captures([ends_there, after_it], {"a": request}) == []
+    policy.reserve_after_chunk(request, ends_there)
+    policy.reserve_after_chunk(request, after_it)
+    assert policy.take_in_pass() == []
+    assert [(c.num_tokens, c.in_pass) for c in policy.take_reserved()] == [(20, False), (40, False)]
 
 
 # ---------------------------------------------------------------- restores and settlement
@@ -304,3 +307,24 @@ def test_on_abandon_the_step_captures_and_those_its_chunks_reserved_are_dropped(
     policy.reserve_after_chunk(again, chunk_of(again, 0, 20))
     assert [c.request_id for c in policy.take_reserved()] == ["d"]
 
+
+
+# ---------------------------------------------------------------- captures in flight
+
+
+def test_capture_positions_and_the_longest_pending_capture_of_a_prefix():
+    policy = make_policy()
+    request = admitted(policy, "a", prompt_len=40, boundary=20, breakpoints=(30,))
+    assert policy.capture_positions(request) == (20, 30, 40)
+    assert make_policy(kinds=frozenset({CheckpointKind.PROMPT})).capture_positions(request) == (40,)
+    tokens = request.prompt_token_ids
+    policy.reserve_after_chunk(request, chunk_of(request, 0, 20))
+    policy.reserve_after_chunk(request, chunk_of(request, 20, 30))
+    assert policy.longest_pending(request.namespace, tokens + (1, 2)) == 30
+    assert policy.longest_pending(request.namespace, tokens[:25]) == 20  # the 30 is not its prefix
+    assert policy.longest_pending(request.namespace, (0,) + tokens[1:]) == 0
+    assert policy.is_pending(request.namespace, tokens[:20]) and not policy.is_pending(request.namespace, tokens[:25])
+    captures = policy.take_reserved()
+    policy.settle(SchedulerOutput((), captures=tuple(captures)), confirm_all(captures))
+    assert policy.longest_pending(request.namespace, tokens) == 0  # published: pending no more
+    assert policy.longest(request) == 30

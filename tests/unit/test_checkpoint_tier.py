@@ -103,3 +103,34 @@ def test_a_zero_ratio_fetches_whatever_saves_enough_tokens_and_bad_policies_are_
         FetchPolicy(-1.0)
     with pytest.raises(ValueError):
         FetchPolicy(1.0, min_tokens=0)
+
+
+def test_a_copy_passed_on_by_a_host_tier_brings_its_record_back():
+    """A checkpoint its replica evicted (reported dropped) and passed on from its host tier:
+    the copy comes with the record, put as a stored copy only; a twin copy is refused."""
+    a = record("r1", 1, [1, 2])
+    index = index_with(100, a)
+    index.apply_report(ReplicaReport("r1", "inc", dropped=(1,)))
+    assert index.records() == [] and not index.can_store(a.key, 10)
+    assert not index.set_stored_copy(a.key, StoredCopy("A", 10))  # without its record: unknown
+    assert index.can_store(a.key, 10, a) and not index.can_store(a.key, 101, a)
+    assert index.set_stored_copy(a.key, StoredCopy("A", 10), a)
+    (kept,) = index.records()
+    assert kept.key == a.key and not kept.on_replica and kept.stored_copy == StoredCopy("A", 10)
+    assert index.lookup(NS, [1, 2, 3]).stored_copies == (StoredCopy("A", 10),)
+    assert index.lookup(NS, [1, 2, 3], stored=False).length == 0  # no replica holds it
+    twin = record("r2", 5, [1, 2])
+    assert not index.can_store(twin.key, 10, twin)
+    assert not index.can_store(("r1", 9), 10, a)  # a record for another key is not taken
+
+
+def test_a_copy_passed_on_before_the_drop_was_reported_stays_after_it():
+    a = record("r1", 1, [1, 2])
+    index = index_with(100, a)
+    assert index.set_stored_copy(a.key, StoredCopy("A", 10), a)  # the record is still live: attached
+    assert index.records()[0].on_replica
+    index.apply_report(ReplicaReport("r1", "inc", dropped=(1,)))
+    (kept,) = index.records()
+    assert not kept.on_replica and kept.stored_copy == StoredCopy("A", 10)
+    mirror = SharedIndex.from_snapshot(index.snapshot())
+    assert mirror.lookup(NS, [1, 2], among=(), stored=True).stored_copies == (StoredCopy("A", 10),)

@@ -13,11 +13,12 @@ from types import SimpleNamespace
 import pytest
 
 from cache.cache_manager import PoolUsage
-from deployments.metrics import (SPECULATIVE_ACCEPTANCE_LENGTHS, SPECULATIVE_DEPTH_ACCEPTED,
-                                 SPECULATIVE_DEPTH_PROPOSED, SPECULATIVE_DRAFTS_ACCEPTED,
-                                 SPECULATIVE_DRAFTS_PROPOSED, SPECULATIVE_DRAFTS_REJECTED,
-                                 SPECULATIVE_DRAFTS_TRIMMED, SPECULATIVE_STEPS_OVER_BATCH_CAP,
-                                 SPECULATIVE_VERIFICATION_CHUNKS, EngineMetricsExporter)
+from deployments.engine_metrics import EngineMetricsExporter
+from deployments.metrics import (
+    SPECULATIVE_ACCEPTANCE_LENGTHS, SPECULATIVE_DEPTH_ACCEPTED, SPECULATIVE_DEPTH_PROPOSED,
+    SPECULATIVE_DRAFTS_ACCEPTED, SPECULATIVE_DRAFTS_PROPOSED, SPECULATIVE_DRAFTS_REJECTED,
+    SPECULATIVE_DRAFTS_TRIMMED, SPECULATIVE_STEPS_OVER_BATCH_CAP, SPECULATIVE_VERIFICATION_CHUNKS,
+)
 from engine.core.llm_engine import EngineStats
 from engine.core.scheduler import SchedulerStats
 from engine.speculative.scheduling import SpeculationStats
