@@ -143,10 +143,9 @@ def test_checkpoints_cross_only_between_engines_of_one_kv_format(engine, auto_en
 
 
 def test_an_fp8_checkpoint_demoted_to_host_memory_is_promoted_byte_for_byte(engine, model_dir):
-    base = config(model_dir, checkpoint_slots=("instruction",))
-    one_bundle = engine.executor.cache_capacity().bundle_sizing.bundle_bytes(base.block_size - 1)
-    tiered = LLMEngine(config(model_dir, checkpoint_slots=("instruction",), checkpoint_cache_bytes=one_bundle,
-                              host_checkpoint_bytes=64 << 20))
+    one_bundle = engine.executor.cache_capacity().bundle_sizing.bundle_bytes(engine.config.block_size - 1)
+    tiered = LLMEngine(config(model_dir, checkpoint_slots=("instruction",), checkpoint_eviction="lru",
+                              checkpoint_cache_bytes=one_bundle, host_checkpoint_bytes=64 << 20))
     namespace = (tiered.config.model_dir, "fp8-tiers")
     first = run(tiered, "first", FIRST, "fp8-tiers")
     instructions = tuple(first.prompt[: first.boundary])
