@@ -22,7 +22,7 @@ from engine.checkpoints.bundle_store import BundleTensors
 from engine.checkpoints.import_checks import ImportRejection, Rejected, check_shard
 from engine.checkpoints.transfer import CheckpointShard, ShardLayout, make_shard
 from engine.interfaces.forward_batch import ModelCaches
-from engine.kernels.attention_reference import gather_rows, storage_view
+from engine.kernels.attention_reference import select_rows, storage_view
 
 
 @dataclass(frozen=True)
@@ -203,10 +203,10 @@ def _gather_blocks(caches: ModelCaches, block_ids: tuple[int, ...]) -> torch.Ten
     """(2, L_a, n, B, Hkv, Dh): a copy of blocks `block_ids` of every attention layer."""
     index = torch.tensor(block_ids, dtype=torch.int64, device=caches.key_cache[min(caches.key_cache)].device)
     if caches.kv_stack is not None:
-        return gather_rows(caches.kv_stack, index, dim=2)
+        return select_rows(caches.kv_stack, index, dim=2)
     layers = sorted(caches.key_cache)
-    return torch.stack([torch.stack([gather_rows(caches.key_cache[l], index) for l in layers]),
-                        torch.stack([gather_rows(caches.value_cache[l], index) for l in layers])])
+    return torch.stack([torch.stack([select_rows(caches.key_cache[l], index) for l in layers]),
+                        torch.stack([select_rows(caches.value_cache[l], index) for l in layers])])
 
 
 def _cache_shapes(caches: ModelCaches) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

@@ -58,9 +58,9 @@ def storage_view(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
-def gather_rows(t: torch.Tensor, index: torch.Tensor, dim: int = 0) -> torch.Tensor:
-    """t.index_select(dim, index), FP8 included (a copy in t's dtype)."""
-    return storage_view(t).index_select(dim, index).view(t.dtype)
+def select_rows(t: torch.Tensor, index: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """t.index_select(dim, index), FP8 included (a copy in t's dtype; index on any device)."""
+    return storage_view(t).index_select(dim, index.to(t.device)).view(t.dtype)
 
 
 def paged_attention(
@@ -84,8 +84,8 @@ def paged_attention(
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     num_keys = start_position + num_queries
     blocks = block_table[: -(-num_keys // block_size)]
-    keys = gather_rows(key_cache, blocks).reshape(-1, num_kv_heads, head_dim)[first_key:num_keys]  # (S, Hkv, D)
-    values = gather_rows(value_cache, blocks).reshape(-1, num_kv_heads, head_dim)[first_key:num_keys]
+    keys = select_rows(key_cache, blocks).reshape(-1, num_kv_heads, head_dim)[first_key:num_keys]  # (S, Hkv, D)
+    values = select_rows(value_cache, blocks).reshape(-1, num_kv_heads, head_dim)[first_key:num_keys]
     if kv_scale is not None:
         keys = dequantize_kv(keys, kv_scale[0], query.dtype)
         values = dequantize_kv(values, kv_scale[1], query.dtype)

@@ -8,7 +8,7 @@ from torch import nn
 from engine.interfaces.forward_batch import ForwardBatch
 from engine.interfaces.decode_rows import DecodeRows
 from engine.kernels.attention_reference import (
-    dequantize_kv, gather_rows, paged_attention, paged_decode_attention, write_kv,
+    dequantize_kv, select_rows, paged_attention, paged_decode_attention, write_kv,
 )
 from engine.kernels.gpu.batch_plan import GpuBatchPlan
 from engine.layers.norm import RMSNorm
@@ -228,7 +228,7 @@ class PagedAttention(nn.Module):
     def attend_gpu(
         self,
         query: torch.Tensor,  # (T, H, Dh)
-        key: torch.Tensor,  # (T, Hkv, Dh), this step's keys as the cache holds them (dequantized)
+        key: torch.Tensor,  # (T, Hkv, Dh), this step's keys (as FP8 caches hold them, dequantized)
         value: torch.Tensor,  # (T, Hkv, Dh)
         key_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, Dh), this step's K/V written
         value_cache: torch.Tensor,
@@ -274,6 +274,6 @@ def cached_kv(
     `dtype`: what the paged kernels read for these tokens later. Reads only."""
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
     flat = (num_blocks * block_size, num_kv_heads, head_dim)
-    key = dequantize_kv(gather_rows(key_cache.view(flat), slot_mapping), kv_scale[0], dtype)
-    value = dequantize_kv(gather_rows(value_cache.view(flat), slot_mapping), kv_scale[1], dtype)
+    key = dequantize_kv(select_rows(key_cache.view(flat), slot_mapping), kv_scale[0], dtype)
+    value = dequantize_kv(select_rows(value_cache.view(flat), slot_mapping), kv_scale[1], dtype)
     return key, value
