@@ -16,7 +16,7 @@ its time limit keeps what it finished), as OUT/gpu-<pass>.json:
   workloads-c{C}                        the other four workloads, all four settings.
 Redraw the report and plots with `hybrid-serve-bench report <bench.json>` (benchmarks/results/
 bench/gpu-*/ hold them). The tokenizer is the tiny model's, and the checkpoint's vocabulary is
-cut to its 2,048 ids (shrink_vocab: a random model over 49,152 ids samples ids the tokenizer
+cut to its 2,048 ids (roofline/model.py shrink_vocab: a random model over 49,152 ids samples ids the tokenizer
 cannot decode, so its replies would have no text); the weights are random, so only the token
 counts matter. Even so, its greedy replies were all ids with no text (on the H200, 2026-12-04:
 every warm-up request "no content in the stream"; the end-of-text id, most likely), so the GPU
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import shutil
 import sys
 import tempfile
@@ -45,7 +44,6 @@ from hybrid_serve_bench.engine_target import engine_targets, warm_up  # noqa: E4
 from hybrid_serve_bench.policies import POLICIES, policy_label  # noqa: E402
 from hybrid_serve_bench.runner import Target  # noqa: E402
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 SWEEP_POLICIES = (("prompt", "response"), ("prompt", "response", "instruction"))
 
 
@@ -90,35 +88,16 @@ def passes(quick: bool, concurrency: list[int]) -> list[tuple[str, list[tuple[st
 
 def model_dir_of(args: argparse.Namespace, tmp: Path) -> Path:
     """The tiny model (--quick), or the 1.5B random checkpoint written under tmp with the tiny
-    model's tokenizer beside it."""
+    model's tokenizer beside it (roofline/model.py write_serving_checkpoint)."""
     from engine.engine_config import DEFAULT_MODEL_DIR
 
     if args.quick:
         return DEFAULT_MODEL_DIR
-    from roofline.model import write_random_checkpoint
+    from roofline.model import write_serving_checkpoint
 
     model_dir = tmp / "granite-hybrid-1p5b-random"
-    write_random_checkpoint(model_dir)
-    for name in TOKENIZER_FILES:
-        shutil.copy(DEFAULT_MODEL_DIR / name, model_dir / name)
-    vocab = json.loads((DEFAULT_MODEL_DIR / "config.json").read_text())["vocab_size"]
-    shrink_vocab(model_dir, vocab)
+    write_serving_checkpoint(model_dir)
     return model_dir
-
-
-def shrink_vocab(model_dir: Path, vocab: int) -> None:
-    """Keep the first `vocab` rows of every vocabulary-sized tensor (the tied embedding) and
-    say so in config.json: the random model then samples only ids the tokenizer can decode,
-    so replies have text and TTFT is taken at the first non-empty text, as over HTTP. The
-    body (24 layers, 2,048 wide) is unchanged; only the LM head's row count shrinks."""
-    from safetensors.torch import load_file, save_file
-
-    config = json.loads((model_dir / "config.json").read_text())
-    tensors = load_file(str(model_dir / "model.safetensors"))
-    tensors = {name: t[:vocab].contiguous() if t.shape[0] == config["vocab_size"] else t
-               for name, t in tensors.items()}
-    save_file(tensors, str(model_dir / "model.safetensors"))
-    (model_dir / "config.json").write_text(json.dumps({**config, "vocab_size": vocab}))
 
 
 def main() -> None:

@@ -9,7 +9,7 @@ says what each measurement means and what it gave.
 
 model         the 1.5B random-weight GraniteMoeHybrid (benchmarks/roofline/model.py) with the tiny
               model's tokenizer, its vocabulary cut to the tokenizer's 2,048 ids
-              (bench_gpu.shrink_vocab), and the output rows of ids that decode to no text (the
+              (roofline/model.py shrink_vocab), and the output rows of ids that decode to no text (the
               special tokens, partial UTF-8 bytes) zeroed, so that a greedy reply always has
               text: an HTTP client takes the time to first token at the first non-empty
               content, and the random model's greedy replies otherwise decode to nothing
@@ -116,13 +116,9 @@ def write_model(out: Path, tiny: bool) -> None:
     if tiny:
         shutil.copytree(DEFAULT_MODEL_DIR, out)
     else:
-        from bench_gpu import TOKENIZER_FILES, shrink_vocab
-        from roofline.model import write_random_checkpoint
+        from roofline.model import write_serving_checkpoint
 
-        write_random_checkpoint(out)
-        for name in TOKENIZER_FILES:
-            shutil.copy(DEFAULT_MODEL_DIR / name, out / name)
-        shrink_vocab(out, json.loads((DEFAULT_MODEL_DIR / "config.json").read_text())["vocab_size"])
+        write_serving_checkpoint(out)
     info = text_only_rows(out)
     log(f"model at {out}: {len(info['zeroed_ids'])} of {info['vocab_size']} output rows zeroed "
         f"({info['zeroed_rows_of']})")

@@ -13,6 +13,7 @@ CHECKPOINT_SLOTS = tuple(kind.value for kind in CheckpointKind)  # the order cap
 EVICTION_POLICIES = tuple(policy.value for policy in EvictionPolicy)
 DEFAULT_BUDGET_BYTES = 64 * 1024 * 1024  # each cache budget given neither in bytes nor by memory_utilization
 SPECULATIVE_DRAFTERS = ("ngram", "mtp")
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")  # engine/parallel/kv_cache_format.py
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -96,6 +97,14 @@ class EngineConfig:
                                     "(engine/checkpoints/in_flight.py). 0 turns waiting off.")
     dtype: str = _option("float32", "Model dtype: float32, bfloat16 or float16.")
     device: str = _option("cpu", "cpu, or cuda (one GPU per rank).")
+    kv_cache_dtype: str = _option("auto", "How KV blocks store keys and values: auto (the "
+                                  "model dtype) or fp8_e4m3 (cuda on compute capability 8.9 "
+                                  "or later: FP8 E4M3 with a static scale per KV head and "
+                                  "attention layer, from kv_cache_scales.json in the model "
+                                  "dir, else 1.0; half the bytes of bf16, so kv_cache_bytes "
+                                  "holds twice the blocks; docs/design.md, KV cache). "
+                                  "Checkpoints are kept apart by it: one engine never "
+                                  "imports another's of another KV format.")
     seed: int = _option(0, "torch seed of the workers, and of sampling for requests without "
                         "their own seed.")
     tensor_parallel_size: int = _option(1, "Ranks the model is split over: 1 runs the model in "
@@ -175,6 +184,11 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype != "auto" and not self.device.startswith("cuda"):
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype} runs on device cuda only (its kernels "
+                             f"are the CUDA path's), got device {self.device!r}; use kv_cache_dtype auto")
         self._check_speculation()
 
     def _check_budgets(self) -> None:

@@ -65,6 +65,38 @@ def write_random_checkpoint(model_dir: Path) -> None:
     save_file(tensors, str(model_dir / "model.safetensors"))
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def write_serving_checkpoint(model_dir: Path) -> None:
+    """write_random_checkpoint with the tiny model's tokenizer beside it and the vocabulary cut
+    to the tokenizer's (shrink_vocab): the 1.5B model the serving benchmarks (bench_gpu.py,
+    spec_decode.py, fp8_kv.py) run through the engine, whose replies decode to text."""
+    import shutil
+
+    from engine.engine_config import DEFAULT_MODEL_DIR
+
+    write_random_checkpoint(model_dir)
+    for name in TOKENIZER_FILES:
+        shutil.copy(DEFAULT_MODEL_DIR / name, model_dir / name)
+    shrink_vocab(model_dir, json.loads((DEFAULT_MODEL_DIR / "config.json").read_text())["vocab_size"])
+
+
+def shrink_vocab(model_dir: Path, vocab: int) -> None:
+    """Keep the first `vocab` rows of every vocabulary-sized tensor (the tied embedding) and
+    say so in config.json: the random model then samples only ids the tokenizer can decode,
+    so replies have text and TTFT is taken at the first non-empty text, as over HTTP. The
+    body (24 layers, 2,048 wide) is unchanged; only the LM head's row count shrinks."""
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((model_dir / "config.json").read_text())
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    tensors = {name: t[:vocab].contiguous() if t.shape[0] == config["vocab_size"] else t
+               for name, t in tensors.items()}
+    save_file(tensors, str(model_dir / "model.safetensors"))
+    (model_dir / "config.json").write_text(json.dumps({**config, "vocab_size": vocab}))
+
+
 def parameter_counts(model: torch.nn.Module) -> dict[str, int]:
     """Parameters in all, in the embedding, and in the body (all but the embedding)."""
     total = sum(p.numel() for p in model.parameters())
@@ -84,7 +116,8 @@ def sized_config(config: EngineConfig, num_requests: int, blocks_per_seq: int) -
     layout = cache_capacity.rank_shard_layout(model_config, TensorParallel.single())
     dtype = getattr(torch, config.dtype)
     block_bytes = cache_capacity.kv_bytes_per_block(
-        model_config, layout, dtype, config.block_size, len(cache_capacity.drafter_kv_layers(config, model_config)))
+        model_config, layout, cache_capacity.kv_storage_dtype(config), config.block_size,
+        len(cache_capacity.drafter_kv_layers(config, model_config)))
     return replace(
         config,
         max_num_seqs=num_requests,

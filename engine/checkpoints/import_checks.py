@@ -9,6 +9,8 @@ The checks run in a fixed order and the first failure names the rejection:
     model            another model directory, config.json, weights layout or dtype
     tensor_parallel  captured at another tensor_parallel_size
     block_size       captured with another KV block size
+    kv_cache         its K/V stored in another KV format (kv_cache_dtype, or FP8 with other
+                     scales): an FP8 checkpoint never enters a bf16 engine, nor the reverse
     namespace        the namespace is not this engine's (its model directory)
     digest           the namespace and token ids do not match the header's digest
     shape            a layout or tensor whose dtype or per-layer shape differs from this
@@ -49,6 +51,7 @@ class ImportRejection(str, Enum):
     MODEL = "model"
     TENSOR_PARALLEL = "tensor_parallel"
     BLOCK_SIZE = "block_size"
+    KV_CACHE = "kv_cache"
     NAMESPACE = "namespace"
     DIGEST = "digest"
     SHAPE = "shape"
@@ -67,7 +70,7 @@ class Rejected:
 
 @dataclass(frozen=True)
 class ImportExpectations:
-    """What this engine accepts: its model, split, block size and per-rank layouts."""
+    """What this engine accepts: its model, split, block size, KV format and per-rank layouts."""
 
     model: ModelIdentity
     tensor_parallel_size: int
@@ -75,15 +78,18 @@ class ImportExpectations:
     layouts: tuple[ShardLayout, ...]  # per rank
     vocab_size: int
     max_model_len: int
+    kv_cache: str = "auto"  # KvCacheFormat.identity of this engine's KV blocks
 
 
 def expected_shard_layout(
     config: HybridModelConfig, tp: TensorParallel, dtype: str, num_drafter_layers: int = 0,
+    kv_dtype: str | None = None,
 ) -> ShardLayout:
     """The layout of rank tp.rank's shard for a model run in `dtype` (from its config alone;
     the same shapes Model.allocate_caches gives that rank), its K/V over the attention layers
     and num_drafter_layers more (the MTP drafter's, engine/parallel/cache_capacity.py drafter_kv_layers):
-    an engine drafting with MTP and one that does not refuse each other's checkpoints (shape)."""
+    an engine drafting with MTP and one that does not refuse each other's checkpoints (shape).
+    kv_dtype: the K/V's dtype name when the KV blocks hold another ("float8_e4m3fn")."""
     layout = rank_shard_layout(config, tp)
     (conv_dim, taps), (heads, head_dim, state_size) = recurrent_state_shape(config, layout)
     num_recurrent = len(config.recurrent_layers)
@@ -94,6 +100,7 @@ def expected_shard_layout(
         kv_row=(num_attention, width(layout.kv_heads), config.head_dim),
         hidden_size=config.hidden_size,
         dtype=dtype,
+        kv_dtype=kv_dtype if kv_dtype != dtype else None,
     )
 
 
@@ -119,7 +126,7 @@ def check_exported(exported: object, expected: ImportExpectations, verified: boo
 
 def check_header(exported: object, expected: ImportExpectations, verified: bool = False) -> Rejected | None:
     """The checks of the module doc up to `shape` for the layouts (malformed, model,
-    tensor_parallel, block_size, namespace, digest, the header's layouts), none of a shard's
+    tensor_parallel, block_size, kv_cache, namespace, digest, the header's layouts), none of a shard's
     tensors: what the engine checks of a checkpoint whose shards are references. Reads only.
     verified: shards by value may hold tensors on any device."""
     if not isinstance(exported, ExportedCheckpoint):
@@ -178,7 +185,8 @@ def _check_header(exported: ExportedCheckpoint, expected: ImportExpectations, ve
 
 
 def _check_identity(exported: ExportedCheckpoint, expected: ImportExpectations) -> Rejected | None:
-    """Same model, split and block size; the namespace is this engine's and matches the digest."""
+    """Same model, split, block size and KV format; the namespace is this engine's and matches
+    the digest."""
     header = exported.header
     if header.model != expected.model:
         return Rejected(ImportRejection.MODEL, f"captured by {header.model}, this engine runs {expected.model}")
@@ -188,6 +196,9 @@ def _check_identity(exported: ExportedCheckpoint, expected: ImportExpectations) 
     if header.block_size != expected.block_size:
         return Rejected(ImportRejection.BLOCK_SIZE, f"block_size {header.block_size}, "
                         f"this engine uses {expected.block_size}")
+    if header.kv_cache != expected.kv_cache:
+        return Rejected(ImportRejection.KV_CACHE, f"K/V stored as {header.kv_cache!r}, "
+                        f"this engine's KV cache is {expected.kv_cache!r}")
     namespace = header.namespace
     if (not isinstance(namespace, tuple) or len(namespace) != 2
             or not all(isinstance(part, str) for part in namespace)
@@ -217,10 +228,10 @@ def _check_shard_layout(shard: CheckpointShard, layout: ShardLayout, num_tokens:
                             f"{tuple(tensor.shape)}, this engine needs {dtype} {shape}")
     kv = shard.kv
     expected_kv = layout.kv_shape(num_tokens)
-    if kv.dtype != getattr(torch, layout.dtype) or kv.dim() != 5 or (
+    if kv.dtype != getattr(torch, layout.kv_storage_dtype) or kv.dim() != 5 or (
             kv.shape[:2] + kv.shape[3:]) != (expected_kv[:2] + expected_kv[3:]):
         return Rejected(ImportRejection.SHAPE, f"rank {shard.rank}'s kv is {kv.dtype} {tuple(kv.shape)}, "
-                        f"this engine needs {layout.dtype} {expected_kv}")
+                        f"this engine needs {layout.kv_storage_dtype} {expected_kv}")
     if kv.shape[2] != num_tokens:
         return Rejected(ImportRejection.LENGTH, f"rank {shard.rank}'s kv holds {kv.shape[2]} token rows "
                         f"for {num_tokens} tokens")

@@ -22,6 +22,7 @@ from engine.checkpoints.bundle_store import BundleTensors
 from engine.checkpoints.import_checks import ImportRejection, Rejected, check_shard
 from engine.checkpoints.transfer import CheckpointShard, ShardLayout, make_shard
 from engine.interfaces.forward_batch import ModelCaches
+from engine.kernels.attention_reference import select_rows, storage_view
 
 
 @dataclass(frozen=True)
@@ -140,14 +141,17 @@ def _bundle_kv(caches: ModelCaches, bundle: BundleTensors, block_ids: tuple[int,
     kv_blocks = _gather_blocks(caches, block_ids)  # (2, L_a, n, B, Hkv, Dh)
     two, layers, n, _, heads, head_dim = kv_blocks.shape
     kv = kv_blocks.reshape(two, layers, n * block_size, heads, head_dim)
-    if bundle.tail_kv is not None:
-        kv = torch.cat([kv, bundle.tail_kv.to(kv.dtype)], dim=2)  # (2, L_a, p, Hkv, Dh)
+    if bundle.tail_kv is not None:  # (2, L_a, p, Hkv, Dh)
+        kv = torch.cat([storage_view(kv), storage_view(bundle.tail_kv.to(kv.dtype))], dim=2).view(kv.dtype)
     return kv
 
 
-def shard_misfit(caches: ModelCaches, shard: CheckpointShard, op: ImportShardOp, hidden_size: int) -> str | None:
+def shard_misfit(
+    caches: ModelCaches, shard: CheckpointShard, op: ImportShardOp, hidden_size: int, hidden_dtype: torch.dtype,
+) -> str | None:
     """Why `shard` cannot be written into these caches for `op` (dtype or per-layer shape of a
-    tensor, K/V rows, blocks), or None if it fits. Reads only."""
+    tensor, K/V rows, blocks), or None if it fits; hidden_dtype: the model's (the hidden row's;
+    the K/V's is the caches', FP8 or the model's). Reads only."""
     shapes = _cache_shapes(caches)
     (kv_shape, kv_dtype), (conv, conv_dtype), (ssm, ssm_dtype) = shapes["kv"], shapes["conv"], shapes["ssm"]
     block_size = caches.block_size
@@ -155,7 +159,7 @@ def shard_misfit(caches: ModelCaches, shard: CheckpointShard, op: ImportShardOp,
         "conv_state": ((conv[0], *conv[2:]), conv_dtype),
         "ssm_state": ((ssm[0], *ssm[2:]), ssm_dtype),
         "kv": ((*kv_shape[:2], op.num_tokens, *kv_shape[4:]), kv_dtype),
-        "hidden_row": ((hidden_size,), kv_dtype),
+        "hidden_row": ((hidden_size,), hidden_dtype),
     }
     for name, tensor in shard.tensors().items():
         shape, dtype = wanted[name]
@@ -181,11 +185,11 @@ def scatter_shard(caches: ModelCaches, shard: CheckpointShard, block_ids: tuple[
         rows = kv[:, :, :full].reshape(two, layers, len(block_ids), block_size, heads, head_dim)
         index = torch.tensor(block_ids, dtype=torch.int64, device=device)
         if caches.kv_stack is not None:
-            caches.kv_stack.index_copy_(2, index, rows)
+            storage_view(caches.kv_stack).index_copy_(2, index, storage_view(rows))
         else:
             for j, layer in enumerate(sorted(caches.key_cache)):
-                caches.key_cache[layer].index_copy_(0, index, rows[0, j])
-                caches.value_cache[layer].index_copy_(0, index, rows[1, j])
+                storage_view(caches.key_cache[layer]).index_copy_(0, index, storage_view(rows[0, j]))
+                storage_view(caches.value_cache[layer]).index_copy_(0, index, storage_view(rows[1, j]))
     tail = kv[:, :, full:].clone() if num_tokens > full else None
     return BundleTensors(
         conv_state=shard.conv_state.to(device, copy=True),
@@ -197,11 +201,12 @@ def scatter_shard(caches: ModelCaches, shard: CheckpointShard, block_ids: tuple[
 
 def _gather_blocks(caches: ModelCaches, block_ids: tuple[int, ...]) -> torch.Tensor:
     """(2, L_a, n, B, Hkv, Dh): a copy of blocks `block_ids` of every attention layer."""
+    index = torch.tensor(block_ids, dtype=torch.int64, device=caches.key_cache[min(caches.key_cache)].device)
     if caches.kv_stack is not None:
-        return caches.kv_stack[:, :, list(block_ids)]
+        return select_rows(caches.kv_stack, index, dim=2)
     layers = sorted(caches.key_cache)
-    return torch.stack([torch.stack([caches.key_cache[l][list(block_ids)] for l in layers]),
-                        torch.stack([caches.value_cache[l][list(block_ids)] for l in layers])])
+    return torch.stack([torch.stack([select_rows(caches.key_cache[l], index) for l in layers]),
+                        torch.stack([select_rows(caches.value_cache[l], index) for l in layers])])
 
 
 def _cache_shapes(caches: ModelCaches) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

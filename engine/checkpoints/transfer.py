@@ -7,12 +7,16 @@ rank needs to restore the bundle, as CPU tensors:
 
     conv_state  (L_mamba, conv_dim, K-1)      model dtype   the rank's conv channels at p
     ssm_state   (L_mamba, H, P, N)            fp32          the rank's SSM heads at p
-    kv          (2, L_attention, p, Hkv, Dh)  model dtype   keys [0] and values [1] of all p
+    kv          (2, L_attention, p, Hkv, Dh)  KV dtype      keys [0] and values [1] of all p
                                                             covered tokens, the rank's KV heads;
                                                             the last p % B rows are the bundle's
                                                             attention tail, the others fill
                                                             p // B full KV blocks
     hidden_row  (D,)                          model dtype   the final hidden row at p - 1
+
+(the KV dtype is the caches' own: the model dtype, or float8_e4m3fn with an FP8 KV cache,
+whose bytes are meaningful only with the scales they were written with: the header's kv_cache
+names the format and a digest of its scales, engine/parallel/kv_cache_format.py)
 
 and a checksum over the rank, the checkpoint's digest (namespace and token ids) and every
 tensor's dtype, shape and bytes, so a shard is verified on its own and cannot be mixed into
@@ -89,8 +93,14 @@ class ShardLayout:
     ssm_state: tuple[int, ...]  # (L_mamba, H, P, N)
     kv_row: tuple[int, ...]  # (L_attention, Hkv, Dh): kv is (2, L_attention, p, Hkv, Dh)
     hidden_size: int  # D
-    dtype: str  # of conv_state, kv and hidden_row ("float32", "bfloat16", "float16")
+    dtype: str  # of conv_state, hidden_row and (unless kv_dtype says otherwise) kv
     ssm_dtype: str = "float32"
+    kv_dtype: str | None = None  # of kv when it is not `dtype`: "float8_e4m3fn" (FP8 KV cache)
+
+    @property
+    def kv_storage_dtype(self) -> str:
+        """The dtype name of kv: kv_dtype, else dtype."""
+        return self.kv_dtype or self.dtype
 
     def kv_shape(self, num_tokens: int) -> tuple[int, ...]:
         layers, heads, head_dim = self.kv_row
@@ -100,7 +110,8 @@ class ShardLayout:
         """Tensor bytes of a shard of this layout covering num_tokens tokens."""
         size = getattr(torch, self.dtype).itemsize
         count = lambda shape: math.prod(shape)  # noqa: E731
-        return (size * (count(self.conv_state) + count(self.kv_shape(num_tokens)) + self.hidden_size)
+        return (size * (count(self.conv_state) + self.hidden_size)
+                + getattr(torch, self.kv_storage_dtype).itemsize * count(self.kv_shape(num_tokens))
                 + getattr(torch, self.ssm_dtype).itemsize * count(self.ssm_state))
 
 
@@ -118,6 +129,7 @@ class CheckpointHeader:
     block_size: int
     layouts: tuple[ShardLayout, ...]  # per rank
     format_version: int = FORMAT_VERSION
+    kv_cache: str = "auto"  # the KV format its K/V bytes are in (KvCacheFormat.identity)
 
     @property
     def num_tokens(self) -> int:

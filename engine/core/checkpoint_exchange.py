@@ -116,6 +116,7 @@ class CheckpointExchange:
             owner=bundle.owner, model=self.expected.model,
             tensor_parallel_size=self.expected.tensor_parallel_size,
             block_size=self.expected.block_size, layouts=self.expected.layouts,
+            kv_cache=self.expected.kv_cache,
         )
 
     @staticmethod

@@ -47,6 +47,7 @@ from engine.interfaces.sampling_params import InvalidRequestError, output_budget
 from engine.interfaces.step_io import RunnerOutput, SchedulerOutput
 from engine.models.registry import load_model_config
 from engine.parallel.cache_capacity import drafter_kv_layers
+from engine.parallel.kv_cache_format import kv_cache_format
 from engine.parallel.tensor_parallel import TensorParallel
 from engine.speculative.ngram import NgramDrafter
 from engine.speculative.policy import AcceptanceGate, SpeculationChoice, resolve_speculation
@@ -461,17 +462,20 @@ def _speculation(config: EngineConfig, choice: SpeculationChoice | None) -> Spec
 
 def _import_expectations(config: EngineConfig, model_config, capacity) -> ImportExpectations:
     """What this engine accepts of a checkpoint exported elsewhere: its own model, split, block
-    size and every rank's shard layout."""
+    size, KV format and every rank's shard layout."""
     world = capacity.world_size
+    drafter_layers = drafter_kv_layers(config, model_config)
+    kv_format = kv_cache_format(config, model_config, drafter_layers)
     return ImportExpectations(
         model=model_identity(config.model_dir, config.dtype, torch.device(config.device).type),
         tensor_parallel_size=world,
         block_size=capacity.block_size,
         layouts=tuple(expected_shard_layout(model_config, TensorParallel(rank, world), config.dtype,
-                                            len(drafter_kv_layers(config, model_config)))
+                                            len(drafter_layers), kv_format.dtype_name)
                       for rank in range(world)),
         vocab_size=model_config.vocab_size,
         max_model_len=capacity.max_model_len,
+        kv_cache=kv_format.identity(),
     )
 
 

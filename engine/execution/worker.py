@@ -39,6 +39,7 @@ from engine.execution.token_readback import PendingTokens, TokenReadback
 from engine.interfaces.output_rows import RowRef, gather_rows
 from engine.interfaces.step_io import CaptureOp, RunnerOutput, ScheduledChunk, SchedulerOutput
 from engine.parallel.cache_capacity import CacheCapacity, size_caches
+from engine.parallel.kv_cache_format import check_kv_cache_device, kv_cache_format
 from engine.parallel.memory_budget import needs_free_memory, rank_free_memory
 from engine.parallel.tensor_parallel import TensorParallel
 from engine.routes.cpu_decode import CompiledDecodePass
@@ -76,6 +77,7 @@ class Worker(DemotesToHost):
     def __init__(self, config: EngineConfig, tp: TensorParallel | None = None) -> None:
         torch.manual_seed(config.seed)
         self.device = torch.device(config.device)
+        check_kv_cache_device(config, self.device)  # before the weights load: FP8 needs sm_89+
         self.model, self.model_config = load_model(
             config.model_dir, dtype=getattr(torch, config.dtype), device=self.device, tp=tp
         )
@@ -99,12 +101,15 @@ class Worker(DemotesToHost):
             self.capacity = replace(self.capacity, in_pass_capture=False)
         first_scratch_slot = self.capacity.num_state_slots + int(graphs)
         first_draft_block = self.capacity.num_blocks + int(graphs)
+        # The KV blocks' format: the model dtype, or FP8 with this rank's heads' static scales.
+        kv_format = kv_cache_format(config, self.model_config, speculation_needs.drafter_layers)
         self.caches = self.model.allocate_caches(
             num_blocks=first_draft_block + speculation_needs.num_draft_blocks,
             block_size=self.capacity.block_size,
             num_state_slots=first_scratch_slot + speculation_needs.num_scratch_slots,
             device=self.device,
             drafter_layers=speculation_needs.drafter_layers,
+            kv_scale=kv_format.rank_scales(self.model.layout),
         )
         # The forward routes, in the order submit() tries them (_routes): the verification
         # graphs and pass and the decode and prefill graphs where they exist (None otherwise),
@@ -285,7 +290,7 @@ class Worker(DemotesToHost):
         True when done. False, with nothing written, when it does not fit these caches (the
         engine checked it already; this is the rank's own look)."""
         self._check_idle("import_shard")
-        misfit = shard_misfit(self.caches, shard, op, self.model_config.hidden_size)
+        misfit = shard_misfit(self.caches, shard, op, self.model_config.hidden_size, self.model.dtype)
         if misfit is not None or shard.rank != self.rank:
             logger.warning("rank %d refuses the shard of bundle %d: %s", self.rank, op.bundle_id,
                            misfit or f"it is rank {shard.rank}'s")

@@ -7,7 +7,7 @@ cu_seqlens[i]:cu_seqlens[i+1] of input_ids, positions and slot_mapping.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -84,6 +84,10 @@ class ModelCaches:
     of every layer (engine/kernels/bundle_copy.py):
     conv_stack: (L_mamba, num_state_slots, conv_dim, K-1); ssm_stack: (L_mamba, ...) fp32;
     kv_stack: (2, L_attention, num_blocks, block_size, Hkv, Dh), [0] keys and [1] values.
+    kv_scale[l]: (2, Hkv) fp32, attention layers, only when the KV blocks hold FP8
+    (EngineConfig.kv_cache_dtype fp8_e4m3): the static key [0] and value [1] scale of each of the
+    rank's KV heads (engine/parallel/kv_cache_format.py); empty when they hold the model dtype.
+    Every writer and reader of key_cache / value_cache takes the layer's scale with them.
     If any dict entry is not the matching view of its stack (caches rebuilt per layer, as with
     dataclasses.replace), the stacks are dropped at construction and copies go layer by layer.
     """
@@ -96,6 +100,7 @@ class ModelCaches:
     conv_stack: torch.Tensor | None = None
     ssm_stack: torch.Tensor | None = None
     kv_stack: torch.Tensor | None = None
+    kv_scale: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         def views_of(stack, layers: dict[int, torch.Tensor]) -> bool:

@@ -7,7 +7,9 @@ from torch import nn
 
 from engine.interfaces.forward_batch import ForwardBatch
 from engine.interfaces.decode_rows import DecodeRows
-from engine.kernels.attention_reference import paged_attention, paged_decode_attention, write_kv
+from engine.kernels.attention_reference import (
+    dequantize_kv, select_rows, paged_attention, paged_decode_attention, write_kv,
+)
 from engine.kernels.gpu.batch_plan import GpuBatchPlan
 from engine.layers.norm import RMSNorm
 from engine.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear, linear, routes_to_skinny
@@ -148,6 +150,7 @@ class PagedAttention(nn.Module):
         value_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, Dh), written at batch.slot_mapping
         rope: tuple[torch.Tensor, torch.Tensor] | None,  # (cos, sin), each (T, rotary_dim <= Dh); None = NoPE
         gpu_plan: GpuBatchPlan | None = None,
+        kv_scale: torch.Tensor | None = None,  # (2, Hkv) fp32 for FP8 caches (ModelCaches.kv_scale)
     ) -> torch.Tensor:
         """Writes every token's K/V to its slot, then attends each chunk over its own sequence
         (with deferred writes, batch.decode.deferred, records the K/V instead and attends to
@@ -155,7 +158,14 @@ class PagedAttention(nn.Module):
 
         gpu_plan: given on CUDA; q, k and v are then projected as it chose (stacked_qkv), all
         decode chunks go through one Triton launch, the prefill chunks with cached keys through
-        another, and each prefill chunk that starts its sequence through SDPA (attend_gpu)."""
+        another, and each prefill chunk that starts its sequence through SDPA (attend_gpu).
+
+        kv_scale: the caches hold FP8 (engine/kernels/attention_reference.py): K/V are
+        quantized when written and every read dequantizes what the cache holds, the SDPA of a
+        chunk that starts its sequence included, so a token's attention reads the same values
+        whichever way its keys were computed or restored. Without a plan each chunk then goes
+        through the reference paged_attention (the batched decode pass and deferred writes are
+        for unquantized caches; the engine runs FP8 on CUDA only)."""
         num_tokens = hidden.shape[0]
         query, key, value = self.project_qkv(hidden, stacked=gpu_plan is not None and gpu_plan.stacked_qkv)
         gate = None
@@ -168,15 +178,19 @@ class PagedAttention(nn.Module):
         if gpu_plan is not None:
             from engine.kernels.gpu.paged_attention import write_kv as write_kv_gpu
 
-            write_kv_gpu(key_cache, value_cache, batch.slot_mapping, key, value)
-            output = self.attend_gpu(query, key, value, key_cache, value_cache, gpu_plan)
+            write_kv_gpu(key_cache, value_cache, batch.slot_mapping, key, value, kv_scale)
+            if kv_scale is not None and gpu_plan.fresh_chunks:  # what the cache holds, for their SDPA
+                key, value = cached_kv(key_cache, value_cache, batch.slot_mapping, kv_scale, query.dtype)
+            output = self.attend_gpu(query, key, value, key_cache, value_cache, gpu_plan, kv_scale)
             return self.o_proj(self.gated(output, gate).view(num_tokens, self.num_heads * self.head_dim))
-        decode = batch.decode if batch.decode is not None and batch.decode.first_key_zero else None
+        decode = None
+        if kv_scale is None and batch.decode is not None and batch.decode.first_key_zero:
+            decode = batch.decode
         if decode is not None and decode.deferred is not None:  # written after the pass
             decode.deferred.kv.append((key_cache, value_cache, key, value))
             output = self.attend_decode(query, key_cache, value_cache, decode, current=(key, value))
             return self.o_proj(self.gated(output, gate).reshape(num_tokens, self.num_heads * self.head_dim))
-        write_kv(key_cache, value_cache, batch.slot_mapping, key, value)
+        write_kv(key_cache, value_cache, batch.slot_mapping, key, value, kv_scale)
         if decode is not None and decode.identity:  # every chunk one token: one batched pass
             output = self.attend_decode(query, key_cache, value_cache, decode)
         else:
@@ -190,7 +204,7 @@ class PagedAttention(nn.Module):
                 block_table = torch.tensor(chunk.block_table, dtype=torch.int64, device=hidden.device)
                 output[start:end] = paged_attention(
                     query[start:end], key_cache, value_cache, block_table, chunk.start_position, self.scale,
-                    first_key=chunk.first_key,
+                    first_key=chunk.first_key, kv_scale=kv_scale,
                 )
         return self.o_proj(self.gated(output, gate).reshape(num_tokens, self.num_heads * self.head_dim))
 
@@ -214,11 +228,12 @@ class PagedAttention(nn.Module):
     def attend_gpu(
         self,
         query: torch.Tensor,  # (T, H, Dh)
-        key: torch.Tensor,  # (T, Hkv, Dh), this step's keys (also written to key_cache)
+        key: torch.Tensor,  # (T, Hkv, Dh), this step's keys (as FP8 caches hold them, dequantized)
         value: torch.Tensor,  # (T, Hkv, Dh)
         key_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, Dh), this step's K/V written
         value_cache: torch.Tensor,
         plan: GpuBatchPlan,
+        kv_scale: torch.Tensor | None = None,  # (2, Hkv) fp32 for FP8 caches
     ) -> torch.Tensor:
         """Attention output (T, H, Dh) for every chunk of the batch, on CUDA: keys from
         plan.first_key on. ValueError when the plan has a chunk that starts its sequence and a
@@ -233,12 +248,12 @@ class PagedAttention(nn.Module):
         output = torch.empty_like(query) if plan.prefill_valid is None else torch.zeros_like(query)
         paged_attention_decode(
             query, key_cache, value_cache, output, plan.decode_rows, plan.decode_seq_lens,
-            plan.decode_block_table, self.scale, first_key=plan.first_key,
+            plan.decode_block_table, self.scale, first_key=plan.first_key, kv_scale=kv_scale,
         )
         paged_attention_prefill(
             query, key_cache, value_cache, output, plan.paged_first_rows, plan.paged_lengths,
             plan.paged_positions, plan.paged_tables, plan.paged_max_length, self.scale,
-            first_key=plan.first_key,
+            first_key=plan.first_key, kv_scale=kv_scale,
         )
         for chunk in plan.fresh_chunks:
             output[chunk.start : chunk.end] = causal_attention_from_start(
@@ -246,3 +261,19 @@ class PagedAttention(nn.Module):
                 value[chunk.start : chunk.end], self.scale,
             )
         return output
+
+
+def cached_kv(
+    key_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, Dh) FP8
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # (T,) the slots this step wrote
+    kv_scale: torch.Tensor,  # (2, Hkv) fp32
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K/V (T, Hkv, Dh) of this step's tokens as FP8 caches hold them, dequantized to
+    `dtype`: what the paged kernels read for these tokens later. Reads only."""
+    num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+    flat = (num_blocks * block_size, num_kv_heads, head_dim)
+    key = dequantize_kv(select_rows(key_cache.view(flat), slot_mapping), kv_scale[0], dtype)
+    value = dequantize_kv(select_rows(value_cache.view(flat), slot_mapping), kv_scale[1], dtype)
+    return key, value

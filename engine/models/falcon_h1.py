@@ -177,7 +177,8 @@ class FalconH1DecoderLayer(nn.Module):
             _scaled(mixer_in, self.mamba_in), batch, caches.conv_state[i], caches.ssm_state[i]
         )
         attention_out = self.self_attn(
-            _scaled(mixer_in, self.attention_in), batch, caches.key_cache[i], caches.value_cache[i], rope
+            _scaled(mixer_in, self.attention_in), batch, caches.key_cache[i], caches.value_cache[i], rope,
+            kv_scale=caches.kv_scale.get(i),
         )
         hidden = hidden + self._mixers_sum(mamba_out, attention_out)
         mlp_out = self.shared_mlp(self.post_attention_layernorm(hidden))
@@ -208,7 +209,7 @@ class FalconH1DecoderLayer(nn.Module):
         )
         attention_out = self.self_attn(
             _scaled(mixer_in, self.attention_in), batch, caches.key_cache[i], caches.value_cache[i],
-            rope, gpu_plan,
+            rope, gpu_plan, caches.kv_scale.get(i),
         )
         mixed = self._mixers_sum(mamba_out, attention_out)
         hidden, mlp_in = add_rms_norm(hidden, mixed, 1.0, norm_post.weight, norm_post.eps)

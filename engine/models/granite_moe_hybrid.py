@@ -179,7 +179,8 @@ class DecoderLayer(nn.Module):
         i = self.layer_index
         mixer_in = self.input_layernorm(hidden)
         if self.self_attn is not None:
-            mixed = self.self_attn(mixer_in, batch, caches.key_cache[i], caches.value_cache[i], rope)
+            mixed = self.self_attn(mixer_in, batch, caches.key_cache[i], caches.value_cache[i], rope,
+                                   kv_scale=caches.kv_scale.get(i))
         else:
             mixed = self.mamba(mixer_in, batch, caches.conv_state[i], caches.ssm_state[i])
         hidden = hidden + mixed * self.residual_multiplier
@@ -207,7 +208,8 @@ class DecoderLayer(nn.Module):
         hidden, mixer_in = add_rms_norm(hidden, pending, r, norm_in.weight, norm_in.eps)
         if self.self_attn is not None:
             mixed = self.self_attn(
-                mixer_in, batch, caches.key_cache[i], caches.value_cache[i], rope, gpu_plan
+                mixer_in, batch, caches.key_cache[i], caches.value_cache[i], rope, gpu_plan,
+                caches.kv_scale.get(i),
             )
         else:
             in_pass = gpu_plan.in_pass

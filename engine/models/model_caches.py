@@ -31,7 +31,8 @@ class RankCaches:
         return cache_capacity.recurrent_state_shape(self.config, self.layout)
 
     def kv_bytes_per_block(self, block_size: int) -> int:
-        """Bytes of one KV block on this rank (engine/parallel/cache_capacity.py)."""
+        """Bytes of one KV block of model-dtype K/V on this rank (engine/parallel/cache_capacity.py;
+        FP8 blocks take kv_bytes_per_block with their own dtype)."""
         return cache_capacity.kv_bytes_per_block(self.config, self.layout, self.dtype, block_size)
 
     def state_bytes_per_slot(self) -> int:
@@ -41,22 +42,32 @@ class RankCaches:
     def allocate_caches(
         self, num_blocks: int, block_size: int, num_state_slots: int, device=None,
         drafter_layers: tuple[int, ...] = (),
+        kv_scale: torch.Tensor | None = None,
     ) -> ModelCaches:
         """Zeroed KV blocks and state slots of this rank (layouts in engine/interfaces/forward_batch.py;
         the KV heads, recurrent heads and conv channels are the rank's own), on `device`, or
         the embedding's device when None. One tensor per kind, stacked over its layers (K/V
-        in the model dtype, conv state in the model dtype, recurrent state fp32); each
+        in the model dtype or FP8, conv state in the model dtype, recurrent state fp32); each
         layer's cache is a view of it. Layers without a mixer cache (MLP blocks) get none.
         drafter_layers: layer indices past the model's own whose KV the blocks also hold, after
         the attention layers' (the MTP drafter's layer, engine/parallel/cache_capacity.py
-        drafter_kv_layers), so checkpoints and transfers carry it with the rest."""
+        drafter_kv_layers), so checkpoints and transfers carry it with the rest.
+        kv_scale: (2, L_attention + drafter layers, Hkv of this rank) fp32 for FP8 blocks
+        (KvCacheFormat.rank_scales): the K/V are then float8_e4m3fn and ModelCaches.kv_scale
+        holds each layer's (2, Hkv) view of it, on `device`; None: K/V in the model dtype."""
         c = self.config
         if device is None:
             device = self.embed_tokens.weight.device
         kv_shape = (num_blocks, block_size, self.kv_heads_per_rank(), c.head_dim)
         conv_slot, state_slot = self.recurrent_state_shape()
         attention, recurrent = [*c.attention_layers, *drafter_layers], c.recurrent_layers
-        kv = torch.zeros((2, len(attention), *kv_shape), dtype=self.dtype, device=device)
+        kv_dtype = self.dtype if kv_scale is None else torch.float8_e4m3fn
+        kv = torch.zeros((2, len(attention), *kv_shape), dtype=kv_dtype, device=device)
+        if kv_scale is not None:
+            if tuple(kv_scale.shape) != (2, len(attention), kv_shape[2]):
+                raise ValueError(f"kv_scale {tuple(kv_scale.shape)}: the caches need "
+                                 f"(2, {len(attention)}, {kv_shape[2]}) (K/V, attention layers, KV heads)")
+            kv_scale = kv_scale.to(device=device, dtype=torch.float32).contiguous()
         conv = torch.zeros((len(recurrent), num_state_slots, *conv_slot), dtype=self.dtype, device=device)
         state = torch.zeros((len(recurrent), num_state_slots, *state_slot), dtype=torch.float32, device=device)
         return ModelCaches(
@@ -68,4 +79,5 @@ class RankCaches:
             conv_stack=conv,
             ssm_stack=state,
             kv_stack=kv,
+            kv_scale={} if kv_scale is None else {layer: kv_scale[:, j] for j, layer in enumerate(attention)},
         )

@@ -249,7 +249,8 @@ class NemotronHBlock(nn.Module):
                 captures = (gpu_plan.in_pass.conv_out[i], gpu_plan.in_pass.ssm_out[i])
             return self.mixer(x, batch, caches.conv_state[i], caches.ssm_state[i], gpu_plan, captures)
         if self.kind == ATTENTION:
-            return self.mixer(x, batch, caches.key_cache[i], caches.value_cache[i], None, gpu_plan)
+            return self.mixer(x, batch, caches.key_cache[i], caches.value_cache[i], None, gpu_plan,
+                              caches.kv_scale.get(i))
         return self.mixer(x) if gpu_plan is None else self.mixer.forward_gpu(x)
 
 

@@ -361,7 +361,8 @@ class DecoderLayer(nn.Module):
         captures written), either written in `caches`."""
         i = self.layer_index
         if self.self_attn is not None:
-            return self.self_attn(mixer_in, batch, caches.key_cache[i], caches.value_cache[i], rope, gpu_plan)
+            return self.self_attn(mixer_in, batch, caches.key_cache[i], caches.value_cache[i], rope, gpu_plan,
+                                  caches.kv_scale.get(i))
         in_pass = None if gpu_plan is None else gpu_plan.in_pass
         captures = None if in_pass is None else (in_pass.conv_out[i], in_pass.ssm_out[i])
         return self.linear_attn(mixer_in, batch, caches.conv_state[i], caches.ssm_state[i], gpu_plan, captures)

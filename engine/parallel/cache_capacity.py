@@ -17,6 +17,7 @@ import torch
 
 from cache.cache_manager import BundleSizing
 from engine.engine_config import EngineConfig
+from engine.parallel.kv_cache_format import kv_cache_format, kv_storage_dtype
 from engine.parallel.memory_budget import FreeMemory, cache_budgets, needs_free_memory
 from engine.model_config import GATED_DELTA_NET, HybridModelConfig
 from engine.parallel.shard_layout import RankShardLayout, rank_shard_layout, width
@@ -85,7 +86,8 @@ def kv_bytes_per_block(
     num_drafter_layers: int = 0,
 ) -> int:
     """Bytes of one KV block on the rank across all attention layers and num_drafter_layers
-    more (drafter_kv_layers) (K and V of the rank's KV heads, model dtype)."""
+    more (drafter_kv_layers) (K and V of the rank's KV heads, in `dtype`: the blocks' storage
+    dtype, kv_storage_dtype; FP8 takes half of bf16)."""
     per_layer = 2 * block_size * width(layout.kv_heads) * config.head_dim * dtype.itemsize
     return (len(config.attention_layers) + num_drafter_layers) * per_layer
 
@@ -120,7 +122,8 @@ def size_caches(config: EngineConfig, model_config: HybridModelConfig, tp: Tenso
     dtype = getattr(torch, config.dtype)
     max_model_len = _max_model_len(config, model_config)
     block_bytes = kv_bytes_per_block(
-        model_config, layout, dtype, config.block_size, len(drafter_kv_layers(config, model_config)))
+        model_config, layout, kv_storage_dtype(config), config.block_size,
+        len(drafter_kv_layers(config, model_config)))
     slot_bytes = state_bytes_per_slot(model_config, layout, dtype)
     budgets = cache_budgets(config, slot_bytes, memory)
     num_blocks = budgets.kv_bytes // block_bytes
@@ -156,8 +159,10 @@ def size_caches(config: EngineConfig, model_config: HybridModelConfig, tp: Tenso
 
 def check_cache_budgets(config: EngineConfig, model_config: HybridModelConfig) -> None:
     """size_caches for every rank of config, for the model config.model_dir holds (its parsed
-    config.json): raises what the workers would raise when they start. With budgets from
-    memory, only max_model_len is checked here (the memory is the worker's)."""
+    config.json): raises what the workers would raise when they start, a bad KV scales file
+    included (engine/parallel/kv_cache_format.py). With budgets from memory, only
+    max_model_len and the KV format are checked here (the memory is the worker's)."""
+    kv_cache_format(config, model_config, drafter_kv_layers(config, model_config))
     if needs_free_memory(config):
         _max_model_len(config, model_config)
         return

@@ -22,7 +22,7 @@ import torch
 from engine.core.async_engine import AsyncLLMEngine
 from engine.checkpoints.import_checks import ImportRejection
 from engine.checkpoints.shards import ShardStage
-from engine.checkpoints.transfer import ExportedCheckpoint, RemoteShard
+from engine.checkpoints.transfer import ExportedCheckpoint, RemoteShard, make_shard
 from engine.engine_config import EngineConfig
 from engine.execution.executor import ShardsByReference
 from engine.interfaces.generation_request import GenerationRequest
@@ -214,6 +214,17 @@ def no_shards(exported: ExportedCheckpoint) -> ExportedCheckpoint:
     return dataclasses.replace(exported, shards=())
 
 
+def fp8_kv_cache(exported: ExportedCheckpoint) -> ExportedCheckpoint:
+    """The same checkpoint as an engine with an FP8 KV cache would export it: K/V bytes in
+    float8_e4m3fn (scales 1.0), the header and layouts saying so, checksums recomputed."""
+    header = exported.header
+    layouts = tuple(dataclasses.replace(layout, kv_dtype="float8_e4m3fn") for layout in header.layouts)
+    shards = tuple(make_shard(shard.rank, header.digest, shard.conv_state, shard.ssm_state,
+                              shard.kv.to(torch.float8_e4m3fn), shard.hidden_row) for shard in exported.shards)
+    return ExportedCheckpoint(dataclasses.replace(header, kv_cache="fp8_e4m3:0123456789abcdef", layouts=layouts),
+                              shards)
+
+
 REJECTIONS = {
     "corrupted": (corrupted, ImportRejection.CHECKSUM),
     "truncated": (truncated, ImportRejection.LENGTH),
@@ -225,6 +236,7 @@ REJECTIONS = {
     "other_namespace": (other_namespace, ImportRejection.NAMESPACE),
     "ssm_in_bfloat16": (ssm_in_bfloat16, ImportRejection.SHAPE),
     "no_shards": (no_shards, ImportRejection.MALFORMED),
+    "fp8_kv_cache": (fp8_kv_cache, ImportRejection.KV_CACHE),
 }
 
 

@@ -15,6 +15,13 @@ BLOCK_N at a time: each K/V tile is loaded once for all G heads (G = 1: one head
 G, BLOCK_M and the rest default as prefill_launch.py says).
 `write_kv` stores a step's K/V into the cache in one launch.
 
+FP8 caches (a kv_scale given, engine/kernels/attention_reference.py): write_kv quantizes each
+element as quantize_kv does (fp32 division correctly rounded, saturated at +-448, rounded to
+nearest even), and both attention kernels dequantize each K/V tile as dequantize_kv does
+(fp32 product with the program's KV-head scale, rounded to the query dtype) before their dots,
+which accumulate in fp32 as for any cache dtype. Without kv_scale the kernels compile as before
+(KV_SCALED is a constexpr).
+
 Both attention kernels take first_key, the first key position any query reads (0; 1 for the
 MTP drafter's layer, whose position 0 holds no key: engine/speculative/mtp.py), and split the
 keys first_key .. over their programs, so split 0 always holds a key and no tile is empty.
@@ -36,6 +43,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import triton
 import triton.language as tl
 
+from engine.kernels.attention_reference import FP8_E4M3_MAX
 from engine.kernels.gpu.pdl import launch_options, release_next, wait_for_previous
 from engine.kernels.gpu.prefill_launch import prefill_launch
 
@@ -49,7 +57,9 @@ def _write_kv_kernel(
     key_ptr, value_ptr, stride_kt, stride_vt,  # (T, Hkv, D), each token's Hkv * D contiguous
     key_cache_ptr, value_cache_ptr,  # (num_blocks * block_size, Hkv * D) contiguous
     slots_ptr,  # (T,)
-    WIDTH: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+    kv_scale_ptr, stride_kv_scale,  # (2, Hkv) fp32, unit Hkv stride: key [0], value [1] scales
+    WIDTH: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
+    KV_SCALED: tl.constexpr, FP8_MAX: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     release_next(USE_PDL)
     wait_for_previous(USE_PDL)
@@ -59,6 +69,14 @@ def _write_kv_kernel(
     slot = tl.load(slots_ptr + t).to(tl.int64)
     k = tl.load(key_ptr + t * stride_kt + e, mask=mask)
     v = tl.load(value_ptr + t * stride_vt + e, mask=mask)
+    if KV_SCALED:  # quantize_kv: x / scale of its head in fp32, saturated, nearest-even to FP8
+        head = e // HEAD_DIM
+        k_scale = tl.load(kv_scale_ptr + head, mask=mask, other=1.0)
+        v_scale = tl.load(kv_scale_ptr + stride_kv_scale + head, mask=mask, other=1.0)
+        k = tl.clamp(tl.math.div_rn(k.to(tl.float32), k_scale), -FP8_MAX, FP8_MAX,
+                     propagate_nan=tl.PropagateNan.ALL)
+        v = tl.clamp(tl.math.div_rn(v.to(tl.float32), v_scale), -FP8_MAX, FP8_MAX,
+                     propagate_nan=tl.PropagateNan.ALL)
     tl.store(key_cache_ptr + slot * WIDTH + e, k.to(key_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(value_cache_ptr + slot * WIDTH + e, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -70,20 +88,42 @@ def write_kv(
     # except for graph padding rows, which may share a scratch slot (whose content is unused)
     key: torch.Tensor,  # (T, Hkv, D), each token's heads contiguous
     value: torch.Tensor,  # (T, Hkv, D)
+    kv_scale: torch.Tensor | None = None,  # (2, Hkv) fp32 for FP8 caches, else None
 ) -> None:
     """attention_reference.write_kv in one launch (PyTorch takes one per cache): each token's
-    K/V stored at its slot, cast to the cache dtype."""
+    K/V stored at its slot, cast to the cache dtype, or with kv_scale quantized to FP8 (the
+    same bytes as attention_reference.quantize_kv)."""
     num_tokens, num_kv_heads, head_dim = key.shape
     width = num_kv_heads * head_dim
     assert key_cache.is_contiguous() and value_cache.is_contiguous() and key_cache.shape == value_cache.shape
     assert key_cache.shape[2:] == key.shape[1:] and value.shape == key.shape
     assert key.stride(1) == head_dim and key.stride(2) == 1 and value.stride(1) == head_dim and value.stride(2) == 1
+    scaled = _check_kv_scale(kv_scale, key_cache)
     if num_tokens == 0:
         return
     _write_kv_kernel[(num_tokens,)](
         key, value, key.stride(0), value.stride(0), key_cache, value_cache, slot_mapping,
-        WIDTH=width, BLOCK=triton.next_power_of_2(width), **launch_options(),
+        *_kv_scale_args(kv_scale, key_cache),
+        WIDTH=width, BLOCK=triton.next_power_of_2(width), HEAD_DIM=head_dim,
+        KV_SCALED=scaled, FP8_MAX=FP8_E4M3_MAX, **launch_options(),
     )
+
+
+def _check_kv_scale(kv_scale: torch.Tensor | None, key_cache: torch.Tensor) -> bool:
+    """Whether the kernels run on FP8 caches: kv_scale given, (2, Hkv) fp32 with a unit head
+    stride, and the cache float8_e4m3fn; without kv_scale the cache must not be FP8."""
+    if kv_scale is None:
+        assert key_cache.dtype != torch.float8_e4m3fn, "FP8 caches need their kv_scale"
+        return False
+    assert key_cache.dtype == torch.float8_e4m3fn, f"kv_scale given for a {key_cache.dtype} cache"
+    assert kv_scale.dtype == torch.float32 and kv_scale.shape == (2, key_cache.shape[2]) and kv_scale.stride(1) == 1
+    return True
+
+
+def _kv_scale_args(kv_scale: torch.Tensor | None, key_cache: torch.Tensor) -> tuple:
+    """(pointer, stride) of kv_scale for a kernel; without one, the cache as a pointer the
+    kernel never reads (KV_SCALED False)."""
+    return (key_cache, 0) if kv_scale is None else (kv_scale, kv_scale.stride(0))
 
 
 @triton.jit(do_not_specialize=["stride_split", "stride_ml_split", "stride_ml_t", "stride_table", "num_splits",
@@ -98,9 +138,10 @@ def _paged_decode_kernel(
     scale_log2,  # softmax scale * log2(e)
     num_splits,
     first_key,  # keys first_key .. seq_len - 1 are read (first_key < every seq_len)
+    kv_scale_ptr, stride_kv_scale,  # (2, Hkv) fp32 FP8 scales (read only with KV_SCALED)
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    KV_SCALED: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     release_next(USE_PDL)
     wait_for_previous(USE_PDL)
@@ -113,6 +154,9 @@ def _paged_decode_kernel(
     g_mask = g < GROUP
     q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + d[None, :],
                 mask=g_mask[:, None], other=0.0)  # (BLOCK_G, D)
+    if KV_SCALED:
+        k_scale = tl.load(kv_scale_ptr + kv_head)
+        v_scale = tl.load(kv_scale_ptr + stride_kv_scale + kv_head)
     # this split's share of keys first_key .. seq_len - 1, in whole BLOCK_N tiles (a split
     # past seq_len has none)
     span = tl.cdiv(tl.cdiv(seq_len - first_key, num_splits), BLOCK_N) * BLOCK_N
@@ -127,6 +171,9 @@ def _paged_decode_kernel(
         offsets = block * stride_kb + (tok % KV_BLOCK) * stride_ko + kv_head * stride_kh
         k = tl.load(k_ptr + offsets[:, None] + d[None, :], mask=t_mask[:, None], other=0.0)
         v = tl.load(v_ptr + offsets[:, None] + d[None, :], mask=t_mask[:, None], other=0.0)
+        if KV_SCALED:  # dequantize_kv
+            k = (k.to(tl.float32) * k_scale).to(q.dtype)
+            v = (v.to(tl.float32) * v_scale).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # (BLOCK_G, BLOCK_N) fp32, log2 units
         s = tl.where(t_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))  # finite: every tile holds a key
@@ -192,11 +239,12 @@ def paged_attention_decode(
     scale: float,
     num_splits: int | None = None,  # key splits per (sequence, KV head); None: decode_splits()
     first_key: int = 0,  # first key position read, < every seq_lens[i] (1: the MTP layer)
+    kv_scale: torch.Tensor | None = None,  # (2, Hkv) fp32 for FP8 caches, else None
 ) -> None:
     """For each i: out[rows[i]] = attention of query[rows[i]] over the keys at positions
     first_key .. seq_lens[i] - 1 of its blocks (K/V already written; the keys before first_key
-    are never read). Equal to paged_attention(..., first_key=first_key) with n = 1 within bf16
-    rounding. Touches no other row of out.
+    are never read). Equal to paged_attention(..., first_key=first_key, kv_scale=kv_scale)
+    with n = 1 within bf16 rounding. Touches no other row of out.
 
     The launches depend on Bd and the head counts only, never on seq_lens or first_key, so a
     CUDA graph replays them for any context length. With num_splits > 1 each sequence's keys
@@ -209,6 +257,7 @@ def paged_attention_decode(
     _, block_size, num_kv_heads, _ = key_cache.shape
     assert key_cache.stride() == value_cache.stride() and key_cache.stride(3) == 1
     assert query.stride(2) == 1 and out.stride(2) == 1 and head_dim == triton.next_power_of_2(head_dim)
+    scaled = _check_kv_scale(kv_scale, key_cache)
     if num_splits is None:
         num_splits = decode_splits(num_decode, num_kv_heads)
     split = num_splits > 1
@@ -225,11 +274,11 @@ def paged_attention_decode(
         key_cache, value_cache, key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         target, *strides, ml, *ml_strides,
         rows, seq_lens, block_table, block_table.stride(0),
-        scale * 1.4426950408889634, num_splits, first_key,
+        scale * 1.4426950408889634, num_splits, first_key, *_kv_scale_args(kv_scale, key_cache),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         KV_BLOCK=block_size, BLOCK_N=64, SPLIT=split,
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",  # as the prefill kernel
-        **launch_options(),
+        KV_SCALED=scaled, **launch_options(),
     )
     if split:
         _decode_combine_kernel[(num_decode, num_heads)](
@@ -244,8 +293,10 @@ def _attend_key_tile(
     tile_start, key_end,  # keys tile_start .. tile_start + BLOCK_N - 1, those before key_end real
     table, k_head, v_head, stride_kb, stride_ko,  # the chunk's block table; K/V at the program's KV head
     scale_log2,
+    k_scale, v_scale,  # the KV head's FP8 scales (fp32; read only with KV_SCALED)
     HEAD_DIM: tl.constexpr, KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
     MASKED: tl.constexpr,  # False: every key of the tile is real and visible to every row
+    KV_SCALED: tl.constexpr,
 ):
     """One key tile of _prefill_kernel's online softmax: returns the updated (m, l, acc). A row
     that has seen no visible key yet keeps m = -inf (possible in a split after the first)."""
@@ -262,6 +313,9 @@ def _attend_key_tile(
         offsets = block * stride_kb + (tok % KV_BLOCK) * stride_ko
         k = tl.load(k_head + offsets[:, None] + d[None, :])
         v = tl.load(v_head + offsets[:, None] + d[None, :])
+    if KV_SCALED:  # dequantize_kv
+        k = (k.to(tl.float32) * k_scale).to(q.dtype)
+        v = (v.to(tl.float32) * v_scale).to(q.dtype)
     scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # log2 units
     if MASKED:
         visible = (tok[None, :] <= q_pos[:, None]) & t_mask[None, :]
@@ -287,11 +341,12 @@ def _prefill_kernel(
     scale_log2,  # softmax scale * log2(e)
     num_splits, max_len,  # partial row of query j of chunk s: s * max_len + j
     first_key,  # keys from first_key on are read (first_key <= every query's position)
+    kv_scale_ptr, stride_kv_scale,  # (2, Hkv) fp32 FP8 scales (read only with KV_SCALED)
     GROUP: tl.constexpr,  # query heads per KV head
     HEADS_PER_PROGRAM: tl.constexpr,  # G, a power of two dividing GROUP
     HEAD_DIM: tl.constexpr, KV_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    KV_SCALED: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     release_next(USE_PDL)
     wait_for_previous(USE_PDL)
@@ -312,6 +367,12 @@ def _prefill_kernel(
                     mask=i_mask[:, None], other=0.0)  # (G * BLOCK_M, D)
         q_pos = start_position + i  # the G rows of one query share its position
         kv_head = head_group * HEADS_PER_PROGRAM // GROUP  # the same for all G heads
+        if KV_SCALED:
+            k_scale = tl.load(kv_scale_ptr + kv_head)
+            v_scale = tl.load(kv_scale_ptr + stride_kv_scale + kv_head)
+        else:  # not read
+            k_scale = scale_log2
+            v_scale = scale_log2
         # keys first_key .. the position of this block's last query, this split's share of them
         num_keys = start_position + tl.minimum((m_block + 1) * BLOCK_M, q_len)
         span = tl.cdiv(tl.cdiv(num_keys - first_key, num_splits), BLOCK_N) * BLOCK_N
@@ -330,12 +391,14 @@ def _prefill_kernel(
         for tile_start in range(key_start, unmasked_end, BLOCK_N):
             m, l, acc = _attend_key_tile(
                 q, q_pos, m, l, acc, tile_start, key_end, table, k_head, v_head, stride_kb, stride_ko,
-                scale_log2, HEAD_DIM, KV_BLOCK, BLOCK_N, PRECISION, MASKED=False,
+                scale_log2, k_scale, v_scale, HEAD_DIM, KV_BLOCK, BLOCK_N, PRECISION, MASKED=False,
+                KV_SCALED=KV_SCALED,
             )
         for tile_start in range(unmasked_end, key_end, BLOCK_N):
             m, l, acc = _attend_key_tile(
                 q, q_pos, m, l, acc, tile_start, key_end, table, k_head, v_head, stride_kb, stride_ko,
-                scale_log2, HEAD_DIM, KV_BLOCK, BLOCK_N, PRECISION, MASKED=True,
+                scale_log2, k_scale, v_scale, HEAD_DIM, KV_BLOCK, BLOCK_N, PRECISION, MASKED=True,
+                KV_SCALED=KV_SCALED,
             )
         if SPLIT:
             part = s * max_len + i
@@ -407,14 +470,15 @@ def paged_attention_prefill(
     heads_per_program: int | None = None,  # G, query heads per program
     # (each None: prefill_launch.py's default)
     first_key: int = 0,  # first key position read, <= every start_positions[s] (1: the MTP layer)
+    kv_scale: torch.Tensor | None = None,  # (2, Hkv) fp32 for FP8 caches, else None
 ) -> None:
     """Causal attention of Sp prefill chunks over their paged K/V, every chunk's metadata on
     the device (so a CUDA graph can replay it with new chunks): for each s, query rows
     first_rows[s] + j, j < lengths[s], at position start_positions[s] + j, attend the keys at
     positions first_key .. start_positions[s] + j of block_tables[s] (this step's K/V already
     written; the keys before first_key are never read). Touches no other row of out. Equal to
-    paged_attention(..., first_key=first_key) per chunk within the input dtype's rounding (fp32
-    inputs multiply in full fp32; softmax in fp32, online).
+    paged_attention(..., first_key=first_key, kv_scale=kv_scale) per chunk within the input
+    dtype's rounding (fp32 inputs multiply in full fp32; softmax in fp32, online).
 
     Each program takes block_m queries in heads_per_program query heads of one KV head (a
     power of two dividing H / Hkv; 1 is the ungrouped kernel), a (G * block_m, D) tile; the
@@ -431,6 +495,7 @@ def paged_attention_prefill(
     _, block_size, num_kv_heads, _ = key_cache.shape
     assert key_cache.stride() == value_cache.stride() and key_cache.stride(3) == 1
     assert query.stride(2) == 1 and out.stride(2) == 1 and head_dim == triton.next_power_of_2(head_dim)
+    scaled = _check_kv_scale(kv_scale, key_cache)
     group = num_heads // num_kv_heads
     launch = prefill_launch(
         query.dtype, num_heads, num_kv_heads, max_length, num_chunks,
@@ -453,11 +518,12 @@ def paged_attention_prefill(
         key_cache, value_cache, key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         target, *strides, ml, *ml_strides,
         first_rows, lengths, start_positions, block_tables, block_tables.stride(0),
-        scale * 1.4426950408889634, num_splits, max_length, first_key,
+        scale * 1.4426950408889634, num_splits, max_length, first_key, *_kv_scale_args(kv_scale, key_cache),
         GROUP=group, HEADS_PER_PROGRAM=heads, HEAD_DIM=head_dim, KV_BLOCK=block_size,
         BLOCK_M=block_m, BLOCK_N=launch.block_n,
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",  # fp32 models: no tf32
-        SPLIT=split, num_warps=launch.num_warps, num_stages=launch.num_stages, **launch_options(),
+        SPLIT=split, KV_SCALED=scaled, num_warps=launch.num_warps, num_stages=launch.num_stages,
+        **launch_options(),
     )
     if split:  # the partials' layout is per query head: the combine takes one program a head
         _combine_kernel[(triton.cdiv(max_length, block_m), num_chunks, num_heads)](
