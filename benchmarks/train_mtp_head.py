@@ -164,12 +164,14 @@ def hidden_rows(model, sequences: list[list[int]], device: torch.device) -> list
 
 class HeadCache:
     """The head layer's KV cache alone (what run_head reads and writes: caches.key_cache and
-    value_cache at the head's layer index), fresh for each training step."""
+    value_cache at the head's layer index, in the model dtype: no FP8 scales), fresh for each
+    training step."""
 
     def __init__(self, layer: int, blocks: int, like: torch.Tensor) -> None:
         self.block_size = BLOCK_SIZE
         self.key_cache = {layer: like.new_zeros(blocks, BLOCK_SIZE, *like.shape[2:])}
         self.value_cache = {layer: like.new_zeros(blocks, BLOCK_SIZE, *like.shape[2:])}
+        self.kv_scale: dict[int, torch.Tensor] = {}
 
 
 def head_loss(model, head, sequences: list[list[int]], hidden: list[torch.Tensor], device: torch.device,

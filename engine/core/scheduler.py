@@ -278,6 +278,8 @@ class Scheduler:
             if request.status is RequestStatus.RUNNING:
                 self.running.remove(request)
                 self._release_cache(request)
+            elif request.status is RequestStatus.FETCHING:  # preempted, then waiting for a capture
+                self.fetching.pop(request.request_id).fetch.abandon()
             else:  # preempted in the step that failed: already waiting
                 self.waiting.remove(request)
             request.num_computed_tokens = 0

@@ -6,15 +6,18 @@ wait ends early when its producer stops running (aborted), and the waiter recomp
 
 from __future__ import annotations
 
+from cache.cache_manager import BundleSizing, CacheManager
 from cache.checkpoint_keys import Namespace
 from deployments.prompts.instruction_boundary import find_instruction_boundary
 from engine.checkpoints.in_flight import InFlightCaptures
 from engine.checkpoints.policy import CheckpointPolicy
 from engine.core.llm_engine import LLMEngine
+from engine.core.scheduler import Scheduler
 from engine.engine_config import EngineConfig
 from engine.interfaces.generation_request import GenerationRequest
 from engine.interfaces.request import Request, RequestStatus
 from engine.interfaces.sampling_params import SamplingParams
+from engine.interfaces.step_io import RunnerOutput
 from cache.checkpoint_keys import CheckpointKind
 from tests.engine.conversations import render
 from tests.engine.reuse_cases import GREEDY, SYSTEM, chat, run
@@ -129,3 +132,31 @@ def test_in_flight_lookup_picks_the_longest_shared_capture_ahead_and_nothing_els
     wait.producer.num_computed_tokens = 20
     wait.producer.status = RequestStatus.WAITING  # preempted
     assert wait.done()
+
+
+def test_a_failed_step_requeues_a_request_that_waits_for_its_own_pending_capture():
+    """A request preempted after its chunk reserved a capture waits for that capture when it
+    comes back (FETCHING); when the step with its chunk fails, requeue_failed takes it out of
+    its wait and requeues it as a suspect, like any request of that step."""
+    cache = CacheManager(64, 4, 16, checkpoint_bytes=1 << 20, sizing=BundleSizing(100, 10, 10))
+    policy = CheckpointPolicy(cache, frozenset({CheckpointKind.PROMPT}))
+    scheduler = Scheduler(cache, max_num_batched_tokens=64, max_num_seqs=4, max_model_len=4096,
+                          checkpoints=policy, capture_wait_s=30.0)
+    request = Request("a", tuple(range(10, 30)), SamplingParams(max_tokens=2), namespace=Namespace("m", ""))
+    scheduler.add_request(request)
+    first = scheduler.schedule()  # the whole prompt: its prompt capture is reserved, pending
+    assert [c.request_id for c in first.chunks] == ["a"] and policy.has_reserved_captures
+    scheduler._preempt(request)
+    second = scheduler.schedule()  # takes the capture; the request waits for it, off the queue
+    assert request.status is RequestStatus.FETCHING and scheduler.stats.capture_waits == 1
+    assert [c.num_tokens for c in second.captures] == [20]
+    scheduler.abandon_step(first)
+    scheduler.abandon_step(second)
+    assert scheduler.requeue_failed([first, second]) == []
+    assert request.status is RequestStatus.WAITING and list(scheduler.waiting) == [request]
+    assert "a" in scheduler.suspects and not scheduler.fetching
+    while scheduler.has_unfinished_requests():  # it runs again, alone, to its end
+        out = scheduler.schedule()
+        scheduler.update_from_output(out, RunnerOutput(
+            sampled_token_ids={c.request_id: 7 for c in out.chunks if c.sample}))
+    assert request.num_output_tokens == 2
