@@ -10,6 +10,7 @@ from engine.interfaces.decode_rows import DecodeRows
 from engine.kernels.attention_reference import (
     dequantize_kv, select_rows, paged_attention, paged_decode_attention, write_kv,
 )
+from engine.kernels.cpu_attention import paged_attention_sdpa
 from engine.kernels.gpu.batch_plan import GpuBatchPlan
 from engine.layers.norm import RMSNorm
 from engine.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear, linear, routes_to_skinny
@@ -202,10 +203,16 @@ class PagedAttention(nn.Module):
                 if index in batched:
                     continue
                 block_table = torch.tensor(chunk.block_table, dtype=torch.int64, device=hidden.device)
-                output[start:end] = paged_attention(
-                    query[start:end], key_cache, value_cache, block_table, chunk.start_position, self.scale,
-                    first_key=chunk.first_key, kv_scale=kv_scale,
-                )
+                if kv_scale is None:  # torch's fused attention, the reference's contract
+                    output[start:end] = paged_attention_sdpa(
+                        query[start:end], key_cache, value_cache, block_table, chunk.start_position,
+                        self.scale, first_key=chunk.first_key,
+                    )
+                else:
+                    output[start:end] = paged_attention(
+                        query[start:end], key_cache, value_cache, block_table, chunk.start_position,
+                        self.scale, first_key=chunk.first_key, kv_scale=kv_scale,
+                    )
         return self.o_proj(self.gated(output, gate).reshape(num_tokens, self.num_heads * self.head_dim))
 
     def attend_decode(
