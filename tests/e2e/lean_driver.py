@@ -12,8 +12,8 @@ handles: the Python DeploymentHandle API on the lean path (the app's ingress is 
 routing: checkpoint-aware ingress routing through HAProxy: for each of PROMPTS system prompts,
     one chat request, a pause for the index to hear of its checkpoint, then FOLLOW_UPS more
     with other user messages; each request's cached tokens, and each LLM server replica's
-    instruction checkpoints captured (LLMServer.replica_stats through a handle, asked until
-    every replica answered).
+    instruction checkpoints captured and evicted (LLMServer.replica_stats through a handle,
+    asked until every replica answered).
 """
 
 from __future__ import annotations
@@ -84,11 +84,13 @@ def routing(base_url: str, app: str, replicas: int) -> dict:
                     time.sleep(INDEX_SETTLE_S)
     handle = serve.get_deployment_handle("LLMServer", app)
     captured: dict[str, int] = {}
+    evicted: dict[str, int] = {}
     deadline = time.monotonic() + 60
     while len(captured) < replicas and time.monotonic() < deadline:
         for stats in [handle.replica_stats.remote().result() for _ in range(2 * replicas)]:
             captured[stats.replica_id] = stats.engine.checkpoints["instruction"].captured
-    return {"requests": requests, "instruction_captured": captured}
+            evicted[stats.replica_id] = stats.engine.checkpoints["instruction"].evicted
+    return {"requests": requests, "instruction_captured": captured, "instruction_evicted": evicted}
 
 
 def main(argv: list[str]) -> None:
