@@ -30,10 +30,10 @@ class EngineConfig:
 
     in_pass_capture takes effect only where the worker reports it can
     (CacheCapacity.in_pass_capture: one rank on CUDA); LLMEngine combines the two into
-    CheckpointPolicy.in_pass_capture. With async_scheduling each step() returns the outputs of
-    the step before, and a request that stops has computed one token more than it would
-    without (its last sampled token, fed by the step already in flight), so its response
-    checkpoint covers that token too.
+    CheckpointPolicy.in_pass_capture. With async scheduling (overlaps_steps) each step()
+    returns the outputs of the step before, and a request that stops has computed one token
+    more than it would without (its last sampled token, fed by the step already in flight),
+    so its response checkpoint covers that token too.
     """
 
     model_dir: str = _option(str(DEFAULT_MODEL_DIR), "Local Hugging Face model directory "
@@ -113,9 +113,14 @@ class EngineConfig:
     in_pass_capture: bool = _option(True, "Take the instruction checkpoint inside the prefill "
                                     "chunk's forward pass where the worker can (one rank on "
                                     "cuda); false always ends a chunk at the boundary.")
-    async_scheduling: bool = _option(True, "Schedule and submit each step before the previous "
-                                     "one's tokens are back, so the device never waits for the "
-                                     "host; false runs one step at a time.")
+    async_scheduling: bool | None = _option(None, "Schedule and submit each step before the "
+                                            "previous one's tokens are back, so the device "
+                                            "never waits for the host; false runs one step at "
+                                            "a time. Unset: on where a step runs apart from "
+                                            "the host (cuda, or tensor_parallel_size > 1), off "
+                                            "for one CPU rank, whose step runs inside its "
+                                            "submit: there overlapping would only hold each "
+                                            "output back one step.")
     cpu_compile_decode: bool = _option(False, "CPU, one rank: run decode-only steps through the "
                                        "model compiled by torch.compile (inductor), about "
                                        "twice as fast a step on small models; compiling takes "
@@ -149,6 +154,14 @@ class EngineConfig:
                                                "checkpoint has none (GraniteMoeHybrid), for "
                                                "speculative_drafter mtp; it drafts at random. "
                                                "Unset: none.")
+
+    @property
+    def overlaps_steps(self) -> bool:
+        """async_scheduling as the engine applies it: the setting, or where it is unset, on
+        for cuda and for tensor_parallel_size > 1 and off for one CPU rank."""
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        return self.device.startswith("cuda") or self.tensor_parallel_size > 1
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

@@ -295,7 +295,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule and submit one step of every running request; collect, update and emit the
-        step before it (async_scheduling) or this one.
+        step before it (EngineConfig.overlaps_steps) or this one.
 
         A step the executor fails (its submit or collect raises) is abandoned with every step
         in flight, and the engine recovers (Scheduler.requeue_failed): its requests are
@@ -319,7 +319,7 @@ class LLMEngine:
                 _runner_call(self.executor.submit, scheduler_output)
                 unsubmitted = None
                 self._in_flight.append(scheduler_output)
-            keep = int(self.config.async_scheduling and scheduler_output.has_work)
+            keep = int(self.config.overlaps_steps and scheduler_output.has_work)
             while len(self._in_flight) > keep:
                 outputs += self._collect_oldest()
         except ExecutorDiedError:

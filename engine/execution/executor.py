@@ -6,7 +6,7 @@ Three executors implement `ModelExecutor`:
   * deployments.worker_group.RayWorkerExecutor: one Ray actor per rank in a placement group.
 Each step costs the engine two calls, whatever the number of ranks: `submit` hands the step to
 the ranks and returns without waiting for it; `collect` returns the oldest submitted step's
-output. Between the two the engine may submit the next step (EngineConfig.async_scheduling),
+output. Between the two the engine may submit the next step (EngineConfig.overlaps_steps),
 so the ranks start it as soon as they finish the one before, while the engine is still
 updating its requests from that one's tokens.
 

@@ -37,7 +37,7 @@ class Request:
 
     Both counts move when a chunk is scheduled, not when its step's output comes back: the
     engine may schedule the next step before it has the tokens of the step in flight
-    (EngineConfig.async_scheduling). Until its value arrives, a sampled token is pending
+    (EngineConfig.overlaps_steps). Until its value arrives, a sampled token is pending
     (num_pending_tokens, at most the last two positions): it counts in num_tokens, and
     token_slice gives PENDING_TOKEN for it, which the worker replaces on the device with the
     token its previous step sampled for the request.

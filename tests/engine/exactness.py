@@ -199,7 +199,9 @@ def with_random_markers(marker_rng: random.Random, conversation: list[dict]) -> 
 def tight_config(tensor_parallel_size: int = 1) -> EngineConfig:
     """Budgets small enough that checkpoints are evicted under KV pressure and requests are
     preempted: 24 KV blocks and 24 bundle states per rank (the budgets are per rank, and a
-    rank's shard of a block or a state is smaller at tensor_parallel_size > 1)."""
+    rank's shard of a block or a state is smaller at tensor_parallel_size > 1). Async
+    scheduling on, as on cuda (one CPU rank runs without it by default): a finished request
+    then holds its blocks one step longer, which is what makes the budget tight."""
     base = EngineConfig(tensor_parallel_size=tensor_parallel_size)
     model, _ = load_model(base.model_dir, dtype=getattr(torch, base.dtype), device=torch.device(base.device),
                           tp=TensorParallel(rank=0, world_size=tensor_parallel_size))
@@ -210,4 +212,5 @@ def tight_config(tensor_parallel_size: int = 1) -> EngineConfig:
         kv_cache_bytes=24 * model.kv_bytes_per_block(base.block_size),
         checkpoint_cache_bytes=24 * model.state_bytes_per_slot(),
         tensor_parallel_size=tensor_parallel_size,
+        async_scheduling=True,
     )

@@ -87,8 +87,8 @@ def test_async_and_sync_scheduling_produce_the_same_requests():
     requests = {f"q{i}": (prompt, params) for i, (prompt, params) in enumerate(zip(prompts, kinds))}
     requests["q3"] = (prompts[0], kinds[3])
     expected = _run(sync, requests, salt="sync")
-    async_engine = LLMEngine(EngineConfig(max_num_batched_tokens=40, max_num_seqs=4))
-    assert async_engine.config.async_scheduling
+    async_engine = LLMEngine(EngineConfig(max_num_batched_tokens=40, max_num_seqs=4, async_scheduling=True))
+    assert async_engine.config.overlaps_steps
     got = _run(async_engine, requests, salt="async")
     for request_id in requests:
         assert got[request_id][:3] == expected[request_id][:3], request_id
@@ -97,8 +97,8 @@ def test_async_and_sync_scheduling_produce_the_same_requests():
 
 
 def test_the_next_step_is_submitted_before_the_step_in_flight_is_collected():
-    executor = RecordingExecutor(EngineConfig(max_num_seqs=2))
-    engine = LLMEngine(EngineConfig(max_num_seqs=2), executor=executor)
+    executor = RecordingExecutor(EngineConfig(max_num_seqs=2, async_scheduling=True))
+    engine = LLMEngine(EngineConfig(max_num_seqs=2, async_scheduling=True), executor=executor)
     prompts = _prompts(2, engine.vocab_size, seed=4)
     results = _run(engine, {f"p{i}": (p, GREEDY) for i, p in enumerate(prompts)})
     assert all(len(tokens) == GREEDY.max_tokens for tokens, *_ in results.values())
@@ -196,7 +196,7 @@ def test_a_request_id_is_refused_while_a_step_in_flight_still_computes_it():
     """A request that stopped on a stop token is still in the step in flight (its last token);
     a new request with its id would be handed that step's token, so it is refused until the
     step is collected."""
-    engine = LLMEngine(EngineConfig())
+    engine = LLMEngine(EngineConfig(async_scheduling=True))
     prompt = _prompts(1, engine.vocab_size, seed=8)[0]
     probe = _run(engine, {"probe": (prompt, GREEDY)})["probe"][0]
     engine.add_request(GenerationRequest("a", prompt, dataclasses.replace(GREEDY, stop_token_ids=(probe[1],))))

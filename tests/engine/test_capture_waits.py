@@ -23,7 +23,8 @@ from tests.engine.conversations import render
 from tests.engine.reuse_cases import GREEDY, SYSTEM, chat, run
 from tests.engine.test_checkpoint_sources import drain
 
-CONFIG = dict(max_num_batched_tokens=40, max_num_seqs=8)
+# async scheduling on, as on cuda: a capture is published a step after the step that takes it
+CONFIG = dict(max_num_batched_tokens=40, max_num_seqs=8, async_scheduling=True)
 QUESTIONS = ("Tell me about the river.", "And the mountain, briefly please?",
              "Why seven?", "Which river is longest?")
 

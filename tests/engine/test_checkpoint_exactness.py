@@ -9,7 +9,7 @@ Every request runs twice in the same engine and the same batch: once in the shar
 (where it can restore checkpoints) and once under a fresh cache_salt (where nothing can be
 reused). The tight configuration evicts most checkpoints under KV pressure (few hits, many
 preemptions); the other two are where most requests restore. The engine schedules a step
-while the one before is in flight (async_scheduling, the default); the tight configuration
+while the one before is in flight (async_scheduling on, as on cuda); the tight configuration
 also runs without it. With it, a finished request holds its blocks one step longer (its
 last token is computed in the step in flight), so under the tight budget preemptions are
 about half as many again and nearly every checkpoint is evicted before reuse: that run
@@ -35,10 +35,10 @@ from tests.engine.exactness import Tally, run_workload, tight_config
 @pytest.mark.parametrize(
     "label, config, num_requests, min_hit_rate",
     [
-        ("roomy, budget 61", EngineConfig(max_num_batched_tokens=61, max_num_seqs=16), 72, 0.5),
+        ("roomy, budget 61", EngineConfig(max_num_batched_tokens=61, max_num_seqs=16, async_scheduling=True), 72, 0.5),
         ("tight: eviction + preemption, budget 64", None, 64, None),
         ("tight: eviction + preemption, budget 64, no async scheduling", {"async_scheduling": False}, 64, 0.05),
-        ("budget 256, 4 seqs", EngineConfig(max_num_batched_tokens=256, max_num_seqs=4), 64, 0.5),
+        ("budget 256, 4 seqs", EngineConfig(max_num_batched_tokens=256, max_num_seqs=4, async_scheduling=True), 64, 0.5),
         ("tight, with the host tier", {"host_checkpoint_bytes": 64 << 20}, 64, 0.05),
         ("tight, LRU eviction", {"checkpoint_eviction": "lru"}, 64, None),
     ],
@@ -58,7 +58,7 @@ def test_checkpointed_requests_match_requests_computed_from_scratch(label, confi
     if min_hit_rate is not None and min_hit_rate >= 0.5:  # the roomy runs restore cache breakpoints too
         assert stats.checkpoints["breakpoint"].hit > 0, "the random cache_control markers must be restored"
     if "no async" not in label:
-        assert config.async_scheduling
+        assert config.overlaps_steps
     assert engine.pool_usage().idle
     if "tight" in label:
         assert stats.scheduler.preemptions > 0

@@ -132,8 +132,8 @@ def test_a_whole_prompt_checkpoint_samples_without_a_forward_pass(source, target
 def test_a_transfer_between_steps_changes_no_request_in_flight(source):
     """With async scheduling a step is in flight between step() calls: export and import
     collect it first, and its outputs come with the next step(), unchanged."""
-    engine = LLMEngine(EngineConfig(**CONFIG))
-    assert engine.config.async_scheduling
+    engine = LLMEngine(EngineConfig(**CONFIG, async_scheduling=True))
+    assert engine.config.overlaps_steps
     alone = run(engine, "alone", chat("Be brief.", "Count to five."), "in-flight-alone")
     _, exported = export_instructions(source, "in-flight")
 
