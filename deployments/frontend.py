@@ -221,7 +221,7 @@ class OpenAIFrontend:
             rendering = time.perf_counter()
             prompt = await self._prompts.render_chat(request.messages)
             render_s = time.perf_counter() - rendering
-            self._metrics.record_render("chat", render_s, prompt)
+            self._record_render_later("chat", render_s, prompt)
             return self._start(new_request_id("chatcmpl"), prompt, request,
                                request.requested_max_tokens(), arrival_time, tenant, render_s)
         except Exception as exc:
@@ -234,11 +234,17 @@ class OpenAIFrontend:
             rendering = time.perf_counter()
             prompt = await self._prompts.tokenize_prompt(request.prompt)
             render_s = time.perf_counter() - rendering
-            self._metrics.record_render("completion", render_s, prompt)
+            self._record_render_later("completion", render_s, prompt)
             return self._start(new_request_id("cmpl"), prompt, request,
                                request.requested_max_tokens(), arrival_time, tenant, render_s)
         except Exception as exc:
             raise refused(exc, arrival_time, self._metrics) from None
+
+    def _record_render_later(self, route: str, render_s: float, prompt: RenderedPrompt) -> None:
+        """Record the rendering (RequestMetrics.record_render) on a later turn of the event loop:
+        a Ray metric costs a fraction of a millisecond, which the request would otherwise pay
+        before its engine submission; by then the engine is computing its prefill."""
+        asyncio.get_running_loop().call_soon(self._metrics.record_render, route, render_s, prompt)
 
     def _start(self, request_id: str, prompt: RenderedPrompt, fields: SamplingFields,
                max_tokens: int | None, arrival_time: float, tenant: str, render_s: float) -> Started:
