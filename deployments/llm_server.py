@@ -33,6 +33,7 @@ the host: checkpoint_tier wires the host tier's on_evict before the engine serve
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, replace
@@ -61,6 +62,11 @@ from engine.interfaces.generation_request import GenerationRequest
 # timeout catches, e.g. outside the model's collectives).
 STEP_STALL_S = 600.0
 RANK_PING_TIMEOUT_S = 10.0
+# The replica's event loop and the engine's step thread share the GIL, which Python hands
+# between threads every 5 ms by default: a request read or a token sent waited up to that long
+# behind the step thread's Python work (0.5 ms: about 2 ms off the time to first token at
+# concurrency 1 on the 2-core VM, docs/design.md section 6).
+GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
@@ -208,6 +214,7 @@ class LLMServerReplica:
     """
 
     async def __init__(self, config: AppConfig) -> None:
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # this process is the replica's alone
         self._workers: WorkerGroup | None = None
         self._executor: RayWorkerExecutor | None = None
         if config.engine.tensor_parallel_size > 1:
