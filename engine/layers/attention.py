@@ -177,7 +177,7 @@ class PagedAttention(nn.Module):
         if rope is not None:
             query, key = apply_rotary(query, *rope), apply_rotary(key, *rope)
         if gpu_plan is not None:
-            from engine.kernels.gpu.paged_attention import write_kv as write_kv_gpu
+            from engine.kernels.gpu.kv_write import write_kv as write_kv_gpu
 
             write_kv_gpu(key_cache, value_cache, batch.slot_mapping, key, value, kv_scale)
             if kv_scale is not None and gpu_plan.fresh_chunks:  # what the cache holds, for their SDPA

@@ -63,7 +63,7 @@ def test_write_kv_fp8_stores_the_reference_bytes(device, dtype, values):
     """write_kv with kv_scale stores exactly quantize_kv's bytes at each token's slot and
     nothing elsewhere: values of every magnitude, some past 448 x scale (saturated), on K/V
     that are views of wider rows, as the layer's projections give them."""
-    from engine.kernels.gpu.paged_attention import write_kv
+    from engine.kernels.gpu.kv_write import write_kv
 
     g = torch.Generator().manual_seed(21)
     num_blocks, block_size, num_kv_heads, head_dim, num_tokens = 6, 4, 3, 16, 9

@@ -361,7 +361,7 @@ def test_scan_inputs(device, with_rows, with_valid, H, P):
 ])
 def test_write_kv(device, dtype):
     from engine.kernels.attention_reference import write_kv as write_kv_reference
-    from engine.kernels.gpu.paged_attention import write_kv
+    from engine.kernels.gpu.kv_write import write_kv
 
     num_blocks, block_size, num_kv_heads, head_dim, num_tokens = 6, 4, 3, 8, 7
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
