@@ -220,6 +220,18 @@ def promotion_time(args, model_dir: str, requests) -> dict:
             "promotion_ms_min": 1e3 * min(totals)}
 
 
+def save_result(out: Path, args: argparse.Namespace, model_dir: str, rows: list[dict], promotion: dict | None,
+                partial: bool) -> Path:
+    """Write the JSON (write_result): the configurations run so far and the promotion time (None
+    until measured); partial until the run ends."""
+    sizes = {name: getattr(args, name) for name in SIZES["acceptance"]}
+    return write_result(out, "checkpoint_tiers", {
+        "model_dir": model_dir, "device": args.device, "dtype": args.dtype, "sizes": sizes, "seed": args.seed,
+        "configurations": rows, "promotion": promotion, "partial": partial,
+    }, machine_extra={"torch": torch.__version__,
+                      "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cpu", action="store_true", help="the embedded model on the CPU, smaller sizes")
@@ -256,8 +268,12 @@ def main() -> None:
 
             model_dir = str(model_dir_of(argparse.Namespace(quick=False), Path(tmp)))
         requests = workload(args, load_model_config(model_dir).vocab_size)
-        rows = [run_configuration(args, model_dir, label, eviction, tiers, requests)
-                for label, eviction, tiers in CONFIGURATIONS]
+        rows, promotion = [], None
+        for label, eviction, tiers in CONFIGURATIONS:  # each saved as it ends: a run cut short keeps them
+            rows.append(run_configuration(args, model_dir, label, eviction, tiers, requests))
+            print(f"{label}: {rows[-1]['hits']}/{rows[-1]['follow_ups']} follow-ups restored, TTFT p50 "
+                  f"{rows[-1]['ttft_p50_ms']:.1f} ms ({rows[-1]['seconds']:.0f} s)", flush=True)
+            save_result(out, args, model_dir, rows, promotion, partial=True)
         promotion = promotion_time(args, model_dir, requests)
 
     print(markdown_table(
@@ -275,12 +291,7 @@ def main() -> None:
     print(f"promotion of a {promotion['tokens']}-token checkpoint ({promotion['bytes'] / 2**20:.1f} MiB) from the "
           f"host tier: {promotion['promotion_ms_median']:.2f} ms median (copy {promotion['copy_ms_median']:.2f} ms), "
           f"min {promotion['promotion_ms_min']:.2f} ms over {promotion['repeats']}")
-    sizes = {name: getattr(args, name) for name in SIZES["acceptance"]}
-    path = write_result(out, "checkpoint_tiers", {
-        "model_dir": model_dir, "device": args.device, "dtype": args.dtype, "sizes": sizes, "seed": args.seed,
-        "configurations": rows, "promotion": promotion,
-    }, machine_extra={"torch": torch.__version__,
-                      "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None})
+    path = save_result(out, args, model_dir, rows, promotion, partial=False)
     print(f"wrote {path}")
 
 
