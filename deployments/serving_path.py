@@ -38,6 +38,10 @@ LEAN_CLUSTER_ENV = {
     # driver's synchronous `handle.chat.remote(request).result()` raise; the lean path makes no
     # handle call per HTTP request, so keep Serve's separate router loop
     "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1",
+    # THROUGHPUT_OPTIMIZED also buffers each replica's log lines 1,000 at a time (written when
+    # the buffer fills or at an ERROR): a request's request_done line (docs/operations.md)
+    # reached the log file only hundreds of requests later; write each line as it comes
+    "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1",
 }
 # Set by serve_main when HAProxy cannot run here: the reason, for build_app's log line.
 UNAVAILABLE_ENV = "HYBRID_SERVE_LEAN_PATH_UNAVAILABLE"

@@ -144,8 +144,24 @@ def _drive(started: dict[int, str], *args: str) -> dict:
     return json.loads(lines[-1][len("RESULT "):])
 
 
-def _check_lean_http(base_url: str) -> None:
-    """The OpenAI routes, served by the LLM server replica through HAProxy."""
+def _wait_for_request_line(started: dict[int, str], request_id: str, timeout_s: float = 10.0) -> None:
+    """The request's request_done line reaches the LLM server replica's log file within
+    timeout_s (Serve's throughput mode would hold it in a 1,000-line buffer:
+    deployments/serving_path.py LEAN_CLUSTER_ENV)."""
+    (raylet,) = [pid for pid, cmdline in started.items() if cmdline.split(" ", 1)[0].endswith("/raylet")]
+    (log_dir,) = {arg.split("=", 1)[1] for arg in started[raylet].split() if arg.startswith("--log_dir=")}
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for path in (Path(log_dir) / "serve").glob("replica_*LLMServer*.log"):
+            if any("request_done" in line and request_id in line
+                   for line in path.read_text(errors="replace").splitlines()):
+                return
+        time.sleep(0.2)
+    pytest.fail(f"no request_done line for {request_id} in {log_dir}/serve within {timeout_s} s")
+
+
+def _check_lean_http(base_url: str, started: dict[int, str]) -> None:
+    """The OpenAI routes, served by the LLM server replica through HAProxy; the request log."""
     body = {"messages": [{"role": "system", "content": "You are terse."},
                          {"role": "user", "content": "Say hello."}],
             "max_tokens": 6, "temperature": 0}
@@ -153,6 +169,7 @@ def _check_lean_http(base_url: str) -> None:
         plain = http.post("/v1/chat/completions", json=body)
         assert plain.status_code == 200, plain.text
         assert plain.json()["usage"]["completion_tokens"] == 6
+        _wait_for_request_line(started, plain.json()["id"])
         with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as stream:
             assert stream.status_code == 200
             assert stream.headers["content-type"].startswith("text/event-stream")
@@ -170,7 +187,7 @@ def _check_lean_path(base_url: str, started: dict[int, str], llm_replicas: int) 
     assert any(cmdline.split(" ", 1)[0].endswith("haproxy") for cmdline in started.values()), \
         sorted(c[:60] for c in started.values())
     if llm_replicas == 1:
-        _check_lean_http(base_url)
+        _check_lean_http(base_url, started)
         seen = _drive(started, "handles", base_url, APP)
         assert seen["by_reference"] is False  # Serve's gRPC data plane
         assert seen["sync_text"] == seen["sync_stream"] == seen["async_text"] == seen["async_stream"]
