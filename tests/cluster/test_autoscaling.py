@@ -122,6 +122,18 @@ def summary(result: dict) -> str:
             f"requests per replica: {dict(requests_per_replica(result))}{drain}")
 
 
+def failure(record: dict, result: dict) -> str:
+    """One failed request as a line: when it ran (seconds from the cluster's start, beside the
+    phase marks), which replica served it, and what it got."""
+    t0 = result["marks"]["cluster_started"]
+    fields = {key: record.get(key) for key in
+              ("status", "error", "done", "finish_reason", "completion_tokens", "chars",
+               "replica")}
+    return (f"{record['id']} {record['start'] - t0:.1f}s-{record['end'] - t0:.1f}s {fields}; "
+            f"marks: " + ", ".join(f"{name} {t - t0:.1f}s"
+                                   for name, t in result["marks"].items()))
+
+
 def test_llm_server_replicas_go_one_two_one(result):
     running = [s["replicas"].get("RUNNING", 0) for s in deployed_timeline(result)]
     assert changes(running) == [1, 2, 1], summary(result)
@@ -155,7 +167,8 @@ def test_both_replicas_served_requests_second_on_the_new_node(result):
 
 def test_no_request_failed(result):
     failed = [r for r in result["requests"] if not r["ok"]]
-    assert result["requests"] and not failed, failed[:5]
+    assert result["requests"], "no request was sent"
+    assert not failed, "\n".join(failure(r, result) for r in failed[:5])
     for r in result["requests"]:
         assert r["completion_tokens"] == r["max_tokens"] and r["finish_reason"] == "length"
 

@@ -12,14 +12,14 @@ line naming its path. Before the signal, the lean runs check the path itself:
   body, /health, and the Python handle API from a driver joining the server's Ray with its
   environment (tests/e2e/lean_driver.py: sync and asyncio calls, streamed and not, by Serve's
   gRPC data plane, a refused request's APIError);
-- two replicas with checkpoint_routing, SIGTERM: HAProxy asks the CheckpointIngressRouter
-  where each request goes; every follow-up request sharing a system prompt restores the
+- two replicas with checkpoint_routing, SIGINT to the server alone: HAProxy asks the
+  CheckpointIngressRouter where each request goes; every follow-up request sharing a system prompt restores the
   instruction checkpoint, and each system prompt's checkpoint was captured on one replica only.
 
 SIGINT goes to the server's process group, as Ctrl-C in a terminal sends it, or to the server
 alone, started the way a script starts a background job, with SIGINT ignored (Python would leave
-it ignored; serve_main takes it); SIGTERM to such a background server. Each server runs in a
-session of its own (start_new_session), so its processes are those of that session; Ray's stay
+it ignored; serve_main takes it); the classic run gets SIGTERM as such a background server.
+Each server runs in a session of its own (start_new_session), so its processes are those of that session; Ray's stay
 in it (its workers make process groups of their own, not sessions). A process outside that
 session whose environment carries the server's marker variable (every process Ray starts
 inherits the driver's environment) counts too: it escaped the session. A Ray of another test or
@@ -211,12 +211,11 @@ def _check_lean_path(base_url: str, started: dict[int, str], llm_replicas: int) 
 @pytest.mark.parametrize("path, signum, background, llm_replicas", [
     # Ctrl-C: the terminal signals the foreground process group
     ("lean", signal.SIGINT, False, 1),
-    # `make serve &` in a script (SIGINT ignored), then `kill`
-    ("lean", signal.SIGTERM, True, 2),
-    ("classic", signal.SIGINT, True, 1),
+    # `make serve &` in a script (SIGINT ignored), then `kill -INT` and `kill`
+    ("lean", signal.SIGINT, True, 2),
     ("classic", signal.SIGTERM, True, 1),
-], ids=["lean-SIGINT-foreground-group", "lean-routing-SIGTERM-background",
-        "classic-SIGINT-background", "classic-SIGTERM-background"])
+], ids=["lean-SIGINT-foreground-group", "lean-routing-SIGINT-background",
+        "classic-SIGTERM-background"])
 def test_serve_main_stops_within_5s_leaving_nothing(tmp_path, path, signum, background, llm_replicas):
     port = free_port()
     config_path = _config(tmp_path, port, llm_replicas)
