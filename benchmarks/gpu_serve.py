@@ -429,8 +429,8 @@ async def throughput(args, model: str, engine, tokenizer_dir: str, quick: bool) 
     async with httpx.AsyncClient(base_url=args.base_url, timeout=600, limits=limits) as client:
         paths = [ServingPath("in-process", lambda n: time_in_process(engine, prompt_ids, n)),
                  ServingPath("http", lambda n: time_http(client, "", *request_body("ids", model, prompt_ids, n)))]
-        await run_levels(paths, levels, 1, 8)  # warm-up: every level's batch shapes, unmeasured
-        results = await run_levels(paths, levels, rounds, max_tokens)
+        await run_levels("gpu", paths, levels, 1, 8)  # warm-up: every level's batch shapes, unmeasured
+        results = await run_levels("gpu", paths, levels, rounds, max_tokens)
     return {"prompt_tokens": len(prompt_ids), "max_tokens": max_tokens, "rounds": rounds,
             "results": [dataclasses.asdict(r) for r in results], "overhead": overheads(results),
             "output_tok_s": {f"{r.path} c{r.concurrency}": r.throughput_tok_s for r in results}}

@@ -6,9 +6,15 @@ on the classic path and on the lean path, in one run.
         --out benchmarks/results/serve_latency_chat.json               # where rendering runs
     .venv/bin/python benchmarks/serve_latency.py --max-tokens 32 --concurrency 1 4
 
-For each concurrency level the same workload runs every path from one process, in rounds: each
-round runs one wave of requests on every path, one path after the other (never two at once, so
-they do not compete for cores, and a slow drift of a shared machine hits all paths alike):
+The same workload runs every path from one process, in two windows: first the classic window
+(in-process, actor and the classic apps, in this process's Ray), then, that Ray shut down, the
+lean window (in-process and the lean apps, behind serve_main's own Ray), so that no path pays
+for another path's idle cluster on the same cores. Within a window, for each concurrency level,
+in rounds: each round runs one wave of requests on every path, one path after the other in a
+random order (never two at once, so they do not compete for cores, a slow drift of a shared
+machine hits all paths alike, and no path always inherits the work another leaves behind); a
+level has at least --min-requests requests per path. Overheads are against the in-process path
+of the same window:
 
   in-process       AsyncLLMEngine(LLMEngine(config)) on this event loop: the engine's own
                    cost (with --workload chat, the PromptRenderer's rendering too).
@@ -56,6 +62,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import statistics
 import tempfile
 import time
@@ -69,9 +76,14 @@ from lean_cluster import serve_main_server
 
 MIN_CPU_MS_SHOWN = 0.05
 HOP_CALLS = 30
+SETTLE_S = 0.05  # pause before each wave (run_levels)
 PROMPT = "The quick brown fox jumps over the lazy dog while hybrid models keep a recurrent state. "
 CHAT_USER = "Tell me about the fox and the dog, briefly."
 LEAN_APPS = {"lean": "/lean", "lean renderer": "/lean-renderer"}  # path name -> route prefix
+# Each window runs the in-process path beside one serving path's servers only, so no path pays
+# for another's idle cluster on the same cores: "classic" (this process's Ray: the classic apps
+# and the actor path), then "lean" (serve_main's own Ray with HAProxy).
+WINDOWS = ("classic", "lean")
 
 
 @dataclass(frozen=True)
@@ -88,6 +100,7 @@ class RequestTiming:
 
 @dataclass(frozen=True)
 class LevelResult:
+    window: str  # the servers that ran beside the path (WINDOWS; gpu_serve.py: "gpu")
     path: str
     concurrency: int
     num_requests: int
@@ -101,11 +114,12 @@ class LevelResult:
     cpu_ms_per_token: dict[str, float]
 
 
-def summarize(path: str, concurrency: int, timings: list[RequestTiming], wall_s: float,
-              cpu_s: dict[str, float]) -> LevelResult:
+def summarize(window: str, path: str, concurrency: int, timings: list[RequestTiming],
+              wall_s: float, cpu_s: dict[str, float]) -> LevelResult:
     ttfts = [t.ttft_s * 1000 for t in timings]
     num_tokens = sum(t.num_tokens for t in timings)
     return LevelResult(
+        window=window,
         path=path,
         concurrency=concurrency,
         num_requests=len(timings),
@@ -186,27 +200,39 @@ class ServingPath:
     one_request: Callable[[int], Awaitable[RequestTiming]]
 
 
-async def run_levels(paths: list[ServingPath], levels: list[int], rounds: int,
-                     max_tokens: int) -> list[LevelResult]:
-    """Per concurrency level, `rounds` rounds; in each round every path runs one wave of
+def rounds_for(concurrency: int, rounds: int, min_requests: int) -> int:
+    """Rounds of a level: `rounds`, or more where a level's waves are small, so that every
+    path times at least `min_requests` requests (a median of a handful is noise)."""
+    return max(rounds, -(-min_requests // concurrency))
+
+
+async def run_levels(window: str, paths: list[ServingPath], levels: list[int], rounds: int,
+                     max_tokens: int, min_requests: int = 0,
+                     seed: int = 0) -> list[LevelResult]:
+    """Per concurrency level, rounds_for(...) rounds; in each round every path runs one wave of
     `concurrency` simultaneous requests, one path after the other (never two at once), so a
-    slow drift of a shared machine hits every path alike. Each path's waves are timed and the
-    CPU every process spent during them is added up."""
+    slow drift of a shared machine hits every path alike. The paths run in a new random order
+    each round (seeded), after a pause of SETTLE_S: the work a path leaves behind when its last
+    token is out (a replica's logs and metrics, an engine's last step) would otherwise always
+    land on the same next path. Each path's waves are timed and the CPU every process spent
+    during them is added up."""
+    order = random.Random(seed)
     results = []
     for concurrency in levels:
         timings: dict[str, list[RequestTiming]] = {path.name: [] for path in paths}
         wall_s = dict.fromkeys(timings, 0.0)
         cpu_s: dict[str, dict[str, float]] = {name: {} for name in timings}
-        for _ in range(rounds):
-            for path in paths:
+        for _ in range(rounds_for(concurrency, rounds, min_requests)):
+            for path in order.sample(paths, len(paths)):
+                await asyncio.sleep(SETTLE_S)
                 cpu_before, start = process_cpu_seconds(), time.perf_counter()
                 timings[path.name] += await asyncio.gather(
                     *(path.one_request(max_tokens) for _ in range(concurrency)))
                 wall_s[path.name] += time.perf_counter() - start
                 for role, seconds in cpu_seconds_between(cpu_before, process_cpu_seconds()).items():
                     cpu_s[path.name][role] = cpu_s[path.name].get(role, 0.0) + seconds
-        results += [summarize(path.name, concurrency, timings[path.name], wall_s[path.name],
-                              cpu_s[path.name]) for path in paths]
+        results += [summarize(window, path.name, concurrency, timings[path.name],
+                              wall_s[path.name], cpu_s[path.name]) for path in paths]
     return results
 
 
@@ -220,32 +246,36 @@ async def median_ms(call: Callable[[], Awaitable[object]], times: int = HOP_CALL
     return statistics.median(samples)
 
 
-async def measure_hops(client, app: str, prefix: str, lean_url: str) -> dict[str, float]:
+async def measure_hops(client, window: str, args) -> dict[str, float]:
     """Round trips of the serving hops a request crosses before its first token, each doing
     (almost) no work. Classic: HTTP proxy -> ingress (GET /v1/models), a handle call to the
     renderer (tokenize_prompt of three ids, which pass through) and to the LLM server
     (model_info). Lean: HAProxy -> LLM server replica (GET /v1/models)."""
-    from ray import serve
-
-    renderer = serve.get_deployment_handle("Renderer", app_name=app)
-    llm_server = serve.get_deployment_handle("LLMServer", app_name=app)
-
     async def get(url: str):
         (await client.get(url)).raise_for_status()
 
+    if window == "lean":
+        return {"lean: HAProxy -> LLM server": await median_ms(
+            lambda: get(f"http://127.0.0.1:{args.lean_port}{LEAN_APPS['lean']}/v1/models"))}
+    from ray import serve
+
+    first = args.stream_intervals[0]
+    app, prefix = f"serve-latency-si{first}", f"/si{first}"
+    renderer = serve.get_deployment_handle("Renderer", app_name=app)
+    llm_server = serve.get_deployment_handle("LLMServer", app_name=app)
     return {
-        "classic: http proxy -> ingress": await median_ms(lambda: get(f"{prefix}/v1/models")),
+        "classic: http proxy -> ingress": await median_ms(
+            lambda: get(f"http://127.0.0.1:{args.port}{prefix}/v1/models")),
         "classic: handle -> renderer": await median_ms(lambda: renderer.tokenize_prompt.remote([5, 6, 7])),
         "classic: handle -> LLM server": await median_ms(lambda: llm_server.model_info.remote()),
-        "lean: HAProxy -> LLM server": await median_ms(
-            lambda: get(f"{lean_url}{LEAN_APPS['lean']}/v1/models")),
     }
 
 
-async def measure(config, prompt_ids: list[int], args) -> tuple[list[LevelResult], dict[str, float]]:
-    """Start the in-process engine and the actor path's engine beside the running Serve apps
-    (the classic ones in this process's Ray, the lean ones behind args.lean_port), warm every
-    path up, time the hops, then run every level (run_levels); shut the engines down."""
+async def measure(window: str, config, prompt_ids: list[int],
+                  args) -> tuple[list[LevelResult], dict[str, float]]:
+    """One window (WINDOWS): start the in-process engine (and in the classic window the actor
+    path's engine) beside the window's running servers, warm every path up, time the hops,
+    then run every level (run_levels); shut the engines down."""
     import httpx
 
     from deployments.prompts.rendering import PromptRenderer
@@ -259,14 +289,12 @@ async def measure(config, prompt_ids: list[int], args) -> tuple[list[LevelResult
         renderer = PromptRenderer.from_pretrained(config.engine.model_dir)
         render = lambda: renderer.render_chat(chat_messages())  # noqa: E731
     group = actor = None
-    if args.actor:
+    if window == "classic" and args.actor:
         group = await WorkerGroup.start(config.engine, config.worker_num_cpus)
         actor = AsyncLLMEngine(LLMEngine(config.engine, executor=RayWorkerExecutor(group.ranks)))
     limits = httpx.Limits(max_connections=2 * max(args.concurrency) + 4)
-    lean_url = f"http://127.0.0.1:{args.lean_port}"
     try:
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{args.port}", timeout=600,
-                                     limits=limits) as client:
+        async with httpx.AsyncClient(timeout=600, limits=limits) as client:
             def http_path(name: str, url_prefix: str) -> ServingPath:
                 def one(n: int) -> Awaitable[RequestTiming]:
                     route, body = request_body(args.workload, config.served_model_name, prompt_ids, n)
@@ -278,17 +306,22 @@ async def measure(config, prompt_ids: list[int], args) -> tuple[list[LevelResult
             if actor is not None:
                 paths.append(ServingPath("actor",
                                          lambda n: time_in_process(actor, prompt_ids, n, render)))
-            paths += [http_path(f"classic si={i}", f"/si{i}") for i in args.stream_intervals]
-            paths += [http_path(name, f"{lean_url}{prefix}") for name, prefix in LEAN_APPS.items()]
+            if window == "classic":
+                paths += [http_path(f"classic si={i}", f"http://127.0.0.1:{args.port}/si{i}")
+                          for i in args.stream_intervals]
+            else:
+                paths += [http_path(name, f"http://127.0.0.1:{args.lean_port}{prefix}")
+                          for name, prefix in LEAN_APPS.items()]
             for path in paths:
                 await path.one_request(4)  # warm-up
-            first = args.stream_intervals[0]
-            hops = await measure_hops(client, f"serve-latency-si{first}", f"/si{first}", lean_url)
+            hops = await measure_hops(client, window, args)
             if render is not None:
                 async def render_once():
                     render()
-                hops["render the chat in process (PromptRenderer)"] = await median_ms(render_once)
-            return await run_levels(paths, args.concurrency, args.rounds, args.max_tokens), hops
+                hops[f"render the chat in process (PromptRenderer), {window} window"] = \
+                    await median_ms(render_once)
+            return await run_levels(window, paths, args.concurrency, args.rounds, args.max_tokens,
+                                    args.min_requests), hops
     finally:
         in_process.shutdown()
         if actor is not None:
@@ -315,27 +348,30 @@ def lean_serve_config(config, lean_port: int) -> dict:
 
 
 def overheads(results: list[LevelResult]) -> list[dict]:
-    """Cost of every path relative to in-process at the same level (1.0 = no cost; TTFT also
-    as milliseconds above in-process, of the means and of the medians: on a shared machine the
-    median is the steadier)."""
-    base = {r.concurrency: r for r in results if r.path == "in-process"}
-    return [
-        {"concurrency": r.concurrency, "path": r.path,
-         "ttft_ratio": r.ttft_ms_mean / base[r.concurrency].ttft_ms_mean,
-         "ttft_ms_above": r.ttft_ms_mean - base[r.concurrency].ttft_ms_mean,
-         "ttft_p50_ms_above": r.ttft_ms_p50 - base[r.concurrency].ttft_ms_p50,
-         "decode_ratio": base[r.concurrency].decode_tok_s_mean / r.decode_tok_s_mean,
-         "throughput_ratio": base[r.concurrency].throughput_tok_s / r.throughput_tok_s}
-        for r in results if r.path != "in-process"
-    ]
+    """Cost of every path relative to in-process at the same level in the same window (1.0 =
+    no cost; TTFT also as milliseconds above in-process, of the means and of the medians: on a
+    shared machine the median is the steadier)."""
+    base = {(r.window, r.concurrency): r for r in results if r.path == "in-process"}
+    ratios = []
+    for r in results:
+        if r.path == "in-process":
+            continue
+        b = base[r.window, r.concurrency]
+        ratios.append({"concurrency": r.concurrency, "path": r.path, "window": r.window,
+                       "ttft_ratio": r.ttft_ms_mean / b.ttft_ms_mean,
+                       "ttft_ms_above": r.ttft_ms_mean - b.ttft_ms_mean,
+                       "ttft_p50_ms_above": r.ttft_ms_p50 - b.ttft_ms_p50,
+                       "decode_ratio": b.decode_tok_s_mean / r.decode_tok_s_mean,
+                       "throughput_ratio": b.throughput_tok_s / r.throughput_tok_s})
+    return ratios
 
 
 def table(results: list[LevelResult], ratios: list[dict], hops: dict[str, float]) -> str:
-    head = (f"{'path':<14} {'conc':>4} {'reqs':>4} {'TTFT mean ms':>12} {'p50 ms':>8} {'max ms':>8} "
-            f"{'decode tok/s/req':>16} {'total tok/s':>11}")
+    head = (f"{'window':<7} {'path':<14} {'conc':>4} {'reqs':>4} {'TTFT mean ms':>12} {'p50 ms':>8} "
+            f"{'max ms':>8} {'decode tok/s/req':>16} {'total tok/s':>11}")
     lines = [head, "-" * len(head)]
     for r in results:
-        lines.append(f"{r.path:<14} {r.concurrency:>4} {r.num_requests:>4} {r.ttft_ms_mean:>12.1f} "
+        lines.append(f"{r.window:<7} {r.path:<14} {r.concurrency:>4} {r.num_requests:>4} {r.ttft_ms_mean:>12.1f} "
                      f"{r.ttft_ms_p50:>8.1f} {r.ttft_ms_max:>8.1f} {r.decode_tok_s_mean:>16.1f} "
                      f"{r.throughput_tok_s:>11.1f}")
     lines += ["", "CPU ms per output token, by process role (every process of the host; "
@@ -344,10 +380,10 @@ def table(results: list[LevelResult], ratios: list[dict], hops: dict[str, float]
         shown = {role: ms for role, ms in r.cpu_ms_per_token.items() if ms >= MIN_CPU_MS_SHOWN}
         other = sum(r.cpu_ms_per_token.values()) - sum(shown.values())
         parts = [f"{role} {ms:.2f}" for role, ms in sorted(shown.items(), key=lambda kv: -kv[1])]
-        lines.append(f"  {r.path:<14} {r.concurrency:>2}: total {sum(r.cpu_ms_per_token.values()):.2f}"
+        lines.append(f"  {r.window:<7} {r.path:<14} {r.concurrency:>2}: total {sum(r.cpu_ms_per_token.values()):.2f}"
                      f" = {', '.join(parts)}, other {other:.2f}")
-    lines += ["", "Overhead vs in-process (1.0 = free): TTFT path/in-process; decode speed and "
-              "throughput in-process/path"]
+    lines += ["", "Overhead vs in-process of the same window (1.0 = free): TTFT path/in-process; "
+              "decode speed and throughput in-process/path"]
     for o in ratios:
         lines.append(f"  {o['path']:<14} concurrency {o['concurrency']:>2}: TTFT x{o['ttft_ratio']:.2f}"
                      f" ({o['ttft_ms_above']:+.1f} ms, p50 {o['ttft_p50_ms_above']:+.1f} ms)"
@@ -366,6 +402,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--prompt-repeats", type=int, default=2, help="copies of the sample sentence")
     p.add_argument("--rounds", type=int, default=3, help="waves of requests per level and path")
+    p.add_argument("--min-requests", type=int, default=40,
+                   help="more rounds where a level's waves are small: at least this many "
+                        "requests per path and level")
     p.add_argument("--worker-num-cpus", type=float, default=1.0)
     p.add_argument("--stream-intervals", type=int, nargs="+", default=None,
                    help="one http path per AppConfig.stream_interval "
@@ -415,23 +454,27 @@ def main() -> None:
     torch.set_num_threads(max(1, int(args.worker_num_cpus)))  # as many as the model's process
     load_at_start = os.getloadavg()  # a shared machine's other work shows here
     log_dir = Path(tempfile.mkdtemp(prefix="serve-latency-"))
+    # the classic window: this process's Ray (started without the lean path's switches)
+    ray.init(address="local", num_cpus=args.ray_cpus, object_store_memory=256 * 1024 * 1024,
+             include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+        for interval in args.stream_intervals:
+            app_config = config.model_copy(update={"stream_interval": interval,
+                                                   "direct_ingress": False})
+            serve.run(build_app(app_config.model_dump()), name=f"serve-latency-si{interval}",
+                      route_prefix=f"/si{interval}")
+        results, hops = asyncio.run(measure("classic", config, prompt_ids, args))
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    # the lean window: serve_main in a child process, its own Ray with HAProxy
     with serve_main_server(lean_serve_config(config, args.lean_port), log_dir / "lean.log") as lean:
-        # this process's Ray: the classic path (started without the lean path's switches)
-        ray.init(address="local", num_cpus=args.ray_cpus, object_store_memory=256 * 1024 * 1024,
-                 include_dashboard=False, log_to_driver=False)
-        try:
-            serve.start(http_options={"host": "127.0.0.1", "port": args.port})
-            for interval in args.stream_intervals:
-                app_config = config.model_copy(update={"stream_interval": interval,
-                                                       "direct_ingress": False})
-                serve.run(build_app(app_config.model_dump()), name=f"serve-latency-si{interval}",
-                          route_prefix=f"/si{interval}")
-            results, hops = asyncio.run(measure(config, prompt_ids, args))
-        finally:
-            serve.shutdown()
-            ray.shutdown()
-        lean_log = [line for line in (log_dir / "lean.log").read_text().splitlines()
-                    if "serving path" in line]
+        lean_results, lean_hops = asyncio.run(measure("lean", config, prompt_ids, args))
+    results += lean_results
+    hops.update(lean_hops)
+    lean_log = [line for line in (log_dir / "lean.log").read_text().splitlines()
+                if "serving path" in line]
     if lean.returncode not in (0, None):
         print(f"warning: the lean server exited with {lean.returncode}")
     ratios = overheads(results)
@@ -439,7 +482,7 @@ def main() -> None:
     print(f"\nload average {load_at_start[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end "
           f"(this machine's {os.cpu_count()} cores)")
     print(f"model {config.engine.model_dir}, prompt {prompt_tokens} tokens, {args.max_tokens} output "
-          f"tokens, {args.rounds} rounds per level, worker threads {int(args.worker_num_cpus)}; "
+          f"tokens, {args.rounds} rounds per level (at least {args.min_requests} requests), worker threads {int(args.worker_num_cpus)}; "
           f"workload {args.workload}; 'classic si=N': the classic app with stream_interval N; "
           f"the lean apps stream_interval {config.stream_interval}\n")
     print(report)
