@@ -56,6 +56,7 @@ from deployments.metrics import TierMetrics
 from deployments.worker_group import RayWorkerExecutor, WorkerGroup
 from engine.core.async_engine import AsyncLLMEngine
 from engine.core.llm_engine import EngineStats, LLMEngine, PoolUsage, RequestOutput
+from engine.core.output_processor import merge_outputs
 from engine.interfaces.generation_request import GenerationRequest
 
 # A step running longer than this makes the replica unhealthy (a hang that no collective
@@ -68,16 +69,6 @@ RANK_PING_TIMEOUT_S = 10.0
 # VM: a sequential probe put the time to first token about 2 ms lower, serve_latency's A/B
 # at concurrency 1 did not (docs/design.md section 6.1).
 GIL_SWITCH_INTERVAL_S = 0.0005
-
-
-def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
-    """Consecutive deltas of one request as one delta (token ids and text concatenated; the
-    counters, finish state and logits are the last output's; the API never asks for logits)."""
-    if len(outputs) == 1:
-        return outputs[0]
-    return replace(outputs[-1],
-                   new_token_ids=tuple(t for out in outputs for t in out.new_token_ids),
-                   new_text="".join(out.new_text for out in outputs))
 
 
 async def coalesce(
@@ -264,7 +255,8 @@ class LLMServerReplica:
         is aborted in the engine, which frees its KV blocks and state slot.
         """
         finished = False
-        outputs = coalesce(self._engine.generate(request), self._stream_interval)
+        outputs = coalesce(self._engine.generate(request, self._stream_interval),
+                           self._stream_interval)
         try:
             async with aclosing(outputs):  # closed now, not when collected: that aborts the request
                 async for out in outputs:

@@ -2,7 +2,9 @@
 
 Callers on an event loop `generate()` and iterate outputs. Commands (add, abort) reach the
 step thread through a queue and are applied between steps, so the engine is only ever touched
-by one thread. Closing or cancelling a generate() iterator aborts its request, which frees its
+by one thread. A stream with a stream_interval above 1 gets its outputs after the first merged
+on the step thread until they carry that many tokens, so its event loop wakes once per
+stream_interval tokens rather than once per step. Closing or cancelling a generate() iterator aborts its request, which frees its
 blocks and state slot.
 
 A step the executor fails is recovered inside LLMEngine.step: a request that breaks every
@@ -29,7 +31,7 @@ from engine.checkpoints.sources import CheckpointSource
 from engine.checkpoints.transfer import ExportedCheckpoint
 from engine.core.checkpoint_exchange import ImportResult
 from engine.core.llm_engine import FAILED_REQUEST_MESSAGE, LLMEngine
-from engine.core.output_processor import RequestOutput
+from engine.core.output_processor import RequestOutput, merge_outputs
 from engine.execution.executor import ExecutorDiedError
 from engine.interfaces.generation_request import GenerationRequest
 
@@ -45,7 +47,24 @@ FETCH_POLL_S = 0.001
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
+    interval: int = 1  # tokens per delivered output after the first
     outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
+    held: list[RequestOutput] = field(default_factory=list)
+    held_tokens: int = 0
+    sent_first: bool = False
+
+    def take(self, output: RequestOutput) -> RequestOutput | None:
+        """Step thread: the output to deliver now, merged with those held before it, or None
+        while it is held. After the first, outputs are held until they carry `interval` tokens;
+        the finished one (an error too) and one with logits are never held."""
+        tokens = self.held_tokens + len(output.new_token_ids)
+        if self.sent_first and tokens < self.interval and not output.finished and output.logits is None:
+            self.held.append(output)
+            self.held_tokens = tokens
+            return None
+        merged = merge_outputs([*self.held, output]) if self.held else output
+        self.held, self.held_tokens, self.sent_first = [], 0, True
+        return merged
 
 
 class AsyncLLMEngine:
@@ -62,14 +81,17 @@ class AsyncLLMEngine:
 
     # ------------------------------------------------------------------ public API
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: GenerationRequest,
+                       stream_interval: int = 1) -> AsyncIterator[RequestOutput]:
         """Add `request` (LLMEngine.add_request) and yield its outputs until the finished one.
+        stream_interval: after the first output, each one carries at least this many tokens
+        (the outputs of several steps merged), except the finished one.
 
         Raises InvalidRequestError (before yielding anything) if the engine refuses it, and
         ExecutorDiedError (at any point) once the executor has died.
         """
         loop = asyncio.get_running_loop()
-        stream = _Stream(loop)
+        stream = _Stream(loop, max(1, stream_interval))
         accepted: asyncio.Future[None] = loop.create_future()
 
         def add() -> None:
@@ -210,8 +232,9 @@ class AsyncLLMEngine:
                 self._wakeup.clear()
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        """Hand a step's outputs to their streams: one wake-up of each event loop per step,
-        however many of its streams got an output."""
+        """Hand a step's outputs to their streams (those a stream holds wait, _Stream.take):
+        at most one wake-up of each event loop per step, however many of its streams got an
+        output."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
         for output in outputs:
             stream = self._streams.get(output.request_id)
@@ -219,7 +242,9 @@ class AsyncLLMEngine:
                 continue
             if output.finished:
                 del self._streams[output.request_id]
-            by_loop.setdefault(stream.loop, []).append((stream.outputs, output))
+            ready = stream.take(output)
+            if ready is not None:
+                by_loop.setdefault(stream.loop, []).append((stream.outputs, ready))
         for loop, deliveries in by_loop.items():
             loop.call_soon_threadsafe(_put_all, deliveries)
 

@@ -7,7 +7,7 @@ request ends for another reason.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -38,6 +38,17 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     logits: torch.Tensor | None = None
+
+
+def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
+    """Consecutive outputs of one request as one delta (token ids and text concatenated; the
+    counters, finish state and logits are the last output's, so never merge outputs whose
+    logits a caller reads)."""
+    if len(outputs) == 1:
+        return outputs[0]
+    return replace(outputs[-1],
+                   new_token_ids=tuple(t for out in outputs for t in out.new_token_ids),
+                   new_text="".join(out.new_text for out in outputs))
 
 
 @dataclass

@@ -8,8 +8,9 @@ import asyncio
 
 import pytest
 
-from deployments.llm_server import coalesce, merge_outputs
+from deployments.llm_server import coalesce
 from engine.core.llm_engine import RequestOutput
+from engine.core.output_processor import merge_outputs
 
 
 def output(i: int, finished: bool = False) -> RequestOutput:

@@ -187,6 +187,34 @@ def test_async_engine_streams_and_aborts_free_the_pools(engine):
     assert usage.num_requests == 0 and usage.idle
 
 
+def test_a_stream_interval_merges_outputs_before_they_reach_the_event_loop(engine):
+    """After the first output, a stream with stream_interval 4 gets outputs of 4 tokens (one
+    token a step here), merged on the step thread, with the same tokens and text as one output
+    a step; outputs with logits are never merged."""
+    async_engine = AsyncLLMEngine(engine)
+    prompt = prompts(engine, 1, seed=7)[0]
+    plain = SamplingParams(max_tokens=14, temperature=0, ignore_eos=True)
+
+    async def run(request_id, sampling, interval):
+        request = GenerationRequest(request_id, prompt, sampling)
+        return [o async for o in async_engine.generate(request, stream_interval=interval)]
+
+    async def scenario():
+        return (await run("one", plain, 1), await run("four", plain, 4),
+                await run("logits", GREEDY, 4))
+
+    try:
+        every_step, merged, with_logits = asyncio.run(scenario())
+    finally:
+        async_engine.shutdown()
+    assert [len(o.new_token_ids) for o in every_step] == [1] * 14
+    assert [len(o.new_token_ids) for o in merged] == [1, 4, 4, 4, 1]
+    assert merged[-1].finished and merged[-1].num_output_tokens == 14
+    assert [t for o in merged for t in o.new_token_ids] == [t for o in every_step for t in o.new_token_ids]
+    assert "".join(o.new_text for o in merged) == "".join(o.new_text for o in every_step)
+    assert len(with_logits) == GREEDY.max_tokens and all(o.logits is not None for o in with_logits)
+
+
 def test_in_pass_capture_stays_off_where_the_worker_cannot_do_it():
     """On CPU the worker reports no in-pass support, so the scheduler keeps cutting chunks at
     the instruction boundary whatever the config asks (tests/gpu covers the CUDA side)."""
