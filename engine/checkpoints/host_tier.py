@@ -5,7 +5,7 @@ request needs one (docs/design.md section 5, Tiers).
     device ledger evicts a bundle --demote (LLMEngine, before the step that may reuse its
         blocks)--> HostTier.add: its ExportedCheckpoint (every rank's shard: state, the K/V of
         all its tokens, hidden row), copied off the device without waiting for it
-    a request's first admission --Scheduler._fetch_elsewhere--> HostTier.lookup: the longest
+    a request's first admission --PrefixWaits.start--> HostTier.lookup: the longest
         checkpoint held here that covers more than the device holds --> HostFetch, its copy
         to the device started on a stream of its own (DeviceStaging); the request waits in the
         scheduler while the others step; the engine imports the copy as any fetched checkpoint

@@ -15,7 +15,7 @@ engine holds, that is either
             request that shares it and whose prefill has not reached it yet: asked at a
             request's first admission only.
 
-The waiting request leaves the queue (Scheduler.fetching) while the others step. The wait
+The waiting request leaves the queue (PrefixWaits.pending) while the others step. The wait
 ends when the capture is settled (published or dropped), when a producer that had not
 reserved it yet stops running (finished, preempted) or computes past it with no capture
 pending (the cache refused it), or at the deadline. Nothing is imported: the request goes

@@ -11,7 +11,7 @@ at the same moment: when the scheduler is about to admit a request for the first
       admission of a request   -- lookup(namespace, token_ids, have) -->  None: nothing longer,
                                                                           or not worth fetching
                                <-- CheckpointFetch (already started) --
-      the request leaves the waiting queue and waits in Scheduler.fetching; the others step
+      the request leaves the waiting queue and waits in PrefixWaits.pending; the others step
       each step: fetch.done()? or past fetch.deadline?
       LLMEngine imports fetch.result() (checked in full), tells the source settle(...), and
       the request goes back to the head of the queue, where it restores the imported

@@ -151,7 +151,7 @@ class LLMEngine:
                 make_order(config.checkpoint_eviction, prefill_cost(model_config), config.checkpoint_value_half_life),
                 DeviceStaging(torch.device(config.device)))
             self._demotion = HostDemotion(cache, self.executor, self.transfers, self.host_tier)
-            self.scheduler.add_source(self.host_tier)
+            self.scheduler.waits.add_source(self.host_tier)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.last_step: StepTrace | None = None
         # Steps submitted to the executor and not yet collected, oldest first (at most one
@@ -222,13 +222,13 @@ class LLMEngine:
     def add_checkpoint_source(self, source: CheckpointSource) -> None:
         """Ask `source` for checkpoints this engine does not hold, at each request's first
         admission (engine/checkpoints/sources.py). Step thread only."""
-        self.scheduler.add_source(source)
+        self.scheduler.waits.add_source(source)
 
     def only_fetching(self) -> bool:
         """Every unfinished request waits for a checkpoint fetch and nothing else is pending:
         a step() now does nothing but look at the fetches (a caller may pause a moment)."""
         scheduler = self.scheduler
-        return (bool(scheduler.fetching) and len(scheduler.fetching) == len(scheduler.requests)
+        return (bool(scheduler.waits.pending) and len(scheduler.waits.pending) == len(scheduler.requests)
                 and not (self._pending_outputs or self._in_flight or scheduler.has_pending_captures()))
 
     def has_unfinished_requests(self) -> bool:

@@ -16,13 +16,12 @@ Checkpoints (docs/design.md sections 2 and 5) are the CheckpointPolicy's: the sc
 where a request's prefill chunks must end, which captures a chunk or a finish makes, what an
 admitted request restores, and hands it each step's outcome to publish or drop.
 
-Checkpoints held elsewhere (engine/checkpoints/sources.py): before a request's first admission
-the scheduler asks each CheckpointSource for a longer prefix than this engine holds, or will
-hold once a capture in flight here is published (InFlightCaptures, engine/checkpoints/
-in_flight.py, asked at every admission: when no source has more, the request waits for that
-capture). A source that has one starts fetching it and the request waits off the queue
-(`fetching`) while the others step; when the fetch ends (take_fetched) the engine imports it and the request goes back
-to the head of the queue, to restore it or, when the fetch failed or ran late, to recompute.
+Checkpoints held elsewhere, or about to be published here: before a request's admission the
+scheduler asks PrefixWaits (engine/checkpoints/prefix_waits.py) whether it waits for a longer
+prefix, fetched from a CheckpointSource or captured by a running request. One that waits leaves
+the queue while the others step; when its wait ends (take_fetched) the engine imports what came
+and the request goes back to the head of the queue, to restore it or, when nothing came, to
+recompute.
 
 Speculative decoding (docs/design.md section 10) is SpeculativeDecoding's: it says which
 running requests wait for a pending token and what a decode drafts (a verification chunk of
@@ -39,9 +38,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from cache.cache_manager import CacheManager, PoolUsage
-from engine.checkpoints.in_flight import InFlightCaptures
 from engine.checkpoints.policy import CheckpointPolicy
-from engine.checkpoints.sources import CheckpointSource, FetchedCheckpoint, PendingFetch
+from engine.checkpoints.prefix_waits import PrefixWaits, WaitKind
+from engine.checkpoints.sources import CheckpointSource, FetchedCheckpoint
 from engine.interfaces.request import FinishReason, Request, RequestStatus, token_stop_reason
 from engine.interfaces.step_io import RestoreOp, RunnerOutput, ScheduledChunk, SchedulerOutput
 from engine.speculative.scheduling import SpeculativeDecoding
@@ -60,9 +59,9 @@ class SchedulerStats:
     prompt_tokens_computed: int = 0  # at first admission, left to prefill
     failed_steps: int = 0  # steps the runner failed (requeue_failed)
     requests_failed: int = 0  # requests failed by requeue_failed
-    fetches_started: int = 0  # requests that waited for a checkpoint source (fetching)
+    fetches_started: int = 0  # requests that waited for a checkpoint source (PrefixWaits)
     fetches_restored: int = 0  # of those, ended with a checkpoint to import
-    capture_waits: int = 0  # requests that waited for a capture in flight here (InFlightCaptures)
+    capture_waits: int = 0  # requests that waited for a capture in flight here (PrefixWaits)
 
 
 class Scheduler:
@@ -80,7 +79,7 @@ class Scheduler:
         """checkpoints: the policy of the request-boundary checkpoints, reserving in `cache`;
         None turns checkpoints off. speculation: None turns speculative decoding off.
         sources: where checkpoints this engine does not hold may come from, asked in order
-        (add_source adds one later). capture_wait_s: how long a request may wait for a
+        (waits.add_source adds one later). capture_wait_s: how long a request may wait for a
         running request's capture of a longer shared prefix (0: never waits)."""
         self.cache = cache
         self.checkpoints = checkpoints if checkpoints is not None else CheckpointPolicy(cache)
@@ -95,15 +94,8 @@ class Scheduler:
         self.suspects: set[str] = set()  # requeued after a failed step: run alone until they sample
         self.stats = SchedulerStats()
         self.speculation = speculation if speculation is not None else SpeculativeDecoding()
-        self.sources: list[CheckpointSource] = list(sources)
-        self.fetching: dict[str, PendingFetch] = {}  # request id -> the fetch it waits for
-        self.captures_in_flight = (
-            InFlightCaptures(self.checkpoints, lambda: self.running, max_wait_s=capture_wait_s)
-            if capture_wait_s > 0 else None)
-
-    def add_source(self, source: CheckpointSource) -> None:
-        """Ask `source` too, after the others, from the next admission on."""
-        self.sources.append(source)
+        # requests off the queue, waiting for a longer prefix (status FETCHING)
+        self.waits = PrefixWaits(self.checkpoints, lambda: self.running, sources, capture_wait_s)
 
     # ----------------------------------------------------------------- requests in and out
 
@@ -140,7 +132,7 @@ class Scheduler:
         elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
         elif request.status is RequestStatus.FETCHING:
-            self.fetching.pop(request_id).fetch.abandon()
+            self.waits.abandon(request_id)
         self._release_cache(request)
         self.suspects.discard(request_id)
         request.status = RequestStatus.FINISHED
@@ -199,7 +191,7 @@ class Scheduler:
         while admit and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             if self.speculation.waits(self.waiting[0]):
                 break  # preempted with its verification in flight: admitted once that returns
-            if self._fetch_elsewhere(self.waiting[0]):
+            if self._wait_for_prefix(self.waiting[0]):
                 continue  # it waits for a longer checkpoint off the queue; the next one is asked
             chunk = self._admit(self.waiting[0], budget, restores)
             if chunk is None:
@@ -220,26 +212,16 @@ class Scheduler:
         )
 
     def take_fetched(self, now: float) -> list[FetchedCheckpoint]:
-        """The fetches that ended, or whose deadline is past `now` (abandoned: nothing to
-        import), in the order their requests arrived. Their requests go back to the head of the
-        waiting queue in that order, to be admitted first once the engine has imported what
-        came (LLMEngine.step). Mutates `fetching` and the queue."""
-        ended: list[FetchedCheckpoint] = []
-        for request_id, pending in list(self.fetching.items()):
-            fetch = pending.fetch
-            if fetch.done():
-                checkpoint = fetch.result()
-            elif now >= fetch.deadline:
-                fetch.abandon()
-                checkpoint = None
-            else:
-                continue
-            del self.fetching[request_id]
-            pending.request.status = RequestStatus.WAITING
-            self.stats.fetches_restored += checkpoint is not None
-            ended.append(FetchedCheckpoint(request_id, fetch, checkpoint))
+        """The waits for a longer prefix that ended, or whose deadline is past `now`
+        (PrefixWaits.take_ended). Their requests go back to the head of the waiting queue in
+        the order they began waiting, to be admitted first once the engine has imported what
+        came (LLMEngine.step)."""
+        ended = self.waits.take_ended(now)
         for fetched in reversed(ended):
-            self.waiting.appendleft(self.requests[fetched.request_id])
+            request = self.requests[fetched.request_id]
+            request.status = RequestStatus.WAITING
+            self.stats.fetches_restored += fetched.checkpoint is not None
+            self.waiting.appendleft(request)
         return ended
 
     def abandon_step(self, scheduler_output: SchedulerOutput) -> None:
@@ -279,7 +261,7 @@ class Scheduler:
                 self.running.remove(request)
                 self._release_cache(request)
             elif request.status is RequestStatus.FETCHING:  # preempted, then waiting for a capture
-                self.fetching.pop(request.request_id).fetch.abandon()
+                self.waits.abandon(request.request_id)
             else:  # preempted in the step that failed: already waiting
                 self.waiting.remove(request)
             request.num_computed_tokens = 0
@@ -406,31 +388,15 @@ class Scheduler:
             if victim is request:
                 return False
 
-    def _fetch_elsewhere(self, request: Request) -> bool:
-        """Before `request`'s admission, look for a longer prefix than this engine holds: a
-        capture in flight here (captures_in_flight: a pending one at every admission; at the
-        first, also one a running request is about to reserve), and, at the first admission
-        only, the checkpoint sources, asked for more than that. When a source starts fetching one, or
-        else when such a capture is in flight, move the request from the head of the queue to
-        `fetching` and return True."""
-        first = not request.asked_sources
-        if not (self.checkpoints.kinds and (self.captures_in_flight or (first and self.sources))):
-            return False
-        request.asked_sources = True
-        have = self.checkpoints.longest(request)
-        tokens = request.all_token_ids
-        in_flight = self.captures_in_flight
-        wait = in_flight.lookup(request.namespace, tokens, have, ahead=first) if in_flight else None
-        soon = have if wait is None else wait.num_tokens
-        sources = self.sources if first else ()
-        fetch = next((f for f in (s.lookup(request.namespace, tokens, soon) for s in sources)
-                      if f is not None), None)
-        if fetch is None and wait is None:
+    def _wait_for_prefix(self, request: Request) -> bool:
+        """Whether the head of the queue waits for a longer prefix (PrefixWaits.start); if so
+        it leaves the queue, FETCHING, until take_fetched hands it back."""
+        kind = self.waits.start(request)
+        if kind is None:
             return False
         self.waiting.popleft()
         request.status = RequestStatus.FETCHING
-        self.fetching[request.request_id] = PendingFetch(request, fetch or wait)
-        if fetch is not None:
+        if kind is WaitKind.FETCH:
             self.stats.fetches_started += 1
         else:
             self.stats.capture_waits += 1

@@ -15,7 +15,7 @@ PENDING_TOKEN = -1
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
-    FETCHING = "fetching"  # off the queue, waiting for a checkpoint from a source (Scheduler.fetching)
+    FETCHING = "fetching"  # off the queue, waiting for a checkpoint from a source (PrefixWaits.pending)
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -54,7 +54,7 @@ class Request:
     unique, inside the prompt); () when there are none.
     num_cached_tokens: prompt tokens restored from a checkpoint at first admission.
     namespace and the prompt are what the checkpoint sources are asked for, once, before the first
-    admission (Scheduler._fetch_elsewhere).
+    admission (PrefixWaits.start).
     """
 
     request_id: str

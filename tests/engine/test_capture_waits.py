@@ -84,7 +84,7 @@ def test_a_waiter_whose_producer_is_aborted_restores_what_was_published_and_stay
         engine.step()
         if waiter.status is RequestStatus.FETCHING:
             break
-    wait = engine.scheduler.fetching["a1"].fetch
+    wait = engine.scheduler.waits.pending["a1"].fetch
     assert (wait.producer, wait.num_tokens) == (producer, len(prompt))
     assert producer.status is RequestStatus.RUNNING and producer.num_computed_tokens < len(prompt)
     engine.abort_request("a0")
@@ -155,7 +155,7 @@ def test_a_failed_step_requeues_a_request_that_waits_for_its_own_pending_capture
     scheduler.abandon_step(second)
     assert scheduler.requeue_failed([first, second]) == []
     assert request.status is RequestStatus.WAITING and list(scheduler.waiting) == [request]
-    assert "a" in scheduler.suspects and not scheduler.fetching
+    assert "a" in scheduler.suspects and not scheduler.waits.pending
     while scheduler.has_unfinished_requests():  # it runs again, alone, to its end
         out = scheduler.schedule()
         scheduler.update_from_output(out, RunnerOutput(

@@ -129,7 +129,7 @@ def test_a_request_waits_in_the_scheduler_while_its_checkpoint_is_fetched_then_r
     # the other request, behind it in the queue, runs to its end while the fetch is pending
     drain(engine, outputs, cached, until=lambda: "other" not in engine.scheduler.requests)
     waiting = engine.scheduler.requests["fetching"]
-    assert waiting.status is RequestStatus.FETCHING and "fetching" in engine.scheduler.fetching
+    assert waiting.status is RequestStatus.FETCHING and "fetching" in engine.scheduler.waits.pending
     assert waiting not in engine.scheduler.running and waiting not in engine.scheduler.waiting
     assert len(outputs["other"]) == GREEDY.max_tokens and "fetching" not in outputs
     asked_namespace, asked_tokens, have = source.asked[0]
@@ -201,7 +201,7 @@ def test_an_aborted_request_abandons_its_fetch(exporter, engine):
     drain(engine, {}, {}, until=lambda: bool(source.fetches))
     engine.abort_request("aborted")
     (fetch,) = source.fetches
-    assert fetch.abandoned and not engine.scheduler.fetching
+    assert fetch.abandoned and not engine.scheduler.waits.pending
     outputs = engine.step()
     assert [(o.request_id, o.finish_reason) for o in outputs] == [("aborted", "abort")]
     drain(engine, {}, {}, max_steps=3)
