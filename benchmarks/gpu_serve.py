@@ -685,7 +685,7 @@ def report(results: Path) -> str:
                   f"  {'path':<11} {'conc':>4} {'tok/s':>9} {'TTFT mean ms':>13} {'decode tok/s/req':>17}"]
         for r in thr["results"]:
             lines.append(f"  {r['path']:<11} {r['concurrency']:>4} {r['throughput_tok_s']:>9.1f} "
-                         f"{r['ttft_ms_mean']:>13.2f} {r['decode_tok_s_mean']:>17.1f}")
+                         f"{r['ttft_ms_mean']:>13.2f} {r['decode_tok_s']:>17.1f}")
         for o in thr["overhead"]:
             lines.append(f"  concurrency {o['concurrency']:>2}: HTTP output tok/s = {100 / o['throughput_ratio']:.1f}% "
                          f"of in process; TTFT {o['ttft_ms_above']:+.2f} ms")

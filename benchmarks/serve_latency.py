@@ -36,8 +36,8 @@ Workloads: ids (default) sends the same prompt token ids to /v1/completions, so 
 pass-through; chat sends a short chat (a system message and a user message) to
 /v1/chat/completions, rendered with the chat template and its instruction boundary. Every
 request decodes greedily with ignore_eos and produces exactly --max-tokens tokens. TTFT: request
-start to first token (first SSE chunk on HTTP). Decode tok/s per request: (tokens - 1) / (last
-token time - first token time). Throughput: all tokens of a level / its wall time. Overhead:
+start to first token (first SSE chunk on HTTP). Decode tok/s per request: the tokens after each
+request's first over the summed time from its first token to its last (decode_tok_s). Throughput: all tokens of a level / its wall time. Overhead:
 path / in-process for TTFT, in-process / path for decode speed and throughput; 1.0 means Ray
 and HTTP cost nothing. The round trips before a first token are timed on their own, with no
 work done: the classic path's hops (proxy to ingress, handle calls to the renderer and the LLM
@@ -92,11 +92,6 @@ class RequestTiming:
     last_token_s: float
     num_tokens: int
 
-    @property
-    def decode_tok_s(self) -> float:
-        span = self.last_token_s - self.ttft_s
-        return (self.num_tokens - 1) / span if self.num_tokens > 1 and span > 0 else float("nan")
-
 
 @dataclass(frozen=True)
 class LevelResult:
@@ -107,11 +102,21 @@ class LevelResult:
     ttft_ms_mean: float
     ttft_ms_p50: float
     ttft_ms_max: float
-    decode_tok_s_mean: float
+    decode_tok_s: float  # decode_tok_s() of the level's requests
     throughput_tok_s: float
     # CPU milliseconds each process role spent per output token during the level (harness.
     # process_cpu_seconds: every process of the host, the benchmark's own included)
     cpu_ms_per_token: dict[str, float]
+
+
+def decode_tok_s(timings: list[RequestTiming]) -> float:
+    """One stream's decode speed over a level: every request's tokens after its first over the
+    summed time from its first token to its last. A request whose first token came late and
+    the rest in one burst adds little time and few tokens here; a mean of per-request rates
+    would take its burst for thousands of tokens a second."""
+    spans = [(t.num_tokens - 1, t.last_token_s - t.ttft_s) for t in timings if t.num_tokens > 1]
+    seconds = sum(span for _, span in spans)
+    return sum(tokens for tokens, _ in spans) / seconds if seconds > 0 else float("nan")
 
 
 def summarize(window: str, path: str, concurrency: int, timings: list[RequestTiming],
@@ -126,7 +131,7 @@ def summarize(window: str, path: str, concurrency: int, timings: list[RequestTim
         ttft_ms_mean=statistics.fmean(ttfts),
         ttft_ms_p50=statistics.median(ttfts),
         ttft_ms_max=max(ttfts),
-        decode_tok_s_mean=statistics.fmean(t.decode_tok_s for t in timings),
+        decode_tok_s=decode_tok_s(timings),
         throughput_tok_s=num_tokens / wall_s,
         cpu_ms_per_token={role: 1000 * seconds / num_tokens for role, seconds in cpu_s.items()},
     )
@@ -361,7 +366,7 @@ def overheads(results: list[LevelResult]) -> list[dict]:
                        "ttft_ratio": r.ttft_ms_mean / b.ttft_ms_mean,
                        "ttft_ms_above": r.ttft_ms_mean - b.ttft_ms_mean,
                        "ttft_p50_ms_above": r.ttft_ms_p50 - b.ttft_ms_p50,
-                       "decode_ratio": b.decode_tok_s_mean / r.decode_tok_s_mean,
+                       "decode_ratio": b.decode_tok_s / r.decode_tok_s,
                        "throughput_ratio": b.throughput_tok_s / r.throughput_tok_s})
     return ratios
 
@@ -372,7 +377,7 @@ def table(results: list[LevelResult], ratios: list[dict], hops: dict[str, float]
     lines = [head, "-" * len(head)]
     for r in results:
         lines.append(f"{r.window:<7} {r.path:<14} {r.concurrency:>4} {r.num_requests:>4} {r.ttft_ms_mean:>12.1f} "
-                     f"{r.ttft_ms_p50:>8.1f} {r.ttft_ms_max:>8.1f} {r.decode_tok_s_mean:>16.1f} "
+                     f"{r.ttft_ms_p50:>8.1f} {r.ttft_ms_max:>8.1f} {r.decode_tok_s:>16.1f} "
                      f"{r.throughput_tok_s:>11.1f}")
     lines += ["", "CPU ms per output token, by process role (every process of the host; "
               f"roles under {MIN_CPU_MS_SHOWN} ms summed as 'other')"]
