@@ -37,8 +37,8 @@ pass-through; chat sends a short chat (a system message and a user message) to
 /v1/chat/completions, rendered with the chat template and its instruction boundary. Every
 request decodes greedily with ignore_eos and produces exactly --max-tokens tokens. TTFT: request
 start to first token (first SSE chunk on HTTP). Decode tok/s per request: the tokens after each
-request's first over the summed time from its first token to its last (decode_tok_s). Throughput: all tokens of a level / its wall time. Overhead:
-path / in-process for TTFT, in-process / path for decode speed and throughput; 1.0 means Ray
+request's first over the summed time from its first token to its last (decode_tok_s).
+Throughput: all tokens of a level / its wall time. Overhead: path / in-process for TTFT, in-process / path for decode speed and throughput; 1.0 means Ray
 and HTTP cost nothing. The round trips before a first token are timed on their own, with no
 work done: the classic path's hops (proxy to ingress, handle calls to the renderer and the LLM
 server) and the lean path's one (HAProxy to the replica); with --workload chat, also the chat's
@@ -80,10 +80,6 @@ SETTLE_S = 0.05  # pause before each wave (run_levels)
 PROMPT = "The quick brown fox jumps over the lazy dog while hybrid models keep a recurrent state. "
 CHAT_USER = "Tell me about the fox and the dog, briefly."
 LEAN_APPS = {"lean": "/lean", "lean renderer": "/lean-renderer"}  # path name -> route prefix
-# Each window runs the in-process path beside one serving path's servers only, so no path pays
-# for another's idle cluster on the same cores: "classic" (this process's Ray: the classic apps
-# and the actor path), then "lean" (serve_main's own Ray with HAProxy).
-WINDOWS = ("classic", "lean")
 
 
 @dataclass(frozen=True)
@@ -95,7 +91,7 @@ class RequestTiming:
 
 @dataclass(frozen=True)
 class LevelResult:
-    window: str  # the servers that ran beside the path (WINDOWS; gpu_serve.py: "gpu")
+    window: str  # the servers beside the path: "classic" or "lean" (the module docstring), "gpu"
     path: str
     concurrency: int
     num_requests: int
@@ -278,7 +274,7 @@ async def measure_hops(client, window: str, args) -> dict[str, float]:
 
 async def measure(window: str, config, prompt_ids: list[int],
                   args) -> tuple[list[LevelResult], dict[str, float]]:
-    """One window (WINDOWS): start the in-process engine (and in the classic window the actor
+    """One window, "classic" or "lean" (the module docstring): start the in-process engine (and in the classic window the actor
     path's engine) beside the window's running servers, warm every path up, time the hops,
     then run every level (run_levels); shut the engines down."""
     import httpx

@@ -4,8 +4,8 @@ Callers on an event loop `generate()` and iterate outputs. Commands (add, abort)
 step thread through a queue and are applied between steps, so the engine is only ever touched
 by one thread. A stream with a stream_interval above 1 gets its outputs after the first merged
 on the step thread until they carry that many tokens, so its event loop wakes once per
-stream_interval tokens rather than once per step. Closing or cancelling a generate() iterator aborts its request, which frees its
-blocks and state slot.
+stream_interval tokens rather than once per step. Closing or cancelling a generate() iterator
+aborts its request, which frees its blocks and state slot.
 
 A step the executor fails is recovered inside LLMEngine.step: a request that breaks every
 step it is in ends with an error, the others go on. An exception of the engine's own fails every unfinished

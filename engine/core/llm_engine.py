@@ -228,7 +228,8 @@ class LLMEngine:
         """Every unfinished request waits for a checkpoint fetch and nothing else is pending:
         a step() now does nothing but look at the fetches (a caller may pause a moment)."""
         scheduler = self.scheduler
-        return (bool(scheduler.waits.pending) and len(scheduler.waits.pending) == len(scheduler.requests)
+        waiting = scheduler.waits.pending
+        return (bool(waiting) and len(waiting) == len(scheduler.requests)
                 and not (self._pending_outputs or self._in_flight or scheduler.has_pending_captures()))
 
     def has_unfinished_requests(self) -> bool:

@@ -13,16 +13,16 @@ line naming its path. Before the signal, the lean runs check the path itself:
   environment (tests/e2e/lean_driver.py: sync and asyncio calls, streamed and not, by Serve's
   gRPC data plane, a refused request's APIError);
 - two replicas with checkpoint_routing, SIGINT to the server alone: HAProxy asks the
-  CheckpointIngressRouter where each request goes; every follow-up request sharing a system prompt restores the
-  instruction checkpoint, and each system prompt's checkpoint was captured on one replica only.
+  CheckpointIngressRouter where each request goes; every follow-up request sharing a system
+  prompt restores the instruction checkpoint, and each system prompt's checkpoint was captured on one replica only.
 
 SIGINT goes to the server's process group, as Ctrl-C in a terminal sends it, or to the server
 alone, started the way a script starts a background job, with SIGINT ignored (Python would leave
 it ignored; serve_main takes it); the classic run gets SIGTERM as such a background server.
-Each server runs in a session of its own (start_new_session), so its processes are those of that session; Ray's stay
-in it (its workers make process groups of their own, not sessions). A process outside that
-session whose environment carries the server's marker variable (every process Ray starts
-inherits the driver's environment) counts too: it escaped the session. A Ray of another test or
+Each server runs in a session of its own (start_new_session), so its processes are those of
+that session; Ray's stay in it (its workers make process groups of their own, not sessions). A
+process outside that session whose environment carries the server's marker variable (every
+process Ray starts inherits the driver's environment) counts too: it escaped the session. A Ray of another test or
 user on the machine carries no marker, so it never counts. Whatever is still alive at the end is
 killed, so a failing run leaves nothing behind either. The stop times are printed (`pytest -s`).
 """
