@@ -50,7 +50,6 @@ import copy
 import dataclasses
 import hashlib
 import json
-import os
 import random
 import shutil
 import statistics
@@ -415,20 +414,19 @@ async def concurrency_test(args, model: str, tokenizer_dir: str, text: str, quic
 
 
 async def throughput(args, model: str, engine, tokenizer_dir: str, quick: bool) -> dict:
-    import httpx
     from tokenizers import Tokenizer
 
-    from serve_latency import (PROMPT, ServingPath, overheads, request_body, run_levels, time_http,
-                               time_in_process)
+    from serve_latency import (PROMPT, ServingPath, http_session, overheads, request_body, run_levels,
+                               time_http, time_in_process)
 
     tokenizer = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
     prompt_ids = tokenizer.encode(PROMPT * 8, add_special_tokens=False).ids
     levels = [1, 4] if quick else [1, 16, 64]
     max_tokens, rounds = (16, 1) if quick else (256, 2)
-    limits = httpx.Limits(max_connections=max(levels) + 8, max_keepalive_connections=max(levels) + 8)
-    async with httpx.AsyncClient(base_url=args.base_url, timeout=600, limits=limits) as client:
+    async with http_session(max(levels) + 8) as session:
         paths = [ServingPath("in-process", lambda n: time_in_process(engine, prompt_ids, n)),
-                 ServingPath("http", lambda n: time_http(client, "", *request_body("ids", model, prompt_ids, n)))]
+                 ServingPath("http", lambda n: time_http(session, args.base_url,
+                                                          *request_body("ids", model, prompt_ids, n)))]
         await run_levels("gpu", paths, levels, 1, 8)  # warm-up: every level's batch shapes, unmeasured
         results = await run_levels("gpu", paths, levels, rounds, max_tokens)
     return {"prompt_tokens": len(prompt_ids), "max_tokens": max_tokens, "rounds": rounds,
