@@ -10,7 +10,9 @@ Stopping (stop()): SIGINT to the process group, as Ctrl-C in a terminal sends it
 `python -m deployments.serve_main` and `vllm serve` stop their children on it); after
 `grace_s`, SIGKILL to every process of the server still alive, and to any that appears
 meanwhile, until none is left or `kill_wait_s` passes. StopReport says how long each part took,
-whether SIGKILL was needed and what was left. Linux only (/proc).
+whether SIGKILL was needed and what was left. The command starts with SIGINT's default action
+even where the launcher ignores SIGINT (a background job of a non-interactive shell, nohup):
+a server would otherwise inherit the ignoring and only ever stop by SIGKILL. Linux only (/proc).
 """
 
 from __future__ import annotations
@@ -72,6 +74,12 @@ def port_in_use(host: str, port: int) -> bool:
         return probe.connect_ex((host, port)) == 0
 
 
+def _default_sigint() -> None:
+    """Run in the command's process between fork and exec: SIGINT back to its default action
+    (an ignored signal stays ignored across exec)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _stat(pid: int) -> tuple[str, int] | None:
     """(state, session id) of a live process; None when it is gone or a zombie."""
     try:
@@ -130,7 +138,7 @@ class LaunchedServer:
         with self.log_path.open("w") as log:
             self._process = subprocess.Popen(list(self.command.argv), cwd=self.command.cwd, env=env,
                                              stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                             start_new_session=True)
+                                             start_new_session=True, preexec_fn=_default_sigint)
         self._started = time.monotonic()
 
     def log_tail(self, chars: int = 3000) -> str:

@@ -79,7 +79,18 @@ def child_pid(server: LaunchedServer) -> int:
     return httpx.get(f"{server.command.base_url}/v1/models", timeout=5).json()["data"][0]["child"]
 
 
-def test_stop_ends_the_server_and_its_child_on_sigint(tmp_path):
+@pytest.fixture(params=["sigint default", "sigint ignored here"])
+def launcher_sigint(request):
+    """The launcher's own SIGINT disposition: as in a terminal, or ignored, as in a background
+    job of a non-interactive shell (the server must still stop on SIGINT); restored after."""
+    previous = signal.getsignal(signal.SIGINT)
+    if request.param == "sigint ignored here":
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    yield request.param
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_stop_ends_the_server_and_its_child_on_sigint(tmp_path, launcher_sigint):
     server = launched(tmp_path, "normal", grace_s=20)
     with server:
         child = child_pid(server)
