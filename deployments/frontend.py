@@ -367,8 +367,10 @@ def openai_app(frontend: OpenAIFrontend, check_health: Callable[[], Awaitable[No
     async def http_completions(body: CompletionRequest, request: Request):
         return await frontend.respond_completion(body, request.scope.get(TENANT_SCOPE, ""))
 
+    # the routes that do no I/O are coroutines: a plain def would run in Starlette's thread
+    # pool, a thread hop per request (half of a GET /v1/models on the 2-core VM)
     @app.get("/v1/models")
-    def http_models():
+    async def http_models():
         return json_response(frontend.models())
 
     @app.get("/health")
@@ -382,7 +384,7 @@ def openai_app(frontend: OpenAIFrontend, check_health: Callable[[], Awaitable[No
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
-    def http_metrics():
+    async def http_metrics():
         """A Prometheus exposition without samples that says where the metrics are: Ray
         exports them from every replica (deployments.metrics)."""
         return Response(content=METRICS_ELSEWHERE, media_type=METRICS_CONTENT_TYPE)
