@@ -175,8 +175,8 @@ def chat_messages() -> list[dict]:
 
 def http_session(max_connections: int):
     """The benchmark's HTTP client, an aiohttp session (close it: `async with`). aiohttp, as
-    vLLM's serving benchmark uses: with httpx the client's own Python added 1 to 2.5 ms to each
-    streamed request's time to first token on the 2-core VM, which is the client's cost, not
+    vLLM's serving benchmark uses: with httpx the client's own Python added 1.5 to 2 ms to each
+    streamed request's time to first token on the 2-core VM (paired probes), which is the client's cost, not
     the server's."""
     import aiohttp
 

@@ -255,8 +255,9 @@ class LLMServerReplica:
         is aborted in the engine, which frees its KV blocks and state slot.
         """
         finished = False
-        outputs = coalesce(self._engine.generate(request, self._stream_interval),
-                           self._stream_interval)
+        # the engine holds deltas until they carry stream_interval tokens; coalesce only
+        # merges what piles up while the caller lags
+        outputs = coalesce(self._engine.generate(request, self._stream_interval))
         try:
             async with aclosing(outputs):  # closed now, not when collected: that aborts the request
                 async for out in outputs:
