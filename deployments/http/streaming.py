@@ -8,6 +8,7 @@ from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.requests import ClientDisconnect
 from pydantic import BaseModel
 
 from deployments.http.errors import APIError, as_api_error
@@ -59,5 +60,21 @@ def sse_response(chunks: AsyncGenerator[BaseModel, None],
                 yield f"data: {as_api_error(exc).to_response().model_dump_json()}\n\n"
         yield "data: [DONE]\n\n"
 
-    return StreamingResponse(events(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", **(headers or {})})
+    return EventStreamResponse(events(), media_type="text/event-stream",
+                               headers={"Cache-Control": "no-cache", **(headers or {})})
+
+
+class EventStreamResponse(StreamingResponse):
+    """A StreamingResponse that streams on the request's own task. Starlette's, under an ASGI
+    server of spec 2.3 (uvicorn), runs the stream in a task group beside a task that listens
+    for the client's disconnect; Ray Serve already listens (the proxy on the classic path, the
+    replica's direct-ingress wrapper on the lean one) and cancels the request's task when the
+    client goes, which closes the stream and with it the engine request (tests/e2e/
+    test_disconnect.py). A send the server refuses (OSError) ends the stream as Starlette's
+    does."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await self.stream_response(send)
+        except OSError:
+            raise ClientDisconnect() from None

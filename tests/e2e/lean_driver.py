@@ -8,7 +8,9 @@ do), runs one scenario and prints one JSON line of what it saw; the test asserts
 
 handles: the Python DeploymentHandle API on the lean path (the app's ingress is the LLM server
     deployment): synchronous and asyncio calls, streamed and not, a refused request's APIError,
-    and whether the calls went by gRPC (DeploymentResponse.by_reference False).
+    and whether the calls went by gRPC (DeploymentResponse.by_reference False); then a client
+    that closes its HTTP connection mid-stream: whether its request was aborted and the pools
+    freed (the replica's direct-ingress wrapper cancels the request when the client goes).
 routing: checkpoint-aware ingress routing through HAProxy: for each of PROMPTS system prompts,
     one chat request, a pause for the index to hear of its checkpoint, then FOLLOW_UPS more
     with other user messages; each request's cached tokens, and each LLM server replica's
@@ -29,9 +31,10 @@ PROMPTS = 3
 FOLLOW_UPS = 4
 INDEX_SETTLE_S = 2.5  # report period 0.2 s + the router mirror's next delta
 MAX_TOKENS = 4
+DISCONNECT_WAIT_S = 20
 
 
-def handles(app: str) -> dict:
+def handles(base_url: str, app: str) -> dict:
     from ray import serve
 
     from deployments.http.errors import APIError
@@ -61,7 +64,36 @@ def handles(app: str) -> dict:
         seen["async_stream"] = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 
     asyncio.run(in_asyncio())
+    seen.update(disconnect(base_url, handle))
     return seen
+
+
+def disconnect(base_url: str, handle) -> dict:
+    """A streamed chat of 200 tokens (the stop test's context is 256) whose client closes its connection after three events:
+    the requests in flight while it streamed, and whether within DISCONNECT_WAIT_S the replica
+    counted one abort more and held no request, block or slot of it any more."""
+    aborted_before = handle.num_aborted_requests.remote().result()
+    body = {"messages": [{"role": "user", "content": "Talk for a long time."}], "max_tokens": 200,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    busy, lines = None, []
+    with httpx.Client(base_url=base_url, timeout=60) as own_connection:
+        with own_connection.stream("POST", "/v1/chat/completions", json=body) as response:
+            for line in response.iter_lines():
+                lines.append(line)
+                if sum(seen.startswith("data: ") for seen in lines) == 3:
+                    busy = handle.pool_usage.remote().result()
+                    break  # leaving closes the unread response and its connection
+    if busy is None:  # the stream ended (or failed) before its third event
+        return {"disconnect_status": response.status_code, "disconnect_lines": lines[:5]}
+    deadline = time.monotonic() + DISCONNECT_WAIT_S
+    while True:
+        usage = handle.pool_usage.remote().result()
+        aborted = handle.num_aborted_requests.remote().result() - aborted_before
+        if (aborted == 1 and usage.num_requests == 0 and usage.idle) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    return {"disconnect_busy_requests": busy.num_requests, "disconnect_aborted": aborted,
+            "disconnect_idle_after": usage.idle and usage.num_requests == 0}
 
 
 def routing(base_url: str, app: str, replicas: int) -> dict:
@@ -98,7 +130,7 @@ def main(argv: list[str]) -> None:
 
     ray.init(log_to_driver=False)  # RAY_ADDRESS: the server's cluster
     scenario, base_url, app = argv[:3]
-    result = handles(app) if scenario == "handles" else routing(base_url, app, int(argv[3]))
+    result = handles(base_url, app) if scenario == "handles" else routing(base_url, app, int(argv[3]))
     print("RESULT " + json.dumps(result), flush=True)
 
 

@@ -193,6 +193,9 @@ def _check_lean_path(base_url: str, started: dict[int, str], llm_replicas: int) 
         assert seen["sync_text"] == seen["sync_stream"] == seen["async_text"] == seen["async_stream"]
         assert seen["sync_text"] and seen["completion_tokens"] == 3
         assert seen["models"] == ["hybrid-serve-tiny"] and seen["refused"] == 404
+        # a client gone mid-stream: its request aborted, nothing of it held
+        assert seen["disconnect_busy_requests"] == 1, seen
+        assert seen["disconnect_aborted"] == 1 and seen["disconnect_idle_after"], seen
         return
     seen = _drive(started, "routing", base_url, APP, str(llm_replicas))
     follow_ups = [r for r in seen["requests"] if r["turn"] > 0]
