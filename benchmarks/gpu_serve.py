@@ -540,6 +540,9 @@ def run(args) -> None:
     import torch
 
     torch.set_num_threads(max(1, int(app.worker_num_cpus)))  # as many as the replica's
+    from serve_latency import match_replica_interpreter
+
+    match_replica_interpreter()  # the in-process engines share the GIL as the replica's do
 
     def mark(name: str) -> None:
         summary["timeline_s"][name] = round(time.perf_counter() - t0, 1)

@@ -6,10 +6,11 @@ on the classic path and on the lean path, in one run.
         --out benchmarks/results/serve_latency_chat.json               # where rendering runs
     .venv/bin/python benchmarks/serve_latency.py --max-tokens 32 --concurrency 1 4
 
-The same workload runs every path from one process, in two windows: first the classic window
-(in-process, actor and the classic apps, in this process's Ray), then, that Ray shut down, the
-lean window (in-process and the lean apps, behind serve_main's own Ray), so that no path pays
-for another path's idle cluster on the same cores. Within a window, for each concurrency level,
+The same workload runs every path from one process, in three windows: first the classic window
+(in-process, actor and the classic apps, in this process's Ray), then, that Ray shut down, one
+window per lean app (in-process and that app alone, behind a serve_main Ray of its own, as
+`make serve` runs one app), so that no path pays for another path's idle cluster on the same
+cores. Within a window, for each concurrency level,
 in rounds: each round runs one wave of requests on every path, one path after the other in a
 random order (never two at once, so they do not compete for cores, a slow drift of a shared
 machine hits all paths alike, and no path always inherits the work another leaves behind); a
@@ -17,7 +18,12 @@ level has at least --min-requests requests per path. Overheads are against the i
 of the same window:
 
   in-process       AsyncLLMEngine(LLMEngine(config)) on this event loop: the engine's own
-                   cost (with --workload chat, the PromptRenderer's rendering too).
+                   cost (with --workload chat, the PromptRenderer's rendering too). This
+                   process switches threads at the LLM server replica's interval
+                   (GIL_SWITCH_INTERVAL_S, deployments/llm_server.py): at Python's default
+                   5 ms the event loop waits longer for the first token the step thread hands
+                   it, which put the in-process time to first token about 1.4 ms above the
+                   replica's own engine (timestamps on the 2-core VM).
   actor            the same engine stepping a Ray rank actor through RayWorkerExecutor (one
                    actor call per step), as the LLM server replica does with
                    tensor_parallel_size > 1: the cost of that hop alone (--no-actor: left out).
@@ -28,7 +34,7 @@ of the same window:
   lean             the lean path, started as `make serve` starts it (deployments/serve_main.py
                    in a child process: its own Ray with HAProxy, benchmarks/lean_cluster.py):
                    HAProxy -> the LLM server replica, which serves HTTP, renders and generates.
-  lean renderer    the same Ray, a second app with render_in_replica false: the replica
+  lean renderer    the lean path with render_in_replica false, in its own window: the replica
                    renders through the Renderer deployment (a handle call on the gRPC data
                    plane) before it generates.
 
@@ -48,9 +54,7 @@ figure).
 
 Every app has the same AppConfig except the path's keys (checkpoints off: every request sends
 the same prompt). The process that runs the model (an LLM server replica, the worker actor)
-runs torch with worker_num_cpus threads, and so does the in-process path. The lean apps' LLM
-server replicas ask 0.6 Ray CPUs (ray_actor_options) so that two fit the 2 CPUs serve_main's
-Ray has; the thread count is the same. For every level it also records where the host's CPU
+runs torch with worker_num_cpus threads, and so does the in-process path. For every level it also records where the host's CPU
 went: CPU milliseconds per output token of each process role (harness.process_cpu_seconds;
 every process of the host, other users' included on a shared machine). Prints a table and
 writes JSON (--out, default benchmarks/results/serve_latency.json).
@@ -91,7 +95,7 @@ class RequestTiming:
 
 @dataclass(frozen=True)
 class LevelResult:
-    window: str  # the servers beside the path: "classic" or "lean" (the module docstring), "gpu"
+    window: str  # the servers beside the path: "classic", a lean app's name (the module docstring), "gpu"
     path: str
     concurrency: int
     num_requests: int
@@ -271,9 +275,9 @@ async def measure_hops(session, window: str, args) -> dict[str, float]:
             response.raise_for_status()
             await response.read()
 
-    if window == "lean":
-        return {"lean: HAProxy -> LLM server": await median_ms(
-            lambda: get(f"http://127.0.0.1:{args.lean_port}{LEAN_APPS['lean']}/v1/models"))}
+    if window in LEAN_APPS:
+        return {f"{window}: HAProxy -> LLM server": await median_ms(
+            lambda: get(f"http://127.0.0.1:{args.lean_port}{LEAN_APPS[window]}/v1/models"))}
     from ray import serve
 
     first = args.stream_intervals[0]
@@ -290,9 +294,10 @@ async def measure_hops(session, window: str, args) -> dict[str, float]:
 
 async def measure(window: str, config, prompt_ids: list[int],
                   args) -> tuple[list[LevelResult], dict[str, float]]:
-    """One window, "classic" or "lean" (the module docstring): start the in-process engine (and in the classic window the actor
-    path's engine) beside the window's running servers, warm every path up, time the hops,
-    then run every level (run_levels); shut the engines down."""
+    """One window, "classic" or a lean app's name (the module docstring): start the in-process
+    engine (and in the classic window the actor path's engine) beside the window's running
+    servers, warm every path up, time the hops, then run every level (run_levels); shut the
+    engines down."""
     from deployments.prompts.rendering import PromptRenderer
     from deployments.worker_group import RayWorkerExecutor, WorkerGroup
     from engine.core.async_engine import AsyncLLMEngine
@@ -324,8 +329,7 @@ async def measure(window: str, config, prompt_ids: list[int],
                 paths += [http_path(f"classic si={i}", f"http://127.0.0.1:{args.port}/si{i}")
                           for i in args.stream_intervals]
             else:
-                paths += [http_path(name, f"http://127.0.0.1:{args.lean_port}{prefix}")
-                          for name, prefix in LEAN_APPS.items()]
+                paths.append(http_path(window, f"http://127.0.0.1:{args.lean_port}{LEAN_APPS[window]}"))
             for path in paths:
                 await path.one_request(4)  # warm-up
             hops = await measure_hops(session, window, args)
@@ -343,19 +347,26 @@ async def measure(window: str, config, prompt_ids: list[int],
             group.shutdown()
 
 
-def lean_serve_config(config, lean_port: int) -> dict:
-    """A Serve config file for serve_main: the lean apps of LEAN_APPS on `config`'s AppConfig."""
-    apps = []
-    for name, prefix in LEAN_APPS.items():
-        args = config.model_copy(update={"direct_ingress": True,
-                                         "render_in_replica": name == "lean"})
-        apps.append({"name": prefix.strip("/"), "route_prefix": prefix,
-                     "import_path": "deployments.app:build_app",
-                     "args": args.model_dump(mode="json"),
-                     "deployments": [{"name": "LLMServer", "num_replicas": 1,
-                                      "ray_actor_options": {"num_cpus": 0.6}}]})
+def match_replica_interpreter() -> None:
+    """Switch this process's threads at the LLM server replica's interval, so that the
+    in-process engine's step thread and event loop share the GIL as the replica's do."""
+    import sys
+
+    from deployments.llm_server import GIL_SWITCH_INTERVAL_S
+
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+
+
+def lean_serve_config(config, lean_port: int, name: str) -> dict:
+    """A Serve config file for serve_main: the lean app `name` of LEAN_APPS, alone, on
+    `config`'s AppConfig."""
+    prefix = LEAN_APPS[name]
+    args = config.model_copy(update={"direct_ingress": True, "render_in_replica": name == "lean"})
+    app = {"name": prefix.strip("/"), "route_prefix": prefix, "import_path": "deployments.app:build_app",
+           "args": args.model_dump(mode="json"),
+           "deployments": [{"name": "LLMServer", "num_replicas": 1}]}
     return {"proxy_location": "HeadOnly", "http_options": {"host": "127.0.0.1", "port": lean_port},
-            "applications": apps}
+            "applications": [app]}
 
 
 # ----- report
@@ -381,11 +392,11 @@ def overheads(results: list[LevelResult]) -> list[dict]:
 
 
 def table(results: list[LevelResult], ratios: list[dict], hops: dict[str, float]) -> str:
-    head = (f"{'window':<7} {'path':<14} {'conc':>4} {'reqs':>4} {'TTFT mean ms':>12} {'p50 ms':>8} "
+    head = (f"{'window':<13} {'path':<14} {'conc':>4} {'reqs':>4} {'TTFT mean ms':>12} {'p50 ms':>8} "
             f"{'max ms':>8} {'decode tok/s/req':>16} {'total tok/s':>11}")
     lines = [head, "-" * len(head)]
     for r in results:
-        lines.append(f"{r.window:<7} {r.path:<14} {r.concurrency:>4} {r.num_requests:>4} {r.ttft_ms_mean:>12.1f} "
+        lines.append(f"{r.window:<13} {r.path:<14} {r.concurrency:>4} {r.num_requests:>4} {r.ttft_ms_mean:>12.1f} "
                      f"{r.ttft_ms_p50:>8.1f} {r.ttft_ms_max:>8.1f} {r.decode_tok_s:>16.1f} "
                      f"{r.throughput_tok_s:>11.1f}")
     lines += ["", "CPU ms per output token, by process role (every process of the host; "
@@ -394,7 +405,7 @@ def table(results: list[LevelResult], ratios: list[dict], hops: dict[str, float]
         shown = {role: ms for role, ms in r.cpu_ms_per_token.items() if ms >= MIN_CPU_MS_SHOWN}
         other = sum(r.cpu_ms_per_token.values()) - sum(shown.values())
         parts = [f"{role} {ms:.2f}" for role, ms in sorted(shown.items(), key=lambda kv: -kv[1])]
-        lines.append(f"  {r.window:<7} {r.path:<14} {r.concurrency:>2}: total {sum(r.cpu_ms_per_token.values()):.2f}"
+        lines.append(f"  {r.window:<13} {r.path:<14} {r.concurrency:>2}: total {sum(r.cpu_ms_per_token.values()):.2f}"
                      f" = {', '.join(parts)}, other {other:.2f}")
     lines += ["", "Overhead vs in-process of the same window (1.0 = free): TTFT path/in-process; "
               "decode speed and throughput in-process/path"]
@@ -405,7 +416,7 @@ def table(results: list[LevelResult], ratios: list[dict], hops: dict[str, float]
                      f" ({100 / o['decode_ratio']:.0f}% of in-process)"
                      f"   throughput x{o['throughput_ratio']:.2f}")
     lines += ["", f"Hop round trips before the first token (median of {HOP_CALLS}, no work done):"]
-    lines += [f"  {hop:<32} {ms:6.2f} ms" for hop, ms in hops.items()]
+    lines += [f"  {hop:<38} {ms:6.2f} ms" for hop, ms in hops.items()]
     return "\n".join(lines)
 
 
@@ -466,6 +477,7 @@ def main() -> None:
     from deployments.app import build_app
 
     torch.set_num_threads(max(1, int(args.worker_num_cpus)))  # as many as the model's process
+    match_replica_interpreter()
     load_at_start = os.getloadavg()  # a shared machine's other work shows here
     log_dir = Path(tempfile.mkdtemp(prefix="serve-latency-"))
     # the classic window: this process's Ray (started without the lean path's switches)
@@ -482,15 +494,17 @@ def main() -> None:
     finally:
         serve.shutdown()
         ray.shutdown()
-    # the lean window: serve_main in a child process, its own Ray with HAProxy
-    with serve_main_server(lean_serve_config(config, args.lean_port), log_dir / "lean.log") as lean:
-        lean_results, lean_hops = asyncio.run(measure("lean", config, prompt_ids, args))
-    results += lean_results
-    hops.update(lean_hops)
-    lean_log = [line for line in (log_dir / "lean.log").read_text().splitlines()
-                if "serving path" in line]
-    if lean.returncode not in (0, None):
-        print(f"warning: the lean server exited with {lean.returncode}")
+    # a window per lean app: serve_main in a child process, its own Ray with HAProxy
+    lean_log = []
+    for name, prefix in LEAN_APPS.items():
+        log = log_dir / f"{prefix.strip('/')}.log"
+        with serve_main_server(lean_serve_config(config, args.lean_port, name), log) as lean:
+            lean_results, lean_hops = asyncio.run(measure(name, config, prompt_ids, args))
+        results += lean_results
+        hops.update(lean_hops)
+        lean_log += [line for line in log.read_text().splitlines() if "serving path" in line]
+        if lean.returncode not in (0, None):
+            print(f"warning: the {name} server exited with {lean.returncode}")
     ratios = overheads(results)
     report = table(results, ratios, hops)
     print(f"\nload average {load_at_start[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end "
@@ -504,7 +518,7 @@ def main() -> None:
     out = write_result(args.out, "serve_latency", {
         "args": vars(args),
         "app_config": config.model_dump(),
-        "lean_serve_config": lean_serve_config(config, args.lean_port),
+        "lean_serve_configs": [lean_serve_config(config, args.lean_port, name) for name in LEAN_APPS],
         "lean_server_log": lean_log,
         "prompt_tokens": prompt_tokens,
         "results": [asdict(r) for r in results],
