@@ -32,8 +32,9 @@ fetched and the median time from a store lookup to the copy's import. Then the p
 instruction checkpoint from the host tier: from the lookup that starts its copy to the device
 until it is published there (the copy, then the import), median of --promotions, with the
 copy alone and the bytes moved. Each configuration first serves one request of its own in
-another namespace, so compilation and CUDA graph capture are not timed. Prints a table and
-writes JSON (--out, default benchmarks/results/checkpoint_tiers[_cpu].json).
+another namespace, so compilation and CUDA graph capture are not timed. --parts runs some of
+them (a b c d promotion, default all; e.g. `--parts d promotion` to fit a device call). Prints a
+table and writes JSON (--out, default benchmarks/results/checkpoint_tiers[_cpu].json).
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ ONE_TOKEN = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
 # host tier over the stand-in store))
 CONFIGURATIONS = (("(a) device, lru", "lru", None), ("(b) tiers, lru", "lru", "host"),
                   ("(c) tiers, value", "value", "host"), ("(d) tiers + store, value", "value", "store"))
+PARTS = ("a", "b", "c", "d", "promotion")  # --parts: the configurations in order, then the promotion time
 SIZES = {  # the acceptance sizes, --cpu and --quick
     "acceptance": dict(instructions=64, instruction_tokens=8000, users=4, user_tokens=64, device_bundles=8,
                        host_bundles=16, concurrency=4, batch_tokens=8192, promotions=20),
@@ -227,7 +229,7 @@ def save_result(out: Path, args: argparse.Namespace, model_dir: str, rows: list[
     sizes = {name: getattr(args, name) for name in SIZES["acceptance"]}
     return write_result(out, "checkpoint_tiers", {
         "model_dir": model_dir, "device": args.device, "dtype": args.dtype, "sizes": sizes, "seed": args.seed,
-        "configurations": rows, "promotion": promotion, "partial": partial,
+        "parts": args.parts, "configurations": rows, "promotion": promotion, "partial": partial,
     }, machine_extra={"torch": torch.__version__,
                       "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None})
 
@@ -243,6 +245,8 @@ def main() -> None:
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, help=f"default {value}, "
                             f"{SIZES['cpu'][name]} with --cpu, {SIZES['quick'][name]} with --quick")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
+                        help="which configurations, and whether the promotion time, to run (default all)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     sizes_of = "quick" if args.quick else "cpu" if args.cpu else "acceptance"
@@ -269,12 +273,14 @@ def main() -> None:
             model_dir = str(model_dir_of(argparse.Namespace(quick=False), Path(tmp)))
         requests = workload(args, load_model_config(model_dir).vocab_size)
         rows, promotion = [], None
-        for label, eviction, tiers in CONFIGURATIONS:  # each saved as it ends: a run cut short keeps them
+        chosen = [c for c, part in zip(CONFIGURATIONS, PARTS) if part in args.parts]
+        for label, eviction, tiers in chosen:  # each saved as it ends: a run cut short keeps them
             rows.append(run_configuration(args, model_dir, label, eviction, tiers, requests))
             print(f"{label}: {rows[-1]['hits']}/{rows[-1]['follow_ups']} follow-ups restored, TTFT p50 "
                   f"{rows[-1]['ttft_p50_ms']:.1f} ms ({rows[-1]['seconds']:.0f} s)", flush=True)
             save_result(out, args, model_dir, rows, promotion, partial=True)
-        promotion = promotion_time(args, model_dir, requests)
+        if "promotion" in args.parts:
+            promotion = promotion_time(args, model_dir, requests)
 
     print(markdown_table(
         ["configuration", "instruction hit rate", "TTFT p50 ms", "TTFT p95 ms", "promoted", "demoted",
@@ -288,9 +294,10 @@ def main() -> None:
             print(f"{row['configuration']}: host tier of {args.host_bundles} checkpoints; the stand-in store kept "
                   f"{row['stored']} ({row['stored_pickled_bytes'] / 2**20:.1f} MiB pickled) and served {row['fetched']} "
                   f"hits, lookup to import {'-' if restore is None else f'{restore:.1f}'} ms median")
-    print(f"promotion of a {promotion['tokens']}-token checkpoint ({promotion['bytes'] / 2**20:.1f} MiB) from the "
-          f"host tier: {promotion['promotion_ms_median']:.2f} ms median (copy {promotion['copy_ms_median']:.2f} ms), "
-          f"min {promotion['promotion_ms_min']:.2f} ms over {promotion['repeats']}")
+    if promotion is not None:
+        print(f"promotion of a {promotion['tokens']}-token checkpoint ({promotion['bytes'] / 2**20:.1f} MiB) from "
+              f"the host tier: {promotion['promotion_ms_median']:.2f} ms median (copy {promotion['copy_ms_median']:.2f} "
+              f"ms), min {promotion['promotion_ms_min']:.2f} ms over {promotion['repeats']}")
     path = save_result(out, args, model_dir, rows, promotion, partial=False)
     print(f"wrote {path}")
 
