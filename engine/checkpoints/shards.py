@@ -167,7 +167,8 @@ def shard_misfit(
             return f"{name} is {tensor.dtype} {tuple(tensor.shape)}, the caches need {dtype} {shape}"
     if len(op.block_ids) != op.num_tokens // block_size:
         return f"{len(op.block_ids)} blocks for {op.num_tokens} tokens"
-    if len(set(op.block_ids)) != len(op.block_ids) or any(not 0 <= b < kv_shape[2] for b in op.block_ids):
+    if len(set(op.block_ids)) != len(op.block_ids) or (op.block_ids and (
+            min(op.block_ids) < 0 or max(op.block_ids) >= kv_shape[2])):
         return "a block id repeated or outside the caches"
     return None
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from engine.core.async_engine import AsyncLLMEngine
-from engine.checkpoints.import_checks import ImportRejection
+from engine.checkpoints.import_checks import ImportRejection, check_exported
 from engine.checkpoints.shards import ShardStage
 from engine.checkpoints.transfer import ExportedCheckpoint, RemoteShard, make_shard
 from engine.engine_config import EngineConfig
@@ -263,6 +263,21 @@ def test_a_bad_checkpoint_is_rejected_and_the_request_computed_from_scratch(sour
 def test_not_an_exported_checkpoint_is_malformed(target):
     result = target.import_checkpoint({"header": None})
     assert result.rejection is ImportRejection.MALFORMED
+
+
+@pytest.mark.parametrize("bad_token", [-1, "vocab_size", True, 5.0])
+def test_token_ids_that_are_not_ids_of_the_vocabulary_are_malformed(source, target, bad_token):
+    """The header's token ids are checked before anything else reads them: a negative id, one
+    at the vocabulary's size, a bool and a float each make the checkpoint malformed, as does
+    the same header marked verified (the host tier's)."""
+    _, exported = export_instructions(source, "bad-token")
+    bad = target.vocab_size if bad_token == "vocab_size" else bad_token
+    tokens = exported.header.token_ids[:-1] + (bad,)
+    damaged = dataclasses.replace(exported, header=dataclasses.replace(exported.header, token_ids=tokens))
+    for verified in (False, True):
+        rejected = check_exported(damaged, target.transfers.expected, verified)
+        assert rejected is not None and rejected.reason is ImportRejection.MALFORMED, (verified, rejected)
+    assert check_exported(exported, target.transfers.expected) is None  # the undamaged one passes
 
 
 def test_a_checkpoint_that_does_not_fit_is_rejected_for_space(source):
