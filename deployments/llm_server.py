@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 
@@ -56,7 +56,6 @@ from deployments.metrics import TierMetrics
 from deployments.worker_group import RayWorkerExecutor, WorkerGroup
 from engine.core.async_engine import AsyncLLMEngine
 from engine.core.llm_engine import EngineStats, LLMEngine, PoolUsage, RequestOutput
-from engine.core.output_processor import merge_outputs
 from engine.interfaces.generation_request import GenerationRequest
 
 # A step running longer than this makes the replica unhealthy (a hang that no collective
@@ -69,52 +68,6 @@ RANK_PING_TIMEOUT_S = 10.0
 # setting, 80 requests each in random order: 0.9 ms lower time to first token (p50) and 3%
 # faster decode with 0.5 ms (docs/design.md section 6.1).
 GIL_SWITCH_INTERVAL_S = 0.0005
-
-
-async def coalesce(
-    outputs: AsyncGenerator[RequestOutput, None], stream_interval: int = 1,
-) -> AsyncGenerator[RequestOutput, None]:
-    """Re-yield `outputs` as fewer, larger deltas: every output already waiting is merged into
-    one, and a delta is held back until it carries `stream_interval` tokens.
-
-    The first output and the final one are never held back. A consumer that keeps up gets one
-    delta per engine step (stream_interval 1) or per stream_interval tokens; one that lags (a
-    busy event loop, a slow hop downstream) gets larger deltas instead of a growing backlog of
-    messages. Errors from `outputs` are raised after the outputs that preceded them. Closing
-    this generator cancels the reader, which closes `outputs`.
-    """
-    ready: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
-
-    async def read() -> None:
-        try:
-            async for out in outputs:
-                ready.put_nowait(out)
-        except Exception as exc:  # e.g. InvalidRequestError: hand it to the consumer
-            ready.put_nowait(exc)
-
-    reader = asyncio.create_task(read())
-    held: list[RequestOutput] = []
-    sent_first = False
-    try:
-        while True:
-            batch = [await ready.get()]
-            while not ready.empty():
-                batch.append(ready.get_nowait())
-            for item in batch:
-                if isinstance(item, Exception):  # the reader's last item
-                    if held:
-                        yield merge_outputs(held)
-                    raise item
-                held.append(item)
-            num_tokens = sum(len(out.new_token_ids) for out in held)
-            if held[-1].finished or not sent_first or num_tokens >= stream_interval:
-                merged, held, sent_first = merge_outputs(held), [], True
-                yield merged
-                if merged.finished:
-                    return
-    finally:
-        reader.cancel()
-        await asyncio.gather(reader, return_exceptions=True)
 
 
 async def replica_health(engine: AsyncLLMEngine, executor: RayWorkerExecutor | None) -> None:
@@ -248,16 +201,15 @@ class LLMServerReplica:
     async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
         """Stream the request's RequestOutputs (call with handle.options(stream=True)); the
         last one has finished=True. After the first, each carries AppConfig.stream_interval
-        tokens or more, and outputs that pile up while the caller lags are merged (`coalesce`).
+        tokens or more (merged on the step thread), and outputs that pile up while the caller
+        lags are merged (AsyncLLMEngine.generate's merge_backlog).
 
         Raises APIError (400 for requests the engine refuses, 503 once the executor died, 500
         otherwise). If the caller stops iterating (client disconnect, cancellation) the request
         is aborted in the engine, which frees its KV blocks and state slot.
         """
         finished = False
-        # the engine holds deltas until they carry stream_interval tokens; coalesce only
-        # merges what piles up while the caller lags
-        outputs = coalesce(self._engine.generate(request, self._stream_interval))
+        outputs = self._engine.generate(request, self._stream_interval, merge_backlog=True)
         try:
             async with aclosing(outputs):  # closed now, not when collected: that aborts the request
                 async for out in outputs:

@@ -81,11 +81,13 @@ class AsyncLLMEngine:
 
     # ------------------------------------------------------------------ public API
 
-    async def generate(self, request: GenerationRequest,
-                       stream_interval: int = 1) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: GenerationRequest, stream_interval: int = 1,
+                       merge_backlog: bool = False) -> AsyncIterator[RequestOutput]:
         """Add `request` (LLMEngine.add_request) and yield its outputs until the finished one.
         stream_interval: after the first output, each one carries at least this many tokens
-        (the outputs of several steps merged), except the finished one.
+        (the outputs of several steps merged), except the finished one. merge_backlog: the
+        outputs that piled up while the caller was away are yielded merged into one (a caller
+        that lags gets larger deltas, not a growing backlog); outputs with logits never are.
 
         Raises InvalidRequestError (before yielding anything) if the engine refuses it, and
         ExecutorDiedError (at any point) once the executor has died.
@@ -112,11 +114,16 @@ class AsyncLLMEngine:
             self.abort(request.request_id)  # the add may still have gone through
             raise
         finished = False
+        died: ExecutorDiedError | None = None  # found behind outputs merged from the backlog
         try:
             while not finished:
+                if died is not None:
+                    raise died
                 output = await stream.outputs.get()
                 if isinstance(output, ExecutorDiedError):
                     raise output
+                if merge_backlog and output.logits is None:
+                    output, died = _merge_waiting(output, stream.outputs)
                 finished = output.finished
                 yield output
         finally:
@@ -247,6 +254,18 @@ class AsyncLLMEngine:
                 by_loop.setdefault(stream.loop, []).append((stream.outputs, ready))
         for loop, deliveries in by_loop.items():
             loop.call_soon_threadsafe(_put_all, deliveries)
+
+
+def _merge_waiting(first: RequestOutput, waiting: asyncio.Queue) -> tuple[RequestOutput, ExecutorDiedError | None]:
+    """`first` merged with the outputs already waiting behind it (up to a finished one), and the
+    ExecutorDiedError found behind them, if any (the stream's last item)."""
+    batch = [first]
+    while not batch[-1].finished and not waiting.empty():
+        item = waiting.get_nowait()
+        if isinstance(item, ExecutorDiedError):
+            return merge_outputs(batch), item
+        batch.append(item)
+    return merge_outputs(batch), None
 
 
 def _put_all(deliveries: list[tuple[asyncio.Queue, RequestOutput]]) -> None:

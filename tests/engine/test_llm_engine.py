@@ -215,6 +215,36 @@ def test_a_stream_interval_merges_outputs_before_they_reach_the_event_loop(engin
     assert len(with_logits) == GREEDY.max_tokens and all(o.logits is not None for o in with_logits)
 
 
+def test_merge_backlog_gives_a_lagging_caller_what_piled_up_as_one_output(engine):
+    """With merge_backlog, a caller that lags (here 30 ms after each output, several steps)
+    gets fewer outputs than tokens, with the same tokens and text in the same order as a
+    caller that keeps up; outputs with logits are never merged."""
+    async_engine = AsyncLLMEngine(engine)
+    prompt = prompts(engine, 1, seed=11)[0]
+    plain = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+    async def run(request_id, sampling, lag_s):
+        outputs = []
+        request = GenerationRequest(request_id, prompt, sampling)
+        async for out in async_engine.generate(request, merge_backlog=True):
+            outputs.append(out)
+            await asyncio.sleep(lag_s)
+        return outputs
+
+    async def scenario():
+        return (await run("keeps-up", plain, 0), await run("lags", plain, 0.03),
+                await run("logits", GREEDY, 0.03))
+
+    try:
+        kept_up, lagged, with_logits = asyncio.run(scenario())
+    finally:
+        async_engine.shutdown()
+    assert len(lagged) < 12 and lagged[-1].finished and lagged[-1].num_output_tokens == 12
+    assert [t for o in lagged for t in o.new_token_ids] == [t for o in kept_up for t in o.new_token_ids]
+    assert "".join(o.new_text for o in lagged) == "".join(o.new_text for o in kept_up)
+    assert len(with_logits) == GREEDY.max_tokens and all(o.logits is not None for o in with_logits)
+
+
 def test_in_pass_capture_stays_off_where_the_worker_cannot_do_it():
     """On CPU the worker reports no in-pass support, so the scheduler keeps cutting chunks at
     the instruction boundary whatever the config asks (tests/gpu covers the CUDA side)."""
