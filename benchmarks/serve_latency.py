@@ -10,12 +10,11 @@ The same workload runs every path from one process, in three windows: first the 
 (in-process, actor and the classic apps, in this process's Ray), then, that Ray shut down, one
 window per lean app (in-process and that app alone, behind a serve_main Ray of its own, as
 `make serve` runs one app), so that no path pays for another path's idle cluster on the same
-cores. Within a window, for each concurrency level,
-in rounds: each round runs one wave of requests on every path, one path after the other in a
-random order (never two at once, so they do not compete for cores, a slow drift of a shared
-machine hits all paths alike, and no path always inherits the work another leaves behind); a
-level has at least --min-requests requests per path. Overheads are against the in-process path
-of the same window:
+cores. Within a window, for each concurrency level, in rounds: each round runs one wave of
+requests on every path, one path after the other in a random order (never two at once, so
+they do not compete for cores, a slow drift of a shared machine hits all paths alike, and no
+path always inherits the work another leaves behind); a level has at least --min-requests
+requests per path. Overheads are against the in-process path of the same window:
 
   in-process       AsyncLLMEngine(LLMEngine(config)) on this event loop: the engine's own
                    cost (with --workload chat, the PromptRenderer's rendering too). This
@@ -54,10 +53,10 @@ figure).
 
 Every app has the same AppConfig except the path's keys (checkpoints off: every request sends
 the same prompt). The process that runs the model (an LLM server replica, the worker actor)
-runs torch with worker_num_cpus threads, and so does the in-process path. For every level it also records where the host's CPU
-went: CPU milliseconds per output token of each process role (harness.process_cpu_seconds;
-every process of the host, other users' included on a shared machine). Prints a table and
-writes JSON (--out, default benchmarks/results/serve_latency.json).
+runs torch with worker_num_cpus threads, and so does the in-process path. For every level it
+also records where the host's CPU went: CPU milliseconds per output token of each process role
+(harness.process_cpu_seconds; every process of the host, other users' included on a shared
+machine). Prints a table and writes JSON (--out, default benchmarks/results/serve_latency.json).
 """
 
 from __future__ import annotations
@@ -180,8 +179,8 @@ def chat_messages() -> list[dict]:
 def http_session(max_connections: int):
     """The benchmark's HTTP client, an aiohttp session (close it: `async with`). aiohttp, as
     vLLM's serving benchmark uses: with httpx the client's own Python added 1.5 to 2 ms to each
-    streamed request's time to first token on the 2-core VM (paired probes), which is the client's cost, not
-    the server's."""
+    streamed request's time to first token on the 2-core VM (paired probes), which is the
+    client's cost, not the server's."""
     import aiohttp
 
     return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=max_connections),

@@ -69,18 +69,20 @@ def handles(base_url: str, app: str) -> dict:
 
 
 def disconnect(base_url: str, handle) -> dict:
-    """A streamed chat of 200 tokens (the stop test's context is 256) whose client closes its connection after three events:
-    the requests in flight while it streamed, and whether within DISCONNECT_WAIT_S the replica
-    counted one abort more and held no request, block or slot of it any more."""
+    """A streamed chat of 200 tokens (the stop test's context is 256) whose client closes its
+    connection after three events: the requests in flight while it streamed, and whether within
+    DISCONNECT_WAIT_S the replica counted one abort more and held no request, block or slot of
+    it any more."""
     aborted_before = handle.num_aborted_requests.remote().result()
     body = {"messages": [{"role": "user", "content": "Talk for a long time."}], "max_tokens": 200,
             "temperature": 0, "ignore_eos": True, "stream": True}
-    busy, lines = None, []
+    busy, lines, events = None, [], 0
     with httpx.Client(base_url=base_url, timeout=60) as own_connection:
         with own_connection.stream("POST", "/v1/chat/completions", json=body) as response:
             for line in response.iter_lines():
                 lines.append(line)
-                if sum(seen.startswith("data: ") for seen in lines) == 3:
+                events += line.startswith("data: ")
+                if events == 3:
                     busy = handle.pool_usage.remote().result()
                     break  # leaving closes the unread response and its connection
     if busy is None:  # the stream ended (or failed) before its third event
