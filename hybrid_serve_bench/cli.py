@@ -151,7 +151,7 @@ def add_launch(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("--launch: start each server here, one at a time, and run the peer suite",
                              LAUNCH_HELP)
     g.add_argument("--launch", nargs="+", choices=PEERS, default=None,
-                   help="servers to start, in this order (hybrid-serve-compiled: cpu_compile_decode on; "
+                   help="servers to start, in this order (hybrid-serve-eager: cpu_compile_decode off; "
                         "vllm: prefix caching off; "
                         "vllm-prefix-caching: on, with benchmarks/peers/patch_vllm.py)")
     g.add_argument("--model-dir", default=None, help="served by every server (default: the embedded tiny model)")

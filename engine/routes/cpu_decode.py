@@ -68,6 +68,8 @@ class CompiledDecodePass:
         nothing (the pass's writes are deferred and dropped here). A failure logs one line and
         leaves the route off."""
         budget_s = WARM_UP_BUDGET_S if budget_s is None else budget_s
+        logger.info("compiled CPU decode: compiling the decode step (cpu_compile_decode; about 40 s on a "
+                    "first start of the embedded model, less from inductor's cache on disk)")
         started = time.perf_counter()
         try:
             with torch.inference_mode():

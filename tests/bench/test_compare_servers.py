@@ -80,15 +80,15 @@ def test_hybrid_serve_runs_serve_main_on_the_repo_config_with_this_runs_port_and
     assert written == hybrid_serve_config(options(tmp_path))
 
 
-def test_hybrid_serve_compiled_differs_from_hybrid_serve_only_in_cpu_compile_decode(tmp_path):
+def test_hybrid_serve_eager_differs_from_hybrid_serve_only_in_cpu_compile_decode_off(tmp_path):
     plain = server_command("hybrid-serve", options(tmp_path), tmp_path)
-    compiled = server_command("hybrid-serve-compiled", options(tmp_path), tmp_path)
-    assert compiled.label == "hybrid-serve-compiled" and compiled.argv[3] != plain.argv[3]
+    eager = server_command("hybrid-serve-eager", options(tmp_path), tmp_path)
+    assert eager.label == "hybrid-serve-eager" and eager.argv[3] != plain.argv[3]
     plain_config = yaml.safe_load(Path(plain.argv[3]).read_text())
-    compiled_config = yaml.safe_load(Path(compiled.argv[3]).read_text())
-    assert compiled_config["applications"][0]["args"]["engine"].pop("cpu_compile_decode") is True
-    assert plain_config["applications"][0]["args"]["engine"].get("cpu_compile_decode", False) is False
-    assert compiled_config == plain_config
+    eager_config = yaml.safe_load(Path(eager.argv[3]).read_text())
+    assert eager_config["applications"][0]["args"]["engine"].pop("cpu_compile_decode") is False
+    assert plain_config["applications"][0]["args"]["engine"].pop("cpu_compile_decode") is True  # the repo's
+    assert eager_config == plain_config
 
 
 def test_vllm_runs_offline_with_prefix_caching_off_or_on(tmp_path, monkeypatch):
