@@ -23,9 +23,10 @@ bytes do not fit after evictions) and `worker` (a rank refused or failed the cop
 
 Shards by value are checked here in full (`check_exported`), but for a checkpoint that never
 left this process (the host tier's, `verified`): its tensors may already be on the engine's
-device, and its digest and checksum, which this engine computed, are not recomputed (the
-digest alone is a pass over every token id: about 0.5 ms at 4,000 tokens on the 2-core VM, in
-a promotion that then copies the bundle). Shards by reference (RemoteShard)
+device, its digest and checksum, which this engine computed, are not recomputed (the digest
+alone is a pass over every token id: about 0.5 ms at 4,000 tokens on the 2-core VM, in a
+promotion that then copies the bundle), and its token ids, which this engine checked when it
+admitted their request, are not scanned for their range again. Shards by reference (RemoteShard)
 are never in the engine's process: the engine checks the header (`check_header`) and each rank
 checks the shard it resolved with `check_shard` (shape, length, checksum), the same checks.
 """
@@ -110,8 +111,9 @@ def check_exported(exported: object, expected: ImportExpectations, verified: boo
     """The first check `exported` (shards by value) fails, in the order of the module doc, or
     None if it passes them all. Reads only; checksums cost one pass over the shards' bytes.
     Shards by reference pass only the header's checks here (see check_header). verified: the
-    checkpoint never left this process; its tensors may be on any device and their checksums
-    are not recomputed."""
+    checkpoint never left this process (this engine exported it); its tensors may be on any
+    device, and what this engine computed or checked before (the checksums, the digest, the
+    token ids' range) is not computed or scanned again; every size and shape is checked."""
     rejected = check_header(exported, expected, verified)
     if rejected is not None or exported.by_reference:
         return rejected
@@ -130,7 +132,8 @@ def check_header(exported: object, expected: ImportExpectations, verified: bool 
     """The checks of the module doc up to `shape` for the layouts (malformed, model,
     tensor_parallel, block_size, kv_cache, namespace, digest, the header's layouts), none of a shard's
     tensors: what the engine checks of a checkpoint whose shards are references. Reads only.
-    verified: shards by value may hold tensors on any device."""
+    verified: shards by value may hold tensors on any device; the token ids are not scanned
+    and the digest not recomputed (this engine made both)."""
     if not isinstance(exported, ExportedCheckpoint):
         return Rejected(ImportRejection.MALFORMED, f"not an ExportedCheckpoint: {type(exported).__name__}")
     rejected = _check_header(exported, expected, verified)
@@ -169,8 +172,9 @@ def _check_header(exported: ExportedCheckpoint, expected: ImportExpectations, ve
     if not isinstance(tokens, tuple) or not tokens or len(tokens) > expected.max_model_len:
         return bad(f"token ids must be a tuple of 1 to {expected.max_model_len}")
     # C-level passes (a generator over 8,000 ids costs milliseconds); bool and other int
-    # subclasses are refused
-    if set(map(type, tokens)) != {int} or min(tokens) < 0 or max(tokens) >= expected.vocab_size:
+    # subclasses are refused. A verified checkpoint's ids are those of a request this engine
+    # admitted (checked then), so they are not scanned again.
+    if not verified and (set(map(type, tokens)) != {int} or min(tokens) < 0 or max(tokens) >= expected.vocab_size):
         return bad(f"token ids must be ints in [0, {expected.vocab_size})")
     if len(header.layouts) != header.tensor_parallel_size or len(exported.shards) != header.tensor_parallel_size:
         return bad(f"{len(exported.shards)} shards and {len(header.layouts)} layouts for "

@@ -268,15 +268,20 @@ def test_not_an_exported_checkpoint_is_malformed(target):
 @pytest.mark.parametrize("bad_token", [-1, "vocab_size", True, 5.0])
 def test_token_ids_that_are_not_ids_of_the_vocabulary_are_malformed(source, target, bad_token):
     """The header's token ids are checked before anything else reads them: a negative id, one
-    at the vocabulary's size, a bool and a float each make the checkpoint malformed, as does
-    the same header marked verified (the host tier's)."""
+    at the vocabulary's size, a bool and a float each make the checkpoint malformed. A header
+    marked verified (the host tier's: this engine exported it, from a request whose ids it
+    checked on admission) is not scanned again; its length still is."""
     _, exported = export_instructions(source, "bad-token")
     bad = target.vocab_size if bad_token == "vocab_size" else bad_token
     tokens = exported.header.token_ids[:-1] + (bad,)
     damaged = dataclasses.replace(exported, header=dataclasses.replace(exported.header, token_ids=tokens))
-    for verified in (False, True):
-        rejected = check_exported(damaged, target.transfers.expected, verified)
-        assert rejected is not None and rejected.reason is ImportRejection.MALFORMED, (verified, rejected)
+    rejected = check_exported(damaged, target.transfers.expected)
+    assert rejected is not None and rejected.reason is ImportRejection.MALFORMED, rejected
+    assert check_exported(damaged, target.transfers.expected, verified=True) is None
+    too_long = tokens * (target.transfers.expected.max_model_len // len(tokens) + 1)
+    overlong = dataclasses.replace(exported, header=dataclasses.replace(exported.header, token_ids=too_long))
+    rejected = check_exported(overlong, target.transfers.expected, verified=True)
+    assert rejected is not None and rejected.reason is ImportRejection.MALFORMED, rejected
     assert check_exported(exported, target.transfers.expected) is None  # the undamaged one passes
 
 
