@@ -168,14 +168,16 @@ class LLMEngine:
         if not prompt:
             raise InvalidRequestError("the prompt is empty")
         namespace = Namespace.of(self.config.model_dir, request.cache_salt)
-        # Only the ids past the longest published checkpoint in the namespace are range-checked:
-        # a checkpoint's ids were checked when the request that computed them was added, or
-        # when it was imported (engine/checkpoints/import_checks.py). Walking an 8,000-token
-        # instruction prefix twice took 0.2 ms on the step thread before the request's first
-        # launch (benchmarks/restore_host_time.py); the index walk takes a tenth of that.
+        # Only the ids past the longest published checkpoint in the namespace are checked (plain
+        # ints, in range): a checkpoint's ids were checked when the request that computed them
+        # was added, or when it was imported (engine/checkpoints/import_checks.py). Walking an
+        # 8,000-token instruction prefix twice took 0.2 ms on the step thread before the
+        # request's first launch (benchmarks/restore_host_time.py); the index walk takes a
+        # tenth of that. C-level passes; bools and other int subclasses are refused.
         unchecked = prompt[self.longest_checkpoint(namespace, prompt):]
-        if unchecked and (min(unchecked) < 0 or max(unchecked) >= self.vocab_size):
-            raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})")
+        if unchecked and (set(map(type, unchecked)) != {int} or min(unchecked) < 0
+                          or max(unchecked) >= self.vocab_size):
+            raise InvalidRequestError(f"prompt token ids must be ints in [0, {self.vocab_size})")
         if any(t < 0 or t >= self.vocab_size for t in request.sampling.stop_token_ids):
             # the sampler masks them in the logits (min_tokens): an id outside would fail the step
             raise InvalidRequestError(f"stop token ids must be in [0, {self.vocab_size})")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
@@ -152,10 +153,25 @@ def test_ids_past_a_published_checkpoint_are_range_checked(engine):
     covered = engine.longest_checkpoint((engine.config.model_dir, ""), prompt + [7])
     assert covered == len(prompt)
     for bad in (prompt + [engine.vocab_size], prompt + [-1], prompt[:3] + [engine.vocab_size] + prompt[4:] + [7]):
-        with pytest.raises(InvalidRequestError, match="prompt token ids must be in"):
+        with pytest.raises(InvalidRequestError, match="prompt token ids must be ints in"):
             engine.add_request(GenerationRequest("bad-id", bad, GREEDY))
     assert run_all(engine, {"good": (prompt + [7, 8], GREEDY)})["good"][3] == "length"
     assert not engine.has_unfinished_requests()
+
+
+def test_a_prompt_tuple_is_kept_and_must_hold_ints_other_sequences_are_converted(engine):
+    """GenerationRequest keeps a tuple prompt as given and converts any other sequence to a
+    tuple of ints; add_request refuses a tuple holding something other than ints (a bool, a
+    float, a numpy integer), with nothing queued."""
+    prompt = tuple(prompts(engine, 1, seed=11)[0])
+    assert GenerationRequest("kept", prompt, GREEDY).prompt_token_ids is prompt
+    converted = GenerationRequest("converted", np.array(prompt), GREEDY).prompt_token_ids
+    assert converted == prompt and {type(t) for t in converted} == {int}
+    for bad in (True, 5.0, np.int64(5)):
+        with pytest.raises(InvalidRequestError, match="prompt token ids must be ints in"):
+            engine.add_request(GenerationRequest("bad-type", prompt + (bad,), GREEDY))
+    assert not engine.has_unfinished_requests()
+    assert run_all(engine, {"good": (list(prompt), GREEDY)})["good"][3] == "length"
 
 
 def test_async_engine_streams_and_aborts_free_the_pools(engine):
