@@ -83,6 +83,7 @@ class CompiledDecodePass:
                     inputs = self._warm_up_inputs(size)
                     for tensor in (*inputs[:4], inputs[6]) if size > 1 else ():  # the rows
                         torch._dynamo.mark_dynamic(tensor, 0)
+                    self._mark_block_count_dynamic()
                     torch._dynamo.mark_dynamic(inputs[4], 0)  # key rows, n * Hkv * S
                     torch._dynamo.mark_dynamic(inputs[5], 3)  # padding (n, 1, 1, S)
                     if size > 1:
@@ -96,6 +97,14 @@ class CompiledDecodePass:
         self.compile_seconds = time.perf_counter() - started
         if self._sizes:
             logger.info("compiled CPU decode ready in %.1f s (graphs: %s)", self.compile_seconds, sorted(self._sizes))
+
+    def _mark_block_count_dynamic(self) -> None:
+        """The KV caches' block count is a symbol of the graphs, not a constant: a budget taken
+        from the memory free at start gives another count at each start, and a graph
+        specialised on it would miss inductor's cache on disk (about 21 s of compiling again
+        on the 2-core VM, against 5 s)."""
+        for tensor in (*self.caches.key_cache.values(), *self.caches.value_cache.values()):
+            torch._dynamo.mark_dynamic(tensor, 0)
 
     def accepts(self, chunks: list[ScheduledChunk], in_pass: Sequence[CaptureOp] = ()) -> bool:
         """A compiled graph serves the step: 1..max_batch chunks, each one token, none a

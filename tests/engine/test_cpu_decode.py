@@ -103,3 +103,26 @@ def test_a_failed_compile_leaves_every_step_to_the_eager_pass(model_dir, monkeyp
     tokens, _, _ = _generate(engine)
     assert route.steps == 0
     assert tokens == _generate(LLMEngine(_config(model_dir)))[0]
+
+
+def test_the_graph_does_not_depend_on_the_kv_block_count(model_dir, monkeypatch, tmp_path):
+    """Budgets taken from the memory free at start give another KV block count at each start;
+    the compiled graph treats that count as a symbol, so an engine of another count compiles
+    nothing new (it reuses the graph, or finds it in inductor's cache) where a graph with the
+    count as a constant would miss the cache and compile again. A fresh inductor cache and a
+    reset dynamo: no graph of an earlier run or test."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(cpu_decode, "WARM_UP_BUDGET_S", 0.0)  # the graph of 2+ rows only
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    torch._dynamo.reset()  # nor the graphs the other tests compiled in this process
+    blocks, misses = [], []
+    for kv_bytes in (3 << 20, 5 << 20):
+        before = counters["inductor"]["fxgraph_cache_miss"]
+        engine = LLMEngine(_config(model_dir, cpu_compile_decode=True, kv_cache_bytes=kv_bytes))
+        assert engine.executor.compiled_decode._sizes == {"many"}
+        blocks.append(engine.executor.capacity.num_blocks)
+        misses.append(counters["inductor"]["fxgraph_cache_miss"] - before)
+        engine.shutdown()
+    assert blocks[0] != blocks[1]
+    assert misses[0] >= 1 and misses[1] == 0, f"inductor cache misses per engine: {misses}"
