@@ -25,7 +25,7 @@ import httpx
 from tqdm import tqdm
 
 from hybrid_serve_bench.launcher import LaunchedServer
-from hybrid_serve_bench.peer_servers import (HYBRID_SERVE, HYBRID_SERVE_EAGER, VLLM, VLLM_PREFIX_CACHING, PeerOptions,
+from hybrid_serve_bench.peer_servers import (HYBRID_SERVES, VLLM, VLLM_PREFIX_CACHING, PeerOptions,
                                              missing_vllm, prefix_reuse, server_command, vllm_version)
 from hybrid_serve_bench.peer_suite import SuiteSizes, build_suite, peer_row, peer_table, run_suite, warm_up
 from hybrid_serve_bench.report import summary_table
@@ -112,7 +112,7 @@ def compare_launched(args: argparse.Namespace, argv: list[str], counter: TokenCo
     """The whole run (module doc); returns the written paths."""
     options = peer_options(args)
     for name in args.launch:
-        if name not in (HYBRID_SERVE, HYBRID_SERVE_EAGER) and (reason := missing_vllm(options)):
+        if name not in HYBRID_SERVES and (reason := missing_vllm(options)):
             raise SystemExit(f"cannot launch {name}: {reason}")
     suite = suite_sizes(args, sizes)
     passes = build_suite(suite, counter)

@@ -33,7 +33,8 @@ HYBRID_SERVE = "hybrid-serve"
 HYBRID_SERVE_EAGER = "hybrid-serve-eager"
 VLLM = "vllm"
 VLLM_PREFIX_CACHING = "vllm-prefix-caching"
-PEERS = (HYBRID_SERVE, HYBRID_SERVE_EAGER, VLLM, VLLM_PREFIX_CACHING)
+HYBRID_SERVES = (HYBRID_SERVE, HYBRID_SERVE_EAGER)  # this project's servers; the others are vLLM
+PEERS = (*HYBRID_SERVES, VLLM, VLLM_PREFIX_CACHING)
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_VLLM_VENV = REPO_ROOT / "benchmarks" / "peers" / "vllm-venv"
 INSTALL_SCRIPT = "benchmarks/peers/install_vllm_cpu.sh"
@@ -116,7 +117,7 @@ def vllm_command(options: PeerOptions, prefix_caching: bool) -> ServerCommand:
 
 
 def server_command(name: str, options: PeerOptions, workdir: Path) -> ServerCommand:
-    if name in (HYBRID_SERVE, HYBRID_SERVE_EAGER):
+    if name in HYBRID_SERVES:
         return hybrid_serve_command(options, workdir, eager=name == HYBRID_SERVE_EAGER)
     if name in (VLLM, VLLM_PREFIX_CACHING):
         return vllm_command(options, prefix_caching=name == VLLM_PREFIX_CACHING)
@@ -125,7 +126,7 @@ def server_command(name: str, options: PeerOptions, workdir: Path) -> ServerComm
 
 def prefix_reuse(name: str, options: PeerOptions) -> str:
     """What the server reuses across requests, for the table."""
-    if name in (HYBRID_SERVE, HYBRID_SERVE_EAGER):
+    if name in HYBRID_SERVES:
         slots = hybrid_serve_config(options)["applications"][0]["args"]["engine"].get("checkpoint_slots")
         return "checkpoints [" + ", ".join(slots or ()) + "]"
     return "prefix caching on (patched for CPU)" if name == VLLM_PREFIX_CACHING else "prefix caching off"

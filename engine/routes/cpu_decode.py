@@ -72,6 +72,7 @@ class CompiledDecodePass:
                     "first start of the embedded model, less from inductor's cache on disk)")
         started = time.perf_counter()
         try:
+            self._mark_block_count_dynamic()
             with torch.inference_mode():
                 for size, name in ((min(3, self.max_batch), "many"), (1, "one")):
                     if name == "many" and size < 2:
@@ -83,7 +84,6 @@ class CompiledDecodePass:
                     inputs = self._warm_up_inputs(size)
                     for tensor in (*inputs[:4], inputs[6]) if size > 1 else ():  # the rows
                         torch._dynamo.mark_dynamic(tensor, 0)
-                    self._mark_block_count_dynamic()
                     torch._dynamo.mark_dynamic(inputs[4], 0)  # key rows, n * Hkv * S
                     torch._dynamo.mark_dynamic(inputs[5], 3)  # padding (n, 1, 1, S)
                     if size > 1:
