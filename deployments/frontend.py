@@ -347,10 +347,13 @@ class OpenAIHandleAPI:
 
 
 def openai_app(frontend: OpenAIFrontend, check_health: Callable[[], Awaitable[None]],
-               api_keys: ApiKeys, limits: RequestLimits) -> FastAPI:
+               warming_up: Callable[[], Awaitable[bool]], api_keys: ApiKeys,
+               limits: RequestLimits) -> FastAPI:
     """One replica's FastAPI app over `frontend`. check_health raises when the model replica is
-    unhealthy (GET /health then answers 503). The middlewares read their settings from the
-    app's state: API keys (401 before the body is read) and the edge's limits (413, 429)."""
+    unhealthy (GET /health then answers 503); warming_up says whether its start work still runs
+    beside serving (LLMEngine.warming_up; GET /health says so). The middlewares read their
+    settings from the app's state: API keys (401 before the body is read) and the edge's limits
+    (413, 429)."""
     app = FastAPI(title="hybrid-serve",
                   summary="OpenAI-compatible API for hybrid Mamba2+attention LLMs")
     install_error_handlers(app)
@@ -376,12 +379,15 @@ def openai_app(frontend: OpenAIFrontend, check_health: Callable[[], Awaitable[No
     @app.get("/health")
     async def http_health():
         """200 when the LLM server replica is healthy (its step loop runs, no step has stalled,
-        its rank actors answer); 503 otherwise."""
+        its rank actors answer), with "warming_up": true while it serves before its start work
+        has ended (the compiled CPU decode step still compiling: decode steps run eagerly,
+        slower); 503 otherwise."""
         try:
             await check_health()
+            warming = await warming_up()
         except Exception as exc:
             return error_json(APIError(503, f"unhealthy: {type(exc).__name__}", "server_error"))
-        return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "ok", "warming_up": bool(warming)})
 
     @app.get("/metrics")
     async def http_metrics():

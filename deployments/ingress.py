@@ -65,7 +65,8 @@ class OpenAIIngress(OpenAIHandleAPI):
                                    served_model_name, limits)
 
     def __serve_build_asgi_app__(self):
-        return openai_app(self._api, self._llm.check_health.remote, self._api_keys, self._limits)
+        return openai_app(self._api, self._llm.check_health.remote, self._llm.warming_up.remote,
+                          self._api_keys, self._limits)
 
     async def pool_usage(self) -> PoolUsage:
         """Block/state pool occupancy of the LLM server replica the call is routed to (with one

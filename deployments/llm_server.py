@@ -247,6 +247,11 @@ class LLMServerReplica:
         """Serve's health probe (replica_health)."""
         await replica_health(self._engine, self._executor)
 
+    async def warming_up(self) -> bool:
+        """The engine's start work still runs beside serving (AsyncLLMEngine.warming_up): the
+        compiled CPU decode step compiling while decode steps run eagerly."""
+        return self._engine.warming_up()
+
     def rank_actors(self) -> list[ActorHandle]:
         """The tensor-parallel rank actors, rank order (for operators and fault tests); none
         with one rank, whose model runs in this replica."""

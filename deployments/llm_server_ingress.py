@@ -59,7 +59,7 @@ class LLMServerIngress(OpenAIHandleAPI, LLMServerReplica):
                                    limits)
 
     def __serve_build_asgi_app__(self):
-        return openai_app(self._api, self.check_health, self._api_keys, self._limits)
+        return openai_app(self._api, self.check_health, self.warming_up, self._api_keys, self._limits)
 
 
 # The lean path's deployment, under the classic LLMServer's name: serve_config.yaml's

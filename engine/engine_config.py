@@ -123,10 +123,12 @@ class EngineConfig:
                                             "output back one step.")
     cpu_compile_decode: bool = _option(False, "CPU, one rank: run decode-only steps through the "
                                        "model compiled by torch.compile (inductor), about "
-                                       "twice as fast a step on small models; compiling takes "
-                                       "a minute or more when the engine starts (cached on "
-                                       "disk afterwards), and the engine falls back to eager "
-                                       "steps if it fails.")
+                                       "twice as fast a step on small models. The compile runs "
+                                       "on a thread of its own from the engine's start (a minute "
+                                       "or more the first time, cached on disk afterwards) while "
+                                       "every step runs eagerly (GET /health says "
+                                       "warming_up: true meanwhile); the engine stays eager if it "
+                                       "fails.")
     num_speculative_tokens: int | None = _option(None, "Draft tokens verified per step for "
                                                  "greedy requests (speculative decoding, exact: "
                                                  "the output is the same as without; "

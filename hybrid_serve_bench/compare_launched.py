@@ -81,7 +81,7 @@ def measure_server(name: str, options: PeerOptions, suite: SuiteSizes, passes, c
     server = LaunchedServer(command, log_dir / f"{name}.log", ready_timeout_s=args.ready_timeout_s)
     print(f"{name}: starting ({shlex.join(command.argv)}); log {server.log_path}", flush=True)
     with server:
-        print(f"{name}: ready after {server.ready_s:.1f} s", flush=True)
+        print(f"{name}: ready after {server.ready_s:.1f} s, at full speed after {server.warm_s:.1f} s", flush=True)
         identity = asyncio.run(_identity(command.base_url))
         try:
             model = identity["data"][0]["id"]
@@ -102,6 +102,7 @@ def measure_server(name: str, options: PeerOptions, suite: SuiteSizes, passes, c
           + (" (SIGKILL needed)" if stop.forced else ""), flush=True)
     info = {"label": name, "argv": list(command.argv), "base_url": command.base_url, "model": model,
             "prefix_reuse": prefix_reuse(name, options), "ready_s": server.ready_s,
+            "warm_s": server.warm_s,
             "stop": stop.as_dict(), "warm_up_errors": warm_errors, "server_models": identity,
             "log": str(server.log_path)}
     return info, records, done
@@ -154,7 +155,8 @@ def compare_launched(args: argparse.Namespace, argv: list[str], counter: TokenCo
 
 def peer_markdown(result: dict, suite: SuiteSizes) -> str:
     servers = "\n".join(f"- **{s['label']}** ({s['prefix_reuse']}): `{shlex.join(s['argv'])}`; ready after "
-                        f"{s['ready_s']:.1f} s, every process gone {s['stop']['gone_s']} s after SIGINT"
+                        f"{s['ready_s']:.1f} s (at full speed after {s['warm_s']:.1f} s), every process gone "
+                        f"{s['stop']['gone_s']} s after SIGINT"
                         for s in result["servers"])
     return "\n".join([
         "# hybrid-serve-bench: compare-servers --launch", "", "```", result["command"], "```", "",

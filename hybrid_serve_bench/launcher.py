@@ -41,7 +41,10 @@ class ServerFailed(RuntimeError):
 @dataclass(frozen=True)
 class ServerCommand:
     """What to run: argv in cwd with env (the whole environment), answering at base_url (an
-    http://host:port root) once every path of ready_paths answers 200."""
+    http://host:port root) once every path of ready_paths answers 200, and at full speed once
+    none of those answers is a JSON object with "warming_up": true (hybrid-serve's /health
+    while its compiled CPU decode step still compiles; a server that never says so is at full
+    speed when it answers)."""
 
     label: str
     argv: tuple[str, ...]
@@ -66,6 +69,15 @@ class StopReport:
     def as_dict(self) -> dict:
         return {"signal": self.signal, "exited_s": self.exited_s, "gone_s": self.gone_s,
                 "forced": self.forced, "left": list(self.left)}
+
+
+def _warming_up(answer: httpx.Response) -> bool:
+    """The answer is a JSON object with "warming_up": true."""
+    try:
+        body = answer.json()
+    except ValueError:
+        return False
+    return isinstance(body, dict) and body.get("warming_up") is True
 
 
 def port_in_use(host: str, port: int) -> bool:
@@ -118,7 +130,8 @@ class LaunchedServer:
         self._token = f"{MARKER}={uuid.uuid4().hex}".encode()
         self._process: subprocess.Popen | None = None
         self._before: set[int] = set()
-        self.ready_s: float | None = None
+        self.ready_s: float | None = None  # seconds from start() until it answered
+        self.warm_s: float | None = None  # ... until it no longer said it was warming up
         self.stop_report: StopReport | None = None
 
     @property
@@ -148,8 +161,9 @@ class LaunchedServer:
             return ""
 
     def wait_ready(self) -> float:
-        """Seconds from start() until every ready path answered 200. Raises ServerFailed when
-        the process exits first or ready_timeout_s passes."""
+        """Wait until every ready path answered 200 (ready_s) and none says the server is
+        still warming up (warm_s; ServerCommand); returns ready_s. Raises ServerFailed when the
+        process exits first or ready_timeout_s passes."""
         assert self._process is not None, "start() first"
         deadline = self._started + self.ready_timeout_s
         base = self.command.base_url.rstrip("/")
@@ -159,10 +173,13 @@ class LaunchedServer:
                     raise ServerFailed(f"{self.command.label} exited ({self._process.returncode}) "
                                        f"before answering; log {self.log_path}:\n{self.log_tail()}")
                 try:
-                    if all(client.get(base + path).status_code == 200
-                           for path in self.command.ready_paths):
-                        self.ready_s = time.monotonic() - self._started
-                        return self.ready_s
+                    answers = [client.get(base + path) for path in self.command.ready_paths]
+                    if all(a.status_code == 200 for a in answers):
+                        now = time.monotonic() - self._started
+                        self.ready_s = now if self.ready_s is None else self.ready_s
+                        if not any(_warming_up(a) for a in answers):
+                            self.warm_s = now
+                            return self.ready_s
                 except httpx.HTTPError:
                     pass
                 if time.monotonic() > deadline:

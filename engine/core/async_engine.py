@@ -169,6 +169,10 @@ class AsyncLLMEngine:
     def pool_usage(self) -> PoolUsage:
         return self.engine.pool_usage()
 
+    def warming_up(self) -> bool:
+        """LLMEngine.warming_up: start work (a compile) still runs beside serving."""
+        return self.engine.warming_up()
+
     def is_alive(self) -> bool:
         """The step loop runs and its executor has not died."""
         return self._thread.is_alive() and self._dead is None

@@ -242,6 +242,12 @@ class LLMEngine:
         """Release the executor's ranks (spawned processes at tensor_parallel_size > 1)."""
         self.executor.shutdown()
 
+    def warming_up(self) -> bool:
+        """One-time start work still runs beside serving: the compiled CPU decode step's
+        compile (engine/routes/cpu_decode.py). Every step is served meanwhile, decode steps
+        eagerly (slower). Any thread."""
+        return isinstance(self.executor, Worker) and self.executor.warming_up()
+
     def pool_usage(self) -> PoolUsage:
         return self.scheduler.usage()
 

@@ -127,11 +127,12 @@ class Worker(DemotesToHost):
             )
         self.capturing_pass = CapturingPass(self.model, self.caches, self.device)
         self.eager_pass = EagerPass(self.model, self.caches, self.device)
-        # The CPU's counterpart of the decode graphs, compiled here (engine/routes/cpu_decode.py).
+        # The CPU's counterpart of the decode graphs (engine/routes/cpu_decode.py), compiled on a
+        # thread of its own while the eager pass serves every step: the engine serves at once.
         self.compiled_decode = None
         if config.cpu_compile_decode and self.device.type == "cpu" and self.model.tp.world_size == 1:
             self.compiled_decode = CompiledDecodePass(self.model, self.caches, self.eager_pass, config.max_num_seqs)
-            self.compiled_decode.warm_up()
+            self.compiled_decode.start_warm_up()
         speculative = speculation.build(config, self.model, self.caches, speculation_needs, self.eager_pass,
                                         first_scratch_slot, first_draft_block, scratch)
         self.verification, self.verify_pass = speculative.verification, speculative.verify_pass
@@ -155,6 +156,10 @@ class Worker(DemotesToHost):
 
     def cache_capacity(self) -> CacheCapacity:
         return self.capacity
+
+    def warming_up(self) -> bool:
+        """The compiled CPU decode step is still being compiled (steps run eagerly meanwhile)."""
+        return self.compiled_decode is not None and self.compiled_decode.warming_up
 
     def shutdown(self) -> None:
         """Nothing to release in process (ModelExecutor protocol)."""

@@ -16,17 +16,24 @@ pass. The writes, the gathers and the eager path are the same functions, so the 
 the eager pass's function; inductor's fused loops round differently (fp32 logits within about
 1e-6 relative of the eager pass's on the embedded model; tests/engine/test_cpu_decode.py).
 
-Compile time is paid at start (warm_up): one graph for 2..max_num_seqs rows (dynamic shapes:
-the row count and the key width vary), then one for a single row, if the first took less than
-the budget; a step of a size without a graph runs eagerly, and so does any step whose inputs
-would need another compile (torch.compiler's "eager_on_recompile" stance): nothing compiles
-while serving. A failed compile leaves the route off, with one log line, and the eager pass
-takes every step.
+Compile time is paid once, at start, on a thread of its own (start_warm_up), while the engine
+already serves every step eagerly: one graph for 2..max_num_seqs rows (dynamic shapes: the row
+count and the key width vary), then one for a single row, if the first took less than the
+budget. The route takes steps only once the warm-up has ended (its graphs are published
+together, at the end), so no step of this engine meets a compile in progress. Then a step of a
+size without a graph runs eagerly, and so does any step whose inputs would need another compile
+(torch.compiler's "eager_on_recompile" stance): nothing compiles while serving. A failed
+compile leaves the route off, with one log line, and the eager pass takes every step.
+
+The stance is process-wide: two engines in one process, one stepping through its graphs while
+the other's warm-up runs, can leave the second's graphs uncompiled (its steps then run the same
+function eagerly: slower, never different).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Sequence
 
@@ -47,7 +54,8 @@ WARM_UP_BUDGET_S = 300.0
 class CompiledDecodePass:
     """A forward route (engine/routes/forward_routes.py) over `model` and `caches` for steps of
     1..max_batch one-token chunks, none of them a verification chunk or a reset row; warm_up()
-    compiles it, and until then (or after a failed compile) it accepts nothing."""
+    (or start_warm_up(), on a thread) compiles it, and until that has ended (or after a failed
+    compile) it accepts nothing."""
 
     def __init__(self, model, caches: ModelCaches, eager: EagerPass, max_batch: int) -> None:
         self.model, self.caches, self.eager = model, caches, eager
@@ -58,9 +66,31 @@ class CompiledDecodePass:
         # static shapes but the step inputs' dimensions warm_up marks dynamic (the row count,
         # the key width): the weights' and caches' stay constants of the compiled code
         self._compiled = torch.compile(self._forward, fullgraph=True)
-        self._sizes: set[str] = set()  # "one", "many": the graphs compiled
+        # "one", "many": the graphs compiled, published when the warm-up ends (one assignment)
+        self._sizes: frozenset[str] = frozenset()
         self.compile_seconds = 0.0  # wall time of warm_up
         self.steps = 0  # steps this route served (for tests and benchmarks)
+        self._warm_up_thread: threading.Thread | None = None
+        self._warm_up_done = threading.Event()
+
+    @property
+    def warming_up(self) -> bool:
+        """A warm-up has started and not ended (the route accepts nothing meanwhile)."""
+        return self._warm_up_thread is not None and not self._warm_up_done.is_set()
+
+    def start_warm_up(self, budget_s: float | None = None) -> None:
+        """warm_up() on a daemon thread of its own; returns at once. wait_warm_up() waits for
+        it."""
+        self._warm_up_thread = threading.Thread(target=self.warm_up, args=(budget_s,),
+                                                name="cpu-decode-compile", daemon=True)
+        self._warm_up_thread.start()
+
+    def wait_warm_up(self, timeout_s: float | None = None) -> bool:
+        """Wait up to timeout_s (None: for ever) for the warm-up to end, compiled or failed;
+        True when it has (or none was started)."""
+        if self._warm_up_thread is None:
+            return True
+        return self._warm_up_done.wait(timeout_s)
 
     def warm_up(self, budget_s: float | None = None) -> None:
         """Compile the graph of 2+ rows, then the one of a single row if the first took less
@@ -71,6 +101,7 @@ class CompiledDecodePass:
         logger.info("compiled CPU decode: compiling the decode step (cpu_compile_decode; about 40 s on a "
                     "first start of the embedded model, less from inductor's cache on disk)")
         started = time.perf_counter()
+        sizes: set[str] = set()
         try:
             self._mark_block_count_dynamic()
             with torch.inference_mode():
@@ -89,12 +120,15 @@ class CompiledDecodePass:
                     if size > 1:
                         torch._dynamo.mark_dynamic(inputs[5], 0)
                     self._compiled(*inputs)
-                    self._sizes.add(name)
+                    sizes.add(name)
         except Exception as exc:  # any failure of the compiler: the eager pass serves
-            self._sizes.clear()
+            sizes.clear()
             logger.warning("compiled CPU decode is off, its compile failed (%s: %s); every step runs eagerly",
                            type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
-        self.compile_seconds = time.perf_counter() - started
+        finally:
+            self.compile_seconds = time.perf_counter() - started
+            self._sizes = frozenset(sizes)
+            self._warm_up_done.set()
         if self._sizes:
             logger.info("compiled CPU decode ready in %.1f s (graphs: %s)", self.compile_seconds, sorted(self._sizes))
 

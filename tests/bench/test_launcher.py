@@ -1,8 +1,9 @@
 """hybrid_serve_bench.launcher against a stand-in server: a plain HTTP server (written below)
 answering /health and /v1/models, which starts a child process. The launcher must find the
 server's processes, stop all of them on SIGINT, fall back to SIGKILL for those that ignore it,
-find a child that left the session (setsid) by its marker, refuse a port already in use, and
-report a server that exits before answering. No Ray, no vLLM."""
+find a child that left the session (setsid) by its marker, refuse a port already in use,
+report a server that exits before answering, and wait past a /health that says it is still
+warming up. No Ray, no vLLM."""
 
 from __future__ import annotations
 
@@ -37,12 +38,20 @@ STAND_IN = textwrap.dedent('''
     if mode == "escape":  # the child leaves the session; this server then exits on SIGINT alone
         time.sleep(0.5)
 
+    health_answers = 0
+
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *args):
             pass
 
         def do_GET(self):
+            global health_answers
             body = json.dumps({"object": "list", "data": [{"id": "stand-in", "child": child.pid}]}).encode()
+            if self.path == "/health":
+                health_answers += 1
+                # "warming": says it is warming up in its first three answers
+                warming = mode == "warming" and health_answers <= 3
+                body = json.dumps({"status": "ok", "warming_up": warming, "answers": health_answers}).encode()
             self.send_response(200 if self.path in ("/health", "/v1/models") else 404)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
@@ -163,3 +172,22 @@ def _no_strays(tmp_path):
                     os.kill(int(name), signal.SIGKILL)
                 except OSError:
                     pass
+
+
+def test_wait_ready_waits_until_health_no_longer_says_warming_up(tmp_path):
+    """ready_s is when both paths first answered 200; warm_s when /health stopped saying
+    "warming_up": true (its fourth answer here), and wait_ready returns only then."""
+    import httpx
+
+    with launched(tmp_path, "warming") as server:
+        answers = httpx.get(f"{server.command.base_url}/health", timeout=5).json()["answers"]
+        assert answers == 5  # three warming answers, the fourth not, then this one
+        assert server.warm_s > server.ready_s > 0
+
+
+def test_a_server_that_never_warms_up_is_ready_at_its_first_answer(tmp_path):
+    import httpx
+
+    with launched(tmp_path, "normal") as server:
+        assert httpx.get(f"{server.command.base_url}/health", timeout=5).json()["answers"] == 2
+        assert server.warm_s == server.ready_s

@@ -21,7 +21,8 @@ from engine.core.llm_engine import LLMEngine
 
 @pytest.mark.parametrize("world_size, killed_rank", [(1, 0), (2, 1)])
 def test_replica_health_fails_when_a_rank_dies(ray_session, http, world_size, killed_rank):
-    assert http.get("/health").status_code == 200  # the session's app, for contrast
+    health = http.get("/health")  # the session's app, for contrast: healthy, decoding eagerly
+    assert health.status_code == 200 and health.json() == {"status": "ok", "warming_up": False}
     config = EngineConfig(max_model_len=256, max_num_seqs=2, kv_cache_bytes=8 * 1024 * 1024,
                           state_cache_bytes=8 * 1024 * 1024, tensor_parallel_size=world_size)
     group = asyncio.run(WorkerGroup.start(config, num_cpus_per_rank=0.2))

@@ -1,12 +1,14 @@
 """The compiled CPU decode route (engine/routes/cpu_decode.py, EngineConfig.cpu_compile_decode)
 against the eager pass, on a two-layer random model (one Mamba2 block, one attention block)
 small enough to compile in CI: the same greedy tokens, logits within fp32 rounding of each
-other, the same cache contents, decode steps served by the compiled graph; and the engine
-decoding eagerly when the compile fails."""
+other, the same cache contents, decode steps served by the compiled graph; the engine serving
+eagerly while the graph compiles on its own thread, and decoding eagerly when the compile
+fails."""
 
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import replace
 
 import pytest
@@ -70,7 +72,7 @@ def test_compiled_decode_equals_the_eager_pass(model_dir, monkeypatch):
     torch.manual_seed(0)
     compiled = LLMEngine(_config(model_dir, cpu_compile_decode=True))
     route = compiled.executor.compiled_decode
-    assert route is not None and route.compile_seconds > 0
+    assert route is not None and route.wait_warm_up(timeout_s=600) and route.compile_seconds > 0
     eager = LLMEngine(_config(model_dir))
     want_tokens, want_logits, want_caches = _generate(eager)
     got_tokens, got_logits, got_caches = _generate(compiled)
@@ -97,9 +99,10 @@ def test_a_failed_compile_leaves_every_step_to_the_eager_pass(model_dir, monkeyp
     monkeypatch.setattr(cpu_decode.torch, "compile", failing)
     with caplog.at_level(logging.WARNING, logger=cpu_decode.__name__):
         engine = LLMEngine(_config(model_dir, cpu_compile_decode=True))
+        route = engine.executor.compiled_decode
+        assert route.wait_warm_up(timeout_s=600) and not engine.warming_up()
     warnings = [r for r in caplog.records if r.name == cpu_decode.__name__]
     assert len(warnings) == 1 and "no C++ compiler" in warnings[0].getMessage()
-    route = engine.executor.compiled_decode
     tokens, _, _ = _generate(engine)
     assert route.steps == 0
     assert tokens == _generate(LLMEngine(_config(model_dir)))[0]
@@ -120,9 +123,40 @@ def test_the_graph_does_not_depend_on_the_kv_block_count(model_dir, monkeypatch,
     for kv_bytes in (3 << 20, 5 << 20):
         before = counters["inductor"]["fxgraph_cache_miss"]
         engine = LLMEngine(_config(model_dir, cpu_compile_decode=True, kv_cache_bytes=kv_bytes))
+        assert engine.executor.compiled_decode.wait_warm_up(timeout_s=600)
         assert engine.executor.compiled_decode._sizes == {"many"}
         blocks.append(engine.executor.capacity.num_blocks)
         misses.append(counters["inductor"]["fxgraph_cache_miss"] - before)
         engine.shutdown()
     assert blocks[0] != blocks[1]
     assert misses[0] >= 1 and misses[1] == 0, f"inductor cache misses per engine: {misses}"
+
+
+def test_the_engine_serves_eagerly_while_its_decode_step_compiles(model_dir, monkeypatch):
+    """The constructor returns while the decode step compiles on its own thread (held here
+    until the gate opens): the engine serves meanwhile, every step eagerly, and says it is
+    warming up; once the compile ends, its decode steps of 2+ rows take the compiled graph,
+    with the same tokens."""
+    gate = threading.Event()
+    real_compile = torch.compile
+
+    def gated_compile(function, **options):
+        compiled = real_compile(function, **options)
+
+        def after_the_gate(*args):
+            assert gate.wait(timeout=600), "the test never opened the gate"
+            return compiled(*args)
+        return after_the_gate
+
+    monkeypatch.setattr(cpu_decode, "WARM_UP_BUDGET_S", 0.0)  # the graph of 2+ rows only
+    monkeypatch.setattr(cpu_decode.torch, "compile", gated_compile)
+    engine = LLMEngine(_config(model_dir, cpu_compile_decode=True))
+    route = engine.executor.compiled_decode
+    assert engine.warming_up()
+    during, _, _ = _generate(engine)
+    assert route.steps == 0 and engine.warming_up()  # still compiling: nothing took the route
+    gate.set()
+    assert route.wait_warm_up(timeout_s=600) and not engine.warming_up()
+    after, _, _ = _generate(engine)
+    assert route.steps >= 5
+    assert after == during == _generate(LLMEngine(_config(model_dir)))[0]
