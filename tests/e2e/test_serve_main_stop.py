@@ -182,7 +182,7 @@ def _check_lean_http(base_url: str, started: dict[int, str]) -> None:
         assert text == plain.json()["choices"][0]["message"]["content"]  # greedy: the same tokens
         refused = http.post("/v1/chat/completions", json={**body, "messages": []})
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "messages"
-        assert http.get("/health").json() == {"status": "ok"}
+        assert http.get("/health").json() == {"status": "ok", "warming_up": False}  # eager decode
 
 
 def _check_lean_path(base_url: str, started: dict[int, str], llm_replicas: int) -> None:
@@ -307,6 +307,40 @@ def test_serve_main_stops_within_5s_leaving_nothing(tmp_path, path, signum, back
             server.kill()
             server.wait()
         for pid in {**left, **_started_by(server.pid, token, before)}:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+@pytest.mark.timeout(180)
+def test_a_refused_file_exits_2_naming_the_key_leaving_nothing(tmp_path):
+    """serve_main checks the file while Ray starts: a refused key ends the run with status 2 and
+    the key on stderr, before anything is deployed, and every process Ray started goes too."""
+    port = free_port()
+    config_path = _config(tmp_path, port, 1)
+    config = yaml.safe_load(config_path.read_text())
+    config["applications"][0]["args"]["engine"]["max_num_seq"] = 4  # misspelt max_num_seqs
+    config_path.write_text(yaml.safe_dump(config))
+    env = {key: value for key, value in os.environ.items() if not key.startswith("RAY_")}
+    env.update(SERVE_ON_TWO_CORES_ENV)
+    env[MARKER] = uuid.uuid4().hex
+    token = f"{MARKER}={env[MARKER]}".encode()
+    before = _pids()
+    server = subprocess.Popen([sys.executable, "-m", "deployments.serve_main", str(config_path)],
+                              cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, start_new_session=True)
+    try:
+        _, stderr = server.communicate(timeout=150)
+        assert server.returncode == 2, stderr[-3000:]
+        assert "max_num_seq" in stderr, stderr[-3000:]
+        assert "Deploying new app" not in stderr and "Submitted deploy config" not in stderr
+        assert _started_by(server.pid, token, before) == {}
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+        for pid in _started_by(server.pid, token, before):
             try:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
