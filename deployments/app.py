@@ -4,7 +4,7 @@ Two graphs, the same API (deployments/serving_path.py chooses, docs/design.md se
 
     lean     LLMServer (LLMServerIngress: the OpenAI routes, rendering, the engine's step loop;
                HAProxy forwards HTTP to its replicas)
-               + Renderer (handle callers, render_in_replica false)
+               + with render_in_replica false, Renderer (the replica renders through it)
                + with checkpoint_routing, CheckpointIngressRouter (HAProxy asks it which replica)
     classic  OpenAIIngress (HTTP + handle API)
                -> Renderer   (chat template, tokenizer)
@@ -34,7 +34,7 @@ from deployments.http.limits import RequestLimits
 from deployments.ingress import OpenAIIngress
 from deployments.llm_server import LLMServer
 from deployments.llm_server_ingress import LLMServerIngressDeployment
-from deployments.placement import PlacementError, check_placement, llm_server_resources
+from deployments.placement import PlacementError, check_placement, deployment_names, llm_server_resources
 from deployments.renderer import Renderer
 from deployments.serving_path import serving_path
 from engine.parallel.cache_capacity import check_cache_budgets
@@ -53,6 +53,10 @@ INGRESS_HEADROOM = 64
 INGRESS_SCALING = {"autoscaling_config": {"min_replicas": 1, "max_replicas": 4,
                                           "target_ongoing_requests": 128},
                    "graceful_shutdown_timeout_s": 300}
+# The Renderer's replicas, where the graph has one (serve_config.yaml's `deployments:` may
+# override them there; naming it where the graph has none is refused, check_config).
+RENDERER_SCALING = {"autoscaling_config": {"min_replicas": 1, "max_replicas": 4,
+                                           "target_ongoing_requests": 32}}
 
 
 def check_engine_config(config: AppConfig) -> None:
@@ -124,9 +128,11 @@ def build_app(args: dict) -> Application:
     logger.info(path.log_line(), extra={"log_to_stderr": not in_ray_worker()})
     serve_options = {"max_ongoing_requests": config.max_ongoing_requests,
                      "max_queued_requests": config.max_queued_requests}
-    renderer = Renderer.options(
-        ray_actor_options={"num_cpus": config.renderer_num_cpus}, **serve_options
-    ).bind(config.engine.model_dir)
+    renderer = None
+    if "Renderer" in deployment_names(config, path.lean):
+        renderer = Renderer.options(
+            ray_actor_options={"num_cpus": config.renderer_num_cpus}, **RENDERER_SCALING, **serve_options
+        ).bind(config.engine.model_dir)
     limits = RequestLimits(
         max_body_bytes=config.max_body_bytes, max_requests_in_flight=config.max_requests_in_flight,
         retry_after_s=config.retry_after_s, max_stop_strings=config.max_stop_strings,
@@ -147,7 +153,7 @@ def build_app(args: dict) -> Application:
     ).bind(renderer, llm_server, config.served_model_name, limits, config.api_keys_file)
 
 
-def lean_app(config: AppConfig, renderer: Application, limits: RequestLimits,
+def lean_app(config: AppConfig, renderer: Application | None, limits: RequestLimits,
              llm_options: dict) -> Application:
     """The lean graph: the LLM server deployment is the ingress; with checkpoint_routing, the
     CheckpointIngressRouter is attached as its ingress request router (Ray 2.60's hook)."""

@@ -9,7 +9,10 @@ application of the file whose import_path is deployments.app:build_app, here, an
 status 2 and the message naming the key if any is refused (`make serve` runs it first). It also
 checks that this machine (or the Ray cluster, when one is initialised) can hold what each
 application asks with the file's starting replicas and ray_actor_options
-(deployments/placement.py): a config Serve could never place is refused instead of waited for.
+(deployments/placement.py): a config Serve could never place is refused instead of waited for;
+and that the file's `deployments:` name only deployments the application's graph has
+(deployment_names: the lean path has no OpenAIIngress, and a Renderer only with
+render_in_replica false), which Serve would refuse after the deploy started.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ def check_serve_config(path: str | Path) -> list[str]:
     machine or cluster cannot hold what an application asks)."""
     from deployments.app import build_app
     from deployments.config import parse_app_config
-    from deployments.placement import PlacementError, check_placement
+    from deployments.placement import PlacementError, check_placement, deployment_names
     from deployments.serving_path import serving_path
 
     config = yaml.safe_load(Path(path).read_text()) or {}
@@ -41,9 +44,15 @@ def check_serve_config(path: str | Path) -> list[str]:
             build_app(app.get("args") or {})  # the placement of one replica each, among others
             replicas, actor_options = starting_replicas(app.get("deployments") or [])
             app_config = parse_app_config(app.get("args") or {})
+            lean = serving_path(app_config).lean
+            graph = deployment_names(app_config, lean)
+            for named in replicas:
+                if named not in graph:
+                    raise ValueError(f"deployments: {named!r} is not a deployment of this application on "
+                                     f"the {'lean' if lean else 'classic'} path (it has {', '.join(graph)}; "
+                                     "a Renderer only with render_in_replica false or on the classic path)")
             try:
-                check_placement(app_config, replicas, actor_options,
-                                lean=serving_path(app_config).lean)
+                check_placement(app_config, replicas, actor_options, lean=lean)
             except PlacementError as exc:
                 raise PlacementError(exc.key, f"invalid hybrid-serve app args: {exc}") from None
         except PlacementError as exc:

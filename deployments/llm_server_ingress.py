@@ -44,17 +44,20 @@ from deployments.prompts.rendering import PromptRenderer
 class LLMServerIngress(OpenAIHandleAPI, LLMServerReplica):
     """An LLM server replica that serves the OpenAI API itself (see the module docstring)."""
 
-    async def __init__(self, config: AppConfig, renderer: DeploymentHandle,
+    async def __init__(self, config: AppConfig, renderer: DeploymentHandle | None,
                        limits: RequestLimits) -> None:
+        """renderer: the Renderer deployment's handle, bound only with render_in_replica
+        false (deployments/placement.py deployment_names)."""
         await LLMServerReplica.__init__(self, config)
         self._api_keys = ApiKeys.load(config.api_keys_file)
         self._limits = limits
-        prompts: PromptSource = RendererPrompts(renderer)
         if config.render_in_replica:
             # a tokenizer of its own: the engine's detokenizes on the step thread
             renderer_here = await asyncio.to_thread(PromptRenderer.from_pretrained,
                                                     config.engine.model_dir)
-            prompts = LocalPrompts(renderer_here)
+            prompts: PromptSource = LocalPrompts(renderer_here)
+        else:
+            prompts = RendererPrompts(renderer)
         self._api = OpenAIFrontend(prompts, self.generate, self._info, config.served_model_name,
                                    limits)
 

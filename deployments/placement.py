@@ -126,12 +126,24 @@ def llm_server_resources(config: AppConfig) -> dict:
             "num_gpus": 1 if engine.device.startswith("cuda") else 0}
 
 
+def deployment_names(config: AppConfig, lean: bool) -> tuple[str, ...]:
+    """The deployments of the graph build_app binds for `config` (deployments/app.py), the
+    ingress first. Lean (deployments/serving_path.py): the LLM server is the ingress; with
+    checkpoint_routing, the CheckpointIngressRouter in front of it; the Renderer only with
+    render_in_replica false (the replica renders otherwise). Classic: OpenAIIngress, Renderer,
+    LLM server. Pure."""
+    if not lean:
+        return ("OpenAIIngress", "Renderer", "LLMServer")
+    return (("CheckpointIngressRouter",) * config.checkpoint_routing + ("LLMServer",)
+            + ("Renderer",) * (not config.render_in_replica))
+
+
 def app_demand(config: AppConfig, replicas: Mapping[str, int] | None = None,
                actor_options: Mapping[str, Mapping] | None = None, lean: bool = False) -> Demand:
     """What `config` asks when it starts: replicas (deployment class name -> starting replicas,
     1 when absent), actor_options (name -> the serve config file's ray_actor_options, which
-    override build_app's); lean: the lean path's graph (no OpenAIIngress; with
-    checkpoint_routing a CheckpointIngressRouter), deployments/serving_path.py. Pure."""
+    override build_app's); lean: the lean path's graph (deployment_names),
+    deployments/serving_path.py. Pure."""
     replicas, actor_options = replicas or {}, actor_options or {}
     engine = config.engine
     tp, on_gpu = engine.tensor_parallel_size, engine.device.startswith("cuda")
@@ -157,11 +169,14 @@ def app_demand(config: AppConfig, replicas: Mapping[str, int] | None = None,
         units.append(Unit(key, f"one {name} replica ({what})", num_cpus, num_gpus))
         bundles.extend({"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus else {})} for _ in range(n))
 
-    if not lean or config.checkpoint_routing:
-        deployment("CheckpointIngressRouter" if lean else "OpenAIIngress", "ingress_num_cpus",
-                   config.ingress_num_cpus, 0, f"ingress_num_cpus {num(config.ingress_num_cpus)}")
-    deployment("Renderer", "renderer_num_cpus", config.renderer_num_cpus, 0,
-               f"renderer_num_cpus {num(config.renderer_num_cpus)}")
+    names = deployment_names(config, lean)
+    for ingress in ("CheckpointIngressRouter", "OpenAIIngress"):
+        if ingress in names:
+            deployment(ingress, "ingress_num_cpus", config.ingress_num_cpus, 0,
+                       f"ingress_num_cpus {num(config.ingress_num_cpus)}")
+    if "Renderer" in names:
+        deployment("Renderer", "renderer_num_cpus", config.renderer_num_cpus, 0,
+                   f"renderer_num_cpus {num(config.renderer_num_cpus)}")
     llm = llm_server_resources(config)  # what build_app gives the LLM server replica
     if tp == 1:
         deployment("LLMServer", "worker_num_cpus", llm["num_cpus"], llm["num_gpus"],

@@ -137,7 +137,7 @@ def test_check_config_refuses_an_unplaceable_config_file_with_the_key(tmp_path, 
         check_config.check_serve_config(path)
     assert check_config.main([str(path)]) == 2
     assert "worker_num_cpus: the application cannot be placed" in capsys.readouterr().err
-    assert check_config.main([str(REPO_ROOT / "serve_config.yaml")]) == 0  # 1.3 of 2 CPUs
+    assert check_config.main([str(REPO_ROOT / "serve_config.yaml")]) == 0  # 1.2 of 2 CPUs
 
     config["applications"][0]["args"]["engine"]["tensor_parallel_size"] = 1  # the file's replicas
     config["applications"][0]["deployments"][0]["autoscaling_config"]["min_replicas"] = 2
@@ -145,3 +145,30 @@ def test_check_config_refuses_an_unplaceable_config_file_with_the_key(tmp_path, 
     with pytest.raises(PlacementError, match=r"LLMServer 2 x \(llm_server_num_cpus 0\.1 \+ "
                                              r"worker_num_cpus 1\.0\) = 2\.4 CPUs"):
         check_config.check_serve_config(path)
+
+
+def test_check_config_refuses_a_deployment_the_graph_lacks_with_its_name(tmp_path, monkeypatch):
+    """Serve refuses `deployments:` options for a deployment the application does not have, but
+    only after the deploy started (and `serve run` keeps running): check_config refuses the
+    file first. On the lean path the replica renders (render_in_replica's default), so naming
+    a Renderer is refused; with render_in_replica false it is the graph's, and accepted."""
+    import deployments.app as app_module
+    import deployments.serving_path as serving_path_module
+    from deployments.serving_path import ServingPath
+
+    lean = lambda config: ServingPath(True, "chosen by the test")  # noqa: E731
+    monkeypatch.setattr(app_module, "serving_path", lean)
+    monkeypatch.setattr(serving_path_module, "serving_path", lean)
+    monkeypatch.setattr(placement, "current_capacity", lambda: TWO_CORES)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    config = yaml.safe_load((REPO_ROOT / "serve_config.yaml").read_text())
+    (app,) = config["applications"]
+    app["deployments"].append({"name": "Renderer", "autoscaling_config": {"min_replicas": 1, "max_replicas": 2}})
+    path = tmp_path / "renderer.yaml"
+    path.write_text(yaml.safe_dump(config))
+    with pytest.raises(ValueError, match=r"deployments: 'Renderer' is not a deployment of this application "
+                                         r"on the lean path \(it has LLMServer"):
+        check_config.check_serve_config(path)
+    app["args"]["render_in_replica"] = False
+    path.write_text(yaml.safe_dump(config))
+    assert check_config.check_serve_config(path) == ["hybrid-serve"]

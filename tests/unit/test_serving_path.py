@@ -176,8 +176,43 @@ def test_build_app_binds_the_lean_graph(monkeypatch):
     # middleware's limit, so that one beyond it gets a 429
     config = AppConfig()
     assert app._bound_deployment.max_ongoing_requests > config.max_requests_in_flight
-    (renderer,) = [a for a in app._bound_deployment.init_args if hasattr(a, "_bound_deployment")]
+    # it renders in the replica (render_in_replica's default): no Renderer deployment
+    assert not [a for a in app._bound_deployment.init_args if hasattr(a, "_bound_deployment")]
+    with_renderer = _graph(monkeypatch, True, render_in_replica=False)
+    (renderer,) = [a for a in with_renderer._bound_deployment.init_args if hasattr(a, "_bound_deployment")]
     assert renderer._bound_deployment.name == "Renderer"
+
+
+def _bound_names(app) -> list[str]:
+    """Every deployment of a bound graph: the ingress, its bound arguments, recursively, and
+    the ingress request router (whose argument is the ingress again: each node once)."""
+    names, stack, seen = [], [app], set()
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        names.append(node._bound_deployment.name)
+        stack.extend(a for a in (*node._bound_deployment.init_args, *node._bound_deployment.init_kwargs.values())
+                     if hasattr(a, "_bound_deployment"))
+        if getattr(node, "_ingress_request_router", None) is not None:
+            stack.append(node._ingress_request_router)
+    return names
+
+
+@pytest.mark.parametrize("lean", [True, False], ids=["lean", "classic"])
+@pytest.mark.parametrize("render_in_replica", [True, False])
+@pytest.mark.parametrize("checkpoint_routing", [False, True])
+def test_the_bound_graph_has_the_deployments_placement_counts(monkeypatch, lean, render_in_replica,
+                                                               checkpoint_routing):
+    """build_app binds exactly the deployments placement.deployment_names lists (what the
+    placement check counts and check_config lets the file's `deployments:` name)."""
+    from deployments.placement import deployment_names
+
+    args = {"render_in_replica": render_in_replica, "checkpoint_routing": checkpoint_routing}
+    names = _bound_names(_graph(monkeypatch, lean, **args))
+    assert len(names) == len(set(names))
+    assert set(names) == set(deployment_names(AppConfig(**args), lean))
 
 
 def test_build_app_attaches_the_ingress_request_router_with_checkpoint_routing(monkeypatch):
