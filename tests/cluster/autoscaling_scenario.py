@@ -63,7 +63,7 @@ IDLE_TIMEOUT_MINUTES = 0.1
 ENGINE = {"max_model_len": 512, "block_size": 16, "max_num_batched_tokens": 256,
           "max_num_seqs": 16, "kv_cache_bytes": 32 * MB, "state_cache_bytes": 32 * MB,
           "checkpoint_cache_bytes": 32 * MB,
-          "cpu_compile_decode": False}  # a compile would add a minute or more to each replica's start
+          "cpu_compile_decode": False}  # a compile would take a minute of each new replica's CPUs
 # LOAD_CLIENTS requests need two replicas, DRAIN_CLIENTS only one (ongoing / target, rounded
 # up); with DRAIN_CLIENTS above one, Serve's routing (to the replica with fewer ongoing
 # requests) keeps at least one on each replica, so the replica it stops holds requests.

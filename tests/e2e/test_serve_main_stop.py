@@ -112,7 +112,7 @@ def _config(tmp_path: Path, port: int, llm_replicas: int) -> Path:
     config["http_options"]["port"] = port
     (app,) = config["applications"]
     args = app["args"]
-    # eager decode: the config's compile would add a minute or more to every start here
+    # eager decode: the config's compile would take the 2 cores for a minute or more of every run
     args["engine"].update(max_model_len=256, max_num_seqs=2, kv_cache_bytes=8 << 20,
                           state_cache_bytes=8 << 20, checkpoint_cache_bytes=8 << 20,
                           cpu_compile_decode=False)
