@@ -120,4 +120,4 @@ def test_models_and_health(client, http):
     assert [m.id for m in models.data] == [MODEL_NAME]
     health = http.get("/health")
     assert health.status_code == 200
-    assert health.json() == {"status": "ok"}
+    assert health.json() == {"status": "ok", "warming_up": False}  # the session app decodes eagerly
