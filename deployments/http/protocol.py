@@ -8,7 +8,8 @@ Supported beyond OpenAI (as in vLLM): top_k, stop_token_ids, ignore_eos, min_tok
 and, as in Anthropic's Messages API, `cache_control: {"type": "ephemeral"}` on a chat message or
 a text content part: a checkpoint at the end of it (deployments/prompts/cache_breakpoints.py),
 at most max_cache_breakpoints a request (deployments/http/limits.py).
-Numbers must be finite (no NaN or infinities), temperature at most 2 (as in OpenAI), every
+Every value must have its JSON type, with no coercion (true is not 1, "3" is not 3, 2.0 is not
+2). Numbers must be finite (no NaN or infinities), temperature at most 2 (as in OpenAI), every
 string valid Unicode (no lone surrogates: the tokenizer and the JSON answers cannot carry them),
 a seed a 64-bit integer, and stop token ids non-negative (the engine checks them against the
 vocabulary). Unknown fields are ignored; known OpenAI features this server does not implement
@@ -27,6 +28,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    Strict,
     field_validator,
     model_serializer,
     model_validator,
@@ -45,6 +47,11 @@ def _unicode_text(value: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_unicode_text)]
+# Numbers and booleans as JSON types, without coercion between them (as OpenAI's API takes
+# them): true is not 1, "3" is not 3, 2.0 is not 2, "yes" is not true; an integer is a number.
+Int = Annotated[int, Strict()]
+Float = Annotated[float, Strict()]
+Bool = Annotated[bool, Strict()]
 
 # Request models validate again when given an instance (revalidate_instances): the handle API
 # validates what a caller built with model_construct, or changed after construction.
@@ -91,7 +98,7 @@ class ChatMessage(BaseModel):
 class StreamOptions(BaseModel):
     model_config = REQUEST_CONFIG
 
-    include_usage: bool = False
+    include_usage: Bool = False
 
 
 class SamplingFields(BaseModel):
@@ -100,22 +107,22 @@ class SamplingFields(BaseModel):
     model_config = REQUEST_CONFIG
 
     model: Text | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0, le=2)  # OpenAI's range; far above, logits / t is nan
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0)
-    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
+    max_tokens: Int | None = Field(None, ge=1)
+    temperature: Float = Field(1.0, ge=0, le=2)  # OpenAI's range; far above, logits / t is nan
+    top_p: Float = Field(1.0, gt=0, le=1)
+    top_k: Int = Field(0, ge=0)
+    seed: Int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     stop: Text | list[Text] | None = None
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
-    ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
-    n: int = Field(1, ge=1)
-    stream: bool = False
+    stop_token_ids: list[Annotated[Int, Field(ge=0)]] | None = None
+    ignore_eos: Bool = False
+    min_tokens: Int = Field(0, ge=0)
+    n: Int = Field(1, ge=1)
+    stream: Bool = False
     stream_options: StreamOptions | None = None
     user: Text | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logprobs: bool | int | None = None
+    presence_penalty: Float = 0.0
+    frequency_penalty: Float = 0.0
+    logprobs: Bool | Int | None = None
     cache_salt: Text | None = Field(
         None, min_length=1,
         description="Checkpoints are reused only between requests with the same salt (as in vLLM).",
@@ -175,7 +182,7 @@ class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions. `max_completion_tokens` wins over the legacy `max_tokens`."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: Int | None = Field(None, ge=1)
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
 
@@ -198,10 +205,10 @@ class ChatCompletionRequest(SamplingFields):
 class CompletionRequest(SamplingFields):
     """POST /v1/completions. `prompt` is one string or one list of token ids (no batches)."""
 
-    prompt: Text | list[int]
-    echo: bool = False
+    prompt: Text | list[Int]
+    echo: Bool = False
     suffix: Text | None = None
-    best_of: int | None = Field(None, ge=1, le=1)
+    best_of: Int | None = Field(None, ge=1, le=1)
 
     @field_validator("prompt")
     @classmethod

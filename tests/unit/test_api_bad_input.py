@@ -129,7 +129,24 @@ def assert_openai_error(response: httpx.Response, status: int, param: str | None
 # (id, path, body, param): each a 400 naming `param`, streamed or not
 BAD_BODIES = [
     # JSON values of another type are refused, not coerced (as OpenAI's API does)
+    ("max-tokens-true", CHAT, chat(max_tokens=True), "max_tokens"),
+    ("max-tokens-string", CHAT, chat(max_tokens="3"), "max_tokens"),
+    ("max-tokens-whole-float", CHAT, chat(max_tokens=2.0), "max_tokens"),
+    ("max-completion-tokens-true", CHAT, chat(max_completion_tokens=True), "max_completion_tokens"),
+    ("temperature-string", CHAT, chat(temperature="0.5"), "temperature"),
+    ("temperature-false", CHAT, chat(temperature=False), "temperature"),
+    ("top-k-string", CHAT, chat(top_k="5"), "top_k"),
+    ("seed-true", CHAT, chat(seed=True), "seed"),
+    ("n-whole-float", CHAT, chat(n=1.0), "n"),
+    ("stream-string", CHAT, chat(stream="yes"), "stream"),
+    ("ignore-eos-int", CHAT, chat(ignore_eos=1), "ignore_eos"),
+    ("include-usage-string", CHAT, chat(stream_options={"include_usage": "true"}),
+     "stream_options.include_usage"),
     ("stream-options-list", CHAT, chat(stream_options=[True]), "stream_options"),
+    ("prompt-bool-ids", COMPLETIONS, completion(prompt=[True, False]), "prompt"),
+    ("prompt-whole-float-ids", COMPLETIONS, completion(prompt=[1.0, 2.0]), "prompt"),
+    ("stop-token-id-true", COMPLETIONS, completion(stop_token_ids=[True]), "stop_token_ids[0]"),
+    ("min-tokens-string", COMPLETIONS, completion(min_tokens="1"), "min_tokens"),
     # refusals past the field validators still name their field
     ("min-tokens-above-max-tokens", CHAT, chat(min_tokens=9), "min_tokens"),
     ("stop-token-id-beyond-vocab", COMPLETIONS, completion(stop_token_ids=[10**6]), "stop_token_ids"),
@@ -185,6 +202,26 @@ def test_the_handle_methods_refuse_what_is_not_a_request(served, method, argumen
     with pytest.raises(APIError) as refused:
         served.run(scenario)
     assert refused.value.status_code == 400
+
+
+@pytest.mark.parametrize("method,request_type,wrong_type", [
+    ("chat", ChatCompletionRequest, CompletionRequest),
+    ("completions", CompletionRequest, ChatCompletionRequest)])
+def test_the_handle_methods_refuse_the_other_routes_request_and_unchecked_bools(
+        served, method, request_type, wrong_type):
+    """A CompletionRequest given to chat (or the reverse) and a request built with
+    model_construct whose token ids are bools: APIError 400."""
+    other = (CompletionRequest(prompt="Hello", max_tokens=2) if wrong_type is CompletionRequest
+             else ChatCompletionRequest(messages=USER, max_tokens=2))
+    unchecked = (request_type.model_construct(messages=USER, max_tokens=True) if method == "chat"
+                 else request_type.model_construct(prompt=[True, 3], max_tokens=2))
+    for argument, param in ((other, None), (unchecked, "max_tokens" if method == "chat" else "prompt")):
+        async def scenario(_client, argument=argument):
+            return await getattr(served.frontend, method)(argument)
+
+        with pytest.raises(APIError) as refused:
+            served.run(scenario)
+        assert refused.value.status_code == 400 and refused.value.param == param
 
 
 def test_bad_requests_beside_a_running_one_leave_it_untouched(served):
