@@ -13,8 +13,9 @@ Every value must have its JSON type, with no coercion (true is not 1, "3" is not
 string valid Unicode (no lone surrogates: the tokenizer and the JSON answers cannot carry them),
 a seed a 64-bit integer, and stop token ids non-negative (the engine checks them against the
 vocabulary). Unknown fields are ignored; known OpenAI features this server does not implement
-(n > 1, logprobs, tools, non-text response formats, echo, suffix, best_of > 1) are rejected
-with 400 rather than silently ignored.
+(n > 1, logprobs, top_logprobs, logit_bias, penalties, tools, functions, tool calls in
+messages, non-text response formats, echo, suffix, best_of > 1) are rejected with 400 naming
+the field rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ from pydantic import (
     Strict,
     field_validator,
     model_serializer,
-    model_validator,
 )
 
 # ----- requests
@@ -52,6 +52,19 @@ Text = Annotated[str, AfterValidator(_unicode_text)]
 Int = Annotated[int, Strict()]
 Float = Annotated[float, Strict()]
 Bool = Annotated[bool, Strict()]
+
+
+def _unsupported(feature: str) -> AfterValidator:
+    """The field of an OpenAI feature this server does not implement: accepted at its neutral
+    value (absent, null, false, 0, "", empty), else a 400 naming the field, never ignored."""
+
+    def refuse_when_set(value: Any) -> Any:
+        if value:
+            raise ValueError(f"{feature} not supported")
+        return value
+
+    return AfterValidator(refuse_when_set)
+
 
 # Request models validate again when given an instance (revalidate_instances): the handle API
 # validates what a caller built with model_construct, or changed after construction.
@@ -88,6 +101,7 @@ class ChatMessage(BaseModel):
     content: Text | list[TextContentPart]
     name: Text | None = None
     cache_control: CacheControl | None = None
+    tool_calls: Annotated[list[Any] | None, _unsupported("tool calls are")] = None
 
     def num_cache_markers(self) -> int:
         """cache_control markers on this message and its content parts."""
@@ -120,9 +134,11 @@ class SamplingFields(BaseModel):
     stream: Bool = False
     stream_options: StreamOptions | None = None
     user: Text | None = None
-    presence_penalty: Float = 0.0
-    frequency_penalty: Float = 0.0
-    logprobs: Bool | Int | None = None
+    presence_penalty: Annotated[Float, _unsupported("presence penalties are")] = 0.0
+    frequency_penalty: Annotated[Float, _unsupported("frequency penalties are")] = 0.0
+    logprobs: Annotated[Bool | Int | None, _unsupported("logprobs are")] = None
+    top_logprobs: Annotated[Int | None, _unsupported("top_logprobs are")] = None
+    logit_bias: Annotated[dict[str, Float] | None, _unsupported("logit_bias is")] = None
     cache_salt: Text | None = Field(
         None, min_length=1,
         description="Checkpoints are reused only between requests with the same salt (as in vLLM).",
@@ -144,20 +160,6 @@ class SamplingFields(BaseModel):
     def _single_choice(cls, value: int) -> int:
         if value != 1:
             raise ValueError("only n=1 is supported")
-        return value
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalties(cls, value: float) -> float:
-        if value != 0:
-            raise ValueError("presence and frequency penalties are not supported")
-        return value
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, value: bool | int | None) -> bool | int | None:
-        if value not in (None, False, 0):
-            raise ValueError("logprobs are not supported")
         return value
 
     @field_validator("stop")
@@ -183,16 +185,16 @@ class ChatCompletionRequest(SamplingFields):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Int | None = Field(None, ge=1)
-    tools: list[Any] | None = None
+    tools: Annotated[list[Any] | None, _unsupported("tools are")] = None
+    functions: Annotated[list[Any] | None, _unsupported("functions are")] = None
     response_format: dict[str, Any] | None = None
 
-    @model_validator(mode="after")
-    def _unsupported(self) -> ChatCompletionRequest:
-        if self.tools:
-            raise ValueError("tools are not supported")
-        if self.response_format and self.response_format.get("type", "text") != "text":
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value and value.get("type", "text") != "text":
             raise ValueError("only the text response_format is supported")
-        return self
+        return value
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -206,8 +208,8 @@ class CompletionRequest(SamplingFields):
     """POST /v1/completions. `prompt` is one string or one list of token ids (no batches)."""
 
     prompt: Text | list[Int]
-    echo: Bool = False
-    suffix: Text | None = None
+    echo: Annotated[Bool, _unsupported("echo is")] = False
+    suffix: Annotated[Text | None, _unsupported("suffix is")] = None
     best_of: Int | None = Field(None, ge=1, le=1)
 
     @field_validator("prompt")
@@ -218,14 +220,6 @@ class CompletionRequest(SamplingFields):
         if isinstance(value, list) and any(t < 0 for t in value):
             raise ValueError("token ids must be non-negative")
         return value
-
-    @model_validator(mode="after")
-    def _unsupported(self) -> CompletionRequest:
-        if self.echo:
-            raise ValueError("echo is not supported")
-        if self.suffix:
-            raise ValueError("suffix is not supported")
-        return self
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens

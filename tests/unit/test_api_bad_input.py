@@ -147,7 +147,20 @@ BAD_BODIES = [
     ("prompt-whole-float-ids", COMPLETIONS, completion(prompt=[1.0, 2.0]), "prompt"),
     ("stop-token-id-true", COMPLETIONS, completion(stop_token_ids=[True]), "stop_token_ids[0]"),
     ("min-tokens-string", COMPLETIONS, completion(min_tokens="1"), "min_tokens"),
+    # OpenAI features this server does not implement are refused, not ignored
+    ("logit-bias", CHAT, chat(logit_bias={"5": -100}), "logit_bias"),
+    ("logit-bias-completion", COMPLETIONS, completion(logit_bias={"5": 100}), "logit_bias"),
+    ("logit-bias-bad-value", CHAT, chat(logit_bias={"5": "x"}), "logit_bias.5"),
+    ("top-logprobs", CHAT, chat(top_logprobs=3), "top_logprobs"),
+    ("functions", CHAT, chat(functions=[{"name": "f", "parameters": {}}]), "functions"),
+    ("message-tool-calls", CHAT, chat(messages=[*USER, {"role": "assistant", "content": "",
+                                                        "tool_calls": [{"id": "call_1"}]}]),
+     "messages[1].tool_calls"),
     # refusals past the field validators still name their field
+    ("tools", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+    ("response-format-json", CHAT, chat(response_format={"type": "json_object"}), "response_format"),
+    ("echo", COMPLETIONS, completion(echo=True), "echo"),
+    ("suffix", COMPLETIONS, completion(suffix="!"), "suffix"),
     ("min-tokens-above-max-tokens", CHAT, chat(min_tokens=9), "min_tokens"),
     ("stop-token-id-beyond-vocab", COMPLETIONS, completion(stop_token_ids=[10**6]), "stop_token_ids"),
 ]
