@@ -11,8 +11,9 @@ at most max_cache_breakpoints a request (deployments/http/limits.py).
 Every value must have its JSON type, with no coercion (true is not 1, "3" is not 3, 2.0 is not
 2). Numbers must be finite (no NaN or infinities), temperature at most 2 (as in OpenAI), every
 string valid Unicode (no lone surrogates: the tokenizer and the JSON answers cannot carry them),
-a seed a 64-bit integer, and stop token ids non-negative (the engine checks them against the
-vocabulary). Unknown fields are ignored; known OpenAI features this server does not implement
+a seed a 64-bit integer, stop token ids non-negative (the engine checks them against the
+vocabulary), and a cache_salt at most MAX_CACHE_SALT_CHARS characters. Unknown fields are
+ignored; known OpenAI features this server does not implement
 (n > 1, logprobs, top_logprobs, logit_bias, penalties, tools, functions, tool calls in
 messages, non-text response formats, echo, suffix, best_of > 1) are rejected with 400 naming
 the field rather than silently ignored.
@@ -115,6 +116,11 @@ class StreamOptions(BaseModel):
     include_usage: Bool = False
 
 
+# A cache_salt names a namespace of checkpoints and lives as long as they do (every
+# checkpoint's key holds it), outside the checkpoint memory budgets: a salt needs few characters.
+MAX_CACHE_SALT_CHARS = 1024
+
+
 class SamplingFields(BaseModel):
     """Sampling fields shared by chat and completions (ranges checked here, before the engine)."""
 
@@ -140,7 +146,7 @@ class SamplingFields(BaseModel):
     top_logprobs: Annotated[Int | None, _unsupported("top_logprobs are")] = None
     logit_bias: Annotated[dict[str, Float] | None, _unsupported("logit_bias is")] = None
     cache_salt: Text | None = Field(
-        None, min_length=1,
+        None, min_length=1, max_length=MAX_CACHE_SALT_CHARS,
         description="Checkpoints are reused only between requests with the same salt (as in vLLM).",
     )
 

@@ -26,7 +26,7 @@ from deployments.frontend import LocalPrompts, ModelInfo, OpenAIFrontend, openai
 from deployments.http.api_keys import ApiKeys
 from deployments.http.errors import APIError
 from deployments.http.limits import RequestLimits
-from deployments.http.protocol import ChatCompletionRequest, CompletionRequest
+from deployments.http.protocol import MAX_CACHE_SALT_CHARS, ChatCompletionRequest, CompletionRequest
 from deployments.prompts.rendering import PromptRenderer
 from engine.core.async_engine import AsyncLLMEngine
 from engine.core.llm_engine import LLMEngine
@@ -163,6 +163,9 @@ BAD_BODIES = [
     ("suffix", COMPLETIONS, completion(suffix="!"), "suffix"),
     ("min-tokens-above-max-tokens", CHAT, chat(min_tokens=9), "min_tokens"),
     ("stop-token-id-beyond-vocab", COMPLETIONS, completion(stop_token_ids=[10**6]), "stop_token_ids"),
+    # a cache_control marker in a list, a cache salt longer than a salt needs to be
+    ("cache-control-list", CHAT, message(cache_control=[EPHEMERAL]), "messages[0].cache_control"),
+    ("cache-salt-huge", CHAT, chat(cache_salt="s" * 100_000), "cache_salt"),
 ]
 
 
@@ -170,6 +173,11 @@ BAD_BODIES = [
 @pytest.mark.parametrize("path,body,param", [row[1:] for row in BAD_BODIES], ids=[row[0] for row in BAD_BODIES])
 def test_bad_fields_get_a_400_naming_the_field(served, path, body, param, stream):
     assert_openai_error(served.post(path, {"stream": stream, **body}), 400, param)
+
+
+def test_a_cache_salt_of_the_longest_accepted_length_is_served(served):
+    response = served.post(CHAT, chat(cache_salt="s" * MAX_CACHE_SALT_CHARS, max_tokens=1))
+    assert response.status_code == 200, response.text
 
 
 # (id, raw body, headers): bodies that are not a JSON object, or not readable as one
