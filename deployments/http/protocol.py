@@ -8,12 +8,15 @@ Supported beyond OpenAI (as in vLLM): top_k, stop_token_ids, ignore_eos, min_tok
 and, as in Anthropic's Messages API, `cache_control: {"type": "ephemeral"}` on a chat message or
 a text content part: a checkpoint at the end of it (deployments/prompts/cache_breakpoints.py),
 at most max_cache_breakpoints a request (deployments/http/limits.py).
-Numbers must be finite (no NaN or infinities), temperature at most 2 (as in OpenAI), every
+Every value must have its JSON type, with no coercion (true is not 1, "3" is not 3, 2.0 is not
+2). Numbers must be finite (no NaN or infinities), temperature at most 2 (as in OpenAI), every
 string valid Unicode (no lone surrogates: the tokenizer and the JSON answers cannot carry them),
-a seed a 64-bit integer, and stop token ids non-negative (the engine checks them against the
-vocabulary). Unknown fields are ignored; known OpenAI features this server does not implement
-(n > 1, logprobs, tools, non-text response formats, echo, suffix, best_of > 1) are rejected
-with 400 rather than silently ignored.
+a seed a 64-bit integer, stop token ids non-negative (the engine checks them against the
+vocabulary), and a cache_salt at most MAX_CACHE_SALT_CHARS characters. Unknown fields are
+ignored; known OpenAI features this server does not implement
+(n > 1, logprobs, top_logprobs, logit_bias, penalties, tools, functions, tool calls in
+messages, non-text response formats, echo, suffix, best_of > 1) are rejected with 400 naming
+the field rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -27,9 +30,9 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    Strict,
     field_validator,
     model_serializer,
-    model_validator,
 )
 
 # ----- requests
@@ -45,6 +48,24 @@ def _unicode_text(value: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_unicode_text)]
+# Numbers and booleans as JSON types, without coercion between them (as OpenAI's API takes
+# them): true is not 1, "3" is not 3, 2.0 is not 2, "yes" is not true; an integer is a number.
+Int = Annotated[int, Strict()]
+Float = Annotated[float, Strict()]
+Bool = Annotated[bool, Strict()]
+
+
+def _unsupported(feature: str) -> AfterValidator:
+    """The field of an OpenAI feature this server does not implement: accepted at its neutral
+    value (absent, null, false, 0, "", empty), else a 400 naming the field, never ignored."""
+
+    def refuse_when_set(value: Any) -> Any:
+        if value:
+            raise ValueError(f"{feature} not supported")
+        return value
+
+    return AfterValidator(refuse_when_set)
+
 
 # Request models validate again when given an instance (revalidate_instances): the handle API
 # validates what a caller built with model_construct, or changed after construction.
@@ -81,6 +102,7 @@ class ChatMessage(BaseModel):
     content: Text | list[TextContentPart]
     name: Text | None = None
     cache_control: CacheControl | None = None
+    tool_calls: Annotated[list[Any] | None, _unsupported("tool calls are")] = None
 
     def num_cache_markers(self) -> int:
         """cache_control markers on this message and its content parts."""
@@ -91,7 +113,12 @@ class ChatMessage(BaseModel):
 class StreamOptions(BaseModel):
     model_config = REQUEST_CONFIG
 
-    include_usage: bool = False
+    include_usage: Bool = False
+
+
+# A cache_salt names a namespace of checkpoints and lives as long as they do (every
+# checkpoint's key holds it), outside the checkpoint memory budgets: a salt needs few characters.
+MAX_CACHE_SALT_CHARS = 1024
 
 
 class SamplingFields(BaseModel):
@@ -100,24 +127,26 @@ class SamplingFields(BaseModel):
     model_config = REQUEST_CONFIG
 
     model: Text | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0, le=2)  # OpenAI's range; far above, logits / t is nan
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0)
-    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
+    max_tokens: Int | None = Field(None, ge=1)
+    temperature: Float = Field(1.0, ge=0, le=2)  # OpenAI's range; far above, logits / t is nan
+    top_p: Float = Field(1.0, gt=0, le=1)
+    top_k: Int = Field(0, ge=0)
+    seed: Int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     stop: Text | list[Text] | None = None
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
-    ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
-    n: int = Field(1, ge=1)
-    stream: bool = False
+    stop_token_ids: list[Annotated[Int, Field(ge=0)]] | None = None
+    ignore_eos: Bool = False
+    min_tokens: Int = Field(0, ge=0)
+    n: Int = Field(1, ge=1)
+    stream: Bool = False
     stream_options: StreamOptions | None = None
     user: Text | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logprobs: bool | int | None = None
+    presence_penalty: Annotated[Float, _unsupported("presence penalties are")] = 0.0
+    frequency_penalty: Annotated[Float, _unsupported("frequency penalties are")] = 0.0
+    logprobs: Annotated[Bool | Int | None, _unsupported("logprobs are")] = None
+    top_logprobs: Annotated[Int | None, _unsupported("top_logprobs are")] = None
+    logit_bias: Annotated[dict[str, Float] | None, _unsupported("logit_bias is")] = None
     cache_salt: Text | None = Field(
-        None, min_length=1,
+        None, min_length=1, max_length=MAX_CACHE_SALT_CHARS,
         description="Checkpoints are reused only between requests with the same salt (as in vLLM).",
     )
 
@@ -137,20 +166,6 @@ class SamplingFields(BaseModel):
     def _single_choice(cls, value: int) -> int:
         if value != 1:
             raise ValueError("only n=1 is supported")
-        return value
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalties(cls, value: float) -> float:
-        if value != 0:
-            raise ValueError("presence and frequency penalties are not supported")
-        return value
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, value: bool | int | None) -> bool | int | None:
-        if value not in (None, False, 0):
-            raise ValueError("logprobs are not supported")
         return value
 
     @field_validator("stop")
@@ -175,17 +190,17 @@ class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions. `max_completion_tokens` wins over the legacy `max_tokens`."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    tools: list[Any] | None = None
+    max_completion_tokens: Int | None = Field(None, ge=1)
+    tools: Annotated[list[Any] | None, _unsupported("tools are")] = None
+    functions: Annotated[list[Any] | None, _unsupported("functions are")] = None
     response_format: dict[str, Any] | None = None
 
-    @model_validator(mode="after")
-    def _unsupported(self) -> ChatCompletionRequest:
-        if self.tools:
-            raise ValueError("tools are not supported")
-        if self.response_format and self.response_format.get("type", "text") != "text":
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value and value.get("type", "text") != "text":
             raise ValueError("only the text response_format is supported")
-        return self
+        return value
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -198,10 +213,10 @@ class ChatCompletionRequest(SamplingFields):
 class CompletionRequest(SamplingFields):
     """POST /v1/completions. `prompt` is one string or one list of token ids (no batches)."""
 
-    prompt: Text | list[int]
-    echo: bool = False
-    suffix: Text | None = None
-    best_of: int | None = Field(None, ge=1, le=1)
+    prompt: Text | list[Int]
+    echo: Annotated[Bool, _unsupported("echo is")] = False
+    suffix: Annotated[Text | None, _unsupported("suffix is")] = None
+    best_of: Int | None = Field(None, ge=1, le=1)
 
     @field_validator("prompt")
     @classmethod
@@ -211,14 +226,6 @@ class CompletionRequest(SamplingFields):
         if isinstance(value, list) and any(t < 0 for t in value):
             raise ValueError("token ids must be non-negative")
         return value
-
-    @model_validator(mode="after")
-    def _unsupported(self) -> CompletionRequest:
-        if self.echo:
-            raise ValueError("echo is not supported")
-        if self.suffix:
-            raise ValueError("suffix is not supported")
-        return self
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens

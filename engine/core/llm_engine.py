@@ -166,7 +166,7 @@ class LLMEngine:
         cache breakpoints outside the prompt."""
         prompt = request.prompt_token_ids
         if not prompt:
-            raise InvalidRequestError("the prompt is empty")
+            raise InvalidRequestError("the prompt is empty", "prompt")
         namespace = Namespace.of(self.config.model_dir, request.cache_salt)
         # Only the ids past the longest published checkpoint in the namespace are checked (plain
         # ints, in range): a checkpoint's ids were checked when the request that computed them
@@ -177,10 +177,10 @@ class LLMEngine:
         unchecked = prompt[self.longest_checkpoint(namespace, prompt):]
         if unchecked and (set(map(type, unchecked)) != {int} or min(unchecked) < 0
                           or max(unchecked) >= self.vocab_size):
-            raise InvalidRequestError(f"prompt token ids must be ints in [0, {self.vocab_size})")
+            raise InvalidRequestError(f"prompt token ids must be ints in [0, {self.vocab_size})", "prompt")
         if any(t < 0 or t >= self.vocab_size for t in request.sampling.stop_token_ids):
             # the sampler masks them in the logits (min_tokens): an id outside would fail the step
-            raise InvalidRequestError(f"stop token ids must be in [0, {self.vocab_size})")
+            raise InvalidRequestError(f"stop token ids must be in [0, {self.vocab_size})", "stop_token_ids")
         output_budget(len(prompt), request.sampling.max_tokens, self.max_model_len)  # or raises
         request_id = request.request_id
         if request_id in self.scheduler.requests:

@@ -85,20 +85,21 @@ class SamplingParams:
     eos_token_ids: tuple[int, ...] = field(default=())
 
     def __post_init__(self) -> None:
+        """Raises InvalidRequestError naming the field at fault (the API's name for it)."""
         if self.max_tokens < 1:
-            raise InvalidRequestError(f"max_tokens must be at least 1, got {self.max_tokens}")
+            raise InvalidRequestError(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
         if self.temperature < 0:
-            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}")
+            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}", "temperature")
         if not 0 < self.top_p <= 1:
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         if self.top_k < 0:
-            raise InvalidRequestError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+            raise InvalidRequestError(f"top_k must be >= 0 (0 disables it), got {self.top_k}", "top_k")
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
             raise InvalidRequestError(
-                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
-            )
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}",
+                "min_tokens")
         if any(not s for s in self.stop):
-            raise InvalidRequestError("stop strings must be non-empty")
+            raise InvalidRequestError("stop strings must be non-empty", "stop")
 
     @property
     def greedy(self) -> bool:
