@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import uuid
+
 MODEL_NAME = "hybrid-serve-tiny"
 PROMPT = "The quick brown fox"
 
 
 def test_string_prompt_usage_and_text(client, tokenizer):
+    # a salt of its own: nothing another test left (test_handle_api sends this prompt too) restores
     response = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=9, temperature=0,
-                                         extra_body={"ignore_eos": True})
+                                         extra_body={"ignore_eos": True, "cache_salt": uuid.uuid4().hex})
     assert response.object == "text_completion"
     assert response.choices[0].finish_reason == "length"
     assert response.usage.prompt_tokens == len(tokenizer.encode(PROMPT, add_special_tokens=False))

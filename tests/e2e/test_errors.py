@@ -47,7 +47,7 @@ BAD_REQUESTS = [
     ("top-p-zero", CHAT, chat(top_p=0), 400, "top_p"),
     ("top-p-above-one", CHAT, chat(top_p=1.5), 400, "top_p"),
     ("n-two", CHAT, chat(n=2), 400, "n"),
-    ("min-tokens-above-max", CHAT, chat(min_tokens=9), 400, None),
+    ("min-tokens-above-max", CHAT, chat(min_tokens=9), 400, "min_tokens"),
     ("empty-stop", CHAT, chat(stop=[""]), 400, "stop"),
     ("stream-beyond-context", CHAT, chat(max_tokens=600, stream=True), 400, "max_tokens"),
     ("completion-missing-prompt", COMPLETIONS, {"model": MODEL_NAME}, 400, "prompt"),
@@ -66,7 +66,7 @@ BAD_REQUESTS = [
     ("seed-beyond-64-bits", COMPLETIONS, completion(seed=2**64), 400, "seed"),
     ("stop-token-id-negative", COMPLETIONS, completion(stop_token_ids=[-1]), 400, "stop_token_ids[0]"),
     ("stop-token-id-out-of-vocab", COMPLETIONS, completion(stop_token_ids=[10**6], min_tokens=1), 400,
-     None),
+     "stop_token_ids"),
     ("prompt-lone-surrogate", COMPLETIONS, json.dumps(completion(prompt="a\ud800b")), 400, "prompt"),
     ("model-lone-surrogate", CHAT, json.dumps(chat(model="\udc00")), 400, "model"),
     ("content-lone-surrogate-as-utf8", CHAT, json.dumps(chat(messages=[
