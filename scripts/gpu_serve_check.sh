@@ -11,7 +11,7 @@
 #      engine.model_dir, once;
 #   3. writes the config serve run gets (benchmarks/gpu_serve.py bench-config: the GPU config's
 #      application plus the [prompt, response] one at /pr, 0.5 GPU each);
-#   4. starts `python -m deployments.serve_main CONFIG` (the config check, then `serve run`) in
+#   4. starts `python -m deployments.serve_main CONFIG` (the config check beside `serve run`) in
 #      the background, and at once benchmarks/gpu_serve.py run, which starts the in-process
 #      engines, waits for both applications to answer /v1/models and runs the parts
 #      (llama-benchy, the concurrency test, output tok/s, compare-policies' comparison);
