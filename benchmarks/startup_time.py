@@ -90,8 +90,7 @@ def one_start(tree: Path, label: str, log_dir: Path, timeout_s: float) -> dict:
         stop = server.stop()
     if full_speed is None:
         raise SystemExit(f"{label}: not at full speed within {timeout_s:.0f} s; log {server.log_path}")
-    return {"tree": label, "first_chat_s": round(first_chat, 2), "full_speed_s": round(full_speed, 2),
-            "stopped_s": stop.gone_s}
+    return {"first_chat_s": round(first_chat, 2), "full_speed_s": round(full_speed, 2), "stopped_s": stop.gone_s}
 
 
 def main() -> None:
@@ -107,8 +106,7 @@ def main() -> None:
     rows = []
     for index in range(args.starts):
         for label, tree in trees.items():
-            row = one_start(tree, f"{label}-{index}", args.log_dir, args.timeout_s)
-            row["tree"] = label
+            row = {"tree": label, **one_start(tree, f"{label}-{index}", args.log_dir, args.timeout_s)}
             rows.append(row)
             print(f"{label} start {index}: first chat {row['first_chat_s']} s, full speed {row['full_speed_s']} s",
                   flush=True)

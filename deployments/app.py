@@ -133,12 +133,7 @@ def build_app(args: dict) -> Application:
         renderer = Renderer.options(
             ray_actor_options={"num_cpus": config.renderer_num_cpus}, **RENDERER_SCALING, **serve_options
         ).bind(config.engine.model_dir)
-    limits = RequestLimits(
-        max_body_bytes=config.max_body_bytes, max_requests_in_flight=config.max_requests_in_flight,
-        retry_after_s=config.retry_after_s, max_stop_strings=config.max_stop_strings,
-        max_stop_string_chars=config.max_stop_string_chars,
-        max_prompt_tokens=config.max_prompt_tokens, max_output_tokens=config.max_output_tokens,
-        max_cache_breakpoints=config.max_cache_breakpoints)
+    limits = request_limits(config)
     llm_options = {"ray_actor_options": llm_server_resources(config),
                    "health_check_period_s": config.health_check_period_s,
                    **serve_options, **llm_server_routing(config)}
@@ -151,6 +146,16 @@ def build_app(args: dict) -> Application:
         max_ongoing_requests=config.max_requests_in_flight + INGRESS_HEADROOM,
         **INGRESS_SCALING,
     ).bind(renderer, llm_server, config.served_model_name, limits, config.api_keys_file)
+
+
+def request_limits(config: AppConfig) -> RequestLimits:
+    """The edge's limits (deployments/http/limits.py) the app's config sets."""
+    return RequestLimits(
+        max_body_bytes=config.max_body_bytes, max_requests_in_flight=config.max_requests_in_flight,
+        retry_after_s=config.retry_after_s, max_stop_strings=config.max_stop_strings,
+        max_stop_string_chars=config.max_stop_string_chars,
+        max_prompt_tokens=config.max_prompt_tokens, max_output_tokens=config.max_output_tokens,
+        max_cache_breakpoints=config.max_cache_breakpoints)
 
 
 def lean_app(config: AppConfig, renderer: Application | None, limits: RequestLimits,

@@ -21,11 +21,11 @@ import json
 import httpx
 import pytest
 
+from deployments.app import request_limits
 from deployments.config import AppConfig
 from deployments.frontend import LocalPrompts, ModelInfo, OpenAIFrontend, openai_app
 from deployments.http.api_keys import ApiKeys
 from deployments.http.errors import APIError
-from deployments.http.limits import RequestLimits
 from deployments.http.protocol import MAX_CACHE_SALT_CHARS, ChatCompletionRequest, CompletionRequest
 from deployments.prompts.rendering import PromptRenderer
 from engine.core.async_engine import AsyncLLMEngine
@@ -57,12 +57,7 @@ class Served:
     """The app of one replica over a live engine (LocalPrompts, as the lean path renders)."""
 
     def __init__(self) -> None:
-        limits = RequestLimits(
-            max_body_bytes=CONFIG.max_body_bytes, max_requests_in_flight=CONFIG.max_requests_in_flight,
-            retry_after_s=CONFIG.retry_after_s, max_stop_strings=CONFIG.max_stop_strings,
-            max_stop_string_chars=CONFIG.max_stop_string_chars,
-            max_prompt_tokens=CONFIG.max_prompt_tokens, max_output_tokens=CONFIG.max_output_tokens,
-            max_cache_breakpoints=CONFIG.max_cache_breakpoints)
+        limits = request_limits(CONFIG)
         self.engine = LLMEngine(EngineConfig(max_num_seqs=4))
         self.async_engine = AsyncLLMEngine(self.engine)
         renderer = PromptRenderer.from_pretrained(self.engine.config.model_dir)
